@@ -1,0 +1,7 @@
+"""Typed configuration: schema, checks and loading."""
+
+from expertax.config.checks import ConfigError
+from expertax.config.loader import build_config, config_to_yaml, configs_dir, load_config
+from expertax.config.schema import Config
+
+__all__ = ["Config", "ConfigError", "build_config", "config_to_yaml", "configs_dir", "load_config"]

@@ -1,0 +1,12 @@
+"""expertax: train Mixture-of-Experts language models in JAX.
+
+Public API:
+    load_config(*preset_files, overrides=...) -> Config
+    init_params(config, key=None) -> params
+    logits(params, tokens, config) -> float32 [B, T, V]
+"""
+
+from expertax.config import Config, ConfigError, load_config
+from expertax.models import abstract_params, init_params, logits
+
+__all__ = ["Config", "ConfigError", "abstract_params", "init_params", "load_config", "logits"]

@@ -1,0 +1,75 @@
+"""`expertax train | memory | parity | bench | convert` — the command line.
+
+Positional arguments ending in .yml/.yaml are preset files; `key=value` arguments override keys.
+User errors print one line naming the key and value, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from expertax.config import ConfigError, load_config
+from expertax.config.schema import SECTIONS
+
+
+def split_args(items: list[str]) -> tuple[list[str], list[str]]:
+    files = [a for a in items if "=" not in a]
+    overrides = [a for a in items if "=" in a]
+    for f in files:
+        if not f.endswith((".yml", ".yaml")):
+            raise ConfigError(f"argument {f!r} is neither a key=value override nor a .yml preset")
+    return files, overrides
+
+
+def config_from_args(items: list[str]):
+    files, overrides = split_args(items)
+    return load_config(*files, overrides=overrides)
+
+
+def help_keys() -> str:
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section.__name__.removesuffix('Section').lower()}]")
+        for name, field in section.model_fields.items():
+            lines.append(f"  {name} = {field.default!r}: {field.description}")
+    return "\n".join(lines)
+
+
+def cmd_train(args) -> int:
+    if args.help_keys:
+        print(help_keys())
+        return 0
+    cfg = config_from_args(args.config)
+    from expertax.train.loop import train
+
+    train(cfg)
+    return 0
+
+
+COMMANDS: dict[str, tuple[str, Callable]] = {
+    "train": ("train a model: expertax train [PRESET.yml ...] [key=value ...]", cmd_train),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="expertax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help=COMMANDS["train"][0])
+    train.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
+    train.add_argument("--help-keys", action="store_true", help="list every config key")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command][1](args)
+    except ConfigError as e:
+        print(f"expertax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Cross-field checks: small named functions, each raising ConfigError naming keys and values.
+
+They run on every loaded config before anything is compiled. Checks that need the number of
+devices (mesh sizes, divisibility by mesh axes) live with the mesh in `sharding/mesh.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from expertax.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; its message says what to change."""
+
+
+def check_layers(c: Config) -> None:
+    if c.num_experts > 1 and c.first_num_dense_layers > c.base_num_decoder_layers:
+        raise ConfigError(
+            f"first_num_dense_layers={c.first_num_dense_layers} exceeds "
+            f"base_num_decoder_layers={c.base_num_decoder_layers}; use at most that many"
+        )
+
+
+def check_top_k(c: Config) -> None:
+    if c.num_experts > 1 and c.num_experts_per_tok > c.num_experts:
+        raise ConfigError(
+            f"num_experts_per_tok={c.num_experts_per_tok} exceeds num_experts={c.num_experts}; "
+            f"choose 1..{c.num_experts}"
+        )
+
+
+def check_routing_groups(c: Config) -> None:
+    g, kg = c.n_routing_groups, c.topk_routing_group
+    if g in (-1, 0, 1):
+        if kg not in (-1, 0, 1) and g in (-1, 0):
+            raise ConfigError(
+                f"topk_routing_group={kg} needs n_routing_groups > 1 (got {g}); set both or neither"
+            )
+        return
+    if g < 0:
+        raise ConfigError(f"n_routing_groups={g}: use -1 (off) or a positive divisor of num_experts")
+    if c.num_experts % g:
+        raise ConfigError(
+            f"n_routing_groups={g} does not divide num_experts={c.num_experts}; "
+            f"use a divisor of {c.num_experts}"
+        )
+    if not 1 <= kg <= g:
+        raise ConfigError(f"topk_routing_group={kg} must be in 1..n_routing_groups={g}")
+    if c.num_experts_per_tok > kg * (c.num_experts // g):
+        raise ConfigError(
+            f"num_experts_per_tok={c.num_experts_per_tok} exceeds the experts in the kept groups "
+            f"(topk_routing_group={kg} x {c.num_experts // g} experts per group)"
+        )
+
+
+def check_heads(c: Config) -> None:
+    if c.base_num_query_heads % c.base_num_kv_heads:
+        raise ConfigError(
+            f"base_num_query_heads={c.base_num_query_heads} is not a multiple of "
+            f"base_num_kv_heads={c.base_num_kv_heads}"
+        )
+
+
+def check_mla(c: Config) -> None:
+    if c.attention_type != "mla":
+        return
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(c, key) <= 0:
+            raise ConfigError(f"{key}={getattr(c, key)}: attention_type=mla needs a positive value")
+    if c.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim={c.qk_rope_head_dim} must be even (RoPE pairs)")
+
+
+def check_rope(c: Config) -> None:
+    rope_dim = c.qk_rope_head_dim if c.attention_type == "mla" else c.head_dim
+    if c.attention_type == "gqa" and rope_dim % 2:
+        raise ConfigError(f"head_dim={c.head_dim} must be even (RoPE pairs)")
+    if c.rope_type == "yarn" and c.rope_factor <= 1.0:
+        raise ConfigError(f"rope_type=yarn needs rope_factor > 1 (got {c.rope_factor})")
+
+
+def check_capacity(c: Config) -> None:
+    cf = c.capacity_factor
+    if cf != -1 and cf <= 0:
+        raise ConfigError(f"capacity_factor={cf}: use -1 (dropless) or a positive factor")
+    if c.sparse_matmul and cf != -1:
+        raise ConfigError(
+            f"capacity_factor={cf} applies to the dense path only: the sparse path "
+            "(sparse_matmul=true) is dropless; set sparse_matmul=false or capacity_factor=-1"
+        )
+
+
+def check_routing_bias(c: Config) -> None:
+    if c.routed_bias and c.routed_score_func != "sigmoid":
+        raise ConfigError(
+            "routed_bias=true is DeepSeek-V3 balancing and needs routed_score_func=sigmoid "
+            f"(got {c.routed_score_func})"
+        )
+
+
+def check_pipeline(c: Config) -> None:
+    for key in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism"):
+        if getattr(c, key) != 1:
+            raise ConfigError(f"{key}={getattr(c, key)}: pipeline parallelism is reserved; use 1")
+
+
+def check_parallelism_values(c: Config) -> None:
+    for prefix in ("ici", "dcn"):
+        keys = [f"{prefix}_{a}_parallelism" for a in ("data", "fsdp", "expert", "tensor")]
+        fills = [k for k in keys if getattr(c, k) == -1]
+        if len(fills) > 1:
+            raise ConfigError(f"only one {prefix}_*_parallelism may be -1; got {', '.join(fills)}")
+        for k in keys:
+            if getattr(c, k) == 0 or getattr(c, k) < -1:
+                raise ConfigError(f"{k}={getattr(c, k)}: use a positive size or -1 (the rest)")
+
+
+ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
+    check_layers,
+    check_top_k,
+    check_routing_groups,
+    check_heads,
+    check_mla,
+    check_rope,
+    check_capacity,
+    check_routing_bias,
+    check_pipeline,
+    check_parallelism_values,
+)
+
+
+def run_checks(c: Config) -> Config:
+    for check in ALL_CHECKS:
+        check(c)
+    return c

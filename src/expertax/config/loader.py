@@ -1,0 +1,121 @@
+"""Loading a config: defaults -> model preset -> user YAML files -> `key=value` overrides."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from expertax.config.checks import ConfigError, run_checks
+from expertax.config.schema import Config
+
+
+def configs_dir() -> Path:
+    """The presets folder: packaged in the wheel, or the repository's `configs/` when editable."""
+    packaged = Path(str(importlib.resources.files("expertax"))) / "configs"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[3] / "configs"
+
+
+def available_models() -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / "models").glob("*.yml"))
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
+    return data
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """`key=value` strings to a dict; values are parsed as YAML scalars (1, 1e-3, true, bf16)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            out[key] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            out[key] = raw
+    return out
+
+
+def _check_known_keys(values: Mapping[str, Any], source: str) -> None:
+    known = set(Config.model_fields)
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else "; see `expertax train --help-keys`"
+            raise ConfigError(f"unknown key {key!r} in {source}{hint}")
+
+
+def _model_preset(name: str) -> dict[str, Any]:
+    path = configs_dir() / "models" / f"{name}.yml"
+    if not path.is_file():
+        close = difflib.get_close_matches(name, available_models(), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"model_name={name!r} has no preset; {hint}available: {', '.join(available_models())}"
+        )
+    return read_yaml(path)
+
+
+def _validation_message(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "config"
+    value = first.get("input")
+    msg = first["msg"]
+    if first["type"] == "literal_error":
+        return f"{key}={value!r}: {msg}"
+    return f"{key}={value!r}: {msg[0].lower() + msg[1:]}"
+
+
+def build_config(values: Mapping[str, Any]) -> Config:
+    """Validate a flat mapping into a Config and run the cross-field checks."""
+    _check_known_keys(values, "config")
+    try:
+        cfg = Config(**values)
+    except ValidationError as e:
+        raise ConfigError(_validation_message(e)) from None
+    return run_checks(cfg)
+
+
+def load_config(*files: str | Path, overrides: Iterable[str] | Mapping[str, Any] = ()) -> Config:
+    """Compose defaults, the `model_name` preset, YAML `files` and overrides into a Config.
+
+    `overrides` is either `key=value` strings (the command line) or a mapping.
+    """
+    layers: list[tuple[str, dict[str, Any]]] = []
+    for f in files:
+        layers.append((str(f), read_yaml(f)))
+    cli = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(overrides)
+    layers.append(("overrides", cli))
+    for source, values in layers:
+        _check_known_keys(values, source)
+    model_name = Config.model_fields["model_name"].default
+    for _, values in layers:
+        model_name = values.get("model_name", model_name)
+    merged: dict[str, Any] = {"model_name": model_name}
+    merged.update(_model_preset(str(model_name)))
+    for _, values in layers:
+        merged.update(values)
+    return build_config(merged)
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

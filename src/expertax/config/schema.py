@@ -1,0 +1,197 @@
+"""The typed configuration schema.
+
+One flat namespace of globally unique keys (so `key=value` works on the command line), grouped in
+sections for reading. Key names follow MaxText's where the concept is the same. Every field has a
+description; derived values are properties, never written back. Cross-field checks that do not
+need the device count live in `checks.py`; those that do (mesh sizes) in `sharding/mesh.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+class ModelSection(_Section):
+    model_name: str = Field("deepseek3-tiny", description="Preset in configs/models/ to start from.")
+    decoder_block: Literal["deepseek", "mixtral", "llama"] = Field(
+        "deepseek", description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Llama."
+    )
+    vocab_size: int = Field(512, gt=0, description="Vocabulary size V.")
+    base_emb_dim: int = Field(128, gt=0, description="Model width D.")
+    base_num_query_heads: int = Field(4, gt=0, description="Query heads H.")
+    base_num_kv_heads: int = Field(4, gt=0, description="Key/value heads G for GQA (H % G == 0).")
+    head_dim: int = Field(32, gt=0, description="GQA head dimension Q.")
+    base_mlp_dim: int = Field(256, gt=0, description="Hidden size F of the dense MLP layers.")
+    base_moe_mlp_dim: int = Field(64, gt=0, description="Hidden size F of each routed expert.")
+    base_num_decoder_layers: int = Field(4, gt=0, description="Total decoder layers L.")
+    first_num_dense_layers: int = Field(
+        0, ge=0, description="DeepSeek layout: this many dense layers first, then MoE layers."
+    )
+    attention_type: Literal["gqa", "mla"] = Field(
+        "gqa", description="Grouped-query attention, or DeepSeek Multi-head Latent Attention."
+    )
+    q_lora_rank: int = Field(
+        0, ge=0, description="MLA query low rank R_q (wq_a -> norm -> wq_b); 0 means a plain wq."
+    )
+    kv_lora_rank: int = Field(32, ge=0, description="MLA key/value latent rank R_kv.")
+    qk_nope_head_dim: int = Field(32, ge=0, description="MLA per-head query/key dims without RoPE.")
+    qk_rope_head_dim: int = Field(16, ge=0, description="MLA decoupled RoPE dims (shared key).")
+    v_head_dim: int = Field(32, ge=0, description="MLA per-head value dims.")
+    rope_type: Literal["default", "yarn"] = Field("default", description="RoPE variant.")
+    rope_max_timescale: float = Field(10_000.0, gt=0, description="RoPE base (theta).")
+    rope_factor: float = Field(1.0, ge=1.0, description="YaRN context-extension factor.")
+    original_max_position_embeddings: int = Field(
+        4096, gt=0, description="YaRN: context length the model was pretrained with."
+    )
+    beta_fast: float = Field(32.0, gt=0, description="YaRN ramp: rotations where extrapolation ends.")
+    beta_slow: float = Field(1.0, gt=0, description="YaRN ramp: rotations where interpolation starts.")
+    mscale: float = Field(1.0, ge=0, description="YaRN mscale for the RoPE amplitude.")
+    mscale_all_dim: float = Field(
+        0.0, ge=0, description="YaRN mscale_all_dim; > 0 also scales the attention softmax (DeepSeek)."
+    )
+    normalization_layer_epsilon: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
+    logits_via_embedding: bool = Field(False, description="Tie the output head to the embedding.")
+
+
+class MoESection(_Section):
+    num_experts: int = Field(16, ge=1, description="Routed experts E (1 with a dense model).")
+    num_experts_per_tok: int = Field(4, ge=1, description="Experts per token K (top-k).")
+    shared_experts: int = Field(
+        0, ge=0, description="Shared experts, each of base_moe_mlp_dim, run on every token."
+    )
+    sparse_matmul: bool = Field(
+        True, description="Dropless sort -> grouped matmul -> unsort; false: dense einsum dispatch."
+    )
+    capacity_factor: float = Field(
+        -1.0, description="Dense path only: expert capacity = ceil(T*K/E * factor); -1 = dropless."
+    )
+    routed_score_func: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3)."
+    )
+    routed_bias: bool = Field(
+        False, description="DeepSeek-V3 aux-loss-free balancing: a bias used only for selection."
+    )
+    routed_bias_update_rate: float = Field(
+        1e-3, ge=0, description="Step of the bias update bias += rate*sign(mean load - load)."
+    )
+    routed_scaling_factor: float = Field(1.0, gt=0, description="Multiplies the routing weights.")
+    n_routing_groups: int = Field(
+        -1, description="Group-limited routing: experts split in this many groups; -1 = off."
+    )
+    topk_routing_group: int = Field(
+        -1, description="Group-limited routing: groups kept per token (by top-2 score sum)."
+    )
+    norm_topk_prob: bool = Field(True, description="Normalize the top-k weights to sum to one.")
+    load_balance_loss_weight: float = Field(
+        0.0, ge=0, description="Weight of the Switch-style load-balance loss (global statistics)."
+    )
+    use_random_routing: bool = Field(
+        False, description="Benchmarks: route to uniformly random experts, ignoring the router."
+    )
+    float32_weight_sum: bool = Field(
+        True, description="Combine the K expert outputs in float32 (else in `dtype`)."
+    )
+    gmm_impl: Literal["auto", "ragged_dot"] = Field(
+        "auto", description="Grouped-matmul backend of the sparse path."
+    )
+
+
+class ParallelSection(_Section):
+    ici_pipeline_parallelism: int = Field(1, description="Reserved: pipeline axis, must be 1.")
+    ici_data_parallelism: int = Field(1, description="Data-parallel axis size (-1: the rest).")
+    ici_fsdp_parallelism: int = Field(-1, description="FSDP axis size (-1: the rest).")
+    ici_expert_parallelism: int = Field(1, description="Expert-parallel axis size (-1: the rest).")
+    ici_tensor_parallelism: int = Field(1, description="Tensor-parallel axis size (-1: the rest).")
+    dcn_pipeline_parallelism: int = Field(1, description="Reserved: across hosts, must be 1.")
+    dcn_data_parallelism: int = Field(1, description="Data-parallel across hosts/slices.")
+    dcn_fsdp_parallelism: int = Field(1, description="FSDP across hosts/slices.")
+    dcn_expert_parallelism: int = Field(1, description="Expert parallelism across hosts/slices.")
+    dcn_tensor_parallelism: int = Field(1, description="Tensor parallelism across hosts/slices.")
+    sharding_rules: str = Field(
+        "default", description="Logical-axis rules preset in configs/parallel/ (e.g. default)."
+    )
+
+
+class TrainSection(_Section):
+    steps: int = Field(40, gt=0, description="Training steps.")
+    per_device_batch_size: float = Field(
+        2.0, gt=0, description="Sequences per device; the global batch must be whole."
+    )
+    max_target_length: int = Field(128, gt=1, description="Sequence length T.")
+    learning_rate: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    warmup_steps_fraction: float = Field(
+        0.1, ge=0, lt=1, description="Fraction of steps of linear warmup."
+    )
+    cosine_learning_rate_final_fraction: float = Field(
+        0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak."
+    )
+    adam_b1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_b2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    adam_weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay.")
+    gradient_clipping_threshold: float = Field(
+        1.0, ge=0, description="Clip the global gradient norm to this; 0 = off."
+    )
+    dtype: DType = Field("float32", description="Activation/compute dtype.")
+    weight_dtype: DType = Field("float32", description="Parameter storage dtype.")
+    grad_dtype: DType = Field("float32", description="Gradient dtype (cast only if different).")
+    mu_dtype: DType = Field("float32", description="AdamW first-moment dtype.")
+    init_weights_seed: int = Field(0, description="Seed of the parameter initialization.")
+    scan_layers: bool = Field(True, description="Run each layer stack with lax.scan.")
+    remat_policy: Literal["full", "none"] = Field(
+        "full", description="Rematerialization: full (save layer inputs) or none (save all)."
+    )
+    base_output_directory: str = Field("runs", description="Runs are written under this folder.")
+    run_name: str = Field("", description="Run folder name; empty = a timestamp.")
+    log_period: int = Field(1, gt=0, description="Print a console line every this many steps.")
+
+
+class DataSection(_Section):
+    dataset_type: Literal["synthetic"] = Field(
+        "synthetic", description="synthetic: learnable arithmetic token sequences."
+    )
+    data_shuffle_seed: int = Field(0, description="Seed of the data order (and synthetic data).")
+
+
+class Config(ModelSection, MoESection, ParallelSection, TrainSection, DataSection):
+    """The whole configuration; see the sections for the keys."""
+
+    @property
+    def num_dense_layers(self) -> int:
+        if self.num_experts <= 1:
+            return self.base_num_decoder_layers
+        return self.first_num_dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.base_num_decoder_layers - self.num_dense_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_layers > 0
+
+    @property
+    def uses_routing_groups(self) -> bool:
+        return self.n_routing_groups > 1
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width used by the attention scores."""
+        if self.attention_type == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.head_dim
+
+    @property
+    def attn_v_head_dim(self) -> int:
+        return self.v_head_dim if self.attention_type == "mla" else self.head_dim
+
+
+SECTIONS = (ModelSection, MoESection, ParallelSection, TrainSection, DataSection)

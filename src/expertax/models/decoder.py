@@ -1,0 +1,128 @@
+"""The decoder: embed -> dense layer stack -> MoE layer stack -> norm -> output head.
+
+Each stack stores its layers stacked along a leading `layers` axis and runs them with `lax.scan`
+(or unrolled, `scan_layers=false`), each layer wrapped in `jax.checkpoint` with the configured
+policy. The DeepSeek layout has both stacks; Mixtral only the MoE one; Llama only the dense one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.nn import mlp, norm
+from expertax.nn.attention import gqa, mla
+from expertax.nn.moe import layer as moe_layer
+from expertax.nn.moe.router import MoEStats
+from expertax.nn.param import ParamSpec, dense, params_dataclass, stack
+from expertax.parallel import remat
+from expertax.sharding import constrain
+
+ACT_BTD = ("batch", "length", "act_embed")
+
+
+@params_dataclass
+class Block:
+    attn_norm: jax.Array  # [D]
+    attn: mla.MLA | gqa.GQA
+    ffn_norm: jax.Array  # [D]
+    mlp: mlp.MLP | None
+    moe: moe_layer.MoE | None
+
+
+@params_dataclass
+class Decoder:
+    embed: jax.Array  # [V, D]
+    dense_layers: Block | None  # stacked [L_dense, ...]
+    moe_layers: Block | None  # stacked [L_moe, ...]
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [D, V]; None when tied to the embedding
+
+
+def block_spec(c: Config, *, moe: bool) -> Block:
+    d = c.base_emb_dim
+    return Block(
+        attn_norm=norm.spec(d),
+        attn=mla.spec(c) if c.attention_type == "mla" else gqa.spec(c),
+        ffn_norm=norm.spec(d),
+        mlp=None if moe else mlp.spec(d, c.base_mlp_dim),
+        moe=moe_layer.spec(c) if moe else None,
+    )
+
+
+def spec(c: Config) -> Decoder:
+    """The parameter declaration tree of the whole model."""
+    d, v = c.base_emb_dim, c.vocab_size
+    dense_n, moe_n = c.num_dense_layers, c.num_moe_layers
+    return Decoder(
+        embed=ParamSpec((v, d), ("vocab", "embed"), "normal", 1.0),
+        dense_layers=stack(block_spec(c, moe=False), dense_n) if dense_n else None,
+        moe_layers=stack(block_spec(c, moe=True), moe_n) if moe_n else None,
+        final_norm=norm.spec(d),
+        lm_head=None if c.logits_via_embedding else dense((d, v), ("embed", "vocab"), d),
+    )
+
+
+def block_apply(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype):
+    """One pre-norm decoder layer; returns (x, MoEStats or None)."""
+    x_BTD = remat.tag(x_BTD, remat.DECODER_LAYER_INPUT)
+    eps = c.normalization_layer_epsilon
+    attn = mla if c.attention_type == "mla" else gqa
+    h = norm.rms_norm(p.attn_norm, x_BTD, eps)
+    x_BTD = x_BTD + attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype)
+    h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
+    if p.moe is not None:
+        y, stats = moe_layer.apply(p.moe, h, c, dtype)
+    else:
+        y, stats = mlp.apply(p.mlp, h, dtype), None
+    return constrain(x_BTD + y, ACT_BTD), stats
+
+
+def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype):
+    """Run a layer stack; returns (x, per-layer stats stacked along a leading axis or None)."""
+
+    def body(x, layer_params):
+        return block_apply(layer_params, x, c, positions_BT, segment_ids_BT, dtype)
+
+    policy = remat.policy(c.remat_policy)
+    if c.remat_policy != "none":
+        body = jax.checkpoint(body, policy=policy, prevent_cse=not c.scan_layers)
+    if c.scan_layers:
+        return jax.lax.scan(body, x_BTD, stacked)
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    all_stats = []
+    for i in range(n):
+        x_BTD, stats = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], stacked))
+        all_stats.append(stats)
+    stacked_stats = None if all_stats[0] is None else jax.tree.map(
+        lambda *s: jnp.stack(s), *all_stats
+    )
+    return x_BTD, stacked_stats
+
+
+def forward(
+    params: Decoder,
+    inputs_BT: jax.Array,
+    c: Config,
+    *,
+    positions_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+) -> tuple[jax.Array, MoEStats | None]:
+    """Float32 logits [B, T, V] and the MoE layers' stats ([L_moe, ...] leaves, or None)."""
+    dtype = jnp.dtype(c.dtype)
+    b, t = inputs_BT.shape
+    if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x_BTD = constrain(jnp.take(params.embed, inputs_BT, axis=0).astype(dtype), ACT_BTD)
+    stats = None
+    if params.dense_layers is not None:
+        x_BTD, _ = run_stack(params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+    if params.moe_layers is not None:
+        x_BTD, stats = run_stack(params.moe_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+    x_BTD = norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon)
+    head_DV = params.embed.T if params.lm_head is None else params.lm_head
+    logits = jnp.einsum(
+        "btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32
+    )
+    return constrain(logits, ("batch", "length", "act_vocab")), stats

@@ -1,0 +1,33 @@
+"""SwiGLU MLP: silu(x @ wi_0) * (x @ wi_1) @ wo."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from expertax.nn.param import dense, params_dataclass
+from expertax.parallel import remat
+from expertax.sharding import constrain
+
+
+@params_dataclass
+class MLP:
+    wi_0: jax.Array  # [D, F]
+    wi_1: jax.Array  # [D, F]
+    wo: jax.Array  # [F, D]
+
+
+def spec(d: int, f: int) -> MLP:
+    return MLP(
+        wi_0=dense((d, f), ("embed", "mlp"), d),
+        wi_1=dense((d, f), ("embed", "mlp"), d),
+        wo=dense((f, d), ("mlp", "embed"), f),
+    )
+
+
+def apply(p: MLP, x_BTD: jax.Array, dtype) -> jax.Array:
+    gate = remat.tag(jnp.einsum("btd,df->btf", x_BTD, p.wi_0.astype(dtype)), remat.MLPWI_0)
+    up = remat.tag(jnp.einsum("btd,df->btf", x_BTD, p.wi_1.astype(dtype)), remat.MLPWI_1)
+    h_BTF = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+    out = jnp.einsum("btf,fd->btd", h_BTF, p.wo.astype(dtype))
+    return remat.tag(out, remat.MLPWO)

@@ -1,0 +1,84 @@
+"""Dispatch tokens to experts, run the expert FFN, combine: the dense and the sparse path.
+
+Dense (`sparse_matmul=false`): per sequence, a one-hot dispatch tensor [B, T, E, C] and einsums;
+with `capacity_factor > 0` assignments past an expert's capacity C are dropped and counted
+(priority: all first choices, then second choices, ...); `capacity_factor=-1` sets C = T, dropless.
+Sparse (`sparse_matmul=true`): sort the N*K assignments by expert, grouped matmuls over the sorted
+rows, unsort, weighted combine. Dropless by construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.nn.moe.gmm import gmm
+from expertax.parallel import remat
+
+
+def expert_ffn_sorted(rows_ND, wi_0_EDF, wi_1_EDF, wo_EFD, group_sizes_E, c: Config, dtype,
+                      group_offset=None):
+    """SwiGLU over rows sorted by expert, with grouped matmuls (local experts only if offset)."""
+    kw = dict(group_offset=group_offset, backend=c.gmm_impl)
+    gate = remat.tag(gmm(rows_ND, wi_0_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_0)
+    up = remat.tag(gmm(rows_ND, wi_1_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_1)
+    h = jax.nn.silu(gate) * up
+    return remat.tag(gmm(h, wo_EFD.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWO)
+
+
+def permute(x_ND, experts_NK, num_experts):
+    """Rows sorted by expert: (rows [N*K, D], sort order [N*K], group sizes [E])."""
+    k = experts_NK.shape[1]
+    flat = experts_NK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = jnp.take(x_ND, order // k, axis=0)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return rows, order, sizes
+
+
+def unpermute_combine(y_sorted, order, weights_NK, c: Config, dtype):
+    """Undo the sort and take the weighted sum of each token's K expert outputs."""
+    n, k = weights_NK.shape
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
+    acc = jnp.float32 if c.float32_weight_sum else dtype
+    out = jnp.einsum("nkd,nk->nd", y.astype(acc), weights_NK.astype(acc))
+    return out.astype(dtype)
+
+
+def sparse(x_ND, routing, p, c: Config, dtype):
+    rows, order, sizes = permute(x_ND, routing.experts_NK, c.num_experts)
+    y = expert_ffn_sorted(rows, p.wi_0, p.wi_1, p.wo, sizes, c, dtype)
+    return unpermute_combine(y, order, routing.weights_NK, c, dtype), jnp.float32(0)
+
+
+def capacity(c: Config, seq_len: int) -> int:
+    if c.capacity_factor == -1:
+        return seq_len
+    per_expert = seq_len * c.num_experts_per_tok / c.num_experts * c.capacity_factor
+    return max(1, min(seq_len, math.ceil(per_expert)))
+
+
+def dense(x_BTD, experts_BTK, weights_BTK, p, c: Config, dtype):
+    """Einsum dispatch per sequence; returns (out [B, T, D], dropped assignment count)."""
+    b, t, k = experts_BTK.shape
+    cap = capacity(c, t)
+    onehot_BKTE = jax.nn.one_hot(experts_BTK.transpose(0, 2, 1), c.num_experts, dtype=jnp.int32)
+    flat = onehot_BKTE.reshape(b, k * t, c.num_experts)
+    position = (jnp.cumsum(flat, axis=1) - 1).reshape(b, k, t, c.num_experts)
+    keep = (onehot_BKTE == 1) & (position < cap)
+    slot_BKTEC = jax.nn.one_hot(jnp.where(keep, position, -1), cap, dtype=dtype)
+    dispatch_BTEC = slot_BKTEC.sum(1)
+    w = weights_BTK.transpose(0, 2, 1)[..., None, None]
+    combine_BTEC = (slot_BKTEC.astype(jnp.float32) * w).sum(1)
+    x_EBCD = jnp.einsum("btd,btec->ebcd", x_BTD, dispatch_BTEC)
+    gate = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_0.astype(dtype)), remat.MOE_MLPWI_0)
+    up = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_1.astype(dtype)), remat.MOE_MLPWI_1)
+    y = jnp.einsum("ebcf,efd->ebcd", jax.nn.silu(gate) * up, p.wo.astype(dtype))
+    y = remat.tag(y, remat.MOE_MLPWO)
+    acc = jnp.float32 if c.float32_weight_sum else dtype
+    out = jnp.einsum("ebcd,btec->btd", y.astype(acc), combine_BTEC.astype(acc)).astype(dtype)
+    dropped = jnp.sum(onehot_BKTE) - jnp.sum(keep)
+    return out, dropped.astype(jnp.float32)

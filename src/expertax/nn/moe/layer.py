@@ -1,0 +1,53 @@
+"""The MoE layer: route -> dispatch -> expert FFN -> combine, plus shared experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.nn import mlp
+from expertax.nn.moe import dispatch, router
+from expertax.nn.param import dense, params_dataclass
+from expertax.sharding import constrain
+
+
+@params_dataclass
+class MoE:
+    router: router.Router
+    wi_0: jax.Array  # [E, D, F]
+    wi_1: jax.Array  # [E, D, F]
+    wo: jax.Array  # [E, F, D]
+    shared: mlp.MLP | None
+
+
+def spec(c: Config) -> MoE:
+    e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
+    shared = mlp.spec(d, f * c.shared_experts) if c.shared_experts else None
+    return MoE(
+        router=router.spec(c),
+        wi_0=dense((e, d, f), ("exp", "embed", "exp_mlp"), d),
+        wi_1=dense((e, d, f), ("exp", "embed", "exp_mlp"), d),
+        wo=dense((e, f, d), ("exp", "exp_mlp", "embed"), f),
+        shared=shared,
+    )
+
+
+def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router.MoEStats]:
+    b, t, d = x_BTD.shape
+    x_ND = x_BTD.reshape(b * t, d)
+    routing = router.route(p.router, x_ND, c)
+    if c.sparse_matmul:
+        out_ND, dropped = dispatch.sparse(x_ND, routing, p, c, dtype)
+        out_BTD = out_ND.reshape(b, t, d)
+    else:
+        k = c.num_experts_per_tok
+        out_BTD, dropped = dispatch.dense(
+            x_BTD, routing.experts_NK.reshape(b, t, k), routing.weights_NK.reshape(b, t, k),
+            p, c, dtype,
+        )
+    out_BTD = constrain(out_BTD, ("batch", "length", "act_embed"))
+    if p.shared is not None:
+        out_BTD = out_BTD + mlp.apply(p.shared, x_BTD, dtype)
+    stats = router.balance_stats(routing.counts_E, routing.prob_sum_E, b * t, c, dropped)
+    return out_BTD, stats

@@ -1,0 +1,28 @@
+"""Loop-over-experts MoE: the test oracle. Every token runs through every expert, masked."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.nn import mlp
+from expertax.nn.moe import router
+from expertax.nn.moe.layer import MoE
+
+
+def moe_reference(p: MoE, x_BTD: jax.Array, c: Config) -> jax.Array:
+    """The MoE layer's output computed one expert at a time, in float32 routing."""
+    b, t, d = x_BTD.shape
+    x_ND = x_BTD.reshape(b * t, d)
+    routing = router.route(p.router, x_ND, c)
+    out = jnp.zeros_like(x_ND, dtype=jnp.float32)
+    for e in range(c.num_experts):
+        h = jax.nn.silu(x_ND @ p.wi_0[e]) * (x_ND @ p.wi_1[e])
+        y = h @ p.wo[e]
+        w_N = jnp.sum(jnp.where(routing.experts_NK == e, routing.weights_NK, 0.0), axis=-1)
+        out = out + w_N[:, None] * y
+    out_BTD = out.reshape(b, t, d).astype(x_BTD.dtype)
+    if p.shared is not None:
+        out_BTD = out_BTD + mlp.apply(p.shared, x_BTD, x_BTD.dtype)
+    return out_BTD

@@ -1,0 +1,97 @@
+"""The router: float32 logits -> scores -> (group-limited) top-k -> weights, and balancing stats.
+
+Mixtral: softmax scores, top-k, weights renormalized (`norm_topk_prob`).
+DeepSeek-V3 (arXiv:2412.19437 Sec. 2.1.2): sigmoid scores; a per-expert bias added for the
+*selection only* (aux-loss-free balancing, updated outside the gradient from the global expert
+loads); experts split into `n_routing_groups`, each token keeps the `topk_routing_group` groups
+with the largest sum of their two best scores; weights normalized and scaled by
+`routed_scaling_factor`. Masked experts get -inf before top-k (as DeepSeek's reference code).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.nn.param import ParamSpec, dense, params_dataclass
+
+
+@params_dataclass
+class Router:
+    w: jax.Array  # [D, E]
+    bias: jax.Array | None  # [E], selection-only, not trained by the optimizer
+
+
+@params_dataclass
+class Routing:
+    """Per-token choices, and sums the caller reduces over shards before `balance_stats`."""
+
+    experts_NK: jax.Array  # int32
+    weights_NK: jax.Array  # float32
+    counts_E: jax.Array  # float32: assignments per expert
+    prob_sum_E: jax.Array  # float32: sum over tokens of the normalized scores
+
+
+@params_dataclass
+class MoEStats:
+    load_E: jax.Array  # float32 assignments per expert, over all shards
+    lb_loss: jax.Array  # scalar Switch-style load-balance loss
+    dropped: jax.Array  # scalar number of dropped (token, expert) assignments
+
+
+def spec(c: Config) -> Router:
+    d, e = c.base_emb_dim, c.num_experts
+    bias = ParamSpec((e,), (None,), "zeros", trainable=False) if c.routed_bias else None
+    return Router(w=dense((d, e), ("embed", None), d), bias=bias)
+
+
+def _group_mask(choice_NE: jax.Array, c: Config) -> jax.Array:
+    n, e = choice_NE.shape
+    g = c.n_routing_groups
+    grouped = choice_NE.reshape(n, g, e // g)
+    top2 = jax.lax.top_k(grouped, min(2, e // g))[0].sum(-1)  # [N, G]
+    _, keep_idx = jax.lax.top_k(top2, c.topk_routing_group)
+    keep_NG = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], keep_idx].set(True)
+    return jnp.repeat(keep_NG, e // g, axis=1)
+
+
+def route(p: Router, x_ND: jax.Array, c: Config) -> Routing:
+    logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), p.w.astype(jnp.float32))
+    if c.use_random_routing:
+        key = jax.random.key(17)
+        logits_NE = jax.random.normal(key, logits_NE.shape, jnp.float32)
+    if c.routed_score_func == "sigmoid":
+        scores_NE = jax.nn.sigmoid(logits_NE)
+    else:
+        scores_NE = jax.nn.softmax(logits_NE, axis=-1)
+    choice_NE = jax.lax.stop_gradient(scores_NE)
+    if p.bias is not None:
+        choice_NE = choice_NE + p.bias.astype(jnp.float32)
+    if c.uses_routing_groups:
+        choice_NE = jnp.where(_group_mask(choice_NE, c), choice_NE, -jnp.inf)
+    _, experts_NK = jax.lax.top_k(choice_NE, c.num_experts_per_tok)
+    weights_NK = jnp.take_along_axis(scores_NE, experts_NK, axis=-1)
+    if c.norm_topk_prob and c.num_experts_per_tok > 1:
+        weights_NK = weights_NK / (jnp.sum(weights_NK, -1, keepdims=True) + 1e-20)
+    weights_NK = weights_NK * c.routed_scaling_factor
+    counts_E = jnp.zeros((c.num_experts,), jnp.float32).at[experts_NK.reshape(-1)].add(1.0)
+    probs_NE = scores_NE / jnp.sum(scores_NE, -1, keepdims=True)
+    return Routing(experts_NK.astype(jnp.int32), weights_NK, counts_E, probs_NE.sum(0))
+
+
+def balance_stats(counts_E, prob_sum_E, num_tokens, c: Config, dropped) -> MoEStats:
+    """Switch-Transformer load-balance loss E * sum_e f_e * P_e from global sums.
+
+    f_e: fraction of the N*K assignments that went to e; P_e: mean normalized score of e.
+    """
+    f_E = counts_E / (num_tokens * c.num_experts_per_tok)
+    p_E = prob_sum_E / num_tokens
+    lb = c.num_experts * jnp.sum(f_E * p_E)
+    return MoEStats(load_E=counts_E, lb_loss=lb, dropped=jnp.asarray(dropped, jnp.float32))
+
+
+def updated_bias(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3 bias update: raise the bias of underloaded experts, lower overloaded ones."""
+    mean = jnp.mean(load_LE, axis=-1, keepdims=True)
+    return bias_LE + rate * jnp.sign(mean - load_LE).astype(bias_LE.dtype)

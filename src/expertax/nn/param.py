@@ -1,0 +1,102 @@
+"""Parameters declared once: shape, logical axes, initializer. Everything else is derived.
+
+A layer's `spec(cfg)` returns its parameter dataclass filled with `ParamSpec` leaves. From that one
+tree we derive the abstract shapes (`abstract`), the shardings (`shardings`), the logical axes
+(`logical_axes`) and the initial values (`initialize`). Repeated layers are stacked along a
+leading `layers` axis by `stack`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from expertax.sharding.rules import named_sharding
+
+
+def params_dataclass(cls):
+    """A frozen dataclass registered as a pytree whose fields are all data (arrays or None)."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    return jax.tree_util.register_dataclass(cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its shape, logical axes and initializer.
+
+    `init` is "normal" (stddev `scale`), "zeros" or "ones". `trainable=False` parameters (the
+    DeepSeek routing bias) are updated by the train step, never by the optimizer.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: str = "normal"
+    scale: float = 1.0
+    trainable: bool = True
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
+
+
+def dense(shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int) -> ParamSpec:
+    """A projection weight with stddev 1/sqrt(fan_in)."""
+    return ParamSpec(tuple(shape), tuple(axes), "normal", 1.0 / math.sqrt(fan_in))
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def _map(fn: Callable[[ParamSpec], Any], tree):
+    return jax.tree.map(fn, tree, is_leaf=is_spec)
+
+
+def stack(tree, n: int):
+    """Prepend a `layers` axis of size n to every spec."""
+    return _map(
+        lambda s: dataclasses.replace(s, shape=(n, *s.shape), axes=("layers", *s.axes)), tree
+    )
+
+
+def abstract(tree, dtype) -> Any:
+    return _map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), tree)
+
+
+def logical_axes(tree) -> Any:
+    return _map(lambda s: s.axes, tree)
+
+
+def trainable_mask(tree) -> Any:
+    return _map(lambda s: s.trainable, tree)
+
+
+def shardings(tree, mesh, rules) -> Any:
+    return _map(lambda s: named_sharding(mesh, s.axes, rules, s.shape), tree)
+
+
+def initialize(tree, key: jax.Array, dtype) -> Any:
+    """Initial values; each leaf gets its own key from its position in the tree."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_spec)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    values = []
+    for s, k in zip(leaves, keys, strict=False):
+        if s.init == "zeros":
+            v = jnp.zeros(s.shape, dtype)
+        elif s.init == "ones":
+            v = jnp.ones(s.shape, dtype)
+        elif s.init == "normal":
+            v = (s.scale * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype)
+        else:
+            raise ValueError(f"unknown initializer {s.init!r}")
+        values.append(v)
+    return jax.tree.unflatten(treedef, values)
+
+
+def count(tree) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(tree, is_leaf=is_spec))

@@ -1,0 +1,92 @@
+"""The device mesh: axes (pipeline, data, fsdp, expert, tensor) sized from ici_*/dcn_* keys."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from expertax.config.checks import ConfigError
+from expertax.config.schema import Config
+from expertax.sharding.rules import MESH_AXES
+
+
+def _resolve(c: Config, prefix: str, total: int) -> list[int]:
+    keys = [f"{prefix}_{a}_parallelism" for a in MESH_AXES]
+    sizes = [getattr(c, k) for k in keys]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if total % known:
+            fill = keys[sizes.index(-1)]
+            raise ConfigError(
+                f"{fill}=-1 cannot fill the mesh: {total} devices are not divisible by the product "
+                f"{known} of the other {prefix}_*_parallelism values"
+            )
+        sizes[sizes.index(-1)] = total // known
+    if math.prod(sizes) != total:
+        shown = ", ".join(f"{k}={getattr(c, k)}" for k in keys if getattr(c, k) != 1)
+        raise ConfigError(
+            f"the {prefix}_*_parallelism product is {math.prod(sizes)} ({shown or 'all 1'}) but "
+            f"{total} devices are available; make the product {total} or set one axis to -1"
+        )
+    return sizes
+
+
+def mesh_shape(c: Config, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+    """Axis sizes (ici x dcn) for `num_devices` devices in `num_slices` slices (hosts)."""
+    dcn = _resolve(c, "dcn", num_slices)
+    ici = _resolve(c, "ici", num_devices // num_slices)
+    return {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn, strict=True)}
+
+
+def check_mesh_fit(c: Config, shape: dict[str, int]) -> None:
+    """Divisibility checks that need the mesh; they raise ConfigError before any compilation."""
+    ep, tp = shape["expert"], shape["tensor"]
+    if c.is_moe and c.num_experts % ep:
+        raise ConfigError(
+            f"num_experts={c.num_experts} is not divisible by the expert axis ({ep}, from "
+            f"ici_expert_parallelism={c.ici_expert_parallelism}); use a divisor of {c.num_experts}"
+        )
+    if c.base_num_query_heads % tp:
+        raise ConfigError(
+            f"base_num_query_heads={c.base_num_query_heads} is not divisible by the tensor axis "
+            f"({tp}, from ici_tensor_parallelism={c.ici_tensor_parallelism})"
+        )
+    if c.attention_type == "gqa" and c.base_num_kv_heads % tp:
+        raise ConfigError(
+            f"base_num_kv_heads={c.base_num_kv_heads} is not divisible by the tensor axis ({tp})"
+        )
+    batch_shards = shape["data"] * shape["fsdp"] * shape["expert"]
+    devices = math.prod(shape.values())
+    global_batch = c.per_device_batch_size * devices
+    if global_batch != int(global_batch) or int(global_batch) % batch_shards:
+        raise ConfigError(
+            f"per_device_batch_size={c.per_device_batch_size} x {devices} devices = {global_batch} "
+            f"sequences, which must be a whole multiple of the batch shards "
+            f"(data x fsdp x expert = {batch_shards})"
+        )
+
+
+def make_mesh(c: Config, devices=None) -> Mesh:
+    """Build the mesh with Auto axis types (GSPMD propagation; shard_map where explicit)."""
+    devices = list(jax.devices() if devices is None else devices)
+    num_slices = jax.process_count() if any(c_ != 1 for c_ in _dcn(c)) else 1
+    shape = mesh_shape(c, len(devices), num_slices)
+    check_mesh_fit(c, shape)
+    sizes = tuple(shape[a] for a in MESH_AXES)
+    if num_slices > 1:
+        from jax.experimental import mesh_utils
+
+        ici = tuple(s // d for s, d in zip(sizes, _dcn(c), strict=True))
+        dev_array = mesh_utils.create_hybrid_device_mesh(
+            ici, _dcn(c), devices, process_is_granule=True
+        )
+    else:
+        dev_array = np.asarray(devices).reshape(sizes)
+    return Mesh(dev_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _dcn(c: Config) -> tuple[int, ...]:
+    return tuple(max(getattr(c, f"dcn_{a}_parallelism"), 1) for a in MESH_AXES)

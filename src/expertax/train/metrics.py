@@ -1,0 +1,65 @@
+"""Model FLOPs (analytic, MoE on routed tokens only), metrics.jsonl and the console line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from expertax.config.schema import Config
+
+
+def _attention_matmul_params(c: Config) -> int:
+    d, h = c.base_emb_dim, c.base_num_query_heads
+    if c.attention_type == "mla":
+        qk, v = c.qk_head_dim, c.v_head_dim
+        q = d * h * qk if c.q_lora_rank == 0 else d * c.q_lora_rank + c.q_lora_rank * h * qk
+        kv = d * (c.kv_lora_rank + c.qk_rope_head_dim)
+        kv += c.kv_lora_rank * h * (c.qk_nope_head_dim + v)
+        return q + kv + h * v * d
+    g, q = c.base_num_kv_heads, c.head_dim
+    return d * h * q + 2 * d * g * q + h * q * d
+
+
+def train_flops_per_token(c: Config) -> float:
+    """6 x matmul parameters used per token + causal attention (3 x forward), per token."""
+    d = c.base_emb_dim
+    attn = _attention_matmul_params(c)
+    dense_ffn = 3 * d * c.base_mlp_dim
+    moe_ffn = 3 * d * c.base_moe_mlp_dim * (c.num_experts_per_tok + c.shared_experts)
+    moe_ffn += d * c.num_experts
+    per_token_params = (
+        c.num_dense_layers * (attn + dense_ffn)
+        + c.num_moe_layers * (attn + moe_ffn)
+        + d * c.vocab_size
+    )
+    ctx = c.max_target_length / 2
+    h = c.base_num_query_heads
+    attn_scores = 2 * h * (c.qk_head_dim + c.attn_v_head_dim) * ctx * c.base_num_decoder_layers
+    return 3 * (2 * per_token_params + attn_scores)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 80.0))
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to metrics.jsonl (process 0 only)."""
+
+    def __init__(self, run_dir: Path | None):
+        self.path = None if run_dir is None else run_dir / "metrics.jsonl"
+
+    def write(self, record: dict) -> None:
+        if self.path is None:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def console_line(r: dict) -> str:
+    return (
+        f"step {r['step']:>5d} | loss {r['loss']:.4f} | ppl {r['perplexity']:.2f} "
+        f"| lb {r['lb_loss']:.4f} | dropped {int(r['dropped_tokens'])} "
+        f"| {r['step_time_s']:.3f} s | {r['tokens_per_s_per_device']:.0f} tok/s/dev "
+        f"| {r['tflops_per_device']:.4f} TFLOP/s/dev"
+    )

@@ -1,0 +1,41 @@
+"""AdamW with linear warmup and cosine decay, global-norm clipping; frozen leaves untouched."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from expertax.config.schema import Config
+
+
+def schedule(c: Config) -> optax.Schedule:
+    warmup = int(c.steps * c.warmup_steps_fraction)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=c.learning_rate,
+        warmup_steps=max(warmup, 1),
+        decay_steps=max(c.steps, warmup + 1),
+        end_value=c.learning_rate * c.cosine_learning_rate_final_fraction,
+    )
+
+
+def make(c: Config, trainable_mask) -> optax.GradientTransformation:
+    """The optimizer. `trainable_mask` (a bool pytree) marks leaves the optimizer must not move."""
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    adamw = optax.adamw(
+        schedule(c),
+        b1=c.adam_b1,
+        b2=c.adam_b2,
+        eps=c.adam_eps,
+        weight_decay=c.adam_weight_decay,
+        mu_dtype=jnp.dtype(c.mu_dtype),
+        mask=decay_mask,
+    )
+    chain = [adamw]
+    if c.gradient_clipping_threshold > 0:
+        chain.insert(0, optax.clip_by_global_norm(c.gradient_clipping_threshold))
+    labels = jax.tree.map(lambda t: "train" if t else "frozen", trainable_mask)
+    return optax.multi_transform(
+        {"train": optax.chain(*chain), "frozen": optax.set_to_zero()}, labels
+    )
