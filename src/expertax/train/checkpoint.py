@@ -63,7 +63,9 @@ def _abstract_key_data(abstract_key: jax.ShapeDtypeStruct) -> tuple[jax.ShapeDty
     sharding = abstract_key.sharding
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (abstract_key.ndim - len(sharding.spec) + extra)
-        sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+        sharding = NamedSharding(
+            sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind
+        )
     elif not isinstance(sharding, SingleDeviceSharding):
         raise ValueError(
             f"typed PRNG key target has sharding {sharding!r}; restore supports NamedSharding and "
@@ -176,6 +178,12 @@ class Checkpointer:
         if not self.should_save(step, force=force):
             return False
         data = {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "data_state": data_state}
+        try:  # fail here, not later on the background thread
+            json.dumps(data)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"checkpoint step {step}: data_state is not JSON-serializable: {e}"
+            ) from e
         args = ocp.args.Composite(
             **{
                 STATE_ITEM: ocp.args.StandardSave(_keys_to_data(state)),

@@ -1,7 +1,7 @@
 """Child process of the killed-during-save test: save step 1, start saving step 2, SIGKILL itself.
 
-Usage: python _ckpt_kill_child.py DIRECTORY. Step 1 is saved completely; the step-2 save (a 64 MiB
-array, so writing it takes a while) is started asynchronously, and the process kills itself as
+Usage: python _ckpt_kill_child.py DIRECTORY. Step 1 is saved completely; the step-2 save (64 MiB of
+random bits, so writing it takes a while) is started asynchronously, and the process kills itself as
 soon as Orbax's temporary step-2 directory exists, that is, during the save.
 """
 
@@ -12,6 +12,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from expertax.train.checkpoint import Checkpointer  # noqa: E402
@@ -20,7 +21,12 @@ N = 1 << 24  # float32 elements: 64 MiB
 
 
 def state(step: int) -> dict:
-    return {"w": jnp.full((N,), float(step), jnp.float32), "step": jnp.int32(step)}
+    """Step 1: all ones (checked by the parent); step 2: random bits, which do not compress."""
+    if step == 1:
+        w = jnp.ones((N,), jnp.float32)
+    else:
+        w = jax.lax.bitcast_convert_type(jax.random.bits(jax.random.key(2), (N,)), jnp.float32)
+    return {"w": w, "step": jnp.int32(step)}
 
 
 def main(directory: str) -> None:

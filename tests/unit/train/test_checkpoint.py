@@ -79,8 +79,9 @@ def make_state(seed: int, mesh=None) -> TrainState:
 
 
 def abstract(state, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        state, shardings)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
 
 
 def named(mesh, specs):
@@ -126,8 +127,9 @@ def test_round_trip_bitwise(tmp_path):
     assert restored_data == data and other_data is None
     assert_sharded_as(restored, target)
     # Restored keys are usable keys that draw the same numbers.
-    np.testing.assert_array_equal(jax.random.normal(restored.rng, (3,)),
-                                  jax.random.normal(state.rng, (3,)))
+    np.testing.assert_array_equal(
+        jax.random.normal(restored.rng, (3,)), jax.random.normal(state.rng, (3,))
+    )
 
 
 @pytest.mark.distributed
@@ -142,7 +144,8 @@ def test_restore_on_other_meshes_bitwise(tmp_path):
     assert_bitwise(on_ep, state)
     assert_sharded_as(on_ep, ep_target)
     assert on_ep.params.w_EDF.sharding.spec == P("expert", "fsdp", None)
-    assert len(on_ep.rngs.addressable_shards) == 8 and on_ep.rngs.addressable_shards[0].data.shape == (2,)
+    rng_shards = on_ep.rngs.addressable_shards
+    assert len(rng_shards) == 8 and rng_shards[0].data.shape == (2,)
     one = SingleDeviceSharding(jax.devices()[3])
     one_target = abstract(state, jax.tree.map(lambda _: one, state))
     on_one, _ = ckpt.restore(5, one_target)
@@ -198,8 +201,13 @@ def test_killed_during_save_resumes_from_previous(tmp_path):
     child = Path(__file__).with_name("_ckpt_kill_child.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     env["XLA_FLAGS"] = ""
-    proc = subprocess.run([sys.executable, str(child), str(directory)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(child), str(directory)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     names = os.listdir(directory)
     assert "1" in names and "2" not in names
@@ -207,8 +215,10 @@ def test_killed_during_save_resumes_from_previous(tmp_path):
     ckpt = Checkpointer(directory, period_steps=1, max_to_keep=3)
     assert ckpt.latest_step() == 1
     one = SingleDeviceSharding(jax.devices()[0])
-    target = {"w": jax.ShapeDtypeStruct((1 << 24,), jnp.float32, sharding=one),
-              "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=one)}
+    target = {
+        "w": jax.ShapeDtypeStruct((1 << 24,), jnp.float32, sharding=one),
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=one),
+    }
     restored, data = ckpt.restore(1, target)
     assert int(restored["step"]) == 1 and data == {"position": 1}
     assert float(restored["w"].min()) == float(restored["w"].max()) == 1.0
@@ -225,7 +235,7 @@ def test_latest_step_ignores_incomplete(tmp_path):
         ckpt.maybe_save(1, state, None)
         ckpt.maybe_save(2, state, None)
         ckpt.wait()
-        partial = tmp_path / "3.orbax-checkpoint-tmp-1234567"
+        partial = tmp_path / "3.orbax-checkpoint-tmp"  # what a killed save leaves
         (partial / "state").mkdir(parents=True)
         (partial / "state" / "junk").write_bytes(b"\0" * 10)
         assert ckpt.latest_step() == 2
@@ -257,8 +267,16 @@ def test_restore_target_needs_shardings(tmp_path):
             ckpt.restore(1, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
 
 
-@pytest.mark.parametrize("bad", [dict(period_steps=0, max_to_keep=1),
-                                 dict(period_steps=1, max_to_keep=0)])
+@pytest.mark.parametrize(
+    "bad", [dict(period_steps=0, max_to_keep=1), dict(period_steps=1, max_to_keep=0)]
+)
 def test_rejects_bad_settings(tmp_path, bad):
     with pytest.raises(ValueError, match="must be >= 1"):
         Checkpointer(tmp_path, **bad)
+
+
+def test_data_state_must_be_json(tmp_path):
+    with Checkpointer(tmp_path, period_steps=1, max_to_keep=1) as ckpt:
+        with pytest.raises(ValueError, match="not JSON-serializable"):
+            ckpt.maybe_save(1, {"w": jnp.ones((2,))}, {"position": object()})
+        assert ckpt.latest_step() is None
