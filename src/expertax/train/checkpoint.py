@@ -9,7 +9,7 @@ Guarantees (see docs/design/checkpoint.md):
 - Saves are asynchronous: `maybe_save` returns once the arrays are copied off the device, the
   writing happens on a background thread; `wait` blocks until it is on disk.
 - A save becomes visible only when complete. Orbax writes each step into a temporary directory
-  (`<step>.orbax-checkpoint-tmp-*`) and renames it (or, on object stores, writes a commit file) at
+  (`<step>.orbax-checkpoint-tmp*`) and renames it (or, on object stores, writes a commit file) at
   the end, so a process killed mid-save leaves the previous complete step as the latest.
 - Restore reads into the shardings of the abstract target, so a checkpoint saved on one mesh
   restores on any other (including one device).
@@ -110,14 +110,16 @@ class Checkpointer:
             raise ValueError(f"checkpoint period_steps={period_steps}; must be >= 1")
         if max_to_keep < 1:
             raise ValueError(f"checkpoint max_to_keep={max_to_keep}; must be >= 1")
-        self.directory = epath.Path(os.path.abspath(os.fspath(directory)))
+        path = os.fspath(directory)
+        # Absolute, so that a later chdir cannot move the run; object-store URLs stay as given.
+        self.directory = epath.Path(path if "://" in path else os.path.abspath(path))
         self.period_steps = period_steps
         self.max_to_keep = max_to_keep
         self._check_or_mark_directory()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
             create=True,
-            # Leftovers of saves killed midway are ours (`<step>.orbax-checkpoint-tmp-*`).
+            # Leftovers of saves killed midway are ours (`<step>.orbax-checkpoint-tmp*`).
             cleanup_tmp_directories=True,
             enable_async_checkpointing=enable_async,
         )
