@@ -1,0 +1,256 @@
+"""Checkpoints of a run: the train-state pytree plus a small JSON item, saved with Orbax.
+
+One run directory holds numbered step directories written by `orbax.checkpoint.CheckpointManager`
+(one composite checkpoint per step: item `state`, the train-state pytree; item `data`, a JSON
+document with the data-iterator state) and a marker file, `expertax_checkpoints.json`, that tells
+an expertax run directory from any other directory.
+
+Guarantees (see docs/design/checkpoint.md):
+- Saves are asynchronous: `maybe_save` returns once the arrays are copied off the device, the
+  writing happens on a background thread; `wait` blocks until it is on disk.
+- A save becomes visible only when complete. Orbax writes each step into a temporary directory
+  (`<step>.orbax-checkpoint-tmp*`) and renames it (or, on object stores, writes a commit file) at
+  the end, so a process killed mid-save leaves the previous complete step as the latest.
+- Restore reads into the shardings of the abstract target, so a checkpoint saved on one mesh
+  restores on any other (including one device).
+- Typed PRNG key arrays (`jax.random.key`) are stored as their raw `uint32` key data
+  (`jax.random.key_data`) and re-wrapped on restore with the implementation the abstract target's
+  key dtype names; the file format therefore does not depend on Orbax's key support.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+PyTree = Any
+
+FORMAT = "expertax-checkpoint"
+FORMAT_VERSION = 1
+MARKER_FILE = "expertax_checkpoints.json"
+STATE_ITEM = "state"
+DATA_ITEM = "data"
+
+
+def _is_key(x: Any) -> bool:
+    """True for typed PRNG key arrays and their abstract values."""
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _keys_to_data(state: PyTree) -> PyTree:
+    """Replaces each typed PRNG key leaf by its raw `uint32` key data (shape `[*key_shape, k]`)."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+
+
+def _abstract_key_data(abstract_key: jax.ShapeDtypeStruct) -> tuple[jax.ShapeDtypeStruct, str]:
+    """The abstract key data of an abstract typed key, with its sharding, and the key impl name."""
+    impls: list[str] = []
+
+    def key_data(k):
+        impls.append(jax.random.key_impl(k))
+        return jax.random.key_data(k)
+
+    # Tracing tells both the trailing key-data shape and the implementation, with no device work.
+    out = jax.eval_shape(key_data, jax.ShapeDtypeStruct(abstract_key.shape, abstract_key.dtype))
+    extra = out.ndim - abstract_key.ndim
+    sharding = abstract_key.sharding
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (abstract_key.ndim - len(sharding.spec) + extra)
+        sharding = NamedSharding(
+            sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind
+        )
+    elif not isinstance(sharding, SingleDeviceSharding):
+        raise ValueError(
+            f"typed PRNG key target has sharding {sharding!r}; restore supports NamedSharding and "
+            "SingleDeviceSharding for key arrays"
+        )
+    return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding), str(impls[0])
+
+
+def _check_abstract(abstract_state: PyTree) -> None:
+    """Every array leaf of the restore target must say where it goes (its sharding)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+            raise ValueError(
+                f"restore target leaf {jax.tree_util.keystr(path)} has no sharding; pass "
+                "jax.ShapeDtypeStruct(shape, dtype, sharding=...) for every array"
+            )
+
+
+class Checkpointer:
+    """Saves and restores the checkpoints of one run directory (Orbax, asynchronous).
+
+    Args:
+      directory: the run's checkpoint directory; created if missing. An existing non-empty
+        directory must be an expertax checkpoint directory (it holds `expertax_checkpoints.json`).
+      period_steps: `maybe_save` saves at steps that are multiples of this (and when forced).
+      max_to_keep: number of most recent complete checkpoints kept; older ones are deleted.
+      enable_async: write checkpoints on a background thread (`wait` blocks until done).
+
+    All processes of a multi-host run call every method; Orbax writes each array shard once
+    (from the process that owns it) and the JSON item and metadata from the primary process.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        period_steps: int,
+        max_to_keep: int,
+        enable_async: bool = True,
+    ):
+        if period_steps < 1:
+            raise ValueError(f"checkpoint period_steps={period_steps}; must be >= 1")
+        if max_to_keep < 1:
+            raise ValueError(f"checkpoint max_to_keep={max_to_keep}; must be >= 1")
+        path = os.fspath(directory)
+        # Absolute, so that a later chdir cannot move the run; object-store URLs stay as given.
+        self.directory = epath.Path(path if "://" in path else os.path.abspath(path))
+        self.period_steps = period_steps
+        self.max_to_keep = max_to_keep
+        self._check_or_mark_directory()
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
+            create=True,
+            # Leftovers of saves killed midway are ours (`<step>.orbax-checkpoint-tmp*`).
+            cleanup_tmp_directories=True,
+            enable_async_checkpointing=enable_async,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=(STATE_ITEM, DATA_ITEM)
+        )
+        self._name_format = ocp.path.step.standard_name_format()
+
+    def _check_or_mark_directory(self) -> None:
+        path = self.directory
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"checkpoint directory {path} exists and is not a directory")
+        marker = path / MARKER_FILE
+        if path.exists() and any(True for _ in path.iterdir()):
+            if not marker.exists():
+                entries = sorted(p.name for p in path.iterdir())[:5]
+                raise ValueError(
+                    f"checkpoint directory {path} is not empty and is not an expertax checkpoint "
+                    f"directory (no {MARKER_FILE}; it holds {entries}); choose another directory"
+                )
+            try:
+                content = json.loads(marker.read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"checkpoint directory {path}: unreadable {MARKER_FILE}") from e
+            if not isinstance(content, dict) or content.get("format") != FORMAT:
+                raise ValueError(f"checkpoint directory {path}: {MARKER_FILE} is not expertax's")
+            return
+        if jax.process_index() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            tmp = path / f".{MARKER_FILE}.tmp"
+            tmp.write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION}))
+            tmp.rename(marker)
+
+    def latest_step(self) -> int | None:
+        """The step of the latest complete checkpoint on disk (None if there is none)."""
+        meta = ocp.path.step.latest_step_metadata(self.directory, self._name_format)
+        return None if meta is None else meta.step
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, ascending."""
+        return sorted(m.step for m in self._name_format.find_all(self.directory))
+
+    def should_save(self, step: int, *, force: bool = False) -> bool:
+        """Whether `maybe_save(step, ..., force=force)` writes a checkpoint."""
+        if step in self._manager.all_steps():
+            return False
+        return force or step % self.period_steps == 0
+
+    def maybe_save(
+        self, step: int, state: PyTree, data_state: dict | None, *, force: bool = False
+    ) -> bool:
+        """Starts saving `state` and `data_state` as step `step` if due; returns whether it did.
+
+        Due means `step % period_steps == 0` or `force` (use it for the last step), and no
+        checkpoint of `step` exists yet. Returns once the arrays are copied off the devices (the
+        caller may then donate or overwrite them); the files are written in the background.
+        """
+        if not self.should_save(step, force=force):
+            return False
+        data = {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "data_state": data_state}
+        try:  # fail here, not later on the background thread
+            json.dumps(data)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"checkpoint step {step}: data_state is not JSON-serializable: {e}"
+            ) from e
+        args = ocp.args.Composite(
+            **{
+                STATE_ITEM: ocp.args.StandardSave(_keys_to_data(state)),
+                DATA_ITEM: ocp.args.JsonSave(data),
+            }
+        )
+        return bool(self._manager.save(step, args=args, force=True))
+
+    def restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict | None]:
+        """Reads checkpoint `step` into the shardings of `abstract_state`.
+
+        Args:
+          step: a complete checkpoint's step (see `latest_step`).
+          abstract_state: the train-state pytree with a `jax.ShapeDtypeStruct` (shape, dtype,
+            sharding) per array; typed PRNG keys as key-dtype structs.
+
+        Returns:
+          `(state, data_state)`: the train state with the structure of `abstract_state`, and the
+          data-iterator state given to `maybe_save`.
+        """
+        _check_abstract(abstract_state)
+        if step not in self.all_steps():
+            raise ValueError(
+                f"no complete checkpoint of step {step} in {self.directory}; "
+                f"complete steps: {self.all_steps()}"
+            )
+        rewrap: dict[int, Callable[[jax.Array], jax.Array]] = {}
+        leaves, treedef = jax.tree.flatten(abstract_state)
+        target = []
+        for i, leaf in enumerate(leaves):
+            if _is_key(leaf):
+                data_leaf, impl = _abstract_key_data(leaf)
+                rewrap[i] = lambda d, impl=impl: jax.random.wrap_key_data(d, impl=impl)
+                target.append(data_leaf)
+            else:
+                target.append(leaf)
+        args = ocp.args.Composite(
+            **{
+                STATE_ITEM: ocp.args.StandardRestore(jax.tree.unflatten(treedef, target)),
+                DATA_ITEM: ocp.args.JsonRestore(),
+            }
+        )
+        restored = self._manager.restore(step, args=args)
+        data = restored[DATA_ITEM]
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"checkpoint {self.directory} step {step}: not an expertax checkpoint")
+        out, out_treedef = jax.tree.flatten(restored[STATE_ITEM])
+        if out_treedef != treedef:
+            raise ValueError(
+                f"checkpoint {self.directory} step {step}: restored structure {out_treedef} "
+                f"differs from the target's {treedef}"
+            )
+        out = [rewrap[i](x) if i in rewrap else x for i, x in enumerate(out)]
+        return jax.tree.unflatten(treedef, out), data["data_state"]
+
+    def wait(self) -> None:
+        """Blocks until the checkpoint being written (if any) is complete on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases Orbax's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
