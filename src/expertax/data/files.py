@@ -188,8 +188,8 @@ class FileBatchIterator:
     """Batches of packed rows: a dict of [batch_size, seq_len] numpy arrays.
 
     Keys: `inputs`, `targets`, `segment_ids`, `positions` (int32) and `weights` (float32); see
-    `expertax.data.packing`. `get_state()` returns a JSON-serialisable dict; `set_state` restores the
-    exact position, so the next batches are identical.
+    `expertax.data.packing`. `get_state()` returns a JSON-serialisable dict; `set_state` restores
+    the exact position, so the next batches are identical.
     """
 
     def __init__(self, dataset: grain.IterDataset, *, batch_size: int, seq_len: int, config: dict):

@@ -37,7 +37,7 @@ def empty_row(seq_len: int) -> dict[str, np.ndarray]:
 def shift_row(
     tokens_W: np.ndarray, segments_W: np.ndarray, positions_W: np.ndarray
 ) -> dict[str, np.ndarray]:
-    """Makes (inputs, targets, …) of length W-1 from W packed tokens; targets are 0 where weight 0."""
+    """(inputs, targets, …) of length W-1 from W packed tokens; targets are 0 where weight is 0."""
     same_doc = (segments_W[:-1] == segments_W[1:]) & (segments_W[:-1] > 0)
     return {
         "inputs": tokens_W[:-1],

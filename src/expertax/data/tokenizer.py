@@ -14,9 +14,8 @@ import os
 import numpy as np
 import tokenizers
 
-# Spellings of the end-of-document and beginning-of-document tokens in common tokenizers
-# (GPT-2/NeoX/Qwen, Llama/Mistral/Mixtral, Llama 3, Gemma, DeepSeek, BERT-like). The first one present
-# in the vocabulary is used.
+# Spellings of the end- and beginning-of-document tokens in common tokenizers (GPT-2/NeoX/Qwen,
+# Llama/Mistral/Mixtral, Llama 3, Gemma, DeepSeek). The first one in the vocabulary is used.
 EOS_CANDIDATES = (
     "<|endoftext|>",
     "</s>",
