@@ -17,7 +17,6 @@ directory (searched recursively for those extensions) or a glob.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import glob
 import json
@@ -141,8 +140,11 @@ class DocumentSource:
         local = index - int(self._starts[file_idx])
         path, kind = self._files[file_idx], self._kinds[file_idx]
         if kind == "text":
-            with open(path, encoding="utf-8") as f:
-                return f.read()
+            try:
+                with open(path, encoding="utf-8") as f:
+                    return f.read()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"dataset_path: {path} is not UTF-8 text ({e}).") from e
         if kind == "jsonl":
             return self._read_jsonl(path, self._index[file_idx], local)
         return self._read_parquet(file_idx, local)
@@ -157,7 +159,7 @@ class DocumentSource:
 
     def _read_parquet(self, file_idx: int, local: int) -> str:
         group_starts = self._index[file_idx]
-        group = bisect.bisect_right(group_starts.tolist(), local) - 1
+        group = int(np.searchsorted(group_starts, local, side="right")) - 1
         key = (file_idx, group)
         with self._lock:
             texts = self._cache.get(key)
@@ -301,7 +303,10 @@ def make_file_iterator(
             f"dataset_path={dataset_path!r} has {len(source)} documents, too few for "
             f"process_index={process_index} of process_count={process_count}."
         )
-    docs = docs.shuffle(seed).repeat(num_epochs).map(encode)
+    # Grain permutes epoch e with seed + e, so seeds 0 and 1 would share permutations one epoch
+    # apart; hashing the seed first makes nearby seeds unrelated.
+    shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+    docs = docs.shuffle(shuffle_seed).repeat(num_epochs).map(encode)
     read = grain.ReadOptions(num_threads=worker_count, prefetch_buffer_size=4 * worker_count)
     rows = packing.PackIterDataset(docs.to_iter_dataset(read), seq_len)
     batches = rows.batch(batch_size, drop_remainder=False)

@@ -159,6 +159,10 @@ def test_shuffle_is_deterministic_per_seed(corpus):
     assert order(0) == order(0)
     assert order(0) != order(1)
     assert order(0) != first_words(corpus.jsonl_docs)  # not the file order
+    # Grain permutes epoch e with seed + e; the hashed seed keeps seed 1 from replaying
+    # seed 0's second epoch.
+    second_epoch_of_seed_0 = doc_ids(list(make(corpus, seed=0, num_epochs=2)), corpus)[30:]
+    assert order(1) != second_epoch_of_seed_0
 
 
 def test_each_epoch_is_a_new_permutation(corpus):
@@ -277,6 +281,12 @@ def test_missing_text_field(corpus, tmp_path):
     path.write_text(json.dumps({"text": "w1 w2"}) + "\n" + json.dumps({"txt": "w3"}) + "\n")
     with pytest.raises(ValueError, match=r"data_text_field='text'.*late\.jsonl \(record 2\)"):
         list(make(corpus, path))
+
+
+def test_text_file_not_utf8(corpus, tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 w1".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"dataset_path: .*latin1\.txt is not UTF-8"):
+        list(make(corpus, tmp_path))
 
 
 def test_bad_tokenizer(corpus, tmp_path):
