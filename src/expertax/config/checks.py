@@ -117,6 +117,26 @@ def check_parallelism_values(c: Config) -> None:
                 raise ConfigError(f"{k}={getattr(c, k)}: use a positive size or -1 (the rest)")
 
 
+def check_ragged_buffer(c: Config) -> None:
+    rb = c.ragged_buffer_factor
+    if rb != -1 and rb <= 0:
+        raise ConfigError(f"ragged_buffer_factor={rb}: use -1 (worst case, dropless) or > 0")
+    if rb != -1 and (c.use_ring_of_experts or not c.sparse_matmul):
+        raise ConfigError(
+            f"ragged_buffer_factor={rb} caps the all-to-all receive buffer of the sparse path; it "
+            f"does not apply with use_ring_of_experts={c.use_ring_of_experts} "
+            f"sparse_matmul={c.sparse_matmul}; set ragged_buffer_factor=-1"
+        )
+
+
+def check_ring_of_experts(c: Config) -> None:
+    if c.use_ring_of_experts and not c.sparse_matmul:
+        raise ConfigError(
+            "use_ring_of_experts=true is a strategy of the sparse path; set sparse_matmul=true "
+            "or use_ring_of_experts=false"
+        )
+
+
 ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_layers,
     check_top_k,
@@ -128,6 +148,8 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_routing_bias,
     check_pipeline,
     check_parallelism_values,
+    check_ragged_buffer,
+    check_ring_of_experts,
 )
 
 

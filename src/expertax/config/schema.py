@@ -102,6 +102,27 @@ class MoESection(_Section):
     gmm_impl: Literal["auto", "ragged_dot"] = Field(
         "auto", description="Grouped-matmul backend of the sparse path."
     )
+    # Expert parallelism (docs/design/ep.md): the sparse path inside one shard_map.
+    use_ring_of_experts: bool = Field(
+        False,
+        description="Sparse EP strategy: all-gather tokens over `expert`, local experts, "
+        "reduce-scatter; false: route locally and exchange rows with a ragged all-to-all.",
+    )
+    a2a_impl: Literal["auto", "ragged", "padded"] = Field(
+        "auto",
+        description="All-to-all of the sparse EP path: ragged (jax.lax.ragged_all_to_all, GPU/"
+        "TPU), padded (all_to_all over padded per-peer blocks, any backend), auto (per backend).",
+    )
+    shard_exp_on_fsdp: bool = Field(
+        False,
+        description="Store expert weights sharded over `fsdp` on the expert dim (instead of "
+        "`expert`); they are all-gathered at the dispatch shard_map boundary.",
+    )
+    ragged_buffer_factor: float = Field(
+        -1.0,
+        description="Receive buffer of the all-to-all EP path: -1 = worst case (dropless); > 0 "
+        "caps it at factor x the rows a shard routes; rows past it are counted as dropped.",
+    )
 
 
 class ParallelSection(_Section):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import mlp
-from expertax.nn.moe import dispatch, router
+from expertax.nn.moe import dispatch, ep, router
 from expertax.nn.param import dense, params_dataclass
 from expertax.sharding import constrain
 
@@ -34,8 +34,12 @@ def spec(c: Config) -> MoE:
 
 
 def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router.MoEStats]:
+    """MoE output [B, T, D] and stats; the sparse path under a mesh is expert-parallel (ep.py)."""
     b, t, d = x_BTD.shape
     x_ND = x_BTD.reshape(b * t, d)
+    if c.sparse_matmul and ep.mesh_is_active():
+        out_BTD, stats = ep.apply(p.router, p.wi_0, p.wi_1, p.wo, x_BTD, c, dtype)
+        return _finish(p, x_BTD, out_BTD, c, dtype), stats
     routing = router.route(p.router, x_ND, c)
     if c.sparse_matmul:
         out_ND, dropped = dispatch.sparse(x_ND, routing, p, c, dtype)
@@ -46,8 +50,13 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
             x_BTD, routing.experts_NK.reshape(b, t, k), routing.weights_NK.reshape(b, t, k),
             p, c, dtype,
         )
+    stats = router.balance_stats(routing.counts_E, routing.prob_sum_E, b * t, c, dropped)
+    return _finish(p, x_BTD, out_BTD, c, dtype), stats
+
+
+def _finish(p: MoE, x_BTD, out_BTD, c: Config, dtype):
+    """Constrain the routed experts' output and add the shared experts."""
     out_BTD = constrain(out_BTD, ("batch", "length", "act_embed"))
     if p.shared is not None:
         out_BTD = out_BTD + mlp.apply(p.shared, x_BTD, dtype)
-    stats = router.balance_stats(routing.counts_E, routing.prob_sum_E, b * t, c, dropped)
-    return out_BTD, stats
+    return out_BTD

@@ -1,0 +1,319 @@
+"""Expert parallelism: the sparse MoE path inside one `shard_map` (docs/design/ep.md).
+
+Mesh axes: tokens are sharded over the batch axes (data, fsdp, expert); routed-expert weights
+over `expert` on E and over `tensor` on F. Two strategies, both dropless by default:
+
+- all-to-all (`use_ring_of_experts=false`): each shard routes its own tokens and sorts the N*K
+  assignments by expert; the per-expert counts are all-gathered over `expert` so that every shard
+  knows the whole exchange (`ExchangePlan`); rows travel to the shard that owns their expert with a
+  ragged all-to-all, are sorted by local expert, go through the grouped matmuls of the local
+  experts, are unsorted and sent back with the reverse all-to-all, then combined.
+  `jax.lax.ragged_all_to_all` where the backend has it (GPU, TPU); `padded_all_to_all` elsewhere
+  (XLA:CPU has no ragged all-to-all): the same semantics from `jax.lax.all_to_all` over per-peer
+  blocks padded to a static size.
+- ring of experts (`use_ring_of_experts=true`): all-gather tokens and their assignments over
+  `expert`, run the local experts on the assignments that are theirs (gmm with `group_offset`),
+  combine locally, reduce-scatter over `expert`.
+
+With tensor parallelism F is sharded and each shard's combined output is a partial sum, reduced
+with one psum over `tensor` after the combine (the combine is linear, so this equals a psum after
+`wo` on fewer rows). Balancing statistics are psum-reduced over the batch axes so that the
+returned `MoEStats` is the same on every shard.
+
+Shape letters: N local tokens, K top-k, R = N*K routed rows, M receive-buffer rows, S shards on
+the expert axis (EP), E experts, X = E/S local experts, D model dim, F MLP dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from expertax.config.schema import Config
+from expertax.nn.moe import dispatch, router
+from expertax.nn.param import params_dataclass
+
+BATCH_AXES = ("data", "fsdp", "expert")
+EXPERT = "expert"
+TENSOR = "tensor"
+
+
+def mesh_is_active() -> bool:
+    """True when a mesh of more than one device is set: the sparse path then runs `apply`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1
+
+
+def resolve_a2a_impl(c: Config, backend: str | None = None) -> str:
+    """`ragged` or `padded`: `auto` picks ragged where XLA implements it (GPU, TPU)."""
+    if c.a2a_impl != "auto":
+        return c.a2a_impl
+    backend = backend or jax.default_backend()
+    return "ragged" if backend in ("gpu", "cuda", "rocm", "tpu") else "padded"
+
+
+def describe_dispatch(c: Config) -> str:
+    """One line for the run's log: which MoE dispatch this config runs under a mesh."""
+    if not c.is_moe:
+        return "MoE dispatch: none (dense model)"
+    if not c.sparse_matmul:
+        cap = "dropless" if c.capacity_factor == -1 else f"capacity_factor={c.capacity_factor}"
+        return f"MoE dispatch: dense einsum under GSPMD ({cap})"
+    if c.use_ring_of_experts:
+        return "MoE dispatch: sparse, ring of experts (all-gather, local experts, reduce-scatter)"
+    impl = resolve_a2a_impl(c)
+    buf = (
+        "worst-case receive buffer (dropless)"
+        if c.ragged_buffer_factor <= 0
+        else f"receive buffer {c.ragged_buffer_factor} x routed rows (overflow counted as dropped)"
+    )
+    return (
+        f"MoE dispatch: sparse, all-to-all a2a_impl={c.a2a_impl} -> {impl} "
+        f"on {jax.default_backend()}, {buf}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The exchange plan: who sends how many rows where, known identically on every expert shard.
+
+
+@params_dataclass
+class ExchangePlan:
+    """Offsets and sizes of one shard's forward and reverse all-to-all (all int32).
+
+    Forward: rows `[fwd_in_off[j], +fwd_send[j])` of the expert-sorted rows go to peer j, at row
+    `fwd_out_off[j]` of its receive buffer; `fwd_recv[i]` rows arrive from peer i. Reverse: the
+    same exchange mirrored. `recv_counts_SX[i, x]`: rows from peer i for local expert x.
+    """
+
+    fwd_in_off: jax.Array  # [S]
+    fwd_send: jax.Array  # [S]
+    fwd_out_off: jax.Array  # [S]
+    fwd_recv: jax.Array  # [S]
+    rev_in_off: jax.Array  # [S]
+    rev_send: jax.Array  # [S]
+    rev_out_off: jax.Array  # [S]
+    rev_recv: jax.Array  # [S]
+    recv_counts_SX: jax.Array  # [S, X]
+    dropped: jax.Array  # scalar int32: rows of this expert group that did not fit, all shards
+
+
+def _exclusive_cumsum(a, axis):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def make_plan(counts_SE: jax.Array, me: jax.Array, buffer_rows: int) -> ExchangePlan:
+    """The exchange from the all-gathered per-expert counts `counts_SE[src, e]`.
+
+    Each receiver fills its `buffer_rows` rows in (source, local expert) order; the rows that do
+    not fit are the tail of each source's chunk (its last experts) and are counted in `dropped`.
+    """
+    s, e = counts_SE.shape
+    x = e // s
+    full_SDX = counts_SE.reshape(s, s, x).astype(jnp.int32)  # [src, dst, local expert]
+    per_dst = full_SDX.transpose(1, 0, 2).reshape(s, s * x)  # [dst, (src, x)]
+    room = jnp.clip(buffer_rows - _exclusive_cumsum(per_dst, 1), 0, None)
+    kept_SDX = jnp.minimum(per_dst, room).reshape(s, s, x).transpose(1, 0, 2)
+    sent_SD = kept_SDX.sum(-1)
+    chunk_start_SD = _exclusive_cumsum(full_SDX.sum(-1), 1)  # in the sender's sorted rows
+    recv_off_SD = _exclusive_cumsum(sent_SD, 0)  # in the receiver's buffer
+    return ExchangePlan(
+        fwd_in_off=chunk_start_SD[me],
+        fwd_send=sent_SD[me],
+        fwd_out_off=recv_off_SD[me],
+        fwd_recv=sent_SD[:, me],
+        rev_in_off=recv_off_SD[:, me],
+        rev_send=sent_SD[:, me],
+        rev_out_off=chunk_start_SD[:, me],
+        rev_recv=sent_SD[me],
+        recv_counts_SX=kept_SDX[:, me, :],
+        dropped=jnp.sum(full_SDX) - jnp.sum(kept_SDX),
+    )
+
+
+def buffer_rows(c: Config, num_rows_routed: int, num_tokens: int, ep: int) -> int:
+    """Receive-buffer rows M: the worst case, or `ragged_buffer_factor` x the rows routed."""
+    x = c.num_experts // ep
+    worst = ep * num_tokens * min(c.num_experts_per_tok, x)
+    if c.ragged_buffer_factor <= 0:
+        return worst
+    return max(1, min(worst, math.ceil(c.ragged_buffer_factor * num_rows_routed)))
+
+
+# ---------------------------------------------------------------------------------------------
+# All-to-all implementations with `jax.lax.ragged_all_to_all`'s semantics.
+
+
+def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      *, axis_name: str, block_rows: int):
+    """`ragged_all_to_all` from `all_to_all` over per-peer blocks of `block_rows` rows.
+
+    Peer j's block holds `operand[input_offsets[j]:][:send_sizes[j]]`, zero-padded; the receiver
+    scatters the first `recv_sizes[i]` rows of source i's block at the offset source i chose
+    (`output_offsets`, sent along). Rows of `output` nobody writes keep their value. Needs
+    `send_sizes <= block_rows`. Moves S * block_rows rows per shard instead of the ragged sum.
+    """
+    n = operand.shape[0]
+    r = jnp.arange(block_rows, dtype=jnp.int32)
+    src_idx = input_offsets[:, None] + r[None, :]  # [S, block]
+    valid = r[None, :] < send_sizes[:, None]
+    blocks = jnp.take(operand, jnp.clip(src_idx, 0, n - 1), axis=0)
+    blocks = jnp.where(valid[..., None], blocks, jnp.zeros((), operand.dtype))
+    got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [S, block, D], by source
+    their_off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # [S]
+    dst = their_off[:, None] + r[None, :]
+    dst = jnp.where(r[None, :] < recv_sizes[:, None], dst, output.shape[0])  # dropped: OOB
+    return output.at[dst.reshape(-1)].set(got.reshape(-1, *got.shape[2:]), mode="drop")
+
+
+def all_to_all(impl: str, operand, output, in_off, send, out_off, recv, *, block_rows: int):
+    """Ragged all-to-all over `expert` with the chosen implementation (`ragged` | `padded`)."""
+    if impl == "ragged":
+        return jax.lax.ragged_all_to_all(
+            operand, output, in_off, send, out_off, recv, axis_name=EXPERT
+        )
+    return padded_all_to_all(
+        operand, output, in_off, send, out_off, recv, axis_name=EXPERT, block_rows=block_rows
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The all-to-all strategy, step by step.
+
+
+def route_and_send(x_ND, experts_NK, c: Config, impl: str):
+    """Sort this shard's assignments by expert and send the rows to their experts' shards.
+
+    Returns (received rows [M, D], plan, sort order [R]); received rows are grouped by source.
+    """
+    ep = jax.lax.axis_size(EXPERT)
+    n, k = experts_NK.shape
+    rows_RD, order_R, sizes_E = dispatch.permute(x_ND, experts_NK, c.num_experts)
+    counts_SE = jax.lax.all_gather(sizes_E, EXPERT)
+    m = buffer_rows(c, n * k, n, ep)
+    plan = make_plan(counts_SE, jax.lax.axis_index(EXPERT), m)
+    block = min(n * min(k, c.num_experts // ep), m)
+    recv_MD = all_to_all(
+        impl, rows_RD, jnp.zeros((m, rows_RD.shape[1]), rows_RD.dtype),
+        plan.fwd_in_off, plan.fwd_send, plan.fwd_out_off, plan.fwd_recv, block_rows=block,
+    )
+    return recv_MD, plan, order_R
+
+
+def sort_by_local_expert(recv_MD, recv_counts_SX):
+    """Order of the received rows by local expert, and the local group sizes [X].
+
+    The buffer holds, per source, that source's rows sorted by expert; empty rows sort last.
+    """
+    m = recv_MD.shape[0]
+    x = recv_counts_SX.shape[1]
+    ends = jnp.cumsum(recv_counts_SX.reshape(-1))
+    segment = jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right")
+    local_expert = jnp.where(segment < ends.shape[0], segment % x, x)
+    order_M = jnp.argsort(local_expert, stable=True)
+    return order_M, recv_counts_SX.sum(0)
+
+
+def local_expert_ffn(rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c: Config, dtype):
+    """The grouped matmuls of this shard's X experts over rows sorted by local expert."""
+    return dispatch.expert_ffn_sorted(rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c, dtype)
+
+
+def unsort_and_return(y_sorted_MD, order_M, plan: ExchangePlan, num_rows: int, impl: str):
+    """Undo the local sort and send each row back to its source shard (reverse all-to-all).
+
+    Returns [R, D] rows in this shard's expert-sorted order; rows that were dropped are zero.
+    """
+    y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
+    block = min(num_rows, y_MD.shape[0])
+    return all_to_all(
+        impl, y_MD, jnp.zeros((num_rows, y_MD.shape[1]), y_MD.dtype),
+        plan.rev_in_off, plan.rev_send, plan.rev_out_off, plan.rev_recv, block_rows=block,
+    )
+
+
+def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str):
+    """The all-to-all strategy on one shard: (partial output [N, D], dropped rows)."""
+    wi_0, wi_1, wo = w
+    recv_MD, plan, order_R = route_and_send(x_ND, routing.experts_NK, c, impl)
+    order_M, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_SX)
+    y_sorted = local_expert_ffn(jnp.take(recv_MD, order_M, axis=0), wi_0, wi_1, wo, sizes_X,
+                                c, dtype)
+    back_RD = unsort_and_return(y_sorted, order_M, plan, order_R.shape[0], impl)
+    out_ND = dispatch.unpermute_combine(back_RD, order_R, routing.weights_NK, c, dtype)
+    return out_ND, plan.dropped
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring-of-experts strategy.
+
+
+def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype):
+    """All-gather over `expert`, local experts only, combine, reduce-scatter: (out [N, D], 0)."""
+    wi_0, wi_1, wo = w
+    x_local = wi_0.shape[0]
+    x_all = jax.lax.all_gather(x_ND, EXPERT, tiled=True)  # [S*N, D]
+    experts_all = jax.lax.all_gather(routing.experts_NK, EXPERT, tiled=True)
+    weights_all = jax.lax.all_gather(routing.weights_NK, EXPERT, tiled=True)
+    rows, order, sizes_E = dispatch.permute(x_all, experts_all, c.num_experts)
+    offset = jax.lax.axis_index(EXPERT) * x_local
+    y = dispatch.expert_ffn_sorted(rows, wi_0, wi_1, wo, sizes_E, c, dtype, group_offset=offset)
+    out_all = dispatch.unpermute_combine(y, order, weights_all, c, dtype)  # local experts' part
+    out_ND = jax.lax.psum_scatter(out_all, EXPERT, scatter_dimension=0, tiled=True)
+    return out_ND, jnp.int32(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The shard_map.
+
+
+def global_stats(routing: router.Routing, num_local_tokens: int, dropped, c: Config):
+    """MoEStats from sums over all batch shards (identical on every shard)."""
+    counts_E = jax.lax.psum(routing.counts_E, BATCH_AXES)
+    prob_sum_E = jax.lax.psum(routing.prob_sum_E, BATCH_AXES)
+    shards = jax.lax.axis_size(BATCH_AXES)
+    # `dropped` is already the total over the expert group; sum the groups (data, fsdp).
+    total_dropped = jax.lax.psum(dropped.astype(jnp.float32), BATCH_AXES) / jax.lax.axis_size(
+        EXPERT
+    )
+    return router.balance_stats(counts_E, prob_sum_E, num_local_tokens * shards, c, total_dropped)
+
+
+def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, *, c: Config, dtype, impl):
+    b, t, d = x_BTD_local.shape
+    x_ND = x_BTD_local.reshape(b * t, d)
+    routing = router.route(router_p, x_ND, c)
+    w = (wi_0_local, wi_1_local, wo_local)
+    if c.use_ring_of_experts:
+        out_ND, dropped = ring_dispatch(x_ND, routing, w, c, dtype)
+    else:
+        out_ND, dropped = a2a_dispatch(x_ND, routing, w, c, dtype, impl)
+    out_ND = jax.lax.psum(out_ND, TENSOR)  # partial sums over the F shards
+    stats = global_stats(routing, b * t, dropped, c)
+    return out_ND.reshape(b, t, d), stats
+
+
+def apply(router_p: router.Router, wi_0_EDF, wi_1_EDF, wo_EFD, x_BTD, c: Config, dtype):
+    """Routed experts' output [B, T, D] and global MoEStats under the active mesh.
+
+    Global shapes in, global shapes out. Per device: x [B/(data*fsdp*expert), T, D], weights
+    [E/expert, D, F/tensor]; weights stored over `fsdp` are all-gathered by the in_specs.
+    """
+    impl = resolve_a2a_impl(c)
+    w_spec = P(EXPERT, None, TENSOR)
+    wo_spec = P(EXPERT, TENSOR, None)
+    router_spec = jax.tree.map(lambda _: P(), router_p)
+
+    def body(x, rp, wi_0, wi_1, wo):
+        return _body(x, rp, wi_0, wi_1, wo, c=c, dtype=dtype, impl=impl)
+
+    stats_spec = router.MoEStats(load_E=P(), lb_loss=P(), dropped=P())
+    fn = jax.shard_map(
+        body,
+        in_specs=(P(BATCH_AXES), router_spec, w_spec, w_spec, wo_spec),
+        out_specs=(P(BATCH_AXES), stats_spec),
+    )
+    return fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD)
