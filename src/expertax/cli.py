@@ -48,8 +48,24 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_parity(args) -> int:
+    cfg = config_from_args(args.config)
+    from expertax.tools import parity
+
+    result = parity.parity_table(cfg, steps=args.steps)
+    print(parity.format_table(result))
+    if args.json:
+        parity.write_json(result, args.json)
+    if not result["ok"]:
+        print(f"expertax: parity FAILED (relative tolerance {result['tolerance']})",
+              file=sys.stderr)
+    return 0 if result["ok"] else 1
+
+
 COMMANDS: dict[str, tuple[str, Callable]] = {
     "train": ("train a model: expertax train [PRESET.yml ...] [key=value ...]", cmd_train),
+    "parity": ("every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]",
+               cmd_parity),
 }
 
 
@@ -59,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help=COMMANDS["train"][0])
     train.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
     train.add_argument("--help-keys", action="store_true", help="list every config key")
+    par = sub.add_parser("parity", help=COMMANDS["parity"][0])
+    par.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
+    par.add_argument("--steps", type=int, default=10, help="train steps per layout")
+    par.add_argument("--json", default=None, help="also write the table as JSON to this path")
     return parser
 
 

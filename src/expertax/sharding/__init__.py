@@ -3,6 +3,7 @@
 from expertax.sharding.mesh import check_mesh_fit, make_mesh, mesh_shape
 from expertax.sharding.rules import (
     MESH_AXES,
+    config_rules,
     constrain,
     load_rules,
     logical_to_spec,
@@ -13,6 +14,7 @@ from expertax.sharding.rules import (
 __all__ = [
     "MESH_AXES",
     "check_mesh_fit",
+    "config_rules",
     "constrain",
     "load_rules",
     "logical_to_spec",

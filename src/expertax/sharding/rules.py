@@ -46,6 +46,14 @@ def load_rules(name: str) -> dict[str, tuple[str, ...]]:
     return rules
 
 
+def config_rules(c) -> dict[str, tuple[str, ...]]:
+    """The rules preset `c.sharding_rules`, with `shard_exp_on_fsdp` applied (exp -> fsdp)."""
+    rules = load_rules(c.sharding_rules)
+    if getattr(c, "shard_exp_on_fsdp", False):
+        rules["exp"] = ("fsdp",)
+    return rules
+
+
 @contextlib.contextmanager
 def use_rules(rules: Rules):
     token = _RULES.set(rules)

@@ -26,7 +26,8 @@ from expertax.config.schema import Config
 from expertax.data.synthetic import SyntheticData
 from expertax.models import decoder, init_params
 from expertax.nn import param
-from expertax.sharding import load_rules, logical_to_spec, make_mesh, use_rules
+from expertax.nn.moe.ep import describe_dispatch
+from expertax.sharding import config_rules, logical_to_spec, make_mesh, use_rules
 from expertax.train import metrics as metrics_lib
 from expertax.train import optimizer
 from expertax.train.state import TrainState
@@ -121,7 +122,7 @@ class _ContextStack:
 def build_trainer(c: Config, devices=None) -> Trainer:
     """Mesh, rules, optimizer and shardings for `c`; raises ConfigError before any compilation."""
     mesh = make_mesh(c, devices)
-    rules = load_rules(c.sharding_rules)
+    rules = config_rules(c)
     spec_tree = decoder.spec(c)
     tx = optimizer.make(c, param.trainable_mask(spec_tree))
     param_sh = param.shardings(spec_tree, mesh, rules)
@@ -184,6 +185,7 @@ def train(c: Config, *, echo=print) -> dict:
     state = trainer.init_state()
     step_fn = trainer.compile()
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    say(describe_dispatch(c))
     data = make_data(c, trainer)
     flops = metrics_lib.train_flops_per_token(c)
     tokens = trainer.global_batch * c.max_target_length

@@ -1,0 +1,200 @@
+"""`expertax parity`: the same model, weights and data under many layouts, one loss table.
+
+Every layout (dense or sparse dispatch; ring of experts or all-to-all with each implementation
+the backend has; a mesh of expert / fsdp / tensor / data axes) trains from the same initial
+weights (initialization does not depend on the sharding) on the same synthetic batches, and its
+per-step losses are compared with the single-device reference run. A layout fails when
+max_step |loss - reference| exceeds `TOLERANCE[dtype]` x |reference|.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from expertax.config.checks import ConfigError
+from expertax.config.loader import build_config
+from expertax.config.schema import Config
+from expertax.data.synthetic import SyntheticData
+from expertax.train.loop import build_trainer
+
+# Relative tolerance on the loss, per compute dtype (the one table; loosening it is reviewed).
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}
+
+# Meshes for 8 devices (axis sizes); `meshes_for` scales them to the visible devices.
+MESHES_8 = (
+    {"expert": 8},
+    {"fsdp": 8},
+    {"expert": 4, "fsdp": 2},
+    {"expert": 2, "tensor": 2, "data": 2},
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One row of the table: the dispatch and the mesh."""
+
+    mode: str  # "sparse" | "dense"
+    ring: bool
+    a2a_impl: str  # "ragged" | "padded" | "-" (not used: ring or dense)
+    ep: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    data: int = 1
+
+    @property
+    def num_devices(self) -> int:
+        return self.ep * self.fsdp * self.tp * self.data
+
+    def overrides(self, global_batch: int) -> dict:
+        return {
+            "sparse_matmul": self.mode == "sparse",
+            "use_ring_of_experts": self.ring,
+            "a2a_impl": "auto" if self.a2a_impl == "-" else self.a2a_impl,
+            "capacity_factor": -1.0,
+            "ici_expert_parallelism": self.ep,
+            "ici_fsdp_parallelism": self.fsdp,
+            "ici_tensor_parallelism": self.tp,
+            "ici_data_parallelism": self.data,
+            "ici_pipeline_parallelism": 1,
+            "per_device_batch_size": global_batch / self.num_devices,
+        }
+
+
+def a2a_impls(backend: str) -> tuple[str, ...]:
+    """The all-to-all implementations this backend has (XLA:CPU has no ragged all-to-all)."""
+    return ("ragged", "padded") if backend in ("gpu", "cuda", "rocm", "tpu") else ("padded",)
+
+
+def meshes_for(num_devices: int) -> list[dict]:
+    """The 8-device meshes scaled down (halving the largest axis) to fit `num_devices`."""
+    out = []
+    for mesh in MESHES_8:
+        mesh = dict(mesh)
+        while math.prod(mesh.values()) > num_devices:
+            big = max(mesh, key=mesh.get)
+            mesh[big] //= 2
+        if mesh not in out:
+            out.append(mesh)
+    return out
+
+
+def layouts(num_devices: int, backend: str) -> list[Layout]:
+    rows = []
+    for mesh in meshes_for(num_devices):
+        sizes = {"ep": mesh.get("expert", 1), "fsdp": mesh.get("fsdp", 1),
+                 "tp": mesh.get("tensor", 1), "data": mesh.get("data", 1)}
+        for impl in a2a_impls(backend):
+            rows.append(Layout("sparse", False, impl, **sizes))
+        rows.append(Layout("sparse", True, "-", **sizes))
+        rows.append(Layout("dense", False, "-", **sizes))
+    return rows
+
+
+def reference_layout() -> Layout:
+    return Layout("sparse", False, "-")
+
+
+def run_layout(base: Config, layout: Layout, *, steps: int, global_batch: int,
+               corrupt: Callable | None = None) -> dict:
+    """Train `steps` steps of `base` under `layout`; per-step losses and throughput.
+
+    `corrupt(state, trainer) -> state` is a test hook applied to the initial state (the negative
+    control: a deliberately mis-sharded weight must fail the table).
+    """
+    c = build_config({**base.model_dump(), **layout.overrides(global_batch)})
+    trainer = build_trainer(c, devices=jax.devices()[: layout.num_devices])
+    state = trainer.init_state()
+    step_fn = trainer.compile()
+    if corrupt is not None:
+        state = corrupt(state, trainer)
+    data = SyntheticData(vocab_size=c.vocab_size, seq_len=c.max_target_length,
+                         global_batch=global_batch, seed=c.data_shuffle_seed)
+    batches = [data.batch_at(i) for i in range(steps)]
+    losses = []
+    with trainer.context():
+        state, m = step_fn(state, trainer.put_batch(batches[0]))  # warm-up, not timed
+        losses.append(m["loss"])
+        jax.block_until_ready(m)
+        t0 = time.perf_counter()
+        for batch in batches[1:]:
+            state, m = step_fn(state, trainer.put_batch(batch))
+            losses.append(m["loss"])
+        jax.block_until_ready(losses)
+        dt = time.perf_counter() - t0
+    tokens = global_batch * c.max_target_length * max(steps - 1, 1)
+    return {
+        "losses": [float(x) for x in jax.device_get(losses)],
+        "tokens_per_s_per_device": tokens / max(dt, 1e-9) / trainer.num_devices,
+    }
+
+
+def make_row(layout: Layout, run: dict, ref_losses: list[float]) -> dict:
+    diff = max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True))
+    final = run["losses"][-1]
+    return {
+        "mode": layout.mode, "ring": layout.ring, "a2a_impl": layout.a2a_impl,
+        "ep": layout.ep, "fsdp": layout.fsdp, "tp": layout.tp, "data": layout.data,
+        "final_loss": final, "perplexity": float(np.exp(min(final, 80.0))),
+        "tokens_per_s_per_device": run["tokens_per_s_per_device"],
+        "max_abs_loss_diff": diff,
+    }
+
+
+def parity_table(base: Config, *, steps: int, layout_list: list[Layout] | None = None,
+                 corrupt: dict | None = None, echo=print) -> dict:
+    """Run the reference and every layout; {"rows", "tolerance", "reference_losses", "ok"}.
+
+    `corrupt` maps a Layout to a `corrupt(state, trainer)` hook (tests only).
+    """
+    n = len(jax.devices())
+    layout_list = layouts(n, jax.default_backend()) if layout_list is None else layout_list
+    global_batch = int(base.per_device_batch_size * n)
+    ref = run_layout(base, reference_layout(), steps=steps, global_batch=global_batch)
+    ref_losses = ref["losses"]
+    tol = TOLERANCE[base.dtype]
+    echo(f"reference (1 device): final loss {ref_losses[-1]:.6f} after {steps} steps")
+    rows = []
+    for layout in layout_list:
+        try:
+            hook = (corrupt or {}).get(layout)
+            run = run_layout(base, layout, steps=steps, global_batch=global_batch, corrupt=hook)
+        except ConfigError as e:
+            echo(f"skipped {layout}: {e}")
+            continue
+        rows.append(make_row(layout, run, ref_losses))
+        echo(format_row(rows[-1], tol, ref_losses))
+    bound = tol * max(abs(x) for x in ref_losses)
+    ok = all(r["max_abs_loss_diff"] <= bound for r in rows)
+    return {"rows": rows, "tolerance": tol, "reference_losses": ref_losses, "ok": ok}
+
+
+HEADER = ("mode", "ring", "a2a", "EP", "FSDP", "TP", "data", "final loss", "perplexity",
+          "tok/s/dev", "max |dloss|", "ok")
+
+
+def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
+    ok = r["max_abs_loss_diff"] <= tol * max(abs(x) for x in ref_losses)
+    cells = (r["mode"], str(r["ring"]), r["a2a_impl"], r["ep"], r["fsdp"], r["tp"], r["data"],
+             f"{r['final_loss']:.6f}", f"{r['perplexity']:.3f}",
+             f"{r['tokens_per_s_per_device']:,.0f}", f"{r['max_abs_loss_diff']:.2e}",
+             "yes" if ok else "NO")
+    return "| " + " | ".join(str(x) for x in cells) + " |"
+
+
+def format_table(result: dict) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for r in result["rows"]:
+        lines.append(format_row(r, result["tolerance"], result["reference_losses"]))
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"rows": result["rows"], "tolerance": result["tolerance"]}, f, indent=1)
