@@ -52,7 +52,8 @@ def cmd_parity(args) -> int:
     cfg = config_from_args(args.config)
     from expertax.tools import parity
 
-    result = parity.parity_table(cfg, steps=args.steps)
+    chosen = [parity.parse_layout(n) for n in args.layouts.split(",")] if args.layouts else None
+    result = parity.parity_table(cfg, steps=args.steps, layout_list=chosen)
     print(parity.format_table(result))
     if args.json:
         parity.write_json(result, args.json)
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
     par.add_argument("--steps", type=int, default=10, help="train steps per layout")
     par.add_argument("--json", default=None, help="also write the table as JSON to this path")
+    par.add_argument("--layouts", default=None,
+                     help="comma-separated subset, e.g. sparse-ring-ep8,dense-ep2-tp2-data2")
     return parser
 
 

@@ -97,6 +97,26 @@ def layouts(num_devices: int, backend: str) -> list[Layout]:
     return rows
 
 
+def parse_layout(name: str) -> Layout:
+    """`sparse-padded-ep8`, `sparse-ring-ep4-fsdp2`, `dense-ep2-tp2-data2`, ... -> Layout."""
+    mode, *parts = name.split("-")
+    sizes: dict[str, int] = {}
+    ring, impl = False, "-"
+    for part in parts:
+        key = part.rstrip("0123456789")
+        if part in ("ring", "ragged", "padded"):
+            ring, impl = (True, "-") if part == "ring" else (False, part)
+        elif key in ("ep", "fsdp", "tp", "data") and part[len(key):].isdigit():
+            sizes[key] = int(part[len(key):])
+        else:
+            raise ConfigError(f"--layouts {name!r}: unknown part {part!r} (e.g. sparse-ring-ep8)")
+    if mode not in ("sparse", "dense") or (mode == "dense" and (ring or impl != "-")):
+        raise ConfigError(f"--layouts {name!r}: use sparse-[ring|ragged|padded]-... or dense-...")
+    if mode == "sparse" and not ring and impl == "-":
+        impl = "padded" if jax.default_backend() == "cpu" else "ragged"
+    return Layout(mode, ring, impl, **sizes)
+
+
 def reference_layout() -> Layout:
     return Layout("sparse", False, "-")
 
