@@ -5,14 +5,28 @@ import os
 import subprocess
 import sys
 
-METRIC_KEYS = {"step", "loss", "perplexity", "step_time_s", "tokens_per_s_per_device",
-               "tflops_per_device", "lb_loss", "dropped_tokens"}
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "perplexity",
+    "step_time_s",
+    "tokens_per_s_per_device",
+    "tflops_per_device",
+    "lb_loss",
+    "dropped_tokens",
+}
 
 
 def run_cli(*args, cwd):
     env = dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "expertax.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "expertax.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_train_writes_metrics_and_config(tmp_path):

@@ -82,8 +82,12 @@ def test_scan_equals_unrolled():
 
 @pytest.mark.distributed
 def test_data_fsdp_expert_mesh_equals_one_device():
-    overrides = {**SMALL, "ici_data_parallelism": 2, "ici_fsdp_parallelism": 2,
-                 "ici_expert_parallelism": 2}
+    overrides = {
+        **SMALL,
+        "ici_data_parallelism": 2,
+        "ici_fsdp_parallelism": 2,
+        "ici_expert_parallelism": 2,
+    }
     c = load_config(overrides=overrides)
     one = load_config(overrides={**SMALL, "ici_fsdp_parallelism": 1})
     p = init_params(one)
@@ -101,9 +105,16 @@ def test_data_fsdp_expert_mesh_equals_one_device():
 
 
 def test_thirty_steps_on_one_batch_halve_the_loss():
-    c = load_config(overrides={**SMALL, "max_target_length": 32, "learning_rate": 3e-3,
-                               "steps": 30, "ici_fsdp_parallelism": 1,
-                               "per_device_batch_size": 2})
+    c = load_config(
+        overrides={
+            **SMALL,
+            "max_target_length": 32,
+            "learning_rate": 3e-3,
+            "steps": 30,
+            "ici_fsdp_parallelism": 1,
+            "per_device_batch_size": 2,
+        }
+    )
     trainer = build_trainer(c, devices=jax.devices()[:1])
     state = trainer.init_state()
     step = trainer.compile()
