@@ -40,7 +40,9 @@ def check_routing_groups(c: Config) -> None:
             )
         return
     if g < 0:
-        raise ConfigError(f"n_routing_groups={g}: use -1 (off) or a positive divisor of num_experts")
+        raise ConfigError(
+            f"n_routing_groups={g}: use -1 (off) or a positive divisor of num_experts"
+        )
     if c.num_experts % g:
         raise ConfigError(
             f"n_routing_groups={g} does not divide num_experts={c.num_experts}; "
@@ -56,7 +58,7 @@ def check_routing_groups(c: Config) -> None:
 
 
 def check_heads(c: Config) -> None:
-    if c.base_num_query_heads % c.base_num_kv_heads:
+    if c.attention_type == "gqa" and c.base_num_query_heads % c.base_num_kv_heads:
         raise ConfigError(
             f"base_num_query_heads={c.base_num_query_heads} is not a multiple of "
             f"base_num_kv_heads={c.base_num_kv_heads}"

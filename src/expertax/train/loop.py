@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax.transforms._masking import MaskedNode
 from jax.sharding import NamedSharding, PartitionSpec
+from optax.transforms._masking import MaskedNode
 
 from expertax.config.checks import ConfigError
 from expertax.config.loader import config_to_yaml

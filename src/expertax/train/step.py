@@ -51,7 +51,7 @@ def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainS
     metrics = {
         "loss": ce,
         "lb_loss": lb,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "learning_rate": optimizer.schedule(c)(state.step),
         "dropped_tokens": jnp.float32(0),
         "max_expert_load_ratio": jnp.float32(1),
