@@ -58,15 +58,18 @@ def cmd_parity(args) -> int:
     if args.json:
         parity.write_json(result, args.json)
     if not result["ok"]:
-        print(f"expertax: parity FAILED (relative tolerance {result['tolerance']})",
-              file=sys.stderr)
+        print(
+            f"expertax: parity FAILED (relative tolerance {result['tolerance']})", file=sys.stderr
+        )
     return 0 if result["ok"] else 1
 
 
 COMMANDS: dict[str, tuple[str, Callable]] = {
     "train": ("train a model: expertax train [PRESET.yml ...] [key=value ...]", cmd_train),
-    "parity": ("every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]",
-               cmd_parity),
+    "parity": (
+        "every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]",
+        cmd_parity,
+    ),
 }
 
 
@@ -80,8 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
     par.add_argument("--steps", type=int, default=10, help="train steps per layout")
     par.add_argument("--json", default=None, help="also write the table as JSON to this path")
-    par.add_argument("--layouts", default=None,
-                     help="comma-separated subset, e.g. sparse-ring-ep8,dense-ep2-tp2-data2")
+    par.add_argument(
+        "--layouts",
+        default=None,
+        help="comma-separated subset, e.g. sparse-ring-ep8,dense-ep2-tp2-data2",
+    )
     return parser
 
 

@@ -25,8 +25,19 @@ SMALL = ["per_device_batch_size=1", "max_target_length=16"]
 def _check_rows(rows, tol, ref_scale, n):
     assert len(rows) == n
     for r in rows:
-        assert set(r) == {"mode", "ring", "a2a_impl", "ep", "fsdp", "tp", "data", "final_loss",
-                          "perplexity", "tokens_per_s_per_device", "max_abs_loss_diff"}
+        assert set(r) == {
+            "mode",
+            "ring",
+            "a2a_impl",
+            "ep",
+            "fsdp",
+            "tp",
+            "data",
+            "final_loss",
+            "perplexity",
+            "tokens_per_s_per_device",
+            "max_abs_loss_diff",
+        }
         assert r["max_abs_loss_diff"] <= tol * ref_scale, r
         assert r["tokens_per_s_per_device"] > 0
 
@@ -34,15 +45,27 @@ def _check_rows(rows, tol, ref_scale, n):
 def test_parity_cli_deepseek3_tiny(tmp_path, capsys):
     path = tmp_path / "parity.json"
     layouts = "sparse-padded-ep8,sparse-ring-ep4-fsdp2,dense-ep2-tp2-data2"
-    rc = cli.main(["parity", "model_name=deepseek3-tiny", "base_num_decoder_layers=2", *SMALL,
-                   "--steps", "3", "--layouts", layouts, "--json", str(path)])
+    rc = cli.main(
+        [
+            "parity",
+            "model_name=deepseek3-tiny",
+            "base_num_decoder_layers=2",
+            *SMALL,
+            "--steps",
+            "3",
+            "--layouts",
+            layouts,
+            "--json",
+            str(path),
+        ]
+    )
     assert rc == 0
     out = json.loads(path.read_text())
     assert out["tolerance"] == parity.TOLERANCE["float32"]
     _check_rows(out["rows"], out["tolerance"], 10.0, 3)
-    assert [(r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"]) for r in out["rows"]] \
-        == [("sparse", False, 8, 1, 1, 1), ("sparse", True, 4, 2, 1, 1),
-            ("dense", False, 2, 1, 2, 2)]
+    assert [
+        (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"]) for r in out["rows"]
+    ] == [("sparse", False, 8, 1, 1, 1), ("sparse", True, 4, 2, 1, 1), ("dense", False, 2, 1, 2, 2)]
     assert "| sparse | False | padded | 8 |" in capsys.readouterr().out
 
 
@@ -55,20 +78,30 @@ def _swap_expert_shards(ep: int):
         wi_0 = jax.device_put(jnp.roll(moe.wi_0, shift, axis=1), moe.wi_0.sharding)
         moe = dataclasses.replace(moe, wi_0=wi_0)
         layers = dataclasses.replace(state.params.moe_layers, moe=moe)
-        return dataclasses.replace(state, params=dataclasses.replace(state.params,
-                                                                     moe_layers=layers))
+        return dataclasses.replace(
+            state, params=dataclasses.replace(state.params, moe_layers=layers)
+        )
 
     return corrupt
 
 
 def test_parity_mixtral_tiny_with_negative_control():
     c = load_config(overrides=["model_name=mixtral-tiny", "base_num_decoder_layers=1", *SMALL])
-    names = ["sparse-ring-ep8", "sparse-padded-fsdp8", "sparse-padded-ep2-tp2-data2",
-             "dense-ep4-fsdp2"]
+    names = [
+        "sparse-ring-ep8",
+        "sparse-padded-fsdp8",
+        "sparse-padded-ep2-tp2-data2",
+        "dense-ep4-fsdp2",
+    ]
     good = [parity.parse_layout(n) for n in names]
     bad = parity.parse_layout("sparse-padded-ep4-fsdp2")
-    result = parity.parity_table(c, steps=3, layout_list=[*good, bad],
-                                 corrupt={bad: _swap_expert_shards(4)}, echo=lambda *_: None)
+    result = parity.parity_table(
+        c,
+        steps=3,
+        layout_list=[*good, bad],
+        corrupt={bad: _swap_expert_shards(4)},
+        echo=lambda *_: None,
+    )
     scale = max(abs(x) for x in result["reference_losses"])
     _check_rows(result["rows"][:4], result["tolerance"], scale, 4)
     assert result["rows"][4]["max_abs_loss_diff"] > 100 * result["tolerance"] * scale
@@ -76,9 +109,19 @@ def test_parity_mixtral_tiny_with_negative_control():
 
 
 def test_parity_cli_exit_status_on_failure(monkeypatch, capsys):
-    row = {"mode": "sparse", "ring": False, "a2a_impl": "padded", "ep": 8, "fsdp": 1, "tp": 1,
-           "data": 1, "final_loss": 1.0, "perplexity": 2.7, "tokens_per_s_per_device": 1.0,
-           "max_abs_loss_diff": 1.0}
+    row = {
+        "mode": "sparse",
+        "ring": False,
+        "a2a_impl": "padded",
+        "ep": 8,
+        "fsdp": 1,
+        "tp": 1,
+        "data": 1,
+        "final_loss": 1.0,
+        "perplexity": 2.7,
+        "tokens_per_s_per_device": 1.0,
+        "max_abs_loss_diff": 1.0,
+    }
     fake = {"rows": [row], "tolerance": 1e-5, "reference_losses": [1.0], "ok": False}
     monkeypatch.setattr(parity, "parity_table", lambda *a, **k: fake)
     assert cli.main(["parity", "model_name=mixtral-tiny", "--layouts", "sparse-padded-ep8"]) == 1
@@ -90,9 +133,14 @@ def test_layout_matrix_and_parsing():
     assert len(rows) == 12 and all(r.a2a_impl != "ragged" for r in rows)
     assert len(parity.layouts(8, "gpu")) == 16
     assert {(r.ep, r.fsdp, r.tp, r.data) for r in rows} == {
-        (8, 1, 1, 1), (1, 8, 1, 1), (4, 2, 1, 1), (2, 1, 2, 2)}
+        (8, 1, 1, 1),
+        (1, 8, 1, 1),
+        (4, 2, 1, 1),
+        (2, 1, 2, 2),
+    }
     assert parity.parse_layout("sparse-ring-ep2-tp2-data2") == parity.Layout(
-        "sparse", True, "-", ep=2, tp=2, data=2)
+        "sparse", True, "-", ep=2, tp=2, data=2
+    )
     with pytest.raises(ConfigError, match="unknown part"):
         parity.parse_layout("sparse-ep8-pp2")
     with pytest.raises(ConfigError, match="dense"):

@@ -88,8 +88,12 @@ def meshes_for(num_devices: int) -> list[dict]:
 def layouts(num_devices: int, backend: str) -> list[Layout]:
     rows = []
     for mesh in meshes_for(num_devices):
-        sizes = {"ep": mesh.get("expert", 1), "fsdp": mesh.get("fsdp", 1),
-                 "tp": mesh.get("tensor", 1), "data": mesh.get("data", 1)}
+        sizes = {
+            "ep": mesh.get("expert", 1),
+            "fsdp": mesh.get("fsdp", 1),
+            "tp": mesh.get("tensor", 1),
+            "data": mesh.get("data", 1),
+        }
         for impl in a2a_impls(backend):
             rows.append(Layout("sparse", False, impl, **sizes))
         rows.append(Layout("sparse", True, "-", **sizes))
@@ -106,8 +110,8 @@ def parse_layout(name: str) -> Layout:
         key = part.rstrip("0123456789")
         if part in ("ring", "ragged", "padded"):
             ring, impl = (True, "-") if part == "ring" else (False, part)
-        elif key in ("ep", "fsdp", "tp", "data") and part[len(key):].isdigit():
-            sizes[key] = int(part[len(key):])
+        elif key in ("ep", "fsdp", "tp", "data") and part[len(key) :].isdigit():
+            sizes[key] = int(part[len(key) :])
         else:
             raise ConfigError(f"--layouts {name!r}: unknown part {part!r} (e.g. sparse-ring-ep8)")
     if mode not in ("sparse", "dense") or (mode == "dense" and (ring or impl != "-")):
@@ -121,8 +125,9 @@ def reference_layout() -> Layout:
     return Layout("sparse", False, "-")
 
 
-def run_layout(base: Config, layout: Layout, *, steps: int, global_batch: int,
-               corrupt: Callable | None = None) -> dict:
+def run_layout(
+    base: Config, layout: Layout, *, steps: int, global_batch: int, corrupt: Callable | None = None
+) -> dict:
     """Train `steps` steps of `base` under `layout`; per-step losses and throughput.
 
     `corrupt(state, trainer) -> state` is a test hook applied to the initial state (the negative
@@ -134,8 +139,12 @@ def run_layout(base: Config, layout: Layout, *, steps: int, global_batch: int,
     step_fn = trainer.compile()
     if corrupt is not None:
         state = corrupt(state, trainer)
-    data = SyntheticData(vocab_size=c.vocab_size, seq_len=c.max_target_length,
-                         global_batch=global_batch, seed=c.data_shuffle_seed)
+    data = SyntheticData(
+        vocab_size=c.vocab_size,
+        seq_len=c.max_target_length,
+        global_batch=global_batch,
+        seed=c.data_shuffle_seed,
+    )
     batches = [data.batch_at(i) for i in range(steps)]
     losses = []
     with trainer.context():
@@ -159,16 +168,28 @@ def make_row(layout: Layout, run: dict, ref_losses: list[float]) -> dict:
     diff = max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True))
     final = run["losses"][-1]
     return {
-        "mode": layout.mode, "ring": layout.ring, "a2a_impl": layout.a2a_impl,
-        "ep": layout.ep, "fsdp": layout.fsdp, "tp": layout.tp, "data": layout.data,
-        "final_loss": final, "perplexity": float(np.exp(min(final, 80.0))),
+        "mode": layout.mode,
+        "ring": layout.ring,
+        "a2a_impl": layout.a2a_impl,
+        "ep": layout.ep,
+        "fsdp": layout.fsdp,
+        "tp": layout.tp,
+        "data": layout.data,
+        "final_loss": final,
+        "perplexity": float(np.exp(min(final, 80.0))),
         "tokens_per_s_per_device": run["tokens_per_s_per_device"],
         "max_abs_loss_diff": diff,
     }
 
 
-def parity_table(base: Config, *, steps: int, layout_list: list[Layout] | None = None,
-                 corrupt: dict | None = None, echo=print) -> dict:
+def parity_table(
+    base: Config,
+    *,
+    steps: int,
+    layout_list: list[Layout] | None = None,
+    corrupt: dict | None = None,
+    echo=print,
+) -> dict:
     """Run the reference and every layout; {"rows", "tolerance", "reference_losses", "ok"}.
 
     `corrupt` maps a Layout to a `corrupt(state, trainer)` hook (tests only).
@@ -195,16 +216,38 @@ def parity_table(base: Config, *, steps: int, layout_list: list[Layout] | None =
     return {"rows": rows, "tolerance": tol, "reference_losses": ref_losses, "ok": ok}
 
 
-HEADER = ("mode", "ring", "a2a", "EP", "FSDP", "TP", "data", "final loss", "perplexity",
-          "tok/s/dev", "max |dloss|", "ok")
+HEADER = (
+    "mode",
+    "ring",
+    "a2a",
+    "EP",
+    "FSDP",
+    "TP",
+    "data",
+    "final loss",
+    "perplexity",
+    "tok/s/dev",
+    "max |dloss|",
+    "ok",
+)
 
 
 def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
     ok = r["max_abs_loss_diff"] <= tol * max(abs(x) for x in ref_losses)
-    cells = (r["mode"], str(r["ring"]), r["a2a_impl"], r["ep"], r["fsdp"], r["tp"], r["data"],
-             f"{r['final_loss']:.6f}", f"{r['perplexity']:.3f}",
-             f"{r['tokens_per_s_per_device']:,.0f}", f"{r['max_abs_loss_diff']:.2e}",
-             "yes" if ok else "NO")
+    cells = (
+        r["mode"],
+        str(r["ring"]),
+        r["a2a_impl"],
+        r["ep"],
+        r["fsdp"],
+        r["tp"],
+        r["data"],
+        f"{r['final_loss']:.6f}",
+        f"{r['perplexity']:.3f}",
+        f"{r['tokens_per_s_per_device']:,.0f}",
+        f"{r['max_abs_loss_diff']:.2e}",
+        "yes" if ok else "NO",
+    )
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 

@@ -147,8 +147,17 @@ def buffer_rows(c: Config, num_rows_routed: int, num_tokens: int, ep: int) -> in
 # All-to-all implementations with `jax.lax.ragged_all_to_all`'s semantics.
 
 
-def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                      *, axis_name: str, block_rows: int):
+def padded_all_to_all(
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name: str,
+    block_rows: int,
+):
     """`ragged_all_to_all` from `all_to_all` over per-peer blocks of `block_rows` rows.
 
     Peer j's block holds `operand[input_offsets[j]:][:send_sizes[j]]`, zero-padded; the receiver
@@ -197,8 +206,14 @@ def route_and_send(x_ND, experts_NK, c: Config, impl: str):
     plan = make_plan(counts_SE, jax.lax.axis_index(EXPERT), m)
     block = min(n * min(k, c.num_experts // ep), m)
     recv_MD = all_to_all(
-        impl, rows_RD, jnp.zeros((m, rows_RD.shape[1]), rows_RD.dtype),
-        plan.fwd_in_off, plan.fwd_send, plan.fwd_out_off, plan.fwd_recv, block_rows=block,
+        impl,
+        rows_RD,
+        jnp.zeros((m, rows_RD.shape[1]), rows_RD.dtype),
+        plan.fwd_in_off,
+        plan.fwd_send,
+        plan.fwd_out_off,
+        plan.fwd_recv,
+        block_rows=block,
     )
     return recv_MD, plan, order_R
 
@@ -230,8 +245,14 @@ def unsort_and_return(y_sorted_MD, order_M, plan: ExchangePlan, num_rows: int, i
     y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
     block = min(num_rows, y_MD.shape[0])
     return all_to_all(
-        impl, y_MD, jnp.zeros((num_rows, y_MD.shape[1]), y_MD.dtype),
-        plan.rev_in_off, plan.rev_send, plan.rev_out_off, plan.rev_recv, block_rows=block,
+        impl,
+        y_MD,
+        jnp.zeros((num_rows, y_MD.shape[1]), y_MD.dtype),
+        plan.rev_in_off,
+        plan.rev_send,
+        plan.rev_out_off,
+        plan.rev_recv,
+        block_rows=block,
     )
 
 
@@ -240,8 +261,9 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str):
     wi_0, wi_1, wo = w
     recv_MD, plan, order_R = route_and_send(x_ND, routing.experts_NK, c, impl)
     order_M, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_SX)
-    y_sorted = local_expert_ffn(jnp.take(recv_MD, order_M, axis=0), wi_0, wi_1, wo, sizes_X,
-                                c, dtype)
+    y_sorted = local_expert_ffn(
+        jnp.take(recv_MD, order_M, axis=0), wi_0, wi_1, wo, sizes_X, c, dtype
+    )
     back_RD = unsort_and_return(y_sorted, order_M, plan, order_R.shape[0], impl)
     out_ND = dispatch.unpermute_combine(back_RD, order_R, routing.weights_NK, c, dtype)
     return out_ND, plan.dropped

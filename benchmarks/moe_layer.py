@@ -1,0 +1,189 @@
+"""Forward+backward of one MoE layer on 8 (simulated) devices: EP strategies, time and bytes.
+
+For EP = 1, 2, 4, 8 (the rest of the 8 devices on `data`), both sparse strategies (all-to-all
+with the backend's implementation, ring of experts), balanced and skewed routing: time per routed
+token (fwd+bwd), and bytes moved by the dispatch collectives per layer, per device, counted from
+the compiled HLO (result shapes of all-to-all / all-gather / reduce-scatter; all-reduces, which
+are the gradient reductions over `data` and the stats, are reported apart), against the ideal:
+all-to-all 2*k*D*bytes per token each way (forward; twice that with the backward), ring
+(EP-1)*N*D*bytes per all-gather and per reduce-scatter (forward; twice with the backward).
+Baseline in the same run: the single-device sparse path without a mesh.
+
+Run: python benchmarks/moe_layer.py [--iters 5]   (sets 8 host devices when on CPU)
+Prints one JSON line per case, then a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from expertax.config import load_config  # noqa: E402
+from expertax.nn import param  # noqa: E402
+from expertax.nn.moe import ep, layer, router  # noqa: E402
+from expertax.sharding import config_rules, make_mesh, use_rules  # noqa: E402
+
+SHAPE = dict(batch=8, length=128, d=128, f=256, e=16, k=4)
+DISPATCH_OPS = ("all-to-all", "all-gather", "reduce-scatter", "collective-permute")
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    """Sum of result bytes per collective kind in a compiled (per-device) HLO module."""
+    out: dict[str, int] = {}
+    for line in hlo.splitlines():
+        m = re.search(
+            r"=\s*(.*?)\s(all-to-all|all-gather|reduce-scatter|all-reduce|"
+            r"collective-permute)(-start)?\(",
+            line,
+        )
+        if not m:
+            continue
+        total = 0
+        for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+            n = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
+            total += n * _BYTES.get(dt, 4)
+        out[m.group(2)] = out.get(m.group(2), 0) + total
+    return out
+
+
+def make_case(skewed: bool):
+    s = SHAPE
+    c = load_config(
+        overrides={
+            "model_name": "mixtral-tiny",
+            "base_emb_dim": s["d"],
+            "base_moe_mlp_dim": s["f"],
+            "num_experts": s["e"],
+            "num_experts_per_tok": s["k"],
+            "max_target_length": s["length"],
+        }
+    )
+    p = param.initialize(layer.spec(c), jax.random.key(0), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (s["batch"], s["length"], s["d"]))
+    if skewed:  # a shared direction u that the first k experts' router columns favour
+        u = jnp.zeros((s["d"],)).at[0].set(1.0)
+        x = x + 3.0 * u[None, None, :]
+        w = p.router.w.at[:, : s["k"]].add(2.0 * u[:, None])
+        p = type(p)(
+            router=router.Router(w, p.router.bias),
+            wi_0=p.wi_0,
+            wi_1=p.wi_1,
+            wo=p.wo,
+            shared=p.shared,
+        )
+    return c, p, x
+
+
+def loss(p, x, c):
+    y, st = layer.apply(p, x, c, jnp.float32)
+    return jnp.sum(y * y), st.load_E
+
+
+def time_case(c, p, x, mesh, iters):
+    f = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)
+    if mesh is None:
+        compiled = f.lower(p, x, c).compile()
+        args = (p, x)
+    else:
+        with jax.set_mesh(mesh), use_rules(config_rules(c)):
+            p = jax.device_put(p, param.shardings(layer.spec(c), mesh, config_rules(c)))
+            compiled = f.lower(p, x, c).compile()
+        args = (p, x)
+    out = compiled(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = compiled(*args)
+    jax.block_until_ready(out)
+    dt = (time.perf_counter() - t0) / iters
+    load = np.asarray(out[0][1])
+    return dt, collective_bytes(compiled.as_text()), float(load.max() / load.mean())
+
+
+def ideal_bytes(strategy: str, epn: int) -> int:
+    s = SHAPE
+    n_local = s["batch"] * s["length"] // 8
+    if epn == 1:
+        return 0
+    if strategy == "a2a":
+        return 2 * 2 * s["k"] * s["d"] * 4 * n_local  # out and back, forward and backward
+    return 2 * 2 * (epn - 1) * n_local * s["d"] * 4  # all-gather + reduce-scatter, fwd and bwd
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    impl = ep.resolve_a2a_impl(load_config(overrides={"model_name": "mixtral-tiny"}))
+    routed = SHAPE["batch"] * SHAPE["length"] * SHAPE["k"]
+    rows = []
+    for skewed in (False, True):
+        c0, p, x = make_case(skewed)
+        dt, _, ratio = time_case(c0, p, x, None, args.iters)
+        rows.append(
+            dict(
+                routing="skewed" if skewed else "balanced",
+                strategy="no mesh",
+                ep=1,
+                us_per_routed_token=dt / routed * 1e6,
+                max_load_ratio=ratio,
+                dispatch_bytes=0,
+                ideal_bytes=0,
+                allreduce_bytes=0,
+            )
+        )
+        print(json.dumps(rows[-1]), flush=True)
+        for epn in (1, 2, 4, 8):
+            for strategy in ("a2a", "ring"):
+                c = c0.model_copy(
+                    update={
+                        "ici_expert_parallelism": epn,
+                        "ici_data_parallelism": 8 // epn,
+                        "ici_fsdp_parallelism": 1,
+                        "use_ring_of_experts": strategy == "ring",
+                    }
+                )
+                dt, coll, ratio = time_case(c, p, x, make_mesh(c), args.iters)
+                rows.append(
+                    dict(
+                        routing="skewed" if skewed else "balanced",
+                        strategy=strategy if strategy == "ring" else f"a2a-{impl}",
+                        ep=epn,
+                        us_per_routed_token=dt / routed * 1e6,
+                        max_load_ratio=ratio,
+                        dispatch_bytes=sum(coll.get(k, 0) for k in DISPATCH_OPS),
+                        ideal_bytes=ideal_bytes(strategy, epn),
+                        allreduce_bytes=coll.get("all-reduce", 0),
+                    )
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"\nshape {SHAPE}, float32, fwd+bwd of one MoE layer; bytes per device per layer")
+    print(
+        "| routing | strategy | EP | us / routed token | max load / mean | dispatch bytes "
+        "(HLO) | ideal bytes | ratio | all-reduce bytes |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = r["dispatch_bytes"] / r["ideal_bytes"] if r["ideal_bytes"] else float("nan")
+        print(
+            f"| {r['routing']} | {r['strategy']} | {r['ep']} | {r['us_per_routed_token']:.3f} "
+            f"| {r['max_load_ratio']:.2f} | {r['dispatch_bytes']:,} | {r['ideal_bytes']:,} "
+            f"| {ratio:.2f} | {r['allreduce_bytes']:,} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
