@@ -162,6 +162,19 @@ LAYOUTS = {
         "ici_data_parallelism=2",
         "use_ring_of_experts=true",
     ],
+    "a2a-eptp-ep4-data2": [
+        "ici_expert_parallelism=4",
+        "ici_fsdp_parallelism=1",
+        "ici_data_parallelism=2",
+        "sharding_rules=ep-tp",
+    ],
+    "ring-eptp-ep4-data2": [
+        "ici_expert_parallelism=4",
+        "ici_fsdp_parallelism=1",
+        "ici_data_parallelism=2",
+        "sharding_rules=ep-tp",
+        "use_ring_of_experts=true",
+    ],
     "a2a-ep2-tp2-data2": [
         "ici_expert_parallelism=2",
         "ici_fsdp_parallelism=1",

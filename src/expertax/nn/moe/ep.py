@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from expertax.config.schema import Config
 from expertax.nn.moe import dispatch, router
 from expertax.nn.param import params_dataclass
+from expertax.sharding.rules import current_rules
 
 BATCH_AXES = ("data", "fsdp", "expert")
 EXPERT = "expert"
@@ -273,17 +274,25 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str):
 # The ring-of-experts strategy.
 
 
-def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype):
-    """All-gather over `expert`, local experts only, combine, reduce-scatter: (out [N, D], 0)."""
+def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, *, gathered: bool):
+    """All-gather over `expert`, local experts only, combine, reduce-scatter: (out [N, D], 0).
+
+    `gathered`: the tokens are already replicated over `expert` (expert-as-TP rules, `ep-tp`):
+    no all-gather, and a psum instead of the reduce-scatter.
+    """
     wi_0, wi_1, wo = w
     x_local = wi_0.shape[0]
-    x_all = jax.lax.all_gather(x_ND, EXPERT, tiled=True)  # [S*N, D]
-    experts_all = jax.lax.all_gather(routing.experts_NK, EXPERT, tiled=True)
-    weights_all = jax.lax.all_gather(routing.weights_NK, EXPERT, tiled=True)
-    rows, order, sizes_E = dispatch.permute(x_all, experts_all, c.num_experts)
+    experts_NK, weights_NK = routing.experts_NK, routing.weights_NK
+    if not gathered:
+        x_ND = jax.lax.all_gather(x_ND, EXPERT, tiled=True)  # [S*N, D]
+        experts_NK = jax.lax.all_gather(experts_NK, EXPERT, tiled=True)
+        weights_NK = jax.lax.all_gather(weights_NK, EXPERT, tiled=True)
+    rows, order, sizes_E = dispatch.permute(x_ND, experts_NK, c.num_experts)
     offset = jax.lax.axis_index(EXPERT) * x_local
     y = dispatch.expert_ffn_sorted(rows, wi_0, wi_1, wo, sizes_E, c, dtype, group_offset=offset)
-    out_all = dispatch.unpermute_combine(y, order, weights_all, c, dtype)  # local experts' part
+    out_all = dispatch.unpermute_combine(y, order, weights_NK, c, dtype)  # local experts' part
+    if gathered:
+        return jax.lax.psum(out_all, EXPERT), jnp.int32(0)
     out_ND = jax.lax.psum_scatter(out_all, EXPERT, scatter_dimension=0, tiled=True)
     return out_ND, jnp.int32(0)
 
@@ -292,50 +301,69 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype):
 # The shard_map.
 
 
-def global_stats(routing: router.Routing, num_local_tokens: int, dropped, c: Config):
-    """MoEStats from sums over all batch shards (identical on every shard)."""
-    counts_E = jax.lax.psum(routing.counts_E, BATCH_AXES)
-    prob_sum_E = jax.lax.psum(routing.prob_sum_E, BATCH_AXES)
-    shards = jax.lax.axis_size(BATCH_AXES)
-    # `dropped` is already the total over the expert group; sum the groups (data, fsdp).
-    total_dropped = jax.lax.psum(dropped.astype(jnp.float32), BATCH_AXES) / jax.lax.axis_size(
-        EXPERT
-    )
-    return router.balance_stats(counts_E, prob_sum_E, num_local_tokens * shards, c, total_dropped)
+def token_axes() -> tuple[str, ...]:
+    """Mesh axes the MoE input tokens are sharded over: the rules' `batch` entry (batch axes)."""
+    rules = current_rules()
+    axes = tuple(rules["batch"]) if rules is not None and "batch" in rules else BATCH_AXES
+    return tuple(a for a in axes if a in BATCH_AXES)
 
 
-def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, *, c: Config, dtype, impl):
+def global_stats(routing: router.Routing, num_tokens: int, dropped, c: Config, axes):
+    """MoEStats from sums over the shards whose routed tokens differ (`axes`), on every shard.
+
+    `dropped` is already the total of an expert group (the same on each of its shards).
+    """
+    counts_E = jax.lax.psum(routing.counts_E, axes)
+    prob_sum_E = jax.lax.psum(routing.prob_sum_E, axes)
+    groups = jax.lax.axis_size(EXPERT) if EXPERT in axes else 1
+    total_dropped = jax.lax.psum(dropped.astype(jnp.float32), axes) / groups
+    shards = jax.lax.axis_size(axes)
+    return router.balance_stats(counts_E, prob_sum_E, num_tokens * shards, c, total_dropped)
+
+
+def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, *, c, dtype, impl, split):
+    """One shard. `split`: the tokens are sharded over `expert` (else replicated over it)."""
     b, t, d = x_BTD_local.shape
     x_ND = x_BTD_local.reshape(b * t, d)
-    routing = router.route(router_p, x_ND, c)
     w = (wi_0_local, wi_1_local, wo_local)
+    stat_axes = token_axes() if split else (*token_axes(), EXPERT)
     if c.use_ring_of_experts:
-        out_ND, dropped = ring_dispatch(x_ND, routing, w, c, dtype)
+        stat_axes = token_axes()
+        routing = router.route(router_p, x_ND, c)
+        out_ND, dropped = ring_dispatch(x_ND, routing, w, c, dtype, gathered=not split)
     else:
+        if not split:  # replicated tokens: each expert shard routes and sends its 1/EP slice
+            n = x_ND.shape[0] // jax.lax.axis_size(EXPERT)
+            x_ND = jax.lax.dynamic_slice_in_dim(x_ND, jax.lax.axis_index(EXPERT) * n, n)
+        routing = router.route(router_p, x_ND, c)
         out_ND, dropped = a2a_dispatch(x_ND, routing, w, c, dtype, impl)
+        if not split:
+            out_ND = jax.lax.all_gather(out_ND, EXPERT, tiled=True, to="invarying")
     out_ND = jax.lax.psum(out_ND, TENSOR)  # partial sums over the F shards
-    stats = global_stats(routing, b * t, dropped, c)
+    stats = global_stats(routing, routing.experts_NK.shape[0], dropped, c, stat_axes)
     return out_ND.reshape(b, t, d), stats
 
 
 def apply(router_p: router.Router, wi_0_EDF, wi_1_EDF, wo_EFD, x_BTD, c: Config, dtype):
     """Routed experts' output [B, T, D] and global MoEStats under the active mesh.
 
-    Global shapes in, global shapes out. Per device: x [B/(data*fsdp*expert), T, D], weights
-    [E/expert, D, F/tensor]; weights stored over `fsdp` are all-gathered by the in_specs.
+    Global shapes in, global shapes out. Per device: x [B/(data*fsdp*expert), T, D] (or
+    [B/(data*fsdp), T, D] under expert-as-TP rules, where `batch` does not use `expert`),
+    weights [E/expert, D, F/tensor]; weights stored over `fsdp` are all-gathered by the in_specs.
     """
     impl = resolve_a2a_impl(c)
+    axes = token_axes()
     w_spec = P(EXPERT, None, TENSOR)
     wo_spec = P(EXPERT, TENSOR, None)
     router_spec = jax.tree.map(lambda _: P(), router_p)
 
     def body(x, rp, wi_0, wi_1, wo):
-        return _body(x, rp, wi_0, wi_1, wo, c=c, dtype=dtype, impl=impl)
+        return _body(x, rp, wi_0, wi_1, wo, c=c, dtype=dtype, impl=impl, split=EXPERT in axes)
 
     stats_spec = router.MoEStats(load_E=P(), lb_loss=P(), dropped=P())
     fn = jax.shard_map(
         body,
-        in_specs=(P(BATCH_AXES), router_spec, w_spec, w_spec, wo_spec),
-        out_specs=(P(BATCH_AXES), stats_spec),
+        in_specs=(P(axes), router_spec, w_spec, w_spec, wo_spec),
+        out_specs=(P(axes), stats_spec),
     )
     return fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD)
