@@ -2,9 +2,10 @@
 
 For EP = 1, 2, 4, 8 (the rest of the 8 devices on `data`), both sparse strategies (all-to-all
 with the backend's implementation, ring of experts), balanced and skewed routing: time per routed
-token (fwd+bwd), and bytes moved by the dispatch collectives per layer, per device, counted from
-the compiled HLO (result shapes of all-to-all / all-gather / reduce-scatter; all-reduces, which
-are the gradient reductions over `data` and the stats, are reported apart), against the ideal:
+token (fwd+bwd), and bytes each device sends in the dispatch collectives per layer, counted from
+the compiled HLO (result shapes and group sizes of all-to-all / all-gather / reduce-scatter, see
+`collective_bytes`; all-reduces, the gradient reductions over `data` and the stats, are reported
+apart), against the ideal:
 all-to-all 2*k*D*bytes per token each way (forward; twice that with the backward), ring
 (EP-1)*N*D*bytes per all-gather and per reduce-scatter (forward; twice with the backward).
 Baseline in the same run: the single-device sparse path without a mesh.
@@ -40,8 +41,20 @@ DISPATCH_OPS = ("all-to-all", "all-gather", "reduce-scatter", "collective-permut
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
 
 
+def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+    return len(m.group(1).split(",")) if m else 1
+
+
 def collective_bytes(hlo: str) -> dict[str, int]:
-    """Sum of result bytes per collective kind in a compiled (per-device) HLO module."""
+    """Bytes each device sends, per collective kind, in a compiled (per-device) HLO module.
+
+    From result shapes and the group size S: all-gather and all-to-all send (S-1)/S of the
+    result, reduce-scatter (S-1) x the result, all-reduce 2(S-1)/S of it (ring algorithm).
+    """
     out: dict[str, int] = {}
     for line in hlo.splitlines():
         m = re.search(
@@ -55,7 +68,14 @@ def collective_bytes(hlo: str) -> dict[str, int]:
         for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
             n = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
             total += n * _BYTES.get(dt, 4)
-        out[m.group(2)] = out.get(m.group(2), 0) + total
+        s = _group_size(line)
+        factor = {
+            "all-gather": (s - 1) / s,
+            "all-to-all": (s - 1) / s,
+            "reduce-scatter": s - 1,
+            "all-reduce": 2 * (s - 1) / s,
+        }.get(m.group(2), 1)
+        out[m.group(2)] = out.get(m.group(2), 0) + int(total * factor)
     return out
 
 

@@ -106,7 +106,8 @@ def _plan_roundtrip(experts_SNK, buffer_factor=-1.0, num_experts=16):
         recv, plan, order = ep.route_and_send(x, experts, c, "padded")
         local_order, sizes = ep.sort_by_local_expert(recv, plan.recv_counts_SX)
         sorted_rows = jnp.take(recv, local_order, axis=0)
-        back = ep.unsort_and_return(sorted_rows, local_order, plan, order.shape[0], "padded")
+        block = ep.padded_block_rows(c, n, S, recv.shape[0])
+        back = ep.unsort_and_return(sorted_rows, local_order, plan, order.shape[0], "padded", block)
         rows, _, _ = ep.dispatch.permute(x, experts, c.num_experts)
         return back[None], rows[None], sizes[None], plan.dropped[None]
 

@@ -205,7 +205,7 @@ def route_and_send(x_ND, experts_NK, c: Config, impl: str):
     counts_SE = jax.lax.all_gather(sizes_E, EXPERT)
     m = buffer_rows(c, n * k, n, ep)
     plan = make_plan(counts_SE, jax.lax.axis_index(EXPERT), m)
-    block = min(n * min(k, c.num_experts // ep), m)
+    block = padded_block_rows(c, n, ep, m)
     recv_MD = all_to_all(
         impl,
         rows_RD,
@@ -238,13 +238,21 @@ def local_expert_ffn(rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c: Conf
     return dispatch.expert_ffn_sorted(rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c, dtype)
 
 
-def unsort_and_return(y_sorted_MD, order_M, plan: ExchangePlan, num_rows: int, impl: str):
+def padded_block_rows(c: Config, num_tokens: int, ep: int, buffer: int) -> int:
+    """Rows per peer block of the padded all-to-all, both ways: the most one shard can send one
+    peer (N tokens x min(K, local experts)), and never more than the receive buffer."""
+    return min(num_tokens * min(c.num_experts_per_tok, c.num_experts // ep), buffer)
+
+
+def unsort_and_return(
+    y_sorted_MD, order_M, plan: ExchangePlan, num_rows: int, impl: str, block_rows: int
+):
     """Undo the local sort and send each row back to its source shard (reverse all-to-all).
 
     Returns [R, D] rows in this shard's expert-sorted order; rows that were dropped are zero.
     """
     y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
-    block = min(num_rows, y_MD.shape[0])
+    block = min(block_rows, num_rows)
     return all_to_all(
         impl,
         y_MD,
@@ -265,7 +273,10 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str):
     y_sorted = local_expert_ffn(
         jnp.take(recv_MD, order_M, axis=0), wi_0, wi_1, wo, sizes_X, c, dtype
     )
-    back_RD = unsort_and_return(y_sorted, order_M, plan, order_R.shape[0], impl)
+    n = x_ND.shape[0]
+    ep = jax.lax.axis_size(EXPERT)
+    block = padded_block_rows(c, n, ep, recv_MD.shape[0])
+    back_RD = unsort_and_return(y_sorted, order_M, plan, order_R.shape[0], impl, block)
     out_ND = dispatch.unpermute_combine(back_RD, order_R, routing.weights_NK, c, dtype)
     return out_ND, plan.dropped
 
