@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config import Config
-from expertax.convert import store
 from expertax.convert.hf import params_from_hf, write_hf
 from expertax.convert.hf_config import ConversionError, config_from_hf, config_to_hf
 
@@ -26,6 +25,8 @@ def load_hf(hf_dir: str | Path) -> tuple[Config, object]:
 
 def from_hf(hf_dir: str | Path, out_dir: str | Path) -> Config:
     """Convert an HF checkpoint directory into an expertax model directory (see `store`)."""
+    from expertax.convert import store  # Orbax is imported only when a directory is written
+
     c, params, hf = params_from_hf(hf_dir)
     store.save(out_dir, c, params, source="huggingface", hf_config=hf)
     return c
@@ -33,6 +34,8 @@ def from_hf(hf_dir: str | Path, out_dir: str | Path) -> Config:
 
 def to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5 * 2**30):
     """Convert an expertax model directory into config.json + safetensors for transformers."""
+    from expertax.convert import store
+
     c, params, hf = store.load(ckpt_dir)
     return write_hf(params, c, out_dir, base_config=hf, max_shard_bytes=max_shard_bytes)
 
