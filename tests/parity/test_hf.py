@@ -17,6 +17,7 @@ pytest.importorskip("transformers", reason="parity tests need transformers (extr
 
 import torch  # noqa: E402
 from hf_models import build, hf_logits, prompt, save  # noqa: E402
+from hub_configs import HUB_DEEPSEEK_V3, HUB_MIXTRAL_8X7B  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
@@ -146,17 +147,26 @@ def test_transformers_loads_to_hf_output(tmp_path, preset):
     from transformers import AutoModelForCausalLM
 
     config = expertax.load_config(overrides={"model_name": preset})
-    params = expertax.init_params(config, jax.random.key(3))
-    if config.routed_bias:
-        bias = 0.1 * jax.random.normal(jax.random.key(4), params.moe_layers.moe.router.bias.shape)
-        router = dataclasses.replace(params.moe_layers.moe.router, bias=bias)
-        moe = dataclasses.replace(params.moe_layers.moe, router=router)
-        params = dataclasses.replace(
-            params, moe_layers=dataclasses.replace(params.moe_layers, moe=moe)
-        )
+    # numpy draws (init_params compiles a slow threefry program on CPU); unit-scale weights and
+    # a nonzero routing bias, like the HF-side models.
+    from expertax.models import decoder
+    from expertax.nn.param import is_spec
+
+    rng = np.random.default_rng(3)
+    draw = {
+        "normal": lambda s: s.scale * rng.standard_normal(s.shape),
+        "ones": lambda s: 1.0 + 0.2 * rng.standard_normal(s.shape),
+        "zeros": lambda s: 0.1 * rng.standard_normal(s.shape),  # the routing bias
+    }
+    params = jax.tree.map(
+        lambda s: draw[s.init](s).astype(np.float32), decoder.spec(config), is_leaf=is_spec
+    )
+    assert config.routed_bias == (params.moe_layers.moe.router.bias is not None)
     write_hf(params, config, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    tokens = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(1)
+    )
     ref = hf_logits(model, tokens)
     diff = _max_diff(expertax.logits(params, tokens.numpy(), config), ref)
     print(f"\nto-hf {preset}: max |logits diff| = {diff:.3g}")
@@ -168,8 +178,16 @@ def test_transformers_loads_to_hf_output(tmp_path, preset):
     from expertax.config.schema import ModelSection, MoESection
 
     # Model keys survive the trip; training-only keys have no HF field.
-    skip = {"model_name", "load_balance_loss_weight", "routed_bias_update_rate", "sparse_matmul",
-            "capacity_factor", "use_random_routing", "float32_weight_sum", "gmm_impl"}
+    skip = {
+        "model_name",
+        "load_balance_loss_weight",
+        "routed_bias_update_rate",
+        "sparse_matmul",
+        "capacity_factor",
+        "use_random_routing",
+        "float32_weight_sum",
+        "gmm_impl",
+    }
     if config.num_dense_layers == 0:
         skip.add("base_mlp_dim")  # unused without dense layers
     keys = (set(ModelSection.model_fields) | set(MoESection.model_fields)) - skip
@@ -213,7 +231,10 @@ def test_cli_round_trip(hf_dirs, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(expertax.__file__).parents[1])}
     run = lambda *a: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "expertax.cli", "convert", *map(str, a)],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     r = run("from-hf", path, tmp_path / "ours")
     assert r.returncode == 0, r.stderr
@@ -241,8 +262,11 @@ BAD_CONFIGS = [
     ("gelu", {"hidden_act": "gelu"}, "hidden_act"),
     ("attention bias", {"attention_bias": True}, "attention_bias"),
     ("rope linear", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
-    ("attention_factor", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                              "attention_factor": 2.0}}, "attention_factor"),
+    (
+        "attention_factor",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0}},
+        "attention_factor",
+    ),
     ("scoring softmax", {"scoring_func": "softmax"}, "scoring_func"),
     ("unknown field", {"some_new_feature": 3}, "some_new_feature"),
     ("gqa kv heads", {"num_key_value_heads": 2}, "num_key_value_heads"),
@@ -265,11 +289,78 @@ def test_unsupported_mixtral_sliding_window_and_tensor_errors(hf_dirs, tmp_path)
     path, _ = hf_dirs["mixtral"]
     t = _tensors(path)
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    save_file({k: v for k, v in t.items() if k != "model.norm.weight"},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {k: v for k, v in t.items() if k != "model.norm.weight"},
+        str(tmp_path / "model.safetensors"),
+    )
     with pytest.raises(ConversionError, match="lacks tensors model.norm.weight"):
         expertax.load_hf(tmp_path)
-    save_file({**t, "model.layers.0.self_attn.q_norm.weight": t["model.norm.weight"]},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {**t, "model.layers.0.self_attn.q_norm.weight": t["model.norm.weight"]},
+        str(tmp_path / "model.safetensors"),
+    )
     with pytest.raises(ConversionError, match="q_norm.weight .*no place"):
         expertax.load_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "hub,preset", [(HUB_DEEPSEEK_V3, "deepseek3-671b"), (HUB_MIXTRAL_8X7B, "mixtral-8x7b")]
+)
+def test_hub_configs_map_to_our_presets(hub, preset):
+    from expertax.config.schema import ModelSection, MoESection
+    from expertax.convert import config_to_hf
+
+    ours = config_from_hf(hub)
+    want = expertax.load_config(overrides={"model_name": preset})
+    unused = {"model_name", "load_balance_loss_weight", "base_mlp_dim", "head_dim", "mscale"}
+    keys = set(ModelSection.model_fields) | set(MoESection.model_fields)
+    differ = {k for k in keys if getattr(ours, k) != getattr(want, k)}
+    # head_dim is unused by MLA, base_mlp_dim by Mixtral; the rest are training-only keys
+    assert differ <= unused | {"routed_bias_update_rate", "gmm_impl", "sparse_matmul"}, differ
+    back = config_to_hf(ours, hub)
+    for key, value in hub.items():
+        # MTP layers are not converted, so to-hf writes num_nextn_predict_layers=0
+        if key in back and key not in ("torch_dtype", "num_nextn_predict_layers"):
+            assert back[key] == value or float(back[key]) == float(value), key
+    with pytest.raises(ConversionError, match="quantization_config"):
+        config_from_hf({**hub, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_router_matches_hf_group_limited_routing():
+    """Our router picks the experts and weights of HF's DeepseekV3TopkRouter, also with biases
+    pushing many biased scores below zero (where masking with 0.0 instead of -inf would differ)."""
+    import jax.numpy as jnp
+    from hf_models import deepseek_config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from expertax.config import build_config
+    from expertax.nn.moe import router as ours
+
+    hf_cfg = deepseek_config(q_lora_rank=None)
+    hf_router = DeepseekV3TopkRouter(hf_cfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        hf_router.weight.copy_(torch.randn(hf_router.weight.shape, generator=g) / 8)
+        hf_router.e_score_correction_bias.copy_(torch.randn(8, generator=g) - 0.7)
+    x = torch.randn(512, 64, generator=g)
+    _, w_hf, idx_hf = hf_router(x)
+    config = build_config(dict(config_from_hf(hf_cfg.to_dict()).model_dump()))
+    p = ours.Router(
+        w=jnp.asarray(hf_router.weight.detach().numpy().T),
+        bias=jnp.asarray(hf_router.e_score_correction_bias.numpy()),
+    )
+    r = ours.route(p, jnp.asarray(x.numpy()), config)
+    order_hf = np.argsort(idx_hf.numpy(), -1)
+    order = np.argsort(np.asarray(r.experts_NK), -1)
+    np.testing.assert_array_equal(
+        np.take_along_axis(np.asarray(r.experts_NK), order, -1),
+        np.take_along_axis(idx_hf.numpy(), order_hf, -1),
+    )
+    np.testing.assert_allclose(
+        np.take_along_axis(np.asarray(r.weights_NK), order, -1),
+        np.take_along_axis(w_hf.detach().numpy(), order_hf, -1),
+        rtol=1e-6,
+        atol=1e-7,
+    )
+    biased = 1 / (1 + np.exp(-(x.numpy() @ hf_router.weight.detach().numpy().T)))
+    assert np.mean(biased + hf_router.e_score_correction_bias.numpy() < 0) > 0.2

@@ -1,8 +1,8 @@
 """HuggingFace <-> expertax conversion (DeepSeek-V3, Mixtral); see docs/design/convert.md.
 
-    load_hf(hf_dir) -> (config, params)          an HF checkpoint, ready for `expertax.logits`
-    from_hf(hf_dir, out_dir) -> Config            HF checkpoint -> expertax model directory
-    to_hf(ckpt_dir, out_dir) -> list of files     expertax model directory -> HF checkpoint
+load_hf(hf_dir) -> (config, params)          an HF checkpoint, ready for `expertax.logits`
+from_hf(hf_dir, out_dir) -> Config            HF checkpoint -> expertax model directory
+to_hf(ckpt_dir, out_dir) -> list of files     expertax model directory -> HF checkpoint
 """
 
 from __future__ import annotations

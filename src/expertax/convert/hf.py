@@ -71,8 +71,9 @@ def _attention(c: Config, stack: str, i: int, p: str, interleave: bool) -> list[
     else:
         out.append(TensorMap(p + "self_attn.q_proj.weight", f"{a}.wq", (i,), "linear", rope=q_rope))
     return out + [
-        TensorMap(p + "self_attn.kv_a_proj_with_mqa.weight", f"{a}.wkv_a", (i,), "linear",
-                  rope=kv_rope),
+        TensorMap(
+            p + "self_attn.kv_a_proj_with_mqa.weight", f"{a}.wkv_a", (i,), "linear", rope=kv_rope
+        ),
         TensorMap(p + "self_attn.kv_a_layernorm.weight", f"{a}.kv_norm", (i,), "copy"),
         TensorMap(p + "self_attn.kv_b_proj.weight", f"{a}.wkv_b", (i,), "linear"),
         TensorMap(p + "self_attn.o_proj.weight", f"{a}.wo", (i,), "linear", n_in=2),
@@ -181,7 +182,7 @@ def _unflatten(c: Config, arrays: dict[str, np.ndarray]) -> decoder.Decoder:
 
 
 class _Filler:
-    """Stacked numpy leaves, allocated at their first tensor (in its dtype), filled slice by slice."""
+    """Stacked numpy leaves, allocated at their first tensor (in its dtype), filled by slices."""
 
     def __init__(self, c: Config):
         self.specs = leaf_specs(c)
@@ -215,9 +216,7 @@ def _fill_fused(c: Config, filler: _Filler, name: str, w: np.ndarray) -> None:
         _check_shape(name, w.shape, (e, 2 * f, d))
         filler.put("moe_layers.moe.wi_0", (i,), np.swapaxes(w[:, :f], 1, 2), name)
         filler.put("moe_layers.moe.wi_1", (i,), np.swapaxes(w[:, f:], 1, 2), name)
-        filler.filled.update(
-            (f"moe_layers.moe.wi_{k}", (i, j)) for k in (0, 1) for j in range(e)
-        )
+        filler.filled.update((f"moe_layers.moe.wi_{k}", (i, j)) for k in (0, 1) for j in range(e))
     else:
         _check_shape(name, w.shape, (e, d, f))
         filler.put("moe_layers.moe.wo", (i,), np.swapaxes(w, 1, 2), name)
@@ -265,18 +264,23 @@ def params_from_hf(hf_dir: str | Path) -> tuple[Config, decoder.Decoder, dict]:
                 continue
             t = maps.get(name)
             if t is None:
-                raise ConversionError(f"tensor {name} in {hf_dir} has no place in the expertax model")
-            shape = filler.specs[t.leaf].shape[len(t.index):]
+                raise ConversionError(
+                    f"tensor {name} in {hf_dir} has no place in the expertax model"
+                )
+            shape = filler.specs[t.leaf].shape[len(t.index) :]
             _check_shape(name, reader.shape(name), hf_shape(t, shape))
             filler.put(t.leaf, t.index, to_ours(t, reader.get(name), shape), name)
     missing = [t.hf_name for t in canonical if (t.leaf, t.index) not in filler.filled]
     if missing:
-        raise ConversionError(f"{hf_dir} lacks tensors {', '.join(missing[:5])}"
-                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise ConversionError(
+            f"{hf_dir} lacks tensors {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
     return c, _unflatten(c, filler.arrays), hf
 
 
 # ----------------------------------------------------------------------------------- ours -> HF
+
 
 def _leaf_arrays(params: decoder.Decoder) -> dict[str, object]:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -307,7 +311,7 @@ def write_hf(
     entries = []
     for t in maps:
         leaf = leaves[t.leaf]
-        shape = tuple(leaf.shape[len(t.index):])
+        shape = tuple(leaf.shape[len(t.index) :])
         entries.append((t.hf_name, hf_shape(t, shape), np.dtype(leaf.dtype)))
 
     def produce(name: str) -> np.ndarray:

@@ -34,7 +34,7 @@ _IGNORED: dict[str, str] = {
     "use_cache": "generation only",
     "initializer_range": "initialization only",
     "output_router_logits": "HF output option",
-    "max_position_embeddings": "kept in hf_config.json; YaRN reads original_max_position_embeddings",
+    "max_position_embeddings": "kept in hf_config.json (YaRN uses original_max_...)",
     "torch_dtype": "mapped to weight_dtype",
     "dtype": "mapped to weight_dtype",
     "head_dim": "DeepSeek: derived (= qk_rope_head_dim); Mixtral: mapped",
@@ -50,6 +50,27 @@ _IGNORED: dict[str, str] = {
     "_attn_implementation": "HF kernel choice",
     "tie_word_embeddings": "mapped to logits_via_embedding",
 }
+# Generic transformers PretrainedConfig fields (to_dict() writes them): not model features.
+_IGNORED.update(
+    dict.fromkeys(
+        (
+            "_name_or_path",
+            "chunk_size_feed_forward",
+            "id2label",
+            "label2id",
+            "is_encoder_decoder",
+            "output_attentions",
+            "output_hidden_states",
+            "problem_type",
+            "return_dict",
+            "torchscript",
+            "tokenizer_class",
+            "task_specific_params",
+            "finetuning_task",
+        ),
+        "generic transformers config field",
+    )
+)
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -144,12 +165,32 @@ def _deepseek(hf: dict) -> tuple[dict[str, Any], set[str]]:
         "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
     }
     mapped = {
-        "hidden_act", "attention_bias", "scoring_func", "topk_method", "moe_layer_freq",
-        "num_attention_heads", "num_key_value_heads", "q_lora_rank", "n_shared_experts",
-        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-        "num_hidden_layers", "first_k_dense_replace", "kv_lora_rank", "qk_nope_head_dim",
-        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_local_experts",
-        "num_experts_per_tok", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob",
+        "hidden_act",
+        "attention_bias",
+        "scoring_func",
+        "topk_method",
+        "moe_layer_freq",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "q_lora_rank",
+        "n_shared_experts",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "first_k_dense_replace",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "routed_scaling_factor",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
     }
     return keys, mapped
 
@@ -178,10 +219,20 @@ def _mixtral(hf: dict) -> tuple[dict[str, Any], set[str]]:
         "load_balance_loss_weight": float(hf.get("router_aux_loss_coef", 0.0)),
     }
     mapped = {
-        "hidden_act", "sliding_window", "router_jitter_noise", "num_attention_heads",
-        "vocab_size", "hidden_size", "num_key_value_heads", "intermediate_size",
-        "num_hidden_layers", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
-        "use_sliding_window", "max_window_layers",
+        "hidden_act",
+        "sliding_window",
+        "router_jitter_noise",
+        "num_attention_heads",
+        "vocab_size",
+        "hidden_size",
+        "num_key_value_heads",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "router_aux_loss_coef",
+        "use_sliding_window",
+        "max_window_layers",
     }
     if hf.get("use_sliding_window"):
         raise ConversionError("HF config field use_sliding_window=true is not supported")
@@ -212,11 +263,14 @@ def config_from_hf(hf: dict) -> Config:
         raise ConversionError("HF config field rope_parameters: Mixtral supports default RoPE only")
     if model_type == "deepseek_v3" and keys["num_experts_per_tok"] == 1 and keys["norm_topk_prob"]:
         raise ConversionError(
-            "HF config fields num_experts_per_tok=1 with norm_topk_prob=true: HF normalizes a single "
-            "weight to 1, expertax keeps the raw score; not supported"
+            "HF config fields num_experts_per_tok=1 with norm_topk_prob=true: HF normalizes a "
+            "single weight to 1, expertax keeps the raw score; not supported"
         )
     unknown = sorted(
-        set(hf) - mapped - set(_IGNORED) - set(_ROPE_FIELDS)
+        set(hf)
+        - mapped
+        - set(_IGNORED)
+        - set(_ROPE_FIELDS)
         - {"quantization_config", "attention_dropout", "rms_norm_eps"}
     )
     if unknown:

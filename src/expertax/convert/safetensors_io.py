@@ -34,9 +34,7 @@ class Reader:
             with safe_open(self.directory / SINGLE_FILE, "numpy") as f:
                 weight_map = {name: SINGLE_FILE for name in f.keys()}
         else:
-            raise FileNotFoundError(
-                f"{self.directory} has neither {SINGLE_FILE} nor {INDEX_FILE}"
-            )
+            raise FileNotFoundError(f"{self.directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
         self.weight_map: dict[str, str] = dict(weight_map)
         self._files: dict[str, object] = {}
 
@@ -94,9 +92,9 @@ def write(
         shards[-1].append((name, nbytes))
         size += nbytes
     n = len(shards)
-    files = [SINGLE_FILE] if n == 1 else [
-        f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)
-    ]
+    files = (
+        [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     weight_map: dict[str, str] = {}
     total = 0
     for fname, shard in zip(files, shards):
