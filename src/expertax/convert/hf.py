@@ -282,9 +282,10 @@ def params_from_hf(hf_dir: str | Path) -> tuple[Config, decoder.Decoder, dict]:
 # ----------------------------------------------------------------------------------- ours -> HF
 
 
-def _leaf_arrays(params: decoder.Decoder) -> dict[str, object]:
+def _leaf_arrays(params: decoder.Decoder) -> dict[str, np.ndarray]:
+    """Leaves by dotted path, as host numpy arrays (a view, not a copy, for CPU jax arrays)."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {".".join(k.name for k in path): x for path, x in flat}
+    return {".".join(k.name for k in path): np.asarray(x) for path, x in flat}
 
 
 def write_hf(
@@ -316,7 +317,7 @@ def write_hf(
 
     def produce(name: str) -> np.ndarray:
         t = by_name[name]
-        return to_hf(t, np.asarray(leaves[t.leaf][t.index]))
+        return to_hf(t, leaves[t.leaf][t.index])
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

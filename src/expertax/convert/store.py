@@ -47,8 +47,12 @@ def save(out_dir: str | Path, c: Config, params, *, source: str, hf_config: dict
     (out / MARKER).write_text(json.dumps(marker) + "\n")
 
 
-def load(ckpt_dir: str | Path) -> tuple[Config, decoder.Decoder, dict | None]:
-    """(Config, parameters on the default device, source HF config or None)."""
+def load(ckpt_dir: str | Path, shardings=None) -> tuple[Config, decoder.Decoder, dict | None]:
+    """(Config, parameters, source HF config or None).
+
+    Parameters land on the first device, or in `shardings` (a `Decoder` tree of shardings, e.g.
+    `nn.param.shardings(decoder.spec(c), mesh, rules)`), read straight into each shard by Orbax.
+    """
     path = Path(ckpt_dir).resolve()
     marker = path / MARKER
     if not marker.is_file():
@@ -63,13 +67,16 @@ def load(ckpt_dir: str | Path) -> tuple[Config, decoder.Decoder, dict | None]:
         tree = getattr(meta, "item_metadata", meta)
         tree = getattr(tree, "tree", tree)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        spec = decoder.spec(c)
+        if shardings is None:
+            shardings = jax.tree.map(lambda _: device, spec, is_leaf=is_spec)
 
-        def target(key_path, spec):
+        def target(key_path, s, sharding):
             node = tree
             for k in key_path:
                 node = node[k.name]
-            return jax.ShapeDtypeStruct(spec.shape, node.dtype, sharding=device)
+            return jax.ShapeDtypeStruct(s.shape, node.dtype, sharding=sharding)
 
-        abstract = jax.tree_util.tree_map_with_path(target, decoder.spec(c), is_leaf=is_spec)
+        abstract = jax.tree_util.tree_map_with_path(target, spec, shardings, is_leaf=is_spec)
         params = ckptr.restore(path / PARAMS_DIR, abstract)
     return c, params, hf_config
