@@ -244,6 +244,10 @@ def test_cli_round_trip(hf_dirs, tmp_path):
     _assert_bitwise_equal(path, tmp_path / "back")
     r = run("from-hf", path, tmp_path / "ours")  # not empty: refused, one line, status 2
     assert r.returncode == 2 and "not empty" in r.stderr and "Traceback" not in r.stderr
+    r = run("to-hf", tmp_path / "ours", tmp_path / "back")  # never overwrites
+    assert r.returncode == 2 and "not empty" in r.stderr
+    r = run("to-hf", path, tmp_path / "other")  # an HF directory is not an expertax one
+    assert r.returncode == 2 and "not an expertax model directory" in r.stderr
     # the converted directory is a usable config for the trainer
     cfg = expertax.load_config(tmp_path / "ours" / "config.yml")
     assert cfg.decoder_block == "mixtral" and cfg.num_experts == 4
@@ -271,6 +275,7 @@ BAD_CONFIGS = [
     ("unknown field", {"some_new_feature": 3}, "some_new_feature"),
     ("gqa kv heads", {"num_key_value_heads": 2}, "num_key_value_heads"),
     ("dropout", {"attention_dropout": 0.1}, "attention_dropout"),
+    ("top-1 normalized", {"num_experts_per_tok": 1}, "num_experts_per_tok=1"),
 ]
 
 
@@ -286,6 +291,8 @@ def test_unsupported_mixtral_sliding_window_and_tensor_errors(hf_dirs, tmp_path)
 
     with pytest.raises(ConversionError, match="sliding_window"):
         config_from_hf({**mixtral_config().to_dict(), "sliding_window": 4096})
+    with pytest.raises(ConversionError, match="num_experts_per_tok=1"):
+        config_from_hf({**mixtral_config().to_dict(), "num_experts_per_tok": 1})
     path, _ = hf_dirs["mixtral"]
     t = _tensors(path)
     (tmp_path / "config.json").write_text((path / "config.json").read_text())

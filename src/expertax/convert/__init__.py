@@ -27,6 +27,7 @@ def from_hf(hf_dir: str | Path, out_dir: str | Path) -> Config:
     """Convert an HF checkpoint directory into an expertax model directory (see `store`)."""
     from expertax.convert import store  # Orbax is imported only when a directory is written
 
+    store.check_new_dir(out_dir)  # before the (long) conversion, not after
     c, params, hf = params_from_hf(hf_dir)
     store.save(out_dir, c, params, source="huggingface", hf_config=hf)
     return c
@@ -36,6 +37,7 @@ def to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5
     """Convert an expertax model directory into config.json + safetensors for transformers."""
     from expertax.convert import store
 
+    store.check_new_dir(out_dir)
     c, params, hf = store.load(ckpt_dir)
     return write_hf(params, c, out_dir, base_config=hf, max_shard_bytes=max_shard_bytes)
 

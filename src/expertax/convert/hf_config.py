@@ -261,7 +261,7 @@ def config_from_hf(hf: dict) -> Config:
     _, rope_keys = _rope(hf)
     if model_type == "mixtral" and rope_keys["rope_type"] != "default":
         raise ConversionError("HF config field rope_parameters: Mixtral supports default RoPE only")
-    if model_type == "deepseek_v3" and keys["num_experts_per_tok"] == 1 and keys["norm_topk_prob"]:
+    if keys["num_experts_per_tok"] == 1 and keys["norm_topk_prob"]:  # Mixtral always normalizes
         raise ConversionError(
             "HF config fields num_experts_per_tok=1 with norm_topk_prob=true: HF normalizes a "
             "single weight to 1, expertax keeps the raw score; not supported"

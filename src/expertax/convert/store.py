@@ -31,11 +31,17 @@ PARAMS_DIR = "params"
 HF_CONFIG = "hf_config.json"
 
 
+def check_new_dir(out_dir: str | Path) -> Path:
+    """`out_dir` resolved; a file or a non-empty directory is refused (nothing is overwritten)."""
+    out = Path(out_dir).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output directory {out} is not empty; choose a new one")
+    return out
+
+
 def save(out_dir: str | Path, c: Config, params, *, source: str, hf_config: dict | None = None):
     """Write a converted-model directory; `out_dir` must not exist or be empty."""
-    out = Path(out_dir).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"output directory {out} is not empty; choose a new one")
+    out = check_new_dir(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yml").write_text(config_to_yaml(c))
     if hf_config is not None:
