@@ -395,3 +395,29 @@ def test_converted_directory_restores_sharded(hf_dirs, tmp_path):
     assert len({s.device for s in wq_b.addressable_shards}) == 8
     for a, b in zip(jax.tree.leaves(on_one), jax.tree.leaves(sharded), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_from_hf_holds_the_model_once(tmp_path):
+    """from-hf's reading holds the model plus one tensor; its Orbax save adds no copy (Orbax's
+    default deep-copies every numpy leaf first: that would add the whole model)."""
+    import tracemalloc
+
+    from expertax.convert import store
+    from expertax.convert.hf import params_from_hf
+
+    path = save(build("deepseek-qlora", seed=9), tmp_path / "hf")
+    model_bytes = sum(x.nbytes for _, x in iter_tensors(path))
+    largest = max(x.nbytes for _, x in iter_tensors(path))
+    store.save(tmp_path / "warm-up", *params_from_hf(path)[:2], source="test")
+    tracemalloc.start()
+    try:
+        config, params, _ = params_from_hf(path)
+        _, read_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        before, _ = tracemalloc.get_traced_memory()
+        store.save(tmp_path / "ours", config, params, source="test")
+        _, save_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert read_peak < model_bytes + 2 * largest + 2**19, (read_peak, model_bytes, largest)
+    assert save_peak - before < model_bytes / 2, (save_peak - before, model_bytes)

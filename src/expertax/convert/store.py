@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from expertax.config import Config, build_config, config_to_yaml
@@ -46,9 +47,16 @@ def save(out_dir: str | Path, c: Config, params, *, source: str, hf_config: dict
     (out / "config.yml").write_text(config_to_yaml(c))
     if hf_config is not None:
         (out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out / PARAMS_DIR, params)
-        ckptr.wait_until_finished()
+    # Synchronous, and numpy leaves written in place: Orbax's default NumpyHandler deep-copies
+    # every host array first (a second copy of the whole model), which a 671B conversion cannot
+    # afford. `save_concurrent_gb` bounds the bytes in flight.
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ocp.type_handlers.ArrayHandler()),
+    )
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, save_concurrent_gb=4)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(out / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
     marker = {"format": FORMAT, "version": FORMAT_VERSION, "source": source}
     (out / MARKER).write_text(json.dumps(marker) + "\n")
 
