@@ -92,8 +92,10 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    if kind == "mixtral":
-        return randomize(MixtralForCausalLM(mixtral_config()), seed)
+    if kind.startswith("mixtral"):
+        config = mixtral_config()
+        config.tie_word_embeddings = kind == "mixtral-tied"
+        return randomize(MixtralForCausalLM(config), seed)
     q_lora = 24 if kind == "deepseek-qlora" else None
     return randomize(DeepseekV3ForCausalLM(deepseek_config(q_lora_rank=q_lora)), seed)
 

@@ -32,7 +32,7 @@ TOLERANCE = {"float32": 1e-4}
 # A wrong layout must miss by far more than the tolerance (negative controls).
 MISS = 1e-2
 
-VARIANTS = ["deepseek-qlora", "deepseek-plain-q", "mixtral"]
+VARIANTS = ["deepseek-qlora", "deepseek-plain-q", "mixtral", "mixtral-tied"]
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +72,7 @@ def test_logits_match_transformers(hf_dirs, kind):
     diff = _max_diff(out, ref)
     print(f"\n{kind}: max |logits diff| = {diff:.3g} (logits scale {np.abs(ref).max():.3g})")
     assert diff <= TOLERANCE["float32"]
+    assert config.logits_via_embedding == (kind == "mixtral-tied") == (params.lm_head is None)
     if kind.startswith("deepseek"):
         assert config.rope_type == "yarn" and config.uses_routing_groups
         assert config.num_dense_layers == 1 and config.shared_experts == 1
