@@ -422,3 +422,17 @@ def test_from_hf_holds_the_model_once(tmp_path):
         tracemalloc.stop()
     assert read_peak < model_bytes + 2 * largest + 2**19, (read_peak, model_bytes, largest)
     assert save_peak - before < model_bytes / 2, (save_peak - before, model_bytes)
+
+
+def test_absent_fields_take_transformers_defaults():
+    """A sparse config.json means what it means to transformers (its config class defaults)."""
+    from transformers import DeepseekV3Config, MixtralConfig
+
+    from expertax.config.schema import ModelSection, MoESection
+
+    keys = (set(ModelSection.model_fields) | set(MoESection.model_fields)) - {"model_name"}
+    for model_type, cls in (("mixtral", MixtralConfig), ("deepseek_v3", DeepseekV3Config)):
+        sparse = config_from_hf({"model_type": model_type})
+        full = config_from_hf({**cls().to_dict(), "num_nextn_predict_layers": 0})
+        differ = {k for k in keys if getattr(sparse, k) != getattr(full, k)}
+        assert not differ, (model_type, {k: (getattr(sparse, k), getattr(full, k)) for k in differ})

@@ -72,6 +72,51 @@ _IGNORED.update(
     )
 )
 
+# Values transformers' config classes (DeepseekV3Config, MixtralConfig) use for absent fields, so
+# a sparse config.json means what it means to transformers.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_theta": 10_000.0,
+    },
+    "mixtral": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "num_experts_per_tok": 2,
+        "num_local_experts": 8,
+        "router_aux_loss_coef": 0.001,
+        "rope_theta": 1_000_000.0,
+    },
+}
+
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -91,7 +136,7 @@ def _rope(hf: dict) -> tuple[dict, dict[str, Any]]:
         raise ConversionError(
             "HF config field rope_parameters: per-layer-type RoPE parameters are not supported"
         )
-    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    theta = params.get("rope_theta", hf["rope_theta"])
     kind = params.get("rope_type", params.get("type", "default"))
     out: dict[str, Any] = {"rope_max_timescale": float(theta)}
     if kind == "default":
@@ -251,6 +296,7 @@ def config_from_hf(hf: dict) -> Config:
         raise ConversionError(
             f"HF config field model_type={model_type!r} is not supported ({', '.join(SUPPORTED)})"
         )
+    hf = {**_HF_DEFAULTS[model_type], **hf}
     if hf.get("quantization_config"):
         raise ConversionError(
             "HF config field quantization_config is set: quantized (e.g. fp8) checkpoints are not "
