@@ -211,6 +211,8 @@ def _fill_fused(c: Config, filler: _Filler, name: str, w: np.ndarray) -> None:
     """transformers >= 5 in-memory layout: experts.gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
     layer, which = _FUSED.match(name).groups()
     i = int(layer) - c.num_dense_layers
+    if i < 0:
+        raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
     e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
     if which == "gate_up_proj":
         _check_shape(name, w.shape, (e, 2 * f, d))
