@@ -35,17 +35,6 @@ MISS = 1e-2
 VARIANTS = ["deepseek-qlora", "deepseek-plain-q", "mixtral", "mixtral-tied"]
 
 
-@pytest.fixture(autouse=True)
-def _allow_rank_promotion():
-    """The model code broadcasts [D] and [E] vectors against activations implicitly (nn/norm.py
-    rms_norm scale, nn/moe/router.py bias), which tests/conftest.py's strict rank promotion
-    refuses; those files are outside this suite, so the parity tests run with "allow"."""
-    import jax
-
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
-
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, tuple[Path, np.ndarray]]:
     """Each variant saved once (q-LoRA DeepSeek with the hub's rope_scaling style), with its
