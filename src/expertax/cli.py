@@ -64,11 +64,30 @@ def cmd_parity(args) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_convert(args) -> int:
+    from expertax.convert import from_hf, to_hf
+
+    try:  # user errors (bad paths, unsupported configs) print one line, like config errors
+        if args.direction == "from-hf":
+            c = from_hf(args.src, args.dst)
+            print(f"expertax: wrote a {c.decoder_block} model to {args.dst}")
+        else:
+            files = to_hf(args.src, args.dst)
+            print(f"expertax: wrote {', '.join(files)} to {args.dst}")
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable]] = {
     "train": ("train a model: expertax train [PRESET.yml ...] [key=value ...]", cmd_train),
     "parity": (
         "every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]",
         cmd_parity,
+    ),
+    "convert": (
+        "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR",
+        cmd_convert,
     ),
 }
 
@@ -88,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated subset, e.g. sparse-ring-ep8,dense-ep2-tp2-data2",
     )
+    convert = sub.add_parser("convert", help=COMMANDS["convert"][0])
+    convert.add_argument("direction", choices=("from-hf", "to-hf"))
+    convert.add_argument("src", help="HF_DIR (from-hf) or expertax CKPT_DIR (to-hf)")
+    convert.add_argument("dst", help="OUT_DIR, new or empty")
     return parser
 
 
