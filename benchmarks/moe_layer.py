@@ -42,6 +42,12 @@ _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "
 
 
 def _group_size(line: str) -> int:
+    """Devices per replica group, from any of XLA's three printed forms."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        names = re.findall(r"'([^']+)'", m.group(2))
+        return int(np.prod([int(sizes[n]) for n in names])) if names else 1
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
     if m:
         return int(m.group(2))
