@@ -284,3 +284,14 @@ def test_describe_dispatch_and_auto_impl():
 def test_bad_ep_configs_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=["model_name=mixtral-tiny", *overrides])
+
+
+def test_ragged_impl_traces_and_lowers_with_gradients():
+    """a2a_impl=ragged: forward and transpose lower to ragged-all-to-all (XLA:CPU cannot compile
+    it, so this checks the program, not the numbers; the padded twin is checked above)."""
+    c, p, x = _layer_case([*LAYOUTS["a2a-ep8"], "a2a_impl=ragged"])
+    mesh = make_mesh(c)
+    f = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    with jax.set_mesh(mesh), use_rules(config_rules(c)):
+        text = f.lower(p, x, c).as_text()
+    assert text.count("ragged_all_to_all") == 4  # send and return, forward and transposed
