@@ -119,7 +119,9 @@ def loss(p, x, c):
 
 
 def time_case(c, p, x, mesh, iters):
-    f = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)
+    # Gradients for the weights and the input, as inside a model (the input's gradient needs
+    # the transposed forward all-to-all / all-gather).
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
     if mesh is None:
         compiled = f.lower(p, x, c).compile()
         args = (p, x)
