@@ -56,7 +56,7 @@ def check_routing_groups(c: Config) -> None:
 
 
 def check_heads(c: Config) -> None:
-    if c.base_num_query_heads % c.base_num_kv_heads:
+    if c.attention_type == "gqa" and c.base_num_query_heads % c.base_num_kv_heads:
         raise ConfigError(
             f"base_num_query_heads={c.base_num_query_heads} is not a multiple of "
             f"base_num_kv_heads={c.base_num_kv_heads}"

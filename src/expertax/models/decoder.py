@@ -111,10 +111,26 @@ def forward(
 ) -> tuple[jax.Array, MoEStats | None]:
     """Float32 logits [B, T, V] and the MoE layers' stats ([L_moe, ...] leaves, or None)."""
     dtype = jnp.dtype(c.dtype)
-    b, t = inputs_BT.shape
+    x_BTD = jnp.take(params.embed, inputs_BT, axis=0).astype(dtype)
+    return forward_embedded(
+        params, x_BTD, c, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT
+    )
+
+
+def forward_embedded(
+    params: Decoder,
+    x_BTD: jax.Array,
+    c: Config,
+    *,
+    positions_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+) -> tuple[jax.Array, MoEStats | None]:
+    """`forward` from already-embedded inputs [B, T, D] (gradients w.r.t. inputs, tests)."""
+    dtype = jnp.dtype(c.dtype)
+    b, t, _ = x_BTD.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x_BTD = constrain(jnp.take(params.embed, inputs_BT, axis=0).astype(dtype), ACT_BTD)
+    x_BTD = constrain(x_BTD.astype(dtype), ACT_BTD)
     stats = None
     if params.dense_layers is not None:
         x_BTD, _ = run_stack(params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)

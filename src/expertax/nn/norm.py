@@ -16,4 +16,5 @@ def rms_norm(scale_D: jax.Array, x: jax.Array, eps: float) -> jax.Array:
     """x / rms(x) * scale, computed in float32 and returned in x's dtype."""
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (x32 * inv * scale_D.astype(jnp.float32)).astype(x.dtype)
+    scale = scale_D.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale_D.shape)
+    return (x32 * inv * scale).astype(x.dtype)
