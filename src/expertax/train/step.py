@@ -75,7 +75,7 @@ def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainS
     grad_dtype = jnp.dtype(c.grad_dtype)
     if grad_dtype != jnp.dtype(c.weight_dtype):
         grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(ce) & jnp.isfinite(lb) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
