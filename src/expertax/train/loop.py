@@ -479,24 +479,32 @@ def _run(c: Config, trainer: Trainer, run: RunDir, writer, say, stop_after_step)
 
     pending = None
     t_prev = time.perf_counter()
+    saved = done = start
+
+    def save(force: bool) -> None:
+        nonlocal pending, t_prev, saved
+        if not saving or saved == done or not run.checkpointer.should_save(done, force=force):
+            return
+        if pending is not None:  # a non-finite step must stop the run before it is saved
+            t_prev, pending = emit(*pending, t_prev), None
+        ds = data_checkpoint_state(c, trainer, data, skipped)
+        run.checkpointer.maybe_save(done, state, ds, force=force)
+        saved = done
+
     with trainer.context():
         for step in range(start, end):
             try:
                 local = next(data)
             except StopIteration:
                 say(f"data exhausted (data_num_epochs={c.data_num_epochs}) before step {step}")
-                end = step
                 break
-            batch = trainer.put_batch(local)
-            state, m = step_fn(state, batch)
+            state, m = step_fn(state, trainer.put_batch(local))
+            done = step + 1
             if pending is not None:
                 t_prev = emit(*pending, t_prev)
             pending = (step, m)
-            if saving and run.checkpointer.should_save(step + 1, force=step + 1 == end):
-                # Read this step's metrics first: a non-finite step must stop before it is saved.
-                t_prev, pending = emit(*pending, t_prev), None
-                ds = data_checkpoint_state(c, trainer, data, skipped)
-                run.checkpointer.maybe_save(step + 1, state, ds, force=step + 1 == end)
+            save(force=done == end)
+        save(force=True)  # the last step, also when the data ran out
         if pending is not None:
             emit(*pending, t_prev)
     return _summary(c, trainer, run, records, state, data, skipped, say)

@@ -144,3 +144,12 @@ def test_packed_documents_do_not_attend_to_each_other(model):
     # Negative control: one segment over the whole row lets document 2 see document 1.
     grad_one = jax.grad(doc2_loss)(x_BTD, jnp.ones_like(segments))
     assert np.any(np.asarray(grad_one[:, :split]) != 0)
+
+
+def test_finite_epochs_end_the_run_with_a_checkpoint(corpus, tmp_path):
+    c = files_config(corpus, tmp_path, run_name="epoch", data_num_epochs=1, checkpoint_period=100)
+    summary = loop.train(c, echo=lambda *_: None)
+    records = (tmp_path / "epoch" / "metrics.jsonl").read_text().splitlines()
+    assert 2 <= len(records) < c.steps  # the corpus holds a few batches, not 20
+    steps = sorted(p.name for p in (tmp_path / "epoch" / "checkpoints").iterdir() if p.is_dir())
+    assert steps == [str(len(records))] and summary["final_loss"] > 0
