@@ -19,11 +19,11 @@ import jax
 import numpy as np
 import pytest
 
-from expertax.config import load_config
-from expertax.train import checkpoint
+from expertax.config import ConfigError, load_config
+from expertax.train import checkpoint, distributed
 from expertax.train.loop import build_trainer, train
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 
 CHILD = Path(__file__).with_name("_multihost_child.py")
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -64,6 +64,7 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").open()]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
     port = free_port()
     keys = {**MODEL, "base_output_directory": str(tmp_path), "run_name": "multi"}
@@ -117,3 +118,30 @@ def test_two_processes_train_like_one(tmp_path):
     assert data["iterators"] == [{"step": 4}] and int(state.step) == 4
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref["state"].params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_process_layout_from_keys_or_environment(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.resolve(load_config()) is None  # nothing set: one process, no init
+    keys = dict(coordinator_address="h:1", num_processes=4, process_id=3)
+    assert distributed.resolve(load_config(overrides=keys)) == distributed.ProcessLayout(
+        "h:1", 4, 3
+    )
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "e:2")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    assert distributed.resolve(load_config()) == distributed.ProcessLayout("e:2", 2, 1)
+    # Keys win over the environment.
+    layout = distributed.resolve(load_config(overrides={"process_id": 0}))
+    assert layout == distributed.ProcessLayout("e:2", 2, 0)
+    monkeypatch.delenv("JAX_PROCESS_ID")
+    with pytest.raises(
+        ConfigError, match="needs coordinator_address, num_processes and process_id"
+    ):
+        distributed.resolve(load_config())
+    monkeypatch.setenv("JAX_PROCESS_ID", "x")
+    with pytest.raises(ConfigError, match=r"\$JAX_PROCESS_ID='x' is not an integer"):
+        distributed.resolve(load_config())
+    with pytest.raises(ConfigError, match="process_id=2 must be below num_processes=2"):
+        load_config(overrides={"num_processes": 2, "process_id": 2})
