@@ -40,7 +40,9 @@ def check_routing_groups(c: Config) -> None:
             )
         return
     if g < 0:
-        raise ConfigError(f"n_routing_groups={g}: use -1 (off) or a positive divisor of num_experts")
+        raise ConfigError(
+            f"n_routing_groups={g}: use -1 (off) or a positive divisor of num_experts"
+        )
     if c.num_experts % g:
         raise ConfigError(
             f"n_routing_groups={g} does not divide num_experts={c.num_experts}; "

@@ -20,7 +20,9 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    model_name: str = Field("deepseek3-tiny", description="Preset in configs/models/ to start from.")
+    model_name: str = Field(
+        "deepseek3-tiny", description="Preset in configs/models/ to start from."
+    )
     decoder_block: Literal["deepseek", "mixtral", "llama"] = Field(
         "deepseek", description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Llama."
     )
@@ -51,11 +53,17 @@ class ModelSection(_Section):
     original_max_position_embeddings: int = Field(
         4096, gt=0, description="YaRN: context length the model was pretrained with."
     )
-    beta_fast: float = Field(32.0, gt=0, description="YaRN ramp: rotations where extrapolation ends.")
-    beta_slow: float = Field(1.0, gt=0, description="YaRN ramp: rotations where interpolation starts.")
+    beta_fast: float = Field(
+        32.0, gt=0, description="YaRN ramp: rotations where extrapolation ends."
+    )
+    beta_slow: float = Field(
+        1.0, gt=0, description="YaRN ramp: rotations where interpolation starts."
+    )
     mscale: float = Field(1.0, ge=0, description="YaRN mscale for the RoPE amplitude.")
     mscale_all_dim: float = Field(
-        0.0, ge=0, description="YaRN mscale_all_dim; > 0 also scales the attention softmax (DeepSeek)."
+        0.0,
+        ge=0,
+        description="YaRN mscale_all_dim; > 0 also scales the attention softmax (DeepSeek).",
     )
     normalization_layer_epsilon: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
     logits_via_embedding: bool = Field(False, description="Tie the output head to the embedding.")

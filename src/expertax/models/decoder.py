@@ -95,8 +95,8 @@ def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dt
     for i in range(n):
         x_BTD, stats = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], stacked))
         all_stats.append(stats)
-    stacked_stats = None if all_stats[0] is None else jax.tree.map(
-        lambda *s: jnp.stack(s), *all_stats
+    stacked_stats = (
+        None if all_stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *all_stats)
     )
     return x_BTD, stacked_stats
 

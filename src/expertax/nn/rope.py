@@ -42,7 +42,9 @@ def inverse_frequencies(c: Config, dim: int) -> tuple[jax.Array, float]:
     keep_extrapolated = 1.0 - ramp
     inv_freq = interpolation * (1.0 - keep_extrapolated) + extrapolation * keep_extrapolated
     if c.mscale and c.mscale_all_dim:
-        amplitude = yarn_mscale(c.rope_factor, c.mscale) / yarn_mscale(c.rope_factor, c.mscale_all_dim)
+        amplitude = yarn_mscale(c.rope_factor, c.mscale) / yarn_mscale(
+            c.rope_factor, c.mscale_all_dim
+        )
     else:
         amplitude = yarn_mscale(c.rope_factor)
     return inv_freq, amplitude
@@ -59,7 +61,7 @@ def softmax_scale(c: Config) -> float:
 def cos_sin(c: Config, positions_BT: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables [B, T, dim/2] in float32 for the given positions."""
     inv_freq, amplitude = inverse_frequencies(c, dim)
-    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     return jnp.cos(angles) * amplitude, jnp.sin(angles) * amplitude
 
 

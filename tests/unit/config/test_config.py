@@ -8,8 +8,14 @@ from expertax.config import ConfigError, configs_dir, load_config
 from expertax.config.loader import available_models, parse_overrides
 from expertax.sharding import check_mesh_fit, mesh_shape
 
-PRESETS = ["deepseek3-tiny", "deepseek3-small", "deepseek3-671b", "mixtral-tiny",
-           "mixtral-8x7b", "llama-tiny"]
+PRESETS = [
+    "deepseek3-tiny",
+    "deepseek3-small",
+    "deepseek3-671b",
+    "mixtral-tiny",
+    "mixtral-8x7b",
+    "llama-tiny",
+]
 
 
 def test_all_required_presets_exist():
@@ -28,8 +34,13 @@ def test_deepseek3_671b_has_the_published_dims():
     c = load_config(overrides=["model_name=deepseek3-671b"])
     assert (c.base_num_decoder_layers, c.first_num_dense_layers, c.num_experts) == (61, 3, 256)
     assert (c.num_experts_per_tok, c.shared_experts) == (8, 1)
-    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
-            c.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert (
+        c.q_lora_rank,
+        c.kv_lora_rank,
+        c.qk_nope_head_dim,
+        c.qk_rope_head_dim,
+        c.v_head_dim,
+    ) == (1536, 512, 128, 64, 128)
     assert c.rope_type == "yarn" and c.rope_factor == 40
 
 
@@ -59,8 +70,10 @@ INVALID = [
     ({"learnin_rate": 0.1}, ["unknown key", "learning_rate"]),
     ({"steps": "many"}, ["steps", "integer"]),
     ({"base_emb_dim": -64}, ["base_emb_dim=-64", "greater than 0"]),
-    ({"base_num_query_heads": 6, "ici_tensor_parallelism": 4, "ici_fsdp_parallelism": 2},
-     ["base_num_query_heads=6", "tensor"]),
+    (
+        {"base_num_query_heads": 6, "ici_tensor_parallelism": 4, "ici_fsdp_parallelism": 2},
+        ["base_num_query_heads=6", "tensor"],
+    ),
     ({"model_name": "deepseek3-tiniest"}, ["model_name", "deepseek3-tiny"]),
     ({"dtype": "float8"}, ["dtype", "float32"]),
     ({"first_num_dense_layers": 9}, ["first_num_dense_layers=9"]),
@@ -69,8 +82,10 @@ INVALID = [
     ({"routed_bias": True, "routed_score_func": "softmax"}, ["routed_bias", "sigmoid"]),
     ({"ici_pipeline_parallelism": 2}, ["pipeline", "reserved"]),
     ({"per_device_batch_size": 0.3}, ["per_device_batch_size", "whole"]),
-    ({"model_name": "llama-tiny", "base_num_kv_heads": 3}, ["base_num_query_heads=4",
-                                                             "base_num_kv_heads=3"]),
+    (
+        {"model_name": "llama-tiny", "base_num_kv_heads": 3},
+        ["base_num_query_heads=4", "base_num_kv_heads=3"],
+    ),
     ({"attention_type": "mla", "kv_lora_rank": 0}, ["kv_lora_rank=0", "mla"]),
     ({"rope_type": "yarn", "rope_factor": 1.0}, ["rope_factor"]),
     ({"sharding_rules": "nope"}, ["sharding_rules", "default"]),

@@ -106,8 +106,10 @@ def test_group_limited_routing_stays_in_the_kept_groups():
     assert max(len(set(row)) for row in groups) <= c.topk_routing_group
     # and the limit binds: without groups some token would pick from more groups
     free = c.model_copy(update={"n_routing_groups": -1, "topk_routing_group": -1})
-    free_groups = np.asarray(router.route(p.router, x.reshape(-1, c.base_emb_dim), free)
-                             .experts_NK) // per_group
+    free_groups = (
+        np.asarray(router.route(p.router, x.reshape(-1, c.base_emb_dim), free).experts_NK)
+        // per_group
+    )
     assert max(len(set(row)) for row in free_groups) > c.topk_routing_group
 
 
