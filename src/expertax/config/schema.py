@@ -252,5 +252,10 @@ class Config(
 
 
 SECTIONS = (
-    ModelSection, MoESection, ParallelSection, TrainSection, DataSection, DistributedSection
+    ModelSection,
+    MoESection,
+    ParallelSection,
+    TrainSection,
+    DataSection,
+    DistributedSection,
 )
