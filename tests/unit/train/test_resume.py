@@ -189,3 +189,21 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
         assert all(np.array_equal(a, b) for a, b in zip(leaves(state), original, strict=True))
     ck.close()
     assert len(trainers[2].mesh.devices.flatten()) == 1
+
+
+def test_run_resumes_on_another_mesh_with_the_same_global_batch(tmp_path):
+    quiet = dict(echo=lambda *_: None)
+    train(tiny(tmp_path, run_name="m"), stop_after_step=2, **quiet)  # fsdp=8
+    # One device with per_device_batch_size=1 would change the global batch (8 -> 1): refused.
+    with pytest.raises(ConfigError, match="global batch of 8 sequences; this run has 1"):
+        train(tiny(tmp_path, run_name="m"), devices=jax.devices()[:1], **quiet)
+    moved = train(
+        tiny(tmp_path, run_name="m", ici_expert_parallelism=4, ici_fsdp_parallelism=2),
+        stop_after_step=4,
+        **quiet,
+    )
+    assert moved["resumed_from"] == 2 and int(moved["state"].step) == 4
+    assert dict(moved["state"].params.embed.sharding.mesh.shape)["expert"] == 4
+    records = read_metrics(tmp_path / "m")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in records)
