@@ -194,6 +194,17 @@ def _resolve_run_name(c: Config) -> str:
     return datetime.fromtimestamp(stamp).strftime("%Y%m%d-%H%M%S")
 
 
+def _check_resumable(c: Config, run_dir: Path, step: int | None, has_metrics: bool) -> None:
+    """A folder with metrics needs a checkpoint; a resume, the same model and data keys."""
+    if step is None and has_metrics:
+        raise ConfigError(
+            f"run_name={c.run_name!r}: {run_dir} already holds a run (metrics.jsonl) but no "
+            "complete checkpoint; choose another run_name or remove that folder yourself"
+        )
+    if step is not None:
+        _check_same_run(c, run_dir, step)
+
+
 def _check_same_run(c: Config, run_dir: Path, step: int) -> None:
     """Refuse to resume with keys that change the model or the data (RESUMABLE_KEYS may differ)."""
     path = run_dir / "config.yml"
@@ -288,16 +299,13 @@ def prepare_run_dir(c: Config) -> tuple[Config, RunDir]:
             )
         except ValueError as e:
             raise ConfigError(f"run_name={run_name!r}: {e}") from None
-    resume = ckpt.latest_step() if ckpt is not None else None
-    if resume is None and has_metrics:
+    try:
+        resume = ckpt.latest_step() if ckpt is not None else None
+        _check_resumable(c, run_dir, resume, has_metrics)
+    except ConfigError:
         if ckpt is not None:
             ckpt.close()
-        raise ConfigError(
-            f"run_name={run_name!r}: {run_dir} already holds a run (metrics.jsonl) but no complete "
-            "checkpoint; choose another run_name or remove that folder yourself"
-        )
-    if resume is not None:
-        _check_same_run(c, run_dir, resume)
+        raise
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yml").write_text(config_to_yaml(c))
