@@ -42,9 +42,17 @@ def cmd_train(args) -> int:
         print(help_keys())
         return 0
     cfg = config_from_args(args.config)
-    from expertax.train.loop import train
+    from expertax.train import distributed
 
-    train(cfg)
+    distributed.initialize(cfg)  # before any JAX backend use
+    from expertax.train.loop import train
+    from expertax.train.step import NonFiniteError
+
+    try:
+        train(cfg)
+    except NonFiniteError as e:
+        print(f"expertax: error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 
