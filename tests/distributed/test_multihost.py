@@ -45,15 +45,6 @@ MODEL = dict(
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def allow_rank_promotion():
-    """Model code still promotes ranks implicitly (rope.cos_sin); see tests/unit/train."""
-    saved = jax.config.jax_numpy_rank_promotion
-    jax.config.update("jax_numpy_rank_promotion", "allow")
-    yield
-    jax.config.update("jax_numpy_rank_promotion", saved)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -40,8 +40,6 @@ def compile_cache(tmp_path_factory):
     settings = {
         "jax_compilation_cache_dir": str(tmp_path_factory.getbasetemp() / "jax-compilation-cache"),
         "jax_persistent_cache_min_compile_time_secs": 0,
-        # Model code still promotes ranks implicitly (rope.cos_sin); see test_resume.py.
-        "jax_numpy_rank_promotion": "allow",
     }
     saved = {k: getattr(jax.config, k) for k in settings}
     for k, v in settings.items():

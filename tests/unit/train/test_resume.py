@@ -47,9 +47,6 @@ def compile_cache(tmp_path_factory):
     settings = {
         "jax_compilation_cache_dir": str(path),
         "jax_persistent_cache_min_compile_time_secs": 0,
-        # The whole model still has implicit rank promotions (rope.cos_sin); strict promotion
-        # stays on for the layer tests. TODO(owner): drop once the model code is strict-clean.
-        "jax_numpy_rank_promotion": "allow",
     }
     saved = {k: getattr(jax.config, k) for k in settings}
     for k, v in settings.items():
