@@ -3,30 +3,194 @@
 `gmm(lhs_ND, rhs_EDF, group_sizes_E)` computes, for rows of group e, `lhs_ND[rows] @ rhs_EDF[e]`.
 Rows beyond `sum(group_sizes)` produce zeros. With `group_offset`, only groups
 `[group_offset, group_offset + E_local)` are local: `rhs` holds those E_local experts and
-`group_sizes` still covers all experts (rows of non-local groups produce zeros).
+`group_sizes` still covers all experts (rows of non-local groups produce zeros, zero gradients).
+
+Backends (`backend=`, the `gmm_impl` config key):
+- `ragged_dot`: `jax.lax.ragged_dot`. XLA:CPU (and XLA:GPU by default) expands it to a dense matmul
+  over all experts, so its cost grows with the number of experts, not with the routed rows.
+- `tiled`: pure JAX, every backend. A `while_loop` over (group, row chunk) work items whose count is
+  known only at run time, so the cost is proportional to routed rows + experts x tile. Its own VJP
+  runs the same loop for the input gradient (weights used transposed) and accumulates the weight
+  gradient group by group; the backward pass costs what the forward costs, twice.
+- `auto`: picked per `jax.default_backend()` from `MEASURED` below (see docs/design/gmm.md).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "ragged_dot")
+BACKENDS = ("auto", "ragged_dot", "tiled")
+
+# Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS_gmm.md). Never assumed: a platform
+# without a measurement says so.
+#   platform  choice   measured on                                    date        note
+MEASURED = {
+    "cpu": ("tiled", "2-core x86 CPU, float32, jax 0.10.2", "2026-11-21", "see BENCHMARKS_gmm.md"),
+    "gpu": ("tiled", "unmeasured", "-", "no GPU was available; tiled avoids the E-fold expansion"),
+    "tpu": ("tiled", "unmeasured", "-", "no TPU was available"),
+}
+
+DEFAULT_TILE_ROWS = 512
+
+
+def resolve_backend(backend: str) -> str:
+    """The concrete backend `auto` stands for on the current default JAX backend."""
+    if backend not in BACKENDS:
+        raise ValueError(f"gmm backend={backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    return MEASURED.get(jax.default_backend(), ("tiled",))[0]
 
 
 def gmm(lhs_ND, rhs_EDF, group_sizes_E, *, group_offset=None, backend: str = "auto",
-        preferred_element_type=None):
-    """Grouped matmul `[N, D] x [E, D, F] -> [N, F]` (see the module docstring)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"gmm backend={backend!r}; valid: {', '.join(BACKENDS)}")
-    out_dtype = preferred_element_type or lhs_ND.dtype
+        preferred_element_type=None, tile_rows: int = DEFAULT_TILE_ROWS,
+        tile_rows_small: int | None = None):
+    """Grouped matmul `[N, D] x [E_local, D, F] -> [N, F]` (see the module docstring).
+
+    Args:
+      lhs_ND: rows sorted by group.
+      rhs_EDF: weights of the local experts.
+      group_sizes_E: int rows per group, for all E experts (E >= E_local); may be traced.
+      group_offset: first local group (may be a traced scalar); None means all groups are local.
+      backend: one of `BACKENDS`.
+      preferred_element_type: output dtype (accumulation is float32); default `lhs_ND.dtype`.
+      tile_rows: `tiled` only; rows per work item for the full chunks of a group.
+      tile_rows_small: `tiled` only; rows per work item for the remainder of each group (fewer
+        than `tile_rows` rows). None picks the power of two >= N / E_local, in [8, tile_rows].
+    """
+    backend = resolve_backend(backend)
+    out_dtype = jnp.dtype(preferred_element_type or lhs_ND.dtype)
+    group_sizes_E = group_sizes_E.astype(jnp.int32)
+    if backend == "tiled":
+        n, e_local = lhs_ND.shape[0], rhs_EDF.shape[0]
+        big, small = _tile_sizes(n, e_local, tile_rows, tile_rows_small)
+        offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+        return _tiled(lhs_ND, rhs_EDF, group_sizes_E, offset, big, small, out_dtype)
     if group_offset is None:
-        return jax.lax.ragged_dot(lhs_ND, rhs_EDF, group_sizes_E.astype(jnp.int32),
-                                  preferred_element_type=out_dtype)
+        return jax.lax.ragged_dot(lhs_ND, rhs_EDF, group_sizes_E, preferred_element_type=out_dtype)
     # ragged_dot's group_offset is not implemented everywhere; select the local groups instead.
     e_local = rhs_EDF.shape[0]
-    sizes = jax.lax.dynamic_slice_in_dim(group_sizes_E.astype(jnp.int32), group_offset, e_local)
+    sizes = jax.lax.dynamic_slice_in_dim(group_sizes_E, group_offset, e_local)
     start = jnp.sum(jnp.where(jnp.arange(group_sizes_E.shape[0]) < group_offset, group_sizes_E, 0))
     rolled = jnp.roll(lhs_ND, -start, axis=0)
     out = jax.lax.ragged_dot(rolled, rhs_EDF, sizes, preferred_element_type=out_dtype)
     return jnp.roll(out, start, axis=0)
+
+
+def _tile_sizes(n: int, e_local: int, tile_rows: int, tile_rows_small: int | None):
+    if tile_rows < 1 or (tile_rows_small is not None and tile_rows_small < 1):
+        raise ValueError(f"gmm tile_rows={tile_rows}, tile_rows_small={tile_rows_small}: "
+                         "must be >= 1")
+    big = max(1, min(tile_rows, n))
+    if tile_rows_small is None:
+        per_group = -(-n // max(e_local, 1))
+        tile_rows_small = max(8, 1 << max(per_group - 1, 0).bit_length())
+    return big, max(1, min(tile_rows_small, big))
+
+
+# ---------------------------------------------------------------------------------------------
+# tiled: work items and the loop
+# ---------------------------------------------------------------------------------------------
+
+
+def _work_items(group_sizes_E, offset, e_local: int, n: int, big: int, small: int):
+    """Two lists of work items (row start, row end, local group) and their run-time counts.
+
+    Each local group g with rows [s_g, s_g + n_g) yields n_g // big items of `big` rows, then
+    ceil((n_g % big) / small) items of at most `small` rows. Rows are clipped to [0, n).
+    Static list lengths: n // big and n // small + e_local.
+    """
+    ends_E = jnp.minimum(jnp.cumsum(group_sizes_E), n)
+    starts_E = jnp.minimum(ends_E - group_sizes_E, n)
+    starts_E = jnp.maximum(starts_E, 0)
+    starts = jax.lax.dynamic_slice_in_dim(starts_E, offset, e_local)
+    ends = jax.lax.dynamic_slice_in_dim(ends_E, offset, e_local)
+    sizes = jnp.maximum(ends - starts, 0)
+    lists = []
+    n_full = sizes // big
+    rem_start = starts + n_full * big
+    n_rem = -(-(sizes - n_full * big) // small)
+    for count, first, tile, cap in ((n_full, starts, big, n // big),
+                                    (n_rem, rem_start, small, n // small + e_local)):
+        cum = jnp.cumsum(count)
+        i = jnp.arange(max(cap, 1), dtype=jnp.int32)
+        g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e_local - 1).astype(jnp.int32)
+        k = i - (cum[g] - count[g])
+        row0 = first[g] + k * tile
+        row1 = jnp.minimum(row0 + tile, ends[g])
+        lists.append(((row0, row1, g), cum[-1], tile, (cum - count, cum)))
+    return lists
+
+
+def _tile_rows_mask(row0, row1, tile: int, n: int):
+    """Clamped slice start and the mask of the tile's rows that belong to the item."""
+    start = jnp.minimum(row0, n - tile)
+    r = start + jnp.arange(tile, dtype=jnp.int32)
+    return start, ((r >= row0) & (r < row1))[:, None]
+
+
+def _loop_rows(x_NK, w_EKM, items, out_NM, *, contract_w: int):
+    """out[rows of item] = x[rows] @ w[g] (contracting w's dim `contract_w`) for every item."""
+    n = x_NK.shape[0]
+    for (row0_I, row1_I, g_I), count, tile, _ in items:
+        def body(i, out, row0_I=row0_I, row1_I=row1_I, g_I=g_I, tile=tile):
+            start, mask = _tile_rows_mask(row0_I[i], row1_I[i], tile, n)
+            x = jax.lax.dynamic_slice_in_dim(x_NK, start, tile)
+            w = jax.lax.dynamic_index_in_dim(w_EKM, g_I[i], keepdims=False)
+            y = jax.lax.dot_general(x, w, (((1,), (contract_w,)), ((), ())),
+                                    preferred_element_type=jnp.float32).astype(out.dtype)
+            old = jax.lax.dynamic_slice_in_dim(out, start, tile)
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, y, old), start, 0)
+        out_NM = jax.lax.fori_loop(0, count, body, out_NM)
+    return out_NM
+
+
+def _loop_weight_grad(x_ND, dy_NF, items, e_local: int):
+    """dw[g] = sum over g's items of x[rows]^T @ dy[rows], float32, as `[E_local, D, F]`.
+
+    A scan over the local groups emits each group's gradient once: no separate zero fill of the
+    whole gradient and no read-modify-write of it (both cost a pass over E x D x F, measured).
+    """
+    n, d, f = x_ND.shape[0], x_ND.shape[1], dy_NF.shape[1]
+
+    def group(_, g):
+        acc = jnp.zeros((d, f), jnp.float32)
+        for (row0_I, row1_I, _g_I), _count, tile, (lo_E, hi_E) in items:
+            def body(i, acc, row0_I=row0_I, row1_I=row1_I, tile=tile):
+                start, mask = _tile_rows_mask(row0_I[i], row1_I[i], tile, n)
+                x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_ND, start, tile), 0)
+                dy = jax.lax.dynamic_slice_in_dim(dy_NF, start, tile)
+                return acc + jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+            acc = jax.lax.fori_loop(lo_E[g], hi_E[g], body, acc)
+        return None, acc
+
+    return jax.lax.scan(group, None, jnp.arange(e_local, dtype=jnp.int32))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _tiled(lhs_ND, rhs_EDF, group_sizes_E, offset, big, small, out_dtype):
+    return _tiled_fwd(lhs_ND, rhs_EDF, group_sizes_E, offset, big, small, out_dtype)[0]
+
+
+def _tiled_fwd(lhs_ND, rhs_EDF, group_sizes_E, offset, big, small, out_dtype):
+    n, e_local, f = lhs_ND.shape[0], rhs_EDF.shape[0], rhs_EDF.shape[2]
+    items = _work_items(group_sizes_E, offset, e_local, n, big, small)
+    out_NF = _loop_rows(lhs_ND, rhs_EDF, items, jnp.zeros((n, f), out_dtype), contract_w=0)
+    return out_NF, (lhs_ND, rhs_EDF, group_sizes_E, offset)
+
+
+def _tiled_bwd(big, small, out_dtype, res, dout_NF):
+    lhs_ND, rhs_EDF, group_sizes_E, offset = res
+    n, e_local = lhs_ND.shape[0], rhs_EDF.shape[0]
+    items = _work_items(group_sizes_E, offset, e_local, n, big, small)
+    dlhs_ND = _loop_rows(dout_NF, rhs_EDF, items, jnp.zeros(lhs_ND.shape, lhs_ND.dtype),
+                         contract_w=1)
+    dw_EDF = _loop_weight_grad(lhs_ND, dout_NF, items, e_local)
+    return dlhs_ND, dw_EDF.astype(rhs_EDF.dtype), None, None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
