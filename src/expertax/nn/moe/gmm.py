@@ -34,6 +34,7 @@ MEASURED = {
 }
 
 DEFAULT_TILE_ROWS = 512
+DEFAULT_TILE_ROWS_MIN = 8
 
 
 def resolve_backend(backend: str) -> str:
@@ -47,28 +48,28 @@ def resolve_backend(backend: str) -> str:
 
 def gmm(lhs_ND, rhs_EDF, group_sizes_E, *, group_offset=None, backend: str = "auto",
         preferred_element_type=None, tile_rows: int = DEFAULT_TILE_ROWS,
-        tile_rows_small: int | None = None):
+        tile_rows_min: int = DEFAULT_TILE_ROWS_MIN):
     """Grouped matmul `[N, D] x [E_local, D, F] -> [N, F]` (see the module docstring).
 
     Args:
       lhs_ND: rows sorted by group.
       rhs_EDF: weights of the local experts.
-      group_sizes_E: int rows per group, for all E experts (E >= E_local); may be traced.
+      group_sizes_E: int rows per group, for all E experts (E >= E_local), sum <= N; may be traced.
       group_offset: first local group (may be a traced scalar); None means all groups are local.
       backend: one of `BACKENDS`.
       preferred_element_type: output dtype (accumulation is float32); default `lhs_ND.dtype`.
       tile_rows: `tiled` only; rows per work item for the full chunks of a group.
-      tile_rows_small: `tiled` only; rows per work item for the remainder of each group (fewer
-        than `tile_rows` rows). None picks the power of two >= N / E_local, in [8, tile_rows].
+      tile_rows_min: `tiled` only; smallest tile for the remainder of a group (its last
+        `size % tile_rows` rows), which takes the smallest of tile_rows_min * 2^k (< tile_rows)
+        holding it: one work item, fewer than 2x the remainder's rows (+ tile_rows_min) computed.
     """
     backend = resolve_backend(backend)
     out_dtype = jnp.dtype(preferred_element_type or lhs_ND.dtype)
     group_sizes_E = group_sizes_E.astype(jnp.int32)
     if backend == "tiled":
-        n, e_local = lhs_ND.shape[0], rhs_EDF.shape[0]
-        big, small = _tile_sizes(n, e_local, tile_rows, tile_rows_small)
+        tiles = _tile_ladder(lhs_ND.shape[0], tile_rows, tile_rows_min)
         offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
-        return _tiled(lhs_ND, rhs_EDF, group_sizes_E, offset, big, small, out_dtype)
+        return _tiled(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype)
     if group_offset is None:
         return jax.lax.ragged_dot(lhs_ND, rhs_EDF, group_sizes_E, preferred_element_type=out_dtype)
     # ragged_dot's group_offset is not implemented everywhere; select the local groups instead.
@@ -80,48 +81,54 @@ def gmm(lhs_ND, rhs_EDF, group_sizes_E, *, group_offset=None, backend: str = "au
     return jnp.roll(out, start, axis=0)
 
 
-def _tile_sizes(n: int, e_local: int, tile_rows: int, tile_rows_small: int | None):
-    if tile_rows < 1 or (tile_rows_small is not None and tile_rows_small < 1):
-        raise ValueError(f"gmm tile_rows={tile_rows}, tile_rows_small={tile_rows_small}: "
+def _tile_ladder(n: int, tile_rows: int, tile_rows_min: int) -> tuple[int, ...]:
+    """(big tile, remainder tiles ascending), all <= n: `tile_rows`, then tile_rows_min * 2^k."""
+    if tile_rows < 1 or tile_rows_min < 1:
+        raise ValueError(f"gmm tile_rows={tile_rows}, tile_rows_min={tile_rows_min}: "
                          "must be >= 1")
     big = max(1, min(tile_rows, n))
-    if tile_rows_small is None:
-        per_group = -(-n // max(e_local, 1))
-        tile_rows_small = max(8, 1 << max(per_group - 1, 0).bit_length())
-    return big, max(1, min(tile_rows_small, big))
+    small = [min(tile_rows_min, big)]
+    while small[-1] * 2 < big:
+        small.append(small[-1] * 2)
+    return (big, *sorted({min(s, big) for s in (*small, big)}))
 
 
 # ---------------------------------------------------------------------------------------------
-# tiled: work items and the loop
+# tiled: work items and the loops
 # ---------------------------------------------------------------------------------------------
 
 
-def _work_items(group_sizes_E, offset, e_local: int, n: int, big: int, small: int):
-    """Two lists of work items (row start, row end, local group) and their run-time counts.
+def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, ...]):
+    """Two lists of work items, each a dict of int32 arrays and run-time counts.
 
-    Each local group g with rows [s_g, s_g + n_g) yields n_g // big items of `big` rows, then
-    ceil((n_g % big) / small) items of at most `small` rows. Rows are clipped to [0, n).
-    Static list lengths: n // big and n // small + e_local.
+    Local group g with rows [s_g, s_g + n_g) yields n_g // big items of `big` rows ("full"),
+    then, if n_g % big > 0, one item for the remainder ("rest") whose tile is the smallest of
+    `tiles[1:]` holding it (`bucket`). Items are ordered by group; `lo_E, hi_E` delimit each
+    group's items. Rows are clipped to [0, n). Static lengths: n // big and E_local.
     """
+    big, rest_tiles = tiles[0], tiles[1:]
     ends_E = jnp.minimum(jnp.cumsum(group_sizes_E), n)
-    starts_E = jnp.minimum(ends_E - group_sizes_E, n)
-    starts_E = jnp.maximum(starts_E, 0)
+    starts_E = jnp.clip(ends_E - group_sizes_E, 0, n)
     starts = jax.lax.dynamic_slice_in_dim(starts_E, offset, e_local)
     ends = jax.lax.dynamic_slice_in_dim(ends_E, offset, e_local)
     sizes = jnp.maximum(ends - starts, 0)
-    lists = []
     n_full = sizes // big
-    rem_start = starts + n_full * big
-    n_rem = -(-(sizes - n_full * big) // small)
-    for count, first, tile, cap in ((n_full, starts, big, n // big),
-                                    (n_rem, rem_start, small, n // small + e_local)):
+    rem = sizes - n_full * big
+    lists = []
+    for count, first, cap, tile in ((n_full, starts, n // big, big),
+                                    ((rem > 0).astype(jnp.int32), starts + n_full * big, e_local,
+                                     None)):
         cum = jnp.cumsum(count)
         i = jnp.arange(max(cap, 1), dtype=jnp.int32)
         g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e_local - 1).astype(jnp.int32)
-        k = i - (cum[g] - count[g])
-        row0 = first[g] + k * tile
-        row1 = jnp.minimum(row0 + tile, ends[g])
-        lists.append(((row0, row1, g), cum[-1], tile, (cum - count, cum)))
+        row0 = first[g] + (i - (cum[g] - count[g])) * (tile or 0)
+        row1 = ends[g] if tile is None else jnp.minimum(row0 + tile, ends[g])
+        item = dict(g=g, row0=row0, row1=row1, count=cum[-1], lo_E=cum - count, hi_E=cum,
+                    tiles=(tile,) if tile else rest_tiles)
+        if tile is None:  # index of the smallest remainder tile holding the remainder
+            ladder = jnp.asarray(rest_tiles, jnp.int32)
+            item["bucket"] = jnp.sum(ladder[None, :] < rem[g][:, None], axis=1).astype(jnp.int32)
+        lists.append(item)
     return lists
 
 
@@ -132,19 +139,35 @@ def _tile_rows_mask(row0, row1, tile: int, n: int):
     return start, ((r >= row0) & (r < row1))[:, None]
 
 
+def _run_item(item, i, step, carry, n: int):
+    """`step(start, mask, tile, carry)` for item i, under a switch over its tile size."""
+    branches = [functools.partial(_tile_step, step=step, tile=t, n=n) for t in item["tiles"]]
+    args = (item["row0"][i], item["row1"][i], carry)
+    if len(branches) == 1:
+        return branches[0](*args)
+    return jax.lax.switch(item["bucket"][i], branches, *args)
+
+
+def _tile_step(row0, row1, carry, *, step, tile: int, n: int):
+    start, mask = _tile_rows_mask(row0, row1, tile, n)
+    return step(start, mask, tile, carry)
+
+
 def _loop_rows(x_NK, w_EKM, items, out_NM, *, contract_w: int):
     """out[rows of item] = x[rows] @ w[g] (contracting w's dim `contract_w`) for every item."""
     n = x_NK.shape[0]
-    for (row0_I, row1_I, g_I), count, tile, _ in items:
-        def body(i, out, row0_I=row0_I, row1_I=row1_I, g_I=g_I, tile=tile):
-            start, mask = _tile_rows_mask(row0_I[i], row1_I[i], tile, n)
-            x = jax.lax.dynamic_slice_in_dim(x_NK, start, tile)
-            w = jax.lax.dynamic_index_in_dim(w_EKM, g_I[i], keepdims=False)
-            y = jax.lax.dot_general(x, w, (((1,), (contract_w,)), ((), ())),
-                                    preferred_element_type=jnp.float32).astype(out.dtype)
-            old = jax.lax.dynamic_slice_in_dim(out, start, tile)
-            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, y, old), start, 0)
-        out_NM = jax.lax.fori_loop(0, count, body, out_NM)
+    for item in items:
+        def body(i, out, item=item):
+            w = jax.lax.dynamic_index_in_dim(w_EKM, item["g"][i], keepdims=False)
+
+            def step(start, mask, tile, out):
+                x = jax.lax.dynamic_slice_in_dim(x_NK, start, tile)
+                y = jax.lax.dot_general(x, w, (((1,), (contract_w,)), ((), ())),
+                                        preferred_element_type=jnp.float32).astype(out.dtype)
+                old = jax.lax.dynamic_slice_in_dim(out, start, tile)
+                return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, y, old), start, 0)
+            return _run_item(item, i, step, out, n)
+        out_NM = jax.lax.fori_loop(0, item["count"], body, out_NM)
     return out_NM
 
 
@@ -152,41 +175,42 @@ def _loop_weight_grad(x_ND, dy_NF, items, e_local: int):
     """dw[g] = sum over g's items of x[rows]^T @ dy[rows], float32, as `[E_local, D, F]`.
 
     A scan over the local groups emits each group's gradient once: no separate zero fill of the
-    whole gradient and no read-modify-write of it (both cost a pass over E x D x F, measured).
+    whole gradient and no read-modify-write of it (each a pass over E x D x F).
     """
     n, d, f = x_ND.shape[0], x_ND.shape[1], dy_NF.shape[1]
 
+    def step(start, mask, tile, acc):
+        x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_ND, start, tile), 0)
+        dy = jax.lax.dynamic_slice_in_dim(dy_NF, start, tile)
+        return acc + jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+
     def group(_, g):
         acc = jnp.zeros((d, f), jnp.float32)
-        for (row0_I, row1_I, _g_I), _count, tile, (lo_E, hi_E) in items:
-            def body(i, acc, row0_I=row0_I, row1_I=row1_I, tile=tile):
-                start, mask = _tile_rows_mask(row0_I[i], row1_I[i], tile, n)
-                x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_ND, start, tile), 0)
-                dy = jax.lax.dynamic_slice_in_dim(dy_NF, start, tile)
-                return acc + jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())),
-                                                 preferred_element_type=jnp.float32)
-            acc = jax.lax.fori_loop(lo_E[g], hi_E[g], body, acc)
+        for item in items:
+            body = lambda i, acc, item=item: _run_item(item, i, step, acc, n)
+            acc = jax.lax.fori_loop(item["lo_E"][g], item["hi_E"][g], body, acc)
         return None, acc
 
     return jax.lax.scan(group, None, jnp.arange(e_local, dtype=jnp.int32))[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _tiled(lhs_ND, rhs_EDF, group_sizes_E, offset, big, small, out_dtype):
-    return _tiled_fwd(lhs_ND, rhs_EDF, group_sizes_E, offset, big, small, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tiled(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
+    return _tiled_fwd(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype)[0]
 
 
-def _tiled_fwd(lhs_ND, rhs_EDF, group_sizes_E, offset, big, small, out_dtype):
+def _tiled_fwd(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
     n, e_local, f = lhs_ND.shape[0], rhs_EDF.shape[0], rhs_EDF.shape[2]
-    items = _work_items(group_sizes_E, offset, e_local, n, big, small)
+    items = _work_items(group_sizes_E, offset, e_local, n, tiles)
     out_NF = _loop_rows(lhs_ND, rhs_EDF, items, jnp.zeros((n, f), out_dtype), contract_w=0)
     return out_NF, (lhs_ND, rhs_EDF, group_sizes_E, offset)
 
 
-def _tiled_bwd(big, small, out_dtype, res, dout_NF):
+def _tiled_bwd(tiles, out_dtype, res, dout_NF):
     lhs_ND, rhs_EDF, group_sizes_E, offset = res
     n, e_local = lhs_ND.shape[0], rhs_EDF.shape[0]
-    items = _work_items(group_sizes_E, offset, e_local, n, big, small)
+    items = _work_items(group_sizes_E, offset, e_local, n, tiles)
     dlhs_ND = _loop_rows(dout_NF, rhs_EDF, items, jnp.zeros(lhs_ND.shape, lhs_ND.dtype),
                          contract_w=1)
     dw_EDF = _loop_weight_grad(lhs_ND, dout_NF, items, e_local)

@@ -13,7 +13,7 @@ from expertax.nn.moe.gmm import gmm
 
 TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5)}
 N, D, F = 70, 16, 24
-TILES = dict(tile_rows=16, tile_rows_small=8)  # both work-item lists are exercised
+TILES = dict(tile_rows=16, tile_rows_min=4)  # full chunks and remainder tiles 4, 8, 16
 BACKENDS = ("ragged_dot", "tiled", "auto")
 
 # name: (group_sizes over all experts, E_local, group_offset)
