@@ -211,9 +211,27 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(results: list[dict], machine: dict) -> str:
+    """The table as Markdown (for BENCHMARKS.md), with the machine line above it."""
+    lines = [f"{machine['date']}, {machine['device']} ({machine['cpu']}), jax {machine['jax']}; "
+             f"copy {machine['copy_gbps']} GB/s in place, {machine['fresh_copy_gbps']} GB/s "
+             "into a fresh buffer.", "",
+             "| backend | impl | E | N | D | F | groups | pass | ms | GFLOP/s | dense GFLOP/s "
+             "| ratio | roofline ms | ms/roofline | note |", "|" + "---|" * 15]
+    for r in results:
+        cells = [r["backend"], r["impl"], r["experts"], r["rows"], r["d"], r["f"], r["groups"],
+                 r["pass"], r["ms"], r["gflops"], r["dense_gflops"], r["ratio"], r["roofline_ms"],
+                 None if r["ms"] is None else round(r["ms"] / r["roofline_ms"], 2), r["note"]]
+        lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="expertax bench gmm", description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH", help="write {'machine': ..., 'rows': [...]} here")
+    p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown here")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="do not measure: print (and --markdown) a table from an earlier --json")
     p.add_argument("--quick", action="store_true",
                    help="small subset: E in {8, 64}, N=4096, (512, 1024), balanced and zipf")
     p.add_argument("--backends", default="tiled,ragged_dot",
@@ -238,15 +256,23 @@ def main(argv: list[str]) -> int:
         if b not in gmm_lib.BACKENDS[1:]:
             raise SystemExit(f"--backends: {b!r} is not one of {', '.join(gmm_lib.BACKENDS[1:])}")
     started = time.perf_counter()
-    results, machine = run_grid(args)
+    if args.from_json:
+        with open(args.from_json) as fh:
+            saved = json.load(fh)
+        results, machine = saved["rows"], saved["machine"]
+    else:
+        results, machine = run_grid(args)
     print(format_table(results))
     skipped = sum(r["ms"] is None for r in results)
     print(f"{len(results)} rows ({skipped} skipped) in {time.perf_counter() - started:.0f} s; "
           f"copy bandwidth {machine['copy_gbps']} GB/s in place, {machine['fresh_copy_gbps']} GB/s "
-          f"into a fresh buffer; median of {args.repeats} calls")
+          "into a fresh buffer" + ("" if args.from_json else f"; median of {args.repeats} calls"))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine, "rows": results}, fh, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(format_markdown(results, machine))
     return 0
 
 
