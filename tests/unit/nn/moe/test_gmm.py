@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 from expertax.nn.moe import gmm as gmm_lib
 from expertax.nn.moe.gmm import gmm
 
-TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5)}
+TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 N, D, F = 70, 16, 24
 TILES = dict(tile_rows=16, tile_rows_min=4)  # full chunks and remainder tiles 4, 8, 16
 BACKENDS = ("ragged_dot", "tiled")
@@ -104,6 +104,19 @@ def test_tiled_check_grads():
     sizes = jnp.asarray([13, 0, 21, 9], jnp.int32)
     fn = lambda x, w: gmm(x, w, sizes, backend="tiled", **TILES)
     check_grads(fn, (lhs, rhs), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+def test_tiled_bfloat16_accumulates_in_float32():
+    sizes = jnp.asarray([13, 0, 21, 9], jnp.int32)
+    lhs, rhs, _ = _inputs(4, seed=2)
+    lhs16, rhs16 = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+    out = gmm(lhs16, rhs16, sizes, backend="tiled", preferred_element_type=jnp.float32, **TILES)
+    want = oracle(lhs16.astype(jnp.float32), rhs16.astype(jnp.float32), sizes, None)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, want, **TOL[jnp.float32])  # exact products, f32 sums
+    out16 = gmm(lhs16, rhs16, sizes, backend="tiled", **TILES)
+    assert out16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out16.astype(jnp.float32), want, **TOL[jnp.bfloat16])
 
 
 def _shapes(hlo_text):
