@@ -107,10 +107,14 @@ def _dense_fn(pass_name: str):
     return _pass_fn(lambda x_, w_, _s: x_ @ w_, pass_name)
 
 
-def _predicted_s(backend: str, experts: int, flops: float, dense_gflops: float) -> float:
-    # ragged_dot on CPU/GPU expands to a dense matmul over every expert (issue #5).
-    scale = experts if backend == "ragged_dot" and jax.default_backend() != "tpu" else 1
-    return scale * flops / (dense_gflops * 1e9)
+def _predicted_s(backend: str, experts: int, flops: float, dense_gflops: float) -> float | None:
+    """Predicted seconds per call for backends whose cost grows with E, else None (never skip).
+
+    ragged_dot on CPU/GPU expands to a dense matmul over every expert (issue #5).
+    """
+    if backend == "ragged_dot" and jax.default_backend() != "tpu":
+        return experts * flops / (dense_gflops * 1e9)
+    return None
 
 
 def run_grid(args) -> tuple[list[dict], dict]:
@@ -169,13 +173,13 @@ def _measure(backend, default, experts, n, d, f, kind, pass_name, x, w, sizes, s
            "gflops": None, "dense_gflops": round(dense_gflops, 1), "ratio": None,
            "roofline_ms": round(roofline_ms, 2), "ms": None, "note": ""}
     predicted = _predicted_s(backend, experts, flops, dense_gflops)
-    if predicted > args.max_call_s:
+    if predicted is not None and predicted > args.max_call_s:
         row["note"] = f"skipped: predicted {predicted:.1f} s per call > --max-call-s"
         return row
     matmul = lambda x_, w_, s_: gmm_lib.gmm(x_, w_, s_, backend=backend)
     fn = _pass_fn(matmul, pass_name)
     call_args = (x, w, sizes) if pass_name == "fwd" else (x, w, sizes, cot)
-    repeats = args.repeats if predicted < 0.5 else max(1, args.repeats // 2)
+    repeats = args.repeats if (predicted or 0) < 0.5 else max(1, args.repeats // 2)
     seconds, dense_s = _median_pair_s(fn, call_args, dense[pass_name],
                                       _dense_args(pass_name, x, w[0], cot), repeats)
     dense_gflops = flops / dense_s / 1e9
@@ -243,7 +247,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", default=",".join(PASSES))
     p.add_argument("--repeats", type=int, default=5, help="timed calls per row (median)")
     p.add_argument("--max-call-s", type=float, default=2.0,
-                   help="skip combinations predicted to take longer per call")
+                   help="skip ragged_dot combinations predicted to take longer per call "
+                   "(E x a dense matmul)")
     return p
 
 
