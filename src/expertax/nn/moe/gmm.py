@@ -71,7 +71,11 @@ def gmm(lhs_ND, rhs_EDF, group_sizes_E, *, group_offset=None, backend: str = "au
     if backend == "tiled":
         tiles = _tile_ladder(lhs_ND.shape[0], tile_rows, tile_rows_min)
         offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
-        return _tiled(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype)
+        # Inside shard_map, give all operands the same varying axes outside the custom VJP so
+        # autodiff transposes the implicit broadcast (a psum) for replicated operands.
+        args = (lhs_ND, rhs_EDF, group_sizes_E, offset)
+        args = tuple(_varying_like(a, *args) for a in args)
+        return _tiled(*args, tiles, out_dtype)
     if group_offset is None:
         return jax.lax.ragged_dot(lhs_ND, rhs_EDF, group_sizes_E, preferred_element_type=out_dtype)
     # ragged_dot's group_offset is not implemented everywhere; select the local groups instead.
@@ -133,6 +137,18 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
     return lists
 
 
+def _varying_like(x, *refs):
+    """`x` marked as varying over every manual (shard_map) axis any of `refs` varies over.
+
+    A loop carry initialised with `jnp.zeros` is invariant inside `shard_map`, while the body's
+    output varies with the local weights or `axis_index`; `while_loop` needs equal types.
+    """
+    def varying(a):
+        return getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
+    missing = frozenset().union(*(varying(r) for r in refs)) - varying(x)
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
 def _tile_rows_mask(row0, row1, tile: int, n: int):
     """Clamped slice start and the mask of the tile's rows that belong to the item."""
     start = jnp.minimum(row0, n - tile)
@@ -175,7 +191,7 @@ def _loop_weight_grad(x_ND, dy_NF, items, e_local: int):
                                          preferred_element_type=jnp.float32)
 
     def group(_, g):
-        acc = jnp.zeros((d, f), jnp.float32)
+        acc = _varying_like(jnp.zeros((d, f), jnp.float32), x_ND, dy_NF, items[0]["g"], g)
         for item in items:
             body = functools.partial(step, item=item)
             acc = jax.lax.fori_loop(item["lo_E"][g], item["hi_E"][g], body, acc)
@@ -192,7 +208,8 @@ def _tiled(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
 def _tiled_fwd(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
     n, e_local, f = lhs_ND.shape[0], rhs_EDF.shape[0], rhs_EDF.shape[2]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    out_NF = _loop_rows(lhs_ND, rhs_EDF, items, jnp.zeros((n, f), out_dtype), contract_w=0)
+    zeros_NF = _varying_like(jnp.zeros((n, f), out_dtype), lhs_ND, rhs_EDF, group_sizes_E, offset)
+    out_NF = _loop_rows(lhs_ND, rhs_EDF, items, zeros_NF, contract_w=0)
     return out_NF, (lhs_ND, rhs_EDF, group_sizes_E, offset)
 
 
@@ -200,8 +217,9 @@ def _tiled_bwd(tiles, out_dtype, res, dout_NF):
     lhs_ND, rhs_EDF, group_sizes_E, offset = res
     n, e_local = lhs_ND.shape[0], rhs_EDF.shape[0]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    dlhs_ND = _loop_rows(dout_NF, rhs_EDF, items, jnp.zeros(lhs_ND.shape, lhs_ND.dtype),
-                         contract_w=1)
+    zeros_ND = _varying_like(jnp.zeros(lhs_ND.shape, lhs_ND.dtype), dout_NF, rhs_EDF,
+                             group_sizes_E, offset)
+    dlhs_ND = _loop_rows(dout_NF, rhs_EDF, items, zeros_ND, contract_w=1)
     dw_EDF = _loop_weight_grad(lhs_ND, dout_NF, items, e_local)
     return dlhs_ND, dw_EDF.astype(rhs_EDF.dtype), None, None
 
