@@ -71,12 +71,20 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from expertax.tools import bench_gmm
+
+    benches = {"gmm": bench_gmm.main}
+    return benches[args.what](args.rest)
+
+
 COMMANDS: dict[str, tuple[str, Callable]] = {
     "train": ("train a model: expertax train [PRESET.yml ...] [key=value ...]", cmd_train),
     "convert": (
         "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR",
         cmd_convert,
     ),
+    "bench": ("benchmarks: expertax bench gmm [--json PATH] [--quick] ...", cmd_bench),
 }
 
 
@@ -90,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("direction", choices=("from-hf", "to-hf"))
     convert.add_argument("src", help="HF_DIR (from-hf) or expertax CKPT_DIR (to-hf)")
     convert.add_argument("dst", help="OUT_DIR, new or empty")
+    bench = sub.add_parser("bench", help=COMMANDS["bench"][0])
+    bench.add_argument("what", choices=("gmm",), help="which benchmark")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
 

@@ -139,7 +139,16 @@ def check_distributed(c: Config) -> None:
         raise ConfigError(f"process_id={i} must be below num_processes={n}")
 
 
+def check_gmm_tiles(c: Config) -> None:
+    lo, hi = c.gmm_tile_rows_min, c.gmm_tile_rows
+    if lo & (lo - 1) or lo > hi:
+        raise ConfigError(
+            f"gmm_tile_rows_min={lo} must be a power of two no larger than gmm_tile_rows={hi}"
+        )
+
+
 ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
+    check_gmm_tiles,
     check_layers,
     check_top_k,
     check_routing_groups,

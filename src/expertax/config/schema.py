@@ -107,8 +107,14 @@ class MoESection(_Section):
     float32_weight_sum: bool = Field(
         True, description="Combine the K expert outputs in float32 (else in `dtype`)."
     )
-    gmm_impl: Literal["auto", "ragged_dot"] = Field(
-        "auto", description="Grouped-matmul backend of the sparse path."
+    gmm_impl: Literal["auto", "ragged_dot", "tiled"] = Field(
+        "auto",
+        description="Grouped-matmul backend of the sparse path; auto picks per platform from "
+        "the measurements recorded in nn/moe/gmm.py.",
+    )
+    gmm_tile_rows: int = Field(512, gt=0, description="tiled gmm: rows per full tile.")
+    gmm_tile_rows_min: int = Field(
+        8, gt=0, description="tiled gmm: smallest power-of-two tile for a group's remainder."
     )
 
 
