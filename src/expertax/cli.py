@@ -81,7 +81,8 @@ def cmd_bench(args) -> int:
 COMMANDS: dict[str, tuple[str, Callable]] = {
     "train": ("train a model: expertax train [PRESET.yml ...] [key=value ...]", cmd_train),
     "convert": (
-        "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR",
+        "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR "
+        "(CKPT_DIR: a from-hf OUT_DIR or a training run folder)",
         cmd_convert,
     ),
     "bench": ("benchmarks: expertax bench gmm [--json PATH] [--quick] ...", cmd_bench),
@@ -96,7 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--help-keys", action="store_true", help="list every config key")
     convert = sub.add_parser("convert", help=COMMANDS["convert"][0])
     convert.add_argument("direction", choices=("from-hf", "to-hf"))
-    convert.add_argument("src", help="HF_DIR (from-hf) or expertax CKPT_DIR (to-hf)")
+    convert.add_argument(
+        "src",
+        help="HF_DIR (from-hf); to-hf: an expertax model directory or a training run folder "
+        "(<base_output_directory>/<run_name>; its latest complete checkpoint is exported)",
+    )
     convert.add_argument("dst", help="OUT_DIR, new or empty")
     bench = sub.add_parser("bench", help=COMMANDS["bench"][0])
     bench.add_argument("what", choices=("gmm",), help="which benchmark")

@@ -159,6 +159,13 @@ class TrainSection(_Section):
     grad_dtype: DType = Field("float32", description="Gradient dtype (cast only if different).")
     mu_dtype: DType = Field("float32", description="AdamW first-moment dtype.")
     init_weights_seed: int = Field(0, description="Seed of the parameter initialization.")
+    load_parameters_path: str = Field(
+        "",
+        description="Start from the parameters of this expertax model directory (the output of "
+        "`expertax convert from-hf`) instead of a random init: fresh optimizer state, step 0. Its "
+        "config.yml must agree with the run on every MODEL_KEYS key. Ignored when the run "
+        "resumes from a checkpoint (the checkpoint wins); empty = off.",
+    )
     scan_layers: bool = Field(True, description="Run each layer stack with lax.scan.")
     remat_policy: Literal["full", "none"] = Field(
         "full", description="Rematerialization: full (save layer inputs) or none (save all)."
@@ -256,6 +263,20 @@ class Config(
     def attn_v_head_dim(self) -> int:
         return self.v_head_dim if self.attention_type == "mla" else self.head_dim
 
+
+# Keys that define the model (its parameter shapes and what the parameters compute), as opposed to
+# how it is trained or run: saved parameters load only into a config with the same values.
+MODEL_KEYS = (frozenset(ModelSection.model_fields) - {"model_name"}) | {
+    "num_experts",
+    "num_experts_per_tok",
+    "shared_experts",
+    "routed_score_func",
+    "routed_bias",
+    "routed_scaling_factor",
+    "n_routing_groups",
+    "topk_routing_group",
+    "norm_topk_prob",
+}
 
 SECTIONS = (
     ModelSection,

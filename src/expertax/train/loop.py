@@ -31,7 +31,7 @@ from expertax.data.synthetic import SyntheticData
 from expertax.models import decoder, init_params
 from expertax.nn import param
 from expertax.sharding import load_rules, logical_to_spec, make_mesh, use_rules
-from expertax.train import checkpoint, optimizer
+from expertax.train import checkpoint, optimizer, params_io
 from expertax.train import metrics as metrics_lib
 from expertax.train.state import TrainState
 from expertax.train.step import NonFiniteError, train_step
@@ -79,9 +79,12 @@ class Trainer:
             self.state_shardings,
         )
 
-    def init_state(self) -> TrainState:
+    def init_state(self, params: decoder.Decoder | None = None) -> TrainState:
+        """Step 0 with a fresh optimizer state; random parameters (init_weights_seed) unless
+        `params` are given (in `state_shardings.params` and the run's weight_dtype)."""
         with self.context():
-            params = init_params(self.c, shardings=self.state_shardings.params)
+            if params is None:
+                params = init_params(self.c, shardings=self.state_shardings.params)
             opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
             rng = jax.device_put(jax.random.key(self.c.init_weights_seed), self.state_shardings.rng)
             step = jax.device_put(jnp.int32(0), self.state_shardings.step)
@@ -148,7 +151,8 @@ def build_trainer(c: Config, devices=None) -> Trainer:
 
 # Keys that may differ between a run and its resumption: they change neither the model nor the data
 # stream. The mesh may change (checkpoints reshard on restore); the global batch is checked against
-# the checkpoint instead of per_device_batch_size.
+# the checkpoint instead of per_device_batch_size; a resumed run ignores load_parameters_path (the
+# checkpoint wins).
 RESUMABLE_KEYS = frozenset(
     {
         "steps",
@@ -169,6 +173,7 @@ RESUMABLE_KEYS = frozenset(
         "sharding_rules",
         "remat_policy",
         "scan_layers",
+        "load_parameters_path",
         *(
             f"{p}_{a}_parallelism"
             for p in ("ici", "dcn")
@@ -176,7 +181,6 @@ RESUMABLE_KEYS = frozenset(
         ),
     }
 )
-CHECKPOINT_SUBDIR = "checkpoints"
 
 
 def _barrier(name: str) -> None:
@@ -276,7 +280,7 @@ def prepare_run_dir(c: Config) -> tuple[Config, RunDir]:
     run_name = _resolve_run_name(c)
     c = c.model_copy(update={"run_name": run_name})
     run_dir = Path(c.base_output_directory) / run_name
-    ckpt_dir = run_dir / CHECKPOINT_SUBDIR
+    ckpt_dir = run_dir / params_io.CHECKPOINT_SUBDIR
     has_metrics = (run_dir / "metrics.jsonl").exists()
     has_checkpoints = ckpt_dir.exists()
     if has_metrics and not has_checkpoints:
@@ -302,6 +306,8 @@ def prepare_run_dir(c: Config) -> tuple[Config, RunDir]:
     try:
         resume = ckpt.latest_step() if ckpt is not None else None
         _check_resumable(c, run_dir, resume, has_metrics)
+        if resume is None and c.load_parameters_path:
+            params_io.check_model_dir(c)  # before the run folder is written or anything compiled
     except ConfigError:
         if ckpt is not None:
             ckpt.close()
@@ -447,15 +453,27 @@ def train(c: Config, *, echo=print, devices=None, stop_after_step: int | None = 
             run.checkpointer.close()  # waits for the last save
 
 
+def _initial_state(c: Config, trainer: Trainer, say) -> TrainState:
+    """Step 0: random parameters, or those of load_parameters_path; a fresh optimizer state."""
+    if not c.load_parameters_path:
+        return trainer.init_state()
+    abstract = trainer.abstract_state().params
+    params = params_io.load_params(c, trainer.state_shardings.params, abstract)
+    say(f"loaded the parameters of {c.load_parameters_path} (fresh optimizer state, step 0)")
+    return trainer.init_state(params)
+
+
 def _run(c: Config, trainer: Trainer, run: RunDir, writer, say, stop_after_step) -> dict:
     t0 = time.perf_counter()
     data = make_data(c, trainer)
     if run.resume_step is None:
-        state, skipped, start = trainer.init_state(), 0, 0
+        state, skipped, start = _initial_state(c, trainer, say), 0, 0
     else:
         state, skipped = restore_checkpoint(c, trainer, run, data)
         start = run.resume_step
         say(f"resumed from the checkpoint of step {start} in {run.checkpointer.directory}")
+        if c.load_parameters_path:
+            say(f"load_parameters_path={c.load_parameters_path!r} ignored: the checkpoint wins")
     step_fn = trainer.compile()
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     end = c.steps if stop_after_step is None else min(c.steps, stop_after_step)
