@@ -85,9 +85,9 @@ def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dt
     def body(x, layer_params):
         return block_apply(layer_params, x, c, positions_BT, segment_ids_BT, dtype)
 
-    policy = remat.policy(c.remat_policy)
-    if c.remat_policy != "none":
-        body = jax.checkpoint(body, policy=policy, prevent_cse=not c.scan_layers)
+    # One policy for the dense and the MoE stack; jax.checkpoint's CSE prevention is only
+    # needed unrolled (scan already keeps the recomputation from being merged with the forward).
+    body = remat.wrap_layer(body, c, prevent_cse=not c.scan_layers)
     if c.scan_layers:
         return jax.lax.scan(body, x_BTD, stacked)
     n = jax.tree.leaves(stacked)[0].shape[0]
