@@ -59,7 +59,7 @@ def softmax_scale(c: Config) -> float:
 def cos_sin(c: Config, positions_BT: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables [B, T, dim/2] in float32 for the given positions."""
     inv_freq, amplitude = inverse_frequencies(c, dim)
-    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     return jnp.cos(angles) * amplitude, jnp.sin(angles) * amplitude
 
 

@@ -67,7 +67,7 @@ def route(p: Router, x_ND: jax.Array, c: Config) -> Routing:
         scores_NE = jax.nn.softmax(logits_NE, axis=-1)
     choice_NE = jax.lax.stop_gradient(scores_NE)
     if p.bias is not None:
-        choice_NE = choice_NE + p.bias.astype(jnp.float32)
+        choice_NE = choice_NE + p.bias.astype(jnp.float32)[None, :]
     if c.uses_routing_groups:
         choice_NE = jnp.where(_group_mask(choice_NE, c), choice_NE, -jnp.inf)
     _, experts_NK = jax.lax.top_k(choice_NE, c.num_experts_per_tok)
