@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn import mlp, norm
+from expertax.nn import embed, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe.router import MoEStats
@@ -114,7 +114,8 @@ def forward(
     b, t = inputs_BT.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x_BTD = constrain(jnp.take(params.embed, inputs_BT, axis=0).astype(dtype), ACT_BTD)
+    x_BTD = embed.lookup(params.embed, inputs_BT, dtype, use_iota=c.use_iota_embed)
+    x_BTD = constrain(x_BTD, ACT_BTD)
     stats = None
     if params.dense_layers is not None:
         x_BTD, _ = run_stack(params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)

@@ -241,7 +241,7 @@ def format_report(r: dict) -> str:
         f"{_fmt(x['alias'])}, temporaries {_fmt(x['temp'])}",
         f"  host: arguments {_fmt(x['host_argument'])}, outputs {_fmt(x['host_output'])}, "
         f"temporaries {_fmt(x['host_temp'])}",
-        f"  peak estimate (arguments + outputs - aliased + temporaries"
+        "  peak estimate (arguments + outputs - aliased + temporaries"
         + (f" - {_fmt(r['offloaded_state_bytes'])} offloaded state" if r["offloaded_state_bytes"]
            else "")
         + f"): {_fmt(r['peak_device_bytes'])}",
