@@ -144,6 +144,7 @@ def _weight_sum_cost(c: Config, batch_local: int) -> dict:
 def memory_report(c: Config, devices=None, hbm_gib: float | None = None) -> dict:
     """Compile the train step abstractly for `c` on `devices` and report bytes per device."""
     trainer = build_trainer(c, devices)
+    remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
     state = trainer.abstract_state()
     local_batch = trainer.global_batch // batch_shards(trainer.mesh)
     residuals = []
