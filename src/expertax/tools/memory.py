@@ -10,8 +10,10 @@ compiled for the configured mesh; nothing is placed on a device. The report has 
   aliased bytes, temporaries, and their host-memory counterparts;
 - the peak estimate (arguments + outputs - aliased + temporaries) against an HBM budget.
 
-Residual shapes split the batch over the data, fsdp and expert axes; tensor-parallel splits of
-heads or hidden dims are not applied to them (they are upper bounds when ici_tensor_parallelism>1).
+Residual shapes split the batch over the data, fsdp and expert axes only; splits of heads, hidden
+dims or experts (tensor parallelism, the [E, B, C, .] tensors of the dense MoE dispatch under
+expert parallelism) are not applied, so those entries are upper bounds. XLA:CPU has one memory
+for device and pinned host: its figures count offloaded tensors as device bytes.
 """
 
 from __future__ import annotations
