@@ -42,9 +42,32 @@ def cmd_train(args) -> int:
         print(help_keys())
         return 0
     cfg = config_from_args(args.config)
-    from expertax.train.loop import train
+    from expertax.train import distributed
 
-    train(cfg)
+    distributed.initialize(cfg)  # before any JAX backend use
+    from expertax.train.loop import train
+    from expertax.train.step import NonFiniteError
+
+    try:
+        train(cfg)
+    except NonFiniteError as e:
+        print(f"expertax: error: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from expertax.convert import from_hf, to_hf
+
+    try:  # user errors (bad paths, unsupported configs) print one line, like config errors
+        if args.direction == "from-hf":
+            c = from_hf(args.src, args.dst)
+            print(f"expertax: wrote a {c.decoder_block} model to {args.dst}")
+        else:
+            files = to_hf(args.src, args.dst)
+            print(f"expertax: wrote {', '.join(files)} to {args.dst}")
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
     return 0
 
 
@@ -99,6 +122,10 @@ def cmd_memory(args) -> int:
 COMMANDS: dict[str, tuple[str, Callable]] = {
     "train": ("train a model: expertax train [PRESET.yml ...] [key=value ...]", cmd_train),
     "memory": ("per-device memory plan of the train step, compiled abstractly", cmd_memory),
+    "convert": (
+        "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR",
+        cmd_convert,
+    ),
 }
 
 
@@ -113,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--devices", type=int, help="compile for N simulated CPU devices")
     memory.add_argument("--json", help="also write the report as JSON to this path")
     memory.add_argument("--hbm", type=float, help="device memory budget in GiB")
+    convert = sub.add_parser("convert", help=COMMANDS["convert"][0])
+    convert.add_argument("direction", choices=("from-hf", "to-hf"))
+    convert.add_argument("src", help="HF_DIR (from-hf) or expertax CKPT_DIR (to-hf)")
+    convert.add_argument("dst", help="OUT_DIR, new or empty")
     return parser
 
 

@@ -40,7 +40,9 @@ def check_routing_groups(c: Config) -> None:
             )
         return
     if g < 0:
-        raise ConfigError(f"n_routing_groups={g}: use -1 (off) or a positive divisor of num_experts")
+        raise ConfigError(
+            f"n_routing_groups={g}: use -1 (off) or a positive divisor of num_experts"
+        )
     if c.num_experts % g:
         raise ConfigError(
             f"n_routing_groups={g} does not divide num_experts={c.num_experts}; "
@@ -56,7 +58,7 @@ def check_routing_groups(c: Config) -> None:
 
 
 def check_heads(c: Config) -> None:
-    if c.base_num_query_heads % c.base_num_kv_heads:
+    if c.attention_type == "gqa" and c.base_num_query_heads % c.base_num_kv_heads:
         raise ConfigError(
             f"base_num_query_heads={c.base_num_query_heads} is not a multiple of "
             f"base_num_kv_heads={c.base_num_kv_heads}"
@@ -117,6 +119,26 @@ def check_parallelism_values(c: Config) -> None:
                 raise ConfigError(f"{k}={getattr(c, k)}: use a positive size or -1 (the rest)")
 
 
+def check_data_files(c: Config) -> None:
+    if c.dataset_type != "files":
+        return
+    missing = [k for k in ("dataset_path", "tokenizer_path") if not getattr(c, k)]
+    if missing:
+        raise ConfigError(
+            f"dataset_type=files needs {' and '.join(missing)}: set "
+            + " ".join(f"{k}=..." for k in missing)
+            + " (a data file, directory or glob; a tokenizer.json)"
+        )
+
+
+def check_distributed(c: Config) -> None:
+    n, i = c.num_processes, c.process_id
+    if n == 0:
+        raise ConfigError("num_processes=0: use a positive count or -1 (from $JAX_NUM_PROCESSES)")
+    if n > 0 and i >= n:
+        raise ConfigError(f"process_id={i} must be below num_processes={n}")
+
+
 ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_layers,
     check_top_k,
@@ -128,6 +150,8 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_routing_bias,
     check_pipeline,
     check_parallelism_values,
+    check_data_files,
+    check_distributed,
 )
 
 

@@ -60,7 +60,9 @@ def _check_known_keys(values: Mapping[str, Any], source: str) -> None:
     for key in values:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else "; see `expertax train --help-keys`"
+            hint = (
+                f"; did you mean {close[0]!r}?" if close else "; see `expertax train --help-keys`"
+            )
             raise ConfigError(f"unknown key {key!r} in {source}{hint}")
 
 

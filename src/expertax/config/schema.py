@@ -20,7 +20,9 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    model_name: str = Field("deepseek3-tiny", description="Preset in configs/models/ to start from.")
+    model_name: str = Field(
+        "deepseek3-tiny", description="Preset in configs/models/ to start from."
+    )
     decoder_block: Literal["deepseek", "mixtral", "llama"] = Field(
         "deepseek", description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Llama."
     )
@@ -51,11 +53,17 @@ class ModelSection(_Section):
     original_max_position_embeddings: int = Field(
         4096, gt=0, description="YaRN: context length the model was pretrained with."
     )
-    beta_fast: float = Field(32.0, gt=0, description="YaRN ramp: rotations where extrapolation ends.")
-    beta_slow: float = Field(1.0, gt=0, description="YaRN ramp: rotations where interpolation starts.")
+    beta_fast: float = Field(
+        32.0, gt=0, description="YaRN ramp: rotations where extrapolation ends."
+    )
+    beta_slow: float = Field(
+        1.0, gt=0, description="YaRN ramp: rotations where interpolation starts."
+    )
     mscale: float = Field(1.0, ge=0, description="YaRN mscale for the RoPE amplitude.")
     mscale_all_dim: float = Field(
-        0.0, ge=0, description="YaRN mscale_all_dim; > 0 also scales the attention softmax (DeepSeek)."
+        0.0,
+        ge=0,
+        description="YaRN mscale_all_dim; > 0 also scales the attention softmax (DeepSeek).",
     )
     normalization_layer_epsilon: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
     logits_via_embedding: bool = Field(False, description="Tie the output head to the embedding.")
@@ -149,13 +157,46 @@ class TrainSection(_Section):
     base_output_directory: str = Field("runs", description="Runs are written under this folder.")
     run_name: str = Field("", description="Run folder name; empty = a timestamp.")
     log_period: int = Field(1, gt=0, description="Print a console line every this many steps.")
+    enable_checkpointing: bool = Field(
+        True, description="Save checkpoints in <run dir>/checkpoints and resume from them."
+    )
+    checkpoint_period: int = Field(
+        100, gt=0, description="Save a checkpoint every this many steps (and after the last step)."
+    )
+    max_checkpoints: int = Field(3, gt=0, description="Keep this many most recent checkpoints.")
+    async_checkpointing: bool = Field(
+        True, description="Write checkpoints on a background thread while training continues."
+    )
+    skip_nonfinite_steps: bool = Field(
+        False,
+        description="On a NaN/Inf loss or gradient, skip that update (params and optimizer state "
+        "unchanged, counted in skipped_steps) instead of stopping the run.",
+    )
+    debug_inject_nan_step: int = Field(
+        -1, ge=-1, description="Debugging/tests only: make the loss NaN at this step; -1 = off."
+    )
 
 
 class DataSection(_Section):
-    dataset_type: Literal["synthetic"] = Field(
-        "synthetic", description="synthetic: learnable arithmetic token sequences."
+    dataset_type: Literal["synthetic", "files"] = Field(
+        "synthetic",
+        description="synthetic: learnable arithmetic token sequences; files: local JSONL/Parquet/"
+        "text files (dataset_path), tokenized with tokenizer_path and packed.",
     )
     data_shuffle_seed: int = Field(0, description="Seed of the data order (and synthetic data).")
+    dataset_path: str = Field(
+        "", description="dataset_type=files: a file, a directory or a glob of .jsonl/.parquet/.txt."
+    )
+    tokenizer_path: str = Field(
+        "", description="dataset_type=files: a HuggingFace tokenizer.json (or its directory)."
+    )
+    data_text_field: str = Field("text", description="JSONL key / Parquet column with the text.")
+    data_num_epochs: int = Field(
+        -1, ge=-1, description="dataset_type=files: passes over the data; -1 repeats forever."
+    )
+    data_worker_count: int = Field(
+        0, ge=0, description="dataset_type=files: reader threads (never changes the batches)."
+    )
 
 
 Placement = Literal["device", "offload", "remat"]
@@ -207,8 +248,23 @@ class RematSection(_Section):
     )
 
 
+class DistributedSection(_Section):
+    coordinator_address: str = Field(
+        "",
+        description="Multi-process runs: host:port of process 0 for jax.distributed.initialize; "
+        "empty = $JAX_COORDINATOR_ADDRESS, or a single process when that is unset too.",
+    )
+    num_processes: int = Field(
+        -1, ge=-1, description="Multi-process runs: processes in all; -1 = $JAX_NUM_PROCESSES."
+    )
+    process_id: int = Field(
+        -1, ge=-1, description="Multi-process runs: this process's index; -1 = $JAX_PROCESS_ID."
+    )
+
+
 class Config(
-    ModelSection, MoESection, ParallelSection, TrainSection, RematSection, DataSection
+    ModelSection, MoESection, ParallelSection, TrainSection, RematSection, DataSection,
+    DistributedSection,
 ):
     """The whole configuration; see the sections for the keys."""
 
@@ -243,5 +299,11 @@ class Config(
 
 
 SECTIONS = (
-    ModelSection, MoESection, ParallelSection, TrainSection, RematSection, DataSection
+    ModelSection,
+    MoESection,
+    ParallelSection,
+    TrainSection,
+    RematSection,
+    DataSection,
+    DistributedSection,
 )

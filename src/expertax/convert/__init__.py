@@ -1,0 +1,53 @@
+"""HuggingFace <-> expertax conversion (DeepSeek-V3, Mixtral); see docs/design/convert.md.
+
+load_hf(hf_dir) -> (config, params)          an HF checkpoint, ready for `expertax.logits`
+from_hf(hf_dir, out_dir) -> Config            HF checkpoint -> expertax model directory
+to_hf(ckpt_dir, out_dir) -> list of files     expertax model directory -> HF checkpoint
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config import Config
+from expertax.convert.hf import params_from_hf, write_hf
+from expertax.convert.hf_config import ConversionError, config_from_hf, config_to_hf
+
+
+def load_hf(hf_dir: str | Path) -> tuple[Config, object]:
+    """The Config and parameters (jax arrays) of an HF DeepSeek-V3 or Mixtral checkpoint."""
+    c, params, _ = params_from_hf(hf_dir)
+    return c, jax.tree.map(jnp.asarray, params)
+
+
+def from_hf(hf_dir: str | Path, out_dir: str | Path) -> Config:
+    """Convert an HF checkpoint directory into an expertax model directory (see `store`)."""
+    from expertax.convert import store  # Orbax is imported only when a directory is written
+
+    store.check_new_dir(out_dir)  # before the (long) conversion, not after
+    c, params, hf = params_from_hf(hf_dir)
+    store.save(out_dir, c, params, source="huggingface", hf_config=hf)
+    return c
+
+
+def to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5 * 2**30):
+    """Convert an expertax model directory into config.json + safetensors for transformers."""
+    from expertax.convert import store
+
+    store.check_new_dir(out_dir)
+    c, params, hf = store.load(ckpt_dir)
+    return write_hf(params, c, out_dir, base_config=hf, max_shard_bytes=max_shard_bytes)
+
+
+__all__ = [
+    "ConversionError",
+    "config_from_hf",
+    "config_to_hf",
+    "from_hf",
+    "load_hf",
+    "to_hf",
+    "write_hf",
+]

@@ -13,8 +13,16 @@ import numpy as np
 class SyntheticData:
     """Batches of `rows` sequences (the rows `row_start..row_start+rows` of the global batch)."""
 
-    def __init__(self, *, vocab_size: int, seq_len: int, global_batch: int, seed: int,
-                 row_start: int = 0, rows: int | None = None):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        row_start: int = 0,
+        rows: int | None = None,
+    ):
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.global_batch = global_batch
         self.row_start = row_start

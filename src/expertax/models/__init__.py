@@ -27,7 +27,9 @@ def logits(params: decoder.Decoder, tokens, config: Config, *, positions=None, s
     """Float32 logits [B, T, V] for integer tokens [B, T]."""
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:
-        raise ValueError(f"tokens must be a [batch, length] integer array, got shape {tokens.shape}")
+        raise ValueError(
+            f"tokens must be a [batch, length] integer array, got shape {tokens.shape}"
+        )
     out, _ = decoder.forward(
         params, tokens, config, positions_BT=positions, segment_ids_BT=segment_ids
     )

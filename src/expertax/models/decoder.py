@@ -95,8 +95,8 @@ def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dt
     for i in range(n):
         x_BTD, stats = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], stacked))
         all_stats.append(stats)
-    stacked_stats = None if all_stats[0] is None else jax.tree.map(
-        lambda *s: jnp.stack(s), *all_stats
+    stacked_stats = (
+        None if all_stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *all_stats)
     )
     return x_BTD, stacked_stats
 
@@ -111,11 +111,26 @@ def forward(
 ) -> tuple[jax.Array, MoEStats | None]:
     """Float32 logits [B, T, V] and the MoE layers' stats ([L_moe, ...] leaves, or None)."""
     dtype = jnp.dtype(c.dtype)
-    b, t = inputs_BT.shape
+    x_BTD = embed.lookup(params.embed, inputs_BT, dtype, use_iota=c.use_iota_embed)
+    return forward_embedded(
+        params, x_BTD, c, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT
+    )
+
+
+def forward_embedded(
+    params: Decoder,
+    x_BTD: jax.Array,
+    c: Config,
+    *,
+    positions_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+) -> tuple[jax.Array, MoEStats | None]:
+    """`forward` from already-embedded inputs [B, T, D] (gradients w.r.t. inputs, tests)."""
+    dtype = jnp.dtype(c.dtype)
+    b, t, _ = x_BTD.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x_BTD = embed.lookup(params.embed, inputs_BT, dtype, use_iota=c.use_iota_embed)
-    x_BTD = constrain(x_BTD, ACT_BTD)
+    x_BTD = constrain(x_BTD.astype(dtype), ACT_BTD)
     stats = None
     if params.dense_layers is not None:
         x_BTD, _ = run_stack(params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)

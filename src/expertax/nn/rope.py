@@ -42,7 +42,9 @@ def inverse_frequencies(c: Config, dim: int) -> tuple[jax.Array, float]:
     keep_extrapolated = 1.0 - ramp
     inv_freq = interpolation * (1.0 - keep_extrapolated) + extrapolation * keep_extrapolated
     if c.mscale and c.mscale_all_dim:
-        amplitude = yarn_mscale(c.rope_factor, c.mscale) / yarn_mscale(c.rope_factor, c.mscale_all_dim)
+        amplitude = yarn_mscale(c.rope_factor, c.mscale) / yarn_mscale(
+            c.rope_factor, c.mscale_all_dim
+        )
     else:
         amplitude = yarn_mscale(c.rope_factor)
     return inv_freq, amplitude

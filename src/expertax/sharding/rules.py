@@ -22,7 +22,9 @@ from expertax.config.loader import configs_dir, read_yaml
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
 
 Rules = Mapping[str, tuple[str, ...]]
-_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("expertax_rules", default=None)
+_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar(
+    "expertax_rules", default=None
+)
 
 
 def load_rules(name: str) -> dict[str, tuple[str, ...]]:

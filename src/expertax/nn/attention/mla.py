@@ -61,7 +61,9 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.
     kv_a = remat.tag(jnp.einsum("btd,dr->btr", x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
     latent_BTR, k_rope_BTR = kv_a[..., : c.kv_lora_rank], kv_a[..., c.kv_lora_rank :]
     latent_BTR = norm.rms_norm(p.kv_norm, latent_BTR, c.normalization_layer_epsilon)
-    kv_BTHK = remat.tag(jnp.einsum("btr,rhk->bthk", latent_BTR, p.wkv_b.astype(dtype)), remat.MLA_KV)
+    kv_BTHK = remat.tag(
+        jnp.einsum("btr,rhk->bthk", latent_BTR, p.wkv_b.astype(dtype)), remat.MLA_KV
+    )
     k_nope, v_BTHV = kv_BTHK[..., :nope], kv_BTHK[..., nope:]
 
     cos, sin = rope.cos_sin(c, positions_BT, rdim)

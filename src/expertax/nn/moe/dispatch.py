@@ -19,8 +19,9 @@ from expertax.nn.moe.gmm import gmm
 from expertax.parallel import remat
 
 
-def expert_ffn_sorted(rows_ND, wi_0_EDF, wi_1_EDF, wo_EFD, group_sizes_E, c: Config, dtype,
-                      group_offset=None):
+def expert_ffn_sorted(
+    rows_ND, wi_0_EDF, wi_1_EDF, wo_EFD, group_sizes_E, c: Config, dtype, group_offset=None
+):
     """SwiGLU over rows sorted by expert, with grouped matmuls (local experts only if offset)."""
     kw = dict(group_offset=group_offset, backend=c.gmm_impl)
     gate = remat.tag(gmm(rows_ND, wi_0_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_0)

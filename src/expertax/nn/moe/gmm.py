@@ -14,15 +14,23 @@ import jax.numpy as jnp
 BACKENDS = ("auto", "ragged_dot")
 
 
-def gmm(lhs_ND, rhs_EDF, group_sizes_E, *, group_offset=None, backend: str = "auto",
-        preferred_element_type=None):
+def gmm(
+    lhs_ND,
+    rhs_EDF,
+    group_sizes_E,
+    *,
+    group_offset=None,
+    backend: str = "auto",
+    preferred_element_type=None,
+):
     """Grouped matmul `[N, D] x [E, D, F] -> [N, F]` (see the module docstring)."""
     if backend not in BACKENDS:
         raise ValueError(f"gmm backend={backend!r}; valid: {', '.join(BACKENDS)}")
     out_dtype = preferred_element_type or lhs_ND.dtype
     if group_offset is None:
-        return jax.lax.ragged_dot(lhs_ND, rhs_EDF, group_sizes_E.astype(jnp.int32),
-                                  preferred_element_type=out_dtype)
+        return jax.lax.ragged_dot(
+            lhs_ND, rhs_EDF, group_sizes_E.astype(jnp.int32), preferred_element_type=out_dtype
+        )
     # ragged_dot's group_offset is not implemented everywhere; select the local groups instead.
     e_local = rhs_EDF.shape[0]
     sizes = jax.lax.dynamic_slice_in_dim(group_sizes_E.astype(jnp.int32), group_offset, e_local)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import mlp
@@ -43,8 +42,12 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
     else:
         k = c.num_experts_per_tok
         out_BTD, dropped = dispatch.dense(
-            x_BTD, routing.experts_NK.reshape(b, t, k), routing.weights_NK.reshape(b, t, k),
-            p, c, dtype,
+            x_BTD,
+            routing.experts_NK.reshape(b, t, k),
+            routing.weights_NK.reshape(b, t, k),
+            p,
+            c,
+            dtype,
         )
     out_BTD = constrain(out_BTD, ("batch", "length", "act_embed"))
     if p.shared is not None:

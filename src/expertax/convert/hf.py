@@ -1,0 +1,328 @@
+"""HuggingFace safetensors <-> expertax parameters, for DeepSeek-V3 and Mixtral.
+
+Each HF tensor maps to one slice of one expertax leaf (layers are stacked along a leading axis,
+experts along the next). `tensor_map(config)` lists every such mapping, in the HF checkpoint's
+order; both directions read it, so they cannot disagree.
+
+Transforms (HF `nn.Linear` weights are [out, in]; ours are [in..., out...]):
+- `linear`: ours = W.T reshaped to our (head-split) shape; HF = ours reshaped to [in, out], .T.
+- `copy`: norms, the embedding, the routing bias.
+- RoPE columns (DeepSeek, `rope_interleave`): HF rotates interleaved pairs (x0, x1), (x2, x3), ...
+  and emits them de-interleaved; `nn.rope.apply` rotates half-split pairs (x_i, x_{i+R/2}). Taking
+  the even then the odd RoPE columns of wq/wq_b and wkv_a at conversion gives the same q and k
+  after RoPE, so attention scores are identical. The inverse permutation restores HF's layout.
+Every transform is a transpose, reshape or permutation: the round trip is exact, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from expertax.config import Config
+from expertax.convert import safetensors_io
+from expertax.convert.hf_config import ConversionError, config_from_hf, config_to_hf
+from expertax.models import decoder
+from expertax.nn.param import ParamSpec, is_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """One HF tensor <-> a slice of one expertax leaf."""
+
+    hf_name: str
+    leaf: str  # path in the Decoder tree, e.g. "moe_layers.attn.wq_b"
+    index: tuple[int, ...]  # leading indices into the leaf: (layer,) or (layer, expert)
+    kind: str  # "linear" or "copy"
+    n_in: int = 1  # linear: how many leading dims of the slice are the input dims
+    rope: tuple[int, int] | None = None  # (offset, size) of interleaved RoPE columns, last axis
+
+
+def leaf_specs(c: Config) -> dict[str, ParamSpec]:
+    """Every parameter leaf of the model by dotted path."""
+    flat = jax.tree_util.tree_flatten_with_path(decoder.spec(c), is_leaf=is_spec)[0]
+    return {".".join(k.name for k in path): s for path, s in flat}
+
+
+def _attention(c: Config, stack: str, i: int, p: str, interleave: bool) -> list[TensorMap]:
+    a = f"{stack}.attn"
+    if c.attention_type == "gqa":
+        return [
+            TensorMap(p + "self_attn.q_proj.weight", f"{a}.wq", (i,), "linear"),
+            TensorMap(p + "self_attn.k_proj.weight", f"{a}.wk", (i,), "linear"),
+            TensorMap(p + "self_attn.v_proj.weight", f"{a}.wv", (i,), "linear"),
+            TensorMap(p + "self_attn.o_proj.weight", f"{a}.wo", (i,), "linear", n_in=2),
+        ]
+    r = c.qk_rope_head_dim
+    q_rope = (c.qk_nope_head_dim, r) if interleave else None
+    kv_rope = (c.kv_lora_rank, r) if interleave else None
+    out = []
+    if c.q_lora_rank:
+        out += [
+            TensorMap(p + "self_attn.q_a_proj.weight", f"{a}.wq_a", (i,), "linear"),
+            TensorMap(p + "self_attn.q_a_layernorm.weight", f"{a}.q_norm", (i,), "copy"),
+            TensorMap(p + "self_attn.q_b_proj.weight", f"{a}.wq_b", (i,), "linear", rope=q_rope),
+        ]
+    else:
+        out.append(TensorMap(p + "self_attn.q_proj.weight", f"{a}.wq", (i,), "linear", rope=q_rope))
+    return out + [
+        TensorMap(
+            p + "self_attn.kv_a_proj_with_mqa.weight", f"{a}.wkv_a", (i,), "linear", rope=kv_rope
+        ),
+        TensorMap(p + "self_attn.kv_a_layernorm.weight", f"{a}.kv_norm", (i,), "copy"),
+        TensorMap(p + "self_attn.kv_b_proj.weight", f"{a}.wkv_b", (i,), "linear"),
+        TensorMap(p + "self_attn.o_proj.weight", f"{a}.wo", (i,), "linear", n_in=2),
+    ]
+
+
+def _mlp(prefix: str, leaf: str, index: tuple[int, ...], names=("gate", "up", "down")):
+    g, u, d = (f"{prefix}{n}_proj.weight" for n in names)
+    return [
+        TensorMap(g, f"{leaf}.wi_0", index, "linear"),
+        TensorMap(u, f"{leaf}.wi_1", index, "linear"),
+        TensorMap(d, f"{leaf}.wo", index, "linear"),
+    ]
+
+
+def _moe(c: Config, i: int, p: str) -> list[TensorMap]:
+    m = "moe_layers.moe"
+    if c.decoder_block == "mixtral":
+        out = [TensorMap(p + "block_sparse_moe.gate.weight", f"{m}.router.w", (i,), "linear")]
+        for j in range(c.num_experts):
+            e = f"{p}block_sparse_moe.experts.{j}."
+            out += [
+                TensorMap(e + "w1.weight", f"{m}.wi_0", (i, j), "linear"),
+                TensorMap(e + "w3.weight", f"{m}.wi_1", (i, j), "linear"),
+                TensorMap(e + "w2.weight", f"{m}.wo", (i, j), "linear"),
+            ]
+        return out
+    out = [
+        TensorMap(p + "mlp.gate.weight", f"{m}.router.w", (i,), "linear"),
+        TensorMap(p + "mlp.gate.e_score_correction_bias", f"{m}.router.bias", (i,), "copy"),
+    ]
+    for j in range(c.num_experts):
+        out += _mlp(f"{p}mlp.experts.{j}.", m, (i, j))
+    if c.shared_experts:
+        out += _mlp(f"{p}mlp.shared_experts.", f"{m}.shared", (i,))
+    return out
+
+
+def tensor_map(c: Config, *, interleave: bool = True) -> list[TensorMap]:
+    """Every HF tensor of the model and where it lives in expertax's tree."""
+    out = [TensorMap("model.embed_tokens.weight", "embed", (), "copy")]
+    for layer in range(c.base_num_decoder_layers):
+        p = f"model.layers.{layer}."
+        dense = layer < c.num_dense_layers
+        stack = "dense_layers" if dense else "moe_layers"
+        i = layer if dense else layer - c.num_dense_layers
+        out += _attention(c, stack, i, p, interleave)
+        out += [
+            TensorMap(p + "input_layernorm.weight", f"{stack}.attn_norm", (i,), "copy"),
+            TensorMap(p + "post_attention_layernorm.weight", f"{stack}.ffn_norm", (i,), "copy"),
+        ]
+        out += _mlp(p + "mlp.", "dense_layers.mlp", (i,)) if dense else _moe(c, i, p)
+    out.append(TensorMap("model.norm.weight", "final_norm", (), "copy"))
+    if not c.logits_via_embedding:
+        out.append(TensorMap("lm_head.weight", "lm_head", (), "linear"))
+    return out
+
+
+def _rope_perm(size: int) -> np.ndarray:
+    """Our RoPE column k holds HF's interleaved column perm[k]: evens, then odds."""
+    return np.concatenate([np.arange(0, size, 2), np.arange(1, size, 2)])
+
+
+def to_ours(t: TensorMap, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """An HF tensor as the slice `shape` of our leaf."""
+    if t.kind == "copy":
+        return w.reshape(shape)
+    x = w.T.reshape(shape)
+    if t.rope is not None:
+        off, r = t.rope
+        x = x.copy()
+        x[..., off : off + r] = x[..., off + _rope_perm(r)]
+    return x
+
+
+def to_hf(t: TensorMap, x: np.ndarray) -> np.ndarray:
+    """Our leaf slice as the HF tensor (inverse of `to_ours`)."""
+    if t.kind == "copy":
+        return x
+    if t.rope is not None:
+        off, r = t.rope
+        y = x.copy()
+        y[..., off + _rope_perm(r)] = x[..., off : off + r]
+        x = y
+    n_in = int(np.prod(x.shape[: t.n_in]))
+    return np.ascontiguousarray(x.reshape(n_in, -1).T)
+
+
+def hf_shape(t: TensorMap, slice_shape: tuple[int, ...]) -> tuple[int, ...]:
+    if t.kind == "copy":
+        return slice_shape
+    n_in = int(np.prod(slice_shape[: t.n_in]))
+    return (int(np.prod(slice_shape)) // n_in, n_in)
+
+
+# ----------------------------------------------------------------------------------- HF -> ours
+
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _unflatten(c: Config, arrays: dict[str, np.ndarray]) -> decoder.Decoder:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(decoder.spec(c), is_leaf=is_spec)
+    leaves = [arrays[".".join(k.name for k in path)] for path, _ in flat]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+class _Filler:
+    """Stacked numpy leaves, allocated at their first tensor (in its dtype), filled by slices."""
+
+    def __init__(self, c: Config):
+        self.specs = leaf_specs(c)
+        self.arrays: dict[str, np.ndarray] = {}
+        self.filled: set[tuple[str, tuple[int, ...]]] = set()
+
+    def put(self, leaf: str, index: tuple[int, ...], value: np.ndarray, source: str) -> None:
+        spec = self.specs[leaf]
+        if leaf not in self.arrays:
+            self.arrays[leaf] = np.empty(spec.shape, value.dtype)
+        arr = self.arrays[leaf]
+        if value.dtype != arr.dtype:
+            raise ConversionError(
+                f"tensor {source} has dtype {value.dtype}, the other tensors of {leaf} {arr.dtype}"
+            )
+        arr[index] = value
+        self.filled.add((leaf, index))
+
+
+def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(want):
+        raise ConversionError(f"tensor {name} has shape {tuple(got)}; the config implies {want}")
+
+
+def _fill_fused(c: Config, filler: _Filler, name: str, w: np.ndarray) -> None:
+    """transformers >= 5 in-memory layout: experts.gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
+    layer, which = _FUSED.match(name).groups()
+    i = int(layer) - c.num_dense_layers
+    if i < 0:
+        raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
+    e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
+    if which == "gate_up_proj":
+        _check_shape(name, w.shape, (e, 2 * f, d))
+        filler.put("moe_layers.moe.wi_0", (i,), np.swapaxes(w[:, :f], 1, 2), name)
+        filler.put("moe_layers.moe.wi_1", (i,), np.swapaxes(w[:, f:], 1, 2), name)
+        filler.filled.update((f"moe_layers.moe.wi_{k}", (i, j)) for k in (0, 1) for j in range(e))
+    else:
+        _check_shape(name, w.shape, (e, d, f))
+        filler.put("moe_layers.moe.wo", (i,), np.swapaxes(w, 1, 2), name)
+        filler.filled.update(("moe_layers.moe.wo", (i, j)) for j in range(e))
+
+
+def _skippable(name: str, c: Config) -> bool:
+    """Tensors HF itself does not use: multi-token-prediction layers, cached RoPE tables."""
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) >= c.base_num_decoder_layers:
+        return True
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json")
+    return json.loads(path.read_text())
+
+
+def params_from_hf(hf_dir: str | Path) -> tuple[Config, decoder.Decoder, dict]:
+    """(Config, numpy parameters, HF config dict) of an HF checkpoint directory.
+
+    Tensors are read one at a time into preallocated stacked arrays, so peak memory is the model
+    plus one tensor. Every tensor must be used and every parameter filled.
+    """
+    hf = read_hf_config(hf_dir)
+    c = config_from_hf(hf)
+    interleave = bool(hf.get("rope_interleave", True)) and c.attention_type == "mla"
+    canonical = tensor_map(c, interleave=interleave)
+    maps = {t.hf_name: t for t in canonical}
+    if c.decoder_block == "mixtral":  # transformers >= 5 names the router mlp.gate
+        for t in canonical:
+            if t.hf_name.endswith("block_sparse_moe.gate.weight"):
+                alias = t.hf_name.replace("block_sparse_moe.gate", "mlp.gate")
+                maps[alias] = dataclasses.replace(t, hf_name=alias)
+    filler = _Filler(c)
+    with safetensors_io.Reader(hf_dir) as reader:
+        for name in reader.names():
+            if _skippable(name, c):
+                continue
+            if _FUSED.match(name) and c.is_moe:
+                _fill_fused(c, filler, name, reader.get(name))
+                continue
+            t = maps.get(name)
+            if t is None:
+                raise ConversionError(
+                    f"tensor {name} in {hf_dir} has no place in the expertax model"
+                )
+            shape = filler.specs[t.leaf].shape[len(t.index) :]
+            _check_shape(name, reader.shape(name), hf_shape(t, shape))
+            filler.put(t.leaf, t.index, to_ours(t, reader.get(name), shape), name)
+    missing = [t.hf_name for t in canonical if (t.leaf, t.index) not in filler.filled]
+    if missing:
+        raise ConversionError(
+            f"{hf_dir} lacks tensors {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    return c, _unflatten(c, filler.arrays), hf
+
+
+# ----------------------------------------------------------------------------------- ours -> HF
+
+
+def _leaf_arrays(params: decoder.Decoder) -> dict[str, np.ndarray]:
+    """Leaves by dotted path, as host numpy arrays (a view, not a copy, for CPU jax arrays)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {".".join(k.name for k in path): np.asarray(x) for path, x in flat}
+
+
+def write_hf(
+    params: decoder.Decoder,
+    c: Config,
+    out_dir: str | Path,
+    *,
+    base_config: dict | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> list[str]:
+    """Write config.json and (sharded) safetensors that transformers loads.
+
+    `base_config` (the original HF config.json, when the model came from HF) supplies fields
+    expertax does not model (token ids, max_position_embeddings) and the RoPE layout.
+    """
+    base = dict(base_config or {})
+    hf = config_to_hf(c, base)
+    interleave = c.attention_type == "mla" and bool(base.get("rope_interleave", True))
+    if c.attention_type == "mla":
+        hf["rope_interleave"] = interleave
+    leaves = _leaf_arrays(params)
+    maps = tensor_map(c, interleave=interleave)
+    by_name = {t.hf_name: t for t in maps}
+    entries = []
+    for t in maps:
+        leaf = leaves[t.leaf]
+        shape = tuple(leaf.shape[len(t.index) :])
+        entries.append((t.hf_name, hf_shape(t, shape), np.dtype(leaf.dtype)))
+
+    def produce(name: str) -> np.ndarray:
+        t = by_name[name]
+        return to_hf(t, leaves[t.leaf][t.index])
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = safetensors_io.write(out_dir, entries, produce, max_shard_bytes=max_shard_bytes)
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return ["config.json", *files]

@@ -1,0 +1,445 @@
+"""HuggingFace `config.json` <-> expertax `Config`, for DeepSeek-V3 and Mixtral.
+
+Every field of the HF config is either mapped to a Config key, checked against the one value
+expertax implements (anything else is refused with a `ConversionError` naming the HF field), or
+listed in `_IGNORED` with the reason it does not change the model's logits. Unknown fields are
+refused, so a new HF feature can never be dropped silently.
+
+YaRN is read from `rope_scaling` (hub configs, transformers < 5) or `rope_parameters`
+(transformers >= 5); `rope_theta` from the top level or from inside either dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from expertax.config import Config, ConfigError, build_config
+
+
+class ConversionError(ConfigError):
+    """An HF checkpoint or config that expertax cannot represent exactly; says which field."""
+
+
+SUPPORTED = ("deepseek_v3", "mixtral")
+
+# Fields that do not affect the model's forward pass (or are handled elsewhere), with the reason.
+_IGNORED: dict[str, str] = {
+    "architectures": "class name; implied by model_type",
+    "model_type": "selects the mapping",
+    "transformers_version": "writer's version",
+    "auto_map": "remote-code class names",
+    "bos_token_id": "tokenizer",
+    "eos_token_id": "tokenizer",
+    "pad_token_id": "tokenizer",
+    "use_cache": "generation only",
+    "initializer_range": "initialization only",
+    "output_router_logits": "HF output option",
+    "max_position_embeddings": "kept in hf_config.json (YaRN uses original_max_...)",
+    "torch_dtype": "mapped to weight_dtype",
+    "dtype": "mapped to weight_dtype",
+    "head_dim": "DeepSeek: derived (= qk_rope_head_dim); Mixtral: mapped",
+    "qk_head_dim": "derived (qk_nope_head_dim + qk_rope_head_dim)",
+    "num_nextn_predict_layers": "multi-token-prediction layers are not converted (HF skips them)",
+    "num_mtp_layers": "multi-token-prediction layers are not converted (HF skips them)",
+    "pretraining_tp": "HF ignores it in the forward pass",
+    "ep_size": "DeepSeek reference code's expert-parallel degree; a layout, not the model",
+    "aux_loss_alpha": "DeepSeek's sequence-wise auxiliary loss (training only; not converted)",
+    "seq_aux": "DeepSeek's sequence-wise auxiliary loss (training only; not converted)",
+    "rope_interleave": "handled by permuting the RoPE weight columns at conversion",
+    "attn_implementation": "HF kernel choice",
+    "_attn_implementation": "HF kernel choice",
+    "tie_word_embeddings": "mapped to logits_via_embedding",
+}
+# Generic transformers PretrainedConfig fields (to_dict() writes them): not model features.
+_IGNORED.update(
+    dict.fromkeys(
+        (
+            "_name_or_path",
+            "chunk_size_feed_forward",
+            "id2label",
+            "label2id",
+            "is_encoder_decoder",
+            "output_attentions",
+            "output_hidden_states",
+            "problem_type",
+            "return_dict",
+            "torchscript",
+            "tokenizer_class",
+            "task_specific_params",
+            "finetuning_task",
+        ),
+        "generic transformers config field",
+    )
+)
+
+# Values transformers' config classes (DeepseekV3Config, MixtralConfig) use for absent fields, so
+# a sparse config.json means what it means to transformers.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_theta": 10_000.0,
+    },
+    "mixtral": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "num_experts_per_tok": 2,
+        "num_local_experts": 8,
+        "router_aux_loss_coef": 0.001,
+        "rope_theta": 1_000_000.0,
+    },
+}
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _require(hf: dict, key: str, allowed: tuple, default: Any = None) -> None:
+    value = hf.get(key, default)
+    if value not in allowed:
+        raise ConversionError(
+            f"HF config field {key}={value!r} is not supported by expertax (supported: "
+            f"{', '.join(repr(a) for a in allowed)})"
+        )
+
+
+def _rope(hf: dict) -> tuple[dict, dict[str, Any]]:
+    """(the RoPE dict as given, Config keys for RoPE)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ConversionError(
+            "HF config field rope_parameters: per-layer-type RoPE parameters are not supported"
+        )
+    theta = params.get("rope_theta", hf["rope_theta"])
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_max_timescale": float(theta)}
+    if kind == "default":
+        return params, {**out, "rope_type": "default"}
+    if kind != "yarn":
+        raise ConversionError(
+            f"HF config field rope_parameters.rope_type={kind!r} is not supported (default, yarn)"
+        )
+    if params.get("attention_factor") is not None:
+        raise ConversionError(
+            "HF config field rope_parameters.attention_factor is not supported; expertax derives "
+            "the YaRN amplitude from mscale and mscale_all_dim"
+        )
+    if params.get("truncate", True) is not True:
+        raise ConversionError("HF config field rope_parameters.truncate=false is not supported")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConversionError("HF config field partial_rotary_factor is not supported")
+    orig = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    factor = params.get("factor") or hf["max_position_embeddings"] / orig
+    return params, {
+        **out,
+        "rope_type": "yarn",
+        "rope_factor": float(factor),
+        "original_max_position_embeddings": int(orig),
+        "beta_fast": float(params.get("beta_fast") or 32.0),
+        "beta_slow": float(params.get("beta_slow") or 1.0),
+        # HF uses the mscale ratio only when both are set, else mscale(factor); 0 does the same.
+        "mscale": float(params.get("mscale") or 0.0),
+        "mscale_all_dim": float(params.get("mscale_all_dim") or 0.0),
+    }
+
+
+_ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
+
+
+def _deepseek(hf: dict) -> tuple[dict[str, Any], set[str]]:
+    _require(hf, "hidden_act", ("silu",), "silu")
+    _require(hf, "attention_bias", (False,), False)
+    _require(hf, "scoring_func", ("sigmoid",), "sigmoid")
+    _require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
+    _require(hf, "moe_layer_freq", (1,), 1)
+    heads = hf["num_attention_heads"]
+    _require(hf, "num_key_value_heads", (heads, None), heads)
+    q_lora = hf.get("q_lora_rank") or 0
+    shared = hf.get("n_shared_experts") or 0
+    keys = {
+        "decoder_block": "deepseek",
+        "model_name": "deepseek3-tiny",
+        "attention_type": "mla",
+        "vocab_size": hf["vocab_size"],
+        "base_emb_dim": hf["hidden_size"],
+        "base_mlp_dim": hf["intermediate_size"],
+        "base_moe_mlp_dim": hf["moe_intermediate_size"],
+        "base_num_decoder_layers": hf["num_hidden_layers"],
+        "base_num_query_heads": heads,
+        "base_num_kv_heads": heads,
+        "first_num_dense_layers": hf.get("first_k_dense_replace", 0) or 0,
+        "q_lora_rank": q_lora,
+        "kv_lora_rank": hf["kv_lora_rank"],
+        "qk_nope_head_dim": hf["qk_nope_head_dim"],
+        "qk_rope_head_dim": hf["qk_rope_head_dim"],
+        "v_head_dim": hf["v_head_dim"],
+        "num_experts": hf["n_routed_experts"],
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "shared_experts": shared,
+        "routed_score_func": "sigmoid",
+        "routed_bias": True,
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "n_routing_groups": hf.get("n_group") or 1,
+        "topk_routing_group": hf.get("topk_group") or 1,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+    }
+    mapped = {
+        "hidden_act",
+        "attention_bias",
+        "scoring_func",
+        "topk_method",
+        "moe_layer_freq",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "q_lora_rank",
+        "n_shared_experts",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "first_k_dense_replace",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "routed_scaling_factor",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+    }
+    return keys, mapped
+
+
+def _mixtral(hf: dict) -> tuple[dict[str, Any], set[str]]:
+    _require(hf, "hidden_act", ("silu",), "silu")
+    _require(hf, "sliding_window", (None,), None)
+    _require(hf, "router_jitter_noise", (0, 0.0), 0.0)
+    heads = hf["num_attention_heads"]
+    keys = {
+        "decoder_block": "mixtral",
+        "model_name": "mixtral-tiny",
+        "attention_type": "gqa",
+        "vocab_size": hf["vocab_size"],
+        "base_emb_dim": hf["hidden_size"],
+        "base_num_query_heads": heads,
+        "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "base_mlp_dim": hf["intermediate_size"],
+        "base_moe_mlp_dim": hf["intermediate_size"],
+        "base_num_decoder_layers": hf["num_hidden_layers"],
+        "num_experts": hf["num_local_experts"],
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "routed_score_func": "softmax",
+        "norm_topk_prob": True,
+        "load_balance_loss_weight": float(hf.get("router_aux_loss_coef", 0.0)),
+    }
+    mapped = {
+        "hidden_act",
+        "sliding_window",
+        "router_jitter_noise",
+        "num_attention_heads",
+        "vocab_size",
+        "hidden_size",
+        "num_key_value_heads",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "router_aux_loss_coef",
+        "use_sliding_window",
+        "max_window_layers",
+    }
+    if hf.get("use_sliding_window"):
+        raise ConversionError("HF config field use_sliding_window=true is not supported")
+    return keys, mapped
+
+
+def config_from_hf(hf: dict) -> Config:
+    """The expertax Config of an HF config.json dict; refuses what it cannot represent."""
+    model_type = hf.get("model_type")
+    if model_type == "qwen3_moe":
+        raise ConversionError(
+            "HF config field model_type='qwen3_moe' is not supported yet: Qwen3-MoE needs "
+            "per-head q/k RMSNorm, which expertax's GQA does not have"
+        )
+    if model_type not in SUPPORTED:
+        raise ConversionError(
+            f"HF config field model_type={model_type!r} is not supported ({', '.join(SUPPORTED)})"
+        )
+    hf = {**_HF_DEFAULTS[model_type], **hf}
+    if hf.get("quantization_config"):
+        raise ConversionError(
+            "HF config field quantization_config is set: quantized (e.g. fp8) checkpoints are not "
+            "supported; dequantize to bfloat16 first"
+        )
+    _require(hf, "attention_dropout", (0, 0.0, None), 0.0)
+    keys, mapped = _deepseek(hf) if model_type == "deepseek_v3" else _mixtral(hf)
+    _, rope_keys = _rope(hf)
+    if model_type == "mixtral" and rope_keys["rope_type"] != "default":
+        raise ConversionError("HF config field rope_parameters: Mixtral supports default RoPE only")
+    if keys["num_experts_per_tok"] == 1 and keys["norm_topk_prob"]:  # Mixtral always normalizes
+        raise ConversionError(
+            "HF config fields num_experts_per_tok=1 with norm_topk_prob=true: HF normalizes a "
+            "single weight to 1, expertax keeps the raw score; not supported"
+        )
+    unknown = sorted(
+        set(hf)
+        - mapped
+        - set(_IGNORED)
+        - set(_ROPE_FIELDS)
+        - {"quantization_config", "attention_dropout", "rms_norm_eps"}
+    )
+    if unknown:
+        raise ConversionError(
+            f"HF config fields {', '.join(unknown)} are not known to the {model_type} converter; "
+            "refusing rather than ignoring them"
+        )
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if dtype not in _DTYPES:
+        raise ConversionError(f"HF config field dtype={dtype!r} is not supported")
+    keys.update(rope_keys)
+    keys.update(
+        normalization_layer_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        logits_via_embedding=bool(hf.get("tie_word_embeddings", False)),
+        weight_dtype=_DTYPES[dtype],
+        dtype=_DTYPES[dtype],
+    )
+    return build_config(keys)
+
+
+def _rope_to_hf(c: Config) -> dict[str, Any]:
+    if c.rope_type == "default":
+        return {"rope_theta": c.rope_max_timescale, "rope_scaling": None}
+    scaling: dict[str, Any] = {
+        "type": "yarn",
+        "factor": c.rope_factor,
+        "original_max_position_embeddings": c.original_max_position_embeddings,
+        "beta_fast": c.beta_fast,
+        "beta_slow": c.beta_slow,
+    }
+    if c.mscale:
+        scaling["mscale"] = c.mscale
+    if c.mscale_all_dim:
+        scaling["mscale_all_dim"] = c.mscale_all_dim
+    return {"rope_theta": c.rope_max_timescale, "rope_scaling": scaling}
+
+
+def _max_positions(c: Config) -> int:
+    if c.rope_type == "yarn":
+        return int(c.original_max_position_embeddings * c.rope_factor)
+    return c.max_target_length
+
+
+def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
+    """An HF config.json dict for `c`; `base` (the original HF config) supplies non-model fields.
+
+    Written in the hub's style (`rope_theta` + `rope_scaling`), which transformers 4 and 5 read.
+    """
+    if c.decoder_block == "deepseek" and c.attention_type == "mla":
+        hf = _deepseek_to_hf(c)
+    elif c.decoder_block == "mixtral" and c.attention_type == "gqa" and c.num_dense_layers == 0:
+        hf = _mixtral_to_hf(c)
+    else:
+        raise ConversionError(
+            f"decoder_block={c.decoder_block!r} with attention_type={c.attention_type!r} has no "
+            "HF equivalent in the converter (deepseek + mla, mixtral + gqa)"
+        )
+    hf.update(_rope_to_hf(c))
+    hf.update(
+        vocab_size=c.vocab_size,
+        hidden_size=c.base_emb_dim,
+        num_hidden_layers=c.base_num_decoder_layers,
+        num_attention_heads=c.base_num_query_heads,
+        num_experts_per_tok=c.num_experts_per_tok,
+        rms_norm_eps=c.normalization_layer_epsilon,
+        tie_word_embeddings=c.logits_via_embedding,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        torch_dtype=c.weight_dtype,
+    )
+    base = dict(base or {})
+    hf.setdefault("max_position_embeddings", base.get("max_position_embeddings", _max_positions(c)))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"):
+        if key in base:
+            hf[key] = base[key]
+    return hf
+
+
+def _deepseek_to_hf(c: Config) -> dict[str, Any]:
+    if c.routed_score_func != "sigmoid" or not c.routed_bias:
+        raise ConversionError(
+            "decoder_block=deepseek needs routed_score_func=sigmoid and routed_bias=true for HF"
+        )
+    if c.num_moe_layers == 0:
+        raise ConversionError("decoder_block=deepseek without MoE layers has no HF equivalent")
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "intermediate_size": c.base_mlp_dim,
+        "moe_intermediate_size": c.base_moe_mlp_dim,
+        "num_key_value_heads": c.base_num_query_heads,
+        "first_k_dense_replace": c.num_dense_layers,
+        "q_lora_rank": c.q_lora_rank or None,
+        "kv_lora_rank": c.kv_lora_rank,
+        "qk_nope_head_dim": c.qk_nope_head_dim,
+        "qk_rope_head_dim": c.qk_rope_head_dim,
+        "v_head_dim": c.v_head_dim,
+        "n_routed_experts": c.num_experts,
+        "n_shared_experts": c.shared_experts,
+        "routed_scaling_factor": c.routed_scaling_factor,
+        "n_group": max(c.n_routing_groups, 1),
+        "topk_group": max(c.topk_routing_group, 1),
+        "norm_topk_prob": c.norm_topk_prob,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def _mixtral_to_hf(c: Config) -> dict[str, Any]:
+    if c.routed_score_func != "softmax" or not c.norm_topk_prob or c.shared_experts:
+        raise ConversionError(
+            "decoder_block=mixtral needs routed_score_func=softmax, norm_topk_prob=true and "
+            "shared_experts=0 for HF"
+        )
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": c.base_moe_mlp_dim,
+        "num_key_value_heads": c.base_num_kv_heads,
+        "head_dim": c.head_dim,
+        "num_local_experts": c.num_experts,
+        "router_aux_loss_coef": c.load_balance_loss_weight,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    }

@@ -1,0 +1,123 @@
+"""Tiny random HuggingFace models (PyTorch, CPU, eager attention) for the parity tests.
+
+Weights are redrawn at unit scale (HF's std 0.02 leaves attention nearly uniform and the RoPE
+almost irrelevant, which would hide layout bugs); the DeepSeek routing bias gets random nonzero
+values so that its mapping changes which experts are chosen.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM
+
+VOCAB = 256
+PROMPT_LEN = 288
+
+
+def _yarn(mscale: float) -> dict:
+    return {
+        "rope_type": "yarn",
+        "rope_theta": 10_000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": mscale,
+        "mscale_all_dim": 1.0,
+    }
+
+
+def deepseek_config(*, q_lora_rank: int | None, mscale: float = 0.707) -> DeepseekV3Config:
+    return DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=512,
+        rope_parameters=_yarn(mscale),
+        attn_implementation="eager",
+        num_mtp_layers=0,
+    )
+
+
+def mixtral_config() -> MixtralConfig:
+    return MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        attn_implementation="eager",
+    )
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model.eval()
+
+
+def build(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind.startswith("mixtral"):
+        config = mixtral_config()
+        config.tie_word_embeddings = kind == "mixtral-tied"
+        return randomize(MixtralForCausalLM(config), seed)
+    q_lora = 24 if kind == "deepseek-qlora" else None
+    return randomize(DeepseekV3ForCausalLM(deepseek_config(q_lora_rank=q_lora)), seed)
+
+
+def save(model: torch.nn.Module, path: Path, *, hub_rope_style: bool = False, **kw) -> Path:
+    """save_pretrained; `hub_rope_style` rewrites rope_parameters as the hub's rope_scaling."""
+    model.save_pretrained(path, **kw)
+    if hub_rope_style:
+        cfg_path = path / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        rope = dict(cfg.pop("rope_parameters"))
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        rope["type"] = rope.pop("rope_type")
+        cfg["rope_scaling"] = rope
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def prompt(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, tokens: torch.Tensor):
+    return model(tokens).logits.float().numpy()

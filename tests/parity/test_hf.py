@@ -1,0 +1,427 @@
+"""HuggingFace parity: tiny random DeepSeek-V3 and Mixtral models, converted both ways."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="parity tests need torch (pip install expertax[parity])")
+pytest.importorskip("transformers", reason="parity tests need transformers (extra 'parity')")
+
+import torch  # noqa: E402
+from hf_models import build, hf_logits, prompt, save  # noqa: E402
+from hub_configs import HUB_DEEPSEEK_V3, HUB_MIXTRAL_8X7B  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+import expertax  # noqa: E402
+from expertax.convert import ConversionError, config_from_hf, from_hf, to_hf, write_hf  # noqa: E402
+from expertax.convert.safetensors_io import INDEX_FILE, iter_tensors  # noqa: E402
+
+pytestmark = pytest.mark.parity
+
+# Max abs logit difference, expertax (JAX, highest matmul precision) vs transformers, per dtype.
+TOLERANCE = {"float32": 1e-4}
+# A wrong layout must miss by far more than the tolerance (negative controls).
+MISS = 1e-2
+
+VARIANTS = ["deepseek-qlora", "deepseek-plain-q", "mixtral", "mixtral-tied"]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, tuple[Path, np.ndarray]]:
+    """Each variant saved once (q-LoRA DeepSeek with the hub's rope_scaling style), with its
+    reference logits for `prompt()`."""
+    out = {}
+    for i, kind in enumerate(VARIANTS):
+        model = build(kind, seed=i)
+        path = tmp_path_factory.mktemp(kind)
+        save(model, path, hub_rope_style=kind == "deepseek-qlora")
+        out[kind] = (path, hf_logits(model, prompt()))
+    return out
+
+
+def _max_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_logits_match_transformers(hf_dirs, kind):
+    path, ref = hf_dirs[kind]
+    config, params = expertax.load_hf(path)
+    out = expertax.logits(params, prompt().numpy(), config)
+    assert out.shape == ref.shape and out.dtype == np.float32
+    diff = _max_diff(out, ref)
+    print(f"\n{kind}: max |logits diff| = {diff:.3g} (logits scale {np.abs(ref).max():.3g})")
+    assert diff <= TOLERANCE["float32"]
+    assert config.logits_via_embedding == (kind == "mixtral-tied") == (params.lm_head is None)
+    if kind.startswith("deepseek"):
+        assert config.rope_type == "yarn" and config.uses_routing_groups
+        assert config.num_dense_layers == 1 and config.shared_experts == 1
+        # Negative control: the routing bias must matter (it changes the chosen experts).
+        bias = params.moe_layers.moe.router.bias
+        assert float(np.abs(bias).min()) > 0
+        router = dataclasses.replace(params.moe_layers.moe.router, bias=bias * 0)
+        moe = dataclasses.replace(params.moe_layers.moe, router=router)
+        no_bias = dataclasses.replace(
+            params, moe_layers=dataclasses.replace(params.moe_layers, moe=moe)
+        )
+        assert _max_diff(expertax.logits(no_bias, prompt().numpy(), config), ref) > MISS
+
+
+def test_rope_layout_negative_control(hf_dirs, tmp_path):
+    """Reading interleaved RoPE weights as half-split (rope_interleave=false) must fail parity."""
+    path, ref = hf_dirs["deepseek-plain-q"]
+    for f in path.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_interleave": False}))
+    config, params = expertax.load_hf(tmp_path)
+    assert _max_diff(expertax.logits(params, prompt().numpy(), config), ref) > MISS
+
+
+def _tensors(path: Path) -> dict[str, np.ndarray]:
+    return dict(iter_tensors(path))
+
+
+def _assert_bitwise_equal(a: Path, b: Path) -> int:
+    ta, tb = _tensors(a), _tensors(b)
+    assert sorted(ta) == sorted(tb)
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype, name
+        assert ta[name].shape == tb[name].shape, name
+        assert ta[name].tobytes() == tb[name].tobytes(), name
+    return len(ta)
+
+
+def test_round_trip_is_bitwise_sharded_bfloat16(tmp_path):
+    """to-hf(from-hf(x)) == x for every tensor; sharded bf16 in, sharded out, index files."""
+    model = build("deepseek-qlora", seed=5).to(torch.bfloat16)
+    src = save(model, tmp_path / "hf", max_shard_size="40KB")
+    assert (src / INDEX_FILE).is_file()
+    config = from_hf(src, tmp_path / "ours")
+    assert config.weight_dtype == "bfloat16"
+    to_hf(tmp_path / "ours", tmp_path / "back", max_shard_bytes=40_000)
+    assert (tmp_path / "back" / INDEX_FILE).is_file()
+    n = _assert_bitwise_equal(src, tmp_path / "back")
+    assert n > 50
+    weight_map = json.loads((tmp_path / "back" / INDEX_FILE).read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1
+    with safe_open(tmp_path / "back" / weight_map["lm_head.weight"], "numpy") as f:
+        assert f.metadata() == {"format": "pt"}
+    # Negative control: the comparison sees a one-ulp change in one tensor.
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    tensors = _tensors(tmp_path / "back")
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    bits = tensors[name].view(np.uint16).copy()
+    bits[0] ^= 1
+    tensors[name] = bits.view(tensors[name].dtype)
+    save_file(tensors, str(changed / "model.safetensors"))
+    with pytest.raises(AssertionError):
+        _assert_bitwise_equal(src, changed)
+
+
+@pytest.mark.parametrize("preset", ["deepseek3-tiny", "mixtral-tiny"])
+def test_transformers_loads_to_hf_output(tmp_path, preset):
+    """An expertax-native model written by to-hf loads in transformers with the same logits."""
+    import jax
+    from transformers import AutoModelForCausalLM
+
+    config = expertax.load_config(overrides={"model_name": preset})
+    # numpy draws (init_params compiles a slow threefry program on CPU); unit-scale weights and
+    # a nonzero routing bias, like the HF-side models.
+    from expertax.models import decoder
+    from expertax.nn.param import is_spec
+
+    rng = np.random.default_rng(3)
+    draw = {
+        "normal": lambda s: s.scale * rng.standard_normal(s.shape),
+        "ones": lambda s: 1.0 + 0.2 * rng.standard_normal(s.shape),
+        "zeros": lambda s: 0.1 * rng.standard_normal(s.shape),  # the routing bias
+    }
+    params = jax.tree.map(
+        lambda s: draw[s.init](s).astype(np.float32), decoder.spec(config), is_leaf=is_spec
+    )
+    assert config.routed_bias == (params.moe_layers.moe.router.bias is not None)
+    write_hf(params, config, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    tokens = torch.randint(
+        0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(1)
+    )
+    ref = hf_logits(model, tokens)
+    diff = _max_diff(expertax.logits(params, tokens.numpy(), config), ref)
+    print(f"\nto-hf {preset}: max |logits diff| = {diff:.3g}")
+    assert diff <= TOLERANCE["float32"]
+    # and back: from-hf of the written checkpoint gives the same parameters, bitwise
+    back_config, back = expertax.load_hf(tmp_path)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    from expertax.config.schema import ModelSection, MoESection
+
+    # Model keys survive the trip; training-only keys have no HF field.
+    skip = {
+        "model_name",
+        "load_balance_loss_weight",
+        "routed_bias_update_rate",
+        "sparse_matmul",
+        "capacity_factor",
+        "use_random_routing",
+        "float32_weight_sum",
+        "gmm_impl",
+    }
+    if config.num_dense_layers == 0:
+        skip.add("base_mlp_dim")  # unused without dense layers
+    keys = (set(ModelSection.model_fields) | set(MoESection.model_fields)) - skip
+    assert {k: getattr(back_config, k) for k in keys} == {k: getattr(config, k) for k in keys}
+
+
+def test_fused_expert_layout_is_read(hf_dirs, tmp_path):
+    """transformers >= 5 in-memory names (experts.gate_up_proj / down_proj) convert the same."""
+    path, _ = hf_dirs["deepseek-plain-q"]
+    t = _tensors(path)
+    fused: dict[str, np.ndarray] = {}
+    per_expert: dict[tuple[str, int], dict[int, np.ndarray]] = {}
+    for name, x in t.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name:
+            layer, j, proj = parts[2], int(parts[5]), parts[6]
+            per_expert.setdefault((layer, proj), {})[j] = x
+        else:
+            fused[name] = x
+    for (layer, proj), xs in per_expert.items():
+        stacked = np.stack([xs[j] for j in sorted(xs)])
+        if proj == "down_proj":
+            fused[f"model.layers.{layer}.mlp.experts.down_proj"] = stacked
+    for layer in {layer for layer, _ in per_expert}:
+        g, u = per_expert[(layer, "gate_proj")], per_expert[(layer, "up_proj")]
+        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([g[j], u[j]]) for j in sorted(g)]
+        )
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    _, a = expertax.load_hf(path)
+    _, b = expertax.load_hf(tmp_path)
+    import jax
+
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_cli_round_trip(hf_dirs, tmp_path):
+    path, _ = hf_dirs["mixtral"]
+    env = {**os.environ, "PYTHONPATH": str(Path(expertax.__file__).parents[1])}
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "expertax.cli", "convert", *map(str, a)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    r = run("from-hf", path, tmp_path / "ours")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "ours" / "config.yml").is_file()
+    r = run("to-hf", tmp_path / "ours", tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    _assert_bitwise_equal(path, tmp_path / "back")
+    r = run("from-hf", path, tmp_path / "ours")  # not empty: refused, one line, status 2
+    assert r.returncode == 2 and "not empty" in r.stderr and "Traceback" not in r.stderr
+    r = run("to-hf", tmp_path / "ours", tmp_path / "back")  # never overwrites
+    assert r.returncode == 2 and "not empty" in r.stderr
+    r = run("to-hf", path, tmp_path / "other")  # an HF directory is not an expertax one
+    assert r.returncode == 2 and "not an expertax model directory" in r.stderr
+    # the converted directory is a usable config for the trainer
+    cfg = expertax.load_config(tmp_path / "ours" / "config.yml")
+    assert cfg.decoder_block == "mixtral" and cfg.num_experts == 4
+
+
+def _ds_config() -> dict:
+    from hf_models import deepseek_config
+
+    return deepseek_config(q_lora_rank=24).to_dict()
+
+
+BAD_CONFIGS = [
+    ("qwen3_moe", {"model_type": "qwen3_moe"}, "model_type"),
+    ("llama", {"model_type": "llama"}, "model_type"),
+    ("fp8", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ("gelu", {"hidden_act": "gelu"}, "hidden_act"),
+    ("attention bias", {"attention_bias": True}, "attention_bias"),
+    ("rope linear", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
+    (
+        "attention_factor",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0}},
+        "attention_factor",
+    ),
+    ("scoring softmax", {"scoring_func": "softmax"}, "scoring_func"),
+    ("unknown field", {"some_new_feature": 3}, "some_new_feature"),
+    ("gqa kv heads", {"num_key_value_heads": 2}, "num_key_value_heads"),
+    ("dropout", {"attention_dropout": 0.1}, "attention_dropout"),
+    ("top-1 normalized", {"num_experts_per_tok": 1}, "num_experts_per_tok=1"),
+]
+
+
+@pytest.mark.parametrize("name,change,field", BAD_CONFIGS, ids=[b[0] for b in BAD_CONFIGS])
+def test_unsupported_configs_are_refused(name, change, field):
+    hf = {**_ds_config(), **change}
+    with pytest.raises(ConversionError, match=field):
+        config_from_hf(hf)
+
+
+def test_unsupported_mixtral_sliding_window_and_tensor_errors(hf_dirs, tmp_path):
+    from hf_models import mixtral_config
+
+    with pytest.raises(ConversionError, match="sliding_window"):
+        config_from_hf({**mixtral_config().to_dict(), "sliding_window": 4096})
+    with pytest.raises(ConversionError, match="num_experts_per_tok=1"):
+        config_from_hf({**mixtral_config().to_dict(), "num_experts_per_tok": 1})
+    path, _ = hf_dirs["mixtral"]
+    t = _tensors(path)
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(
+        {k: v for k, v in t.items() if k != "model.norm.weight"},
+        str(tmp_path / "model.safetensors"),
+    )
+    with pytest.raises(ConversionError, match="lacks tensors model.norm.weight"):
+        expertax.load_hf(tmp_path)
+    save_file(
+        {**t, "model.layers.0.self_attn.q_norm.weight": t["model.norm.weight"]},
+        str(tmp_path / "model.safetensors"),
+    )
+    with pytest.raises(ConversionError, match="q_norm.weight .*no place"):
+        expertax.load_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "hub,preset", [(HUB_DEEPSEEK_V3, "deepseek3-671b"), (HUB_MIXTRAL_8X7B, "mixtral-8x7b")]
+)
+def test_hub_configs_map_to_our_presets(hub, preset):
+    from expertax.config.schema import ModelSection, MoESection
+    from expertax.convert import config_to_hf
+
+    ours = config_from_hf(hub)
+    want = expertax.load_config(overrides={"model_name": preset})
+    unused = {"model_name", "load_balance_loss_weight", "base_mlp_dim", "head_dim", "mscale"}
+    keys = set(ModelSection.model_fields) | set(MoESection.model_fields)
+    differ = {k for k in keys if getattr(ours, k) != getattr(want, k)}
+    # head_dim is unused by MLA, base_mlp_dim by Mixtral; the rest are training-only keys
+    assert differ <= unused | {"routed_bias_update_rate", "gmm_impl", "sparse_matmul"}, differ
+    back = config_to_hf(ours, hub)
+    for key, value in hub.items():
+        # MTP layers are not converted, so to-hf writes num_nextn_predict_layers=0
+        if key in back and key not in ("torch_dtype", "num_nextn_predict_layers"):
+            assert back[key] == value or float(back[key]) == float(value), key
+    with pytest.raises(ConversionError, match="quantization_config"):
+        config_from_hf({**hub, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_router_matches_hf_group_limited_routing():
+    """Our router picks the experts and weights of HF's DeepseekV3TopkRouter, also with biases
+    pushing many biased scores below zero (where masking with 0.0 instead of -inf would differ)."""
+    import jax.numpy as jnp
+    from hf_models import deepseek_config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from expertax.config import build_config
+    from expertax.nn.moe import router as ours
+
+    hf_cfg = deepseek_config(q_lora_rank=None)
+    hf_router = DeepseekV3TopkRouter(hf_cfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        hf_router.weight.copy_(torch.randn(hf_router.weight.shape, generator=g) / 8)
+        hf_router.e_score_correction_bias.copy_(torch.randn(8, generator=g) - 0.7)
+    x = torch.randn(512, 64, generator=g)
+    _, w_hf, idx_hf = hf_router(x)
+    config = build_config(dict(config_from_hf(hf_cfg.to_dict()).model_dump()))
+    p = ours.Router(
+        w=jnp.asarray(hf_router.weight.detach().numpy().T),
+        bias=jnp.asarray(hf_router.e_score_correction_bias.numpy()),
+    )
+    r = ours.route(p, jnp.asarray(x.numpy()), config)
+    order_hf = np.argsort(idx_hf.numpy(), -1)
+    order = np.argsort(np.asarray(r.experts_NK), -1)
+    np.testing.assert_array_equal(
+        np.take_along_axis(np.asarray(r.experts_NK), order, -1),
+        np.take_along_axis(idx_hf.numpy(), order_hf, -1),
+    )
+    np.testing.assert_allclose(
+        np.take_along_axis(np.asarray(r.weights_NK), order, -1),
+        np.take_along_axis(w_hf.detach().numpy(), order_hf, -1),
+        rtol=1e-6,
+        atol=1e-7,
+    )
+    biased = 1 / (1 + np.exp(-(x.numpy() @ hf_router.weight.detach().numpy().T)))
+    assert np.mean(biased + hf_router.e_score_correction_bias.numpy() < 0) > 0.2
+
+
+def test_converted_directory_restores_sharded(hf_dirs, tmp_path):
+    """The trainer's way in: params/ restores into the shardings of an 8-device fsdp mesh."""
+    import jax
+
+    from expertax.convert import store
+    from expertax.models import decoder
+    from expertax.nn import param
+    from expertax.sharding import load_rules, make_mesh
+
+    path, _ = hf_dirs["deepseek-qlora"]
+    from_hf(path, tmp_path / "ours")
+    config, on_one, _ = store.load(tmp_path / "ours")
+    mesh = make_mesh(config)
+    assert mesh.devices.size == 8
+    shardings = param.shardings(decoder.spec(config), mesh, load_rules(config.sharding_rules))
+    _, sharded, hf = store.load(tmp_path / "ours", shardings)
+    assert hf["model_type"] == "deepseek_v3"
+    wq_b = sharded.moe_layers.attn.wq_b
+    assert wq_b.sharding == shardings.moe_layers.attn.wq_b
+    assert len({s.device for s in wq_b.addressable_shards}) == 8
+    for a, b in zip(jax.tree.leaves(on_one), jax.tree.leaves(sharded), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_from_hf_holds_the_model_once(tmp_path):
+    """from-hf's reading holds the model plus one tensor; its Orbax save adds no copy (Orbax's
+    default deep-copies every numpy leaf first: that would add the whole model)."""
+    import tracemalloc
+
+    from expertax.convert import store
+    from expertax.convert.hf import params_from_hf
+
+    path = save(build("deepseek-qlora", seed=9), tmp_path / "hf")
+    model_bytes = sum(x.nbytes for _, x in iter_tensors(path))
+    largest = max(x.nbytes for _, x in iter_tensors(path))
+    store.save(tmp_path / "warm-up", *params_from_hf(path)[:2], source="test")
+    tracemalloc.start()
+    try:
+        config, params, _ = params_from_hf(path)
+        _, read_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        before, _ = tracemalloc.get_traced_memory()
+        store.save(tmp_path / "ours", config, params, source="test")
+        _, save_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert read_peak < model_bytes + 2 * largest + 2**19, (read_peak, model_bytes, largest)
+    assert save_peak - before < model_bytes / 2, (save_peak - before, model_bytes)
+
+
+def test_absent_fields_take_transformers_defaults():
+    """A sparse config.json means what it means to transformers (its config class defaults)."""
+    from transformers import DeepseekV3Config, MixtralConfig
+
+    from expertax.config.schema import ModelSection, MoESection
+
+    keys = (set(ModelSection.model_fields) | set(MoESection.model_fields)) - {"model_name"}
+    for model_type, cls in (("mixtral", MixtralConfig), ("deepseek_v3", DeepseekV3Config)):
+        sparse = config_from_hf({"model_type": model_type})
+        full = config_from_hf({**cls().to_dict(), "num_nextn_predict_layers": 0})
+        differ = {k for k in keys if getattr(sparse, k) != getattr(full, k)}
+        assert not differ, (model_type, {k: (getattr(sparse, k), getattr(full, k)) for k in differ})

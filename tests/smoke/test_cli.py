@@ -1,0 +1,63 @@
+"""The command line as a user runs it."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "perplexity",
+    "step_time_s",
+    "tokens_per_s_per_device",
+    "tflops_per_device",
+    "lb_loss",
+    "dropped_tokens",
+}
+
+
+def run_cli(*args, cwd):
+    env = dict(os.environ)
+    return subprocess.run(
+        [sys.executable, "-m", "expertax.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_train_writes_metrics_and_config(tmp_path):
+    r = run_cli("train", "steps=3", "run_name=smoke", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "smoke"
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [rec["step"] for rec in records] == [0, 1, 2]
+    for rec in records:
+        assert METRIC_KEYS <= set(rec)
+        assert rec["loss"] > 0 and rec["tokens_per_s_per_device"] > 0
+    assert "model_name: deepseek3-tiny" in (run_dir / "config.yml").read_text()
+    assert "done: loss" in r.stdout
+
+    # The same command again resumes from the last checkpoint: here, nothing is left to do.
+    again = run_cli("train", "steps=3", "run_name=smoke", cwd=tmp_path)
+    assert again.returncode == 0 and "nothing to do: the run is at step 3" in again.stdout
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    # Without checkpoints, a folder that holds a run is refused, never overwritten.
+    shutil.rmtree(run_dir / "checkpoints")
+    again = run_cli("train", "steps=3", "run_name=smoke", cwd=tmp_path)
+    assert again.returncode == 2 and "run_name='smoke'" in again.stderr
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_bad_key_is_one_line_error(tmp_path):
+    r = run_cli("train", "num_expert=4", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "expertax: error: unknown key 'num_expert' in overrides; did you mean 'num_experts'?"
+    )
+    assert not (tmp_path / "runs").exists()

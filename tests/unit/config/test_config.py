@@ -1,0 +1,128 @@
+"""Config loading, presets and the table of refused configs."""
+
+import time
+
+import pytest
+
+from expertax.config import ConfigError, configs_dir, load_config
+from expertax.config.loader import available_models, parse_overrides
+from expertax.sharding import check_mesh_fit, mesh_shape
+
+PRESETS = [
+    "deepseek3-tiny",
+    "deepseek3-small",
+    "deepseek3-671b",
+    "mixtral-tiny",
+    "mixtral-8x7b",
+    "llama-tiny",
+]
+
+
+def test_all_required_presets_exist():
+    assert set(PRESETS) <= set(available_models())
+
+
+@pytest.mark.parametrize("name", available_models())
+def test_every_preset_loads_and_fits_a_mesh(name):
+    c = load_config(overrides={"model_name": name})
+    assert c.model_name == name
+    shape = mesh_shape(c, 8)
+    check_mesh_fit(c, shape)
+
+
+def test_deepseek3_671b_has_the_published_dims():
+    c = load_config(overrides=["model_name=deepseek3-671b"])
+    assert (c.base_num_decoder_layers, c.first_num_dense_layers, c.num_experts) == (61, 3, 256)
+    assert (c.num_experts_per_tok, c.shared_experts) == (8, 1)
+    assert (
+        c.q_lora_rank,
+        c.kv_lora_rank,
+        c.qk_nope_head_dim,
+        c.qk_rope_head_dim,
+        c.v_head_dim,
+    ) == (1536, 512, 128, 64, 128)
+    assert c.rope_type == "yarn" and c.rope_factor == 40
+
+
+def test_overrides_are_typed_and_compose_over_files(tmp_path):
+    f = tmp_path / "mine.yml"
+    f.write_text("model_name: mixtral-tiny\nsteps: 7\n")
+    c = load_config(f, overrides=["steps=9", "learning_rate=1e-4", "sparse_matmul=false"])
+    assert c.model_name == "mixtral-tiny" and c.num_experts == 8
+    assert c.steps == 9 and c.learning_rate == 1e-4 and c.sparse_matmul is False
+    assert parse_overrides(["a=true", "b=3", "c=x"]) == {"a": True, "b": 3, "c": "x"}
+
+
+def test_configs_dir_holds_models_and_parallel_presets():
+    assert (configs_dir() / "parallel" / "default.yml").is_file()
+
+
+# (overrides, words the message must contain). Each refused by its own check.
+INVALID = [
+    ({"num_experts": 12, "ici_expert_parallelism": 8}, ["num_experts=12", "expert axis"]),
+    ({"ici_fsdp_parallelism": 3}, ["product", "8 devices"]),
+    ({"ici_fsdp_parallelism": -1, "ici_data_parallelism": -1}, ["only one", "-1"]),
+    ({"num_experts_per_tok": 17}, ["num_experts_per_tok=17", "num_experts=16"]),
+    ({"n_routing_groups": 5}, ["n_routing_groups=5", "divide"]),
+    ({"topk_routing_group": 9}, ["topk_routing_group=9"]),
+    ({"n_routing_groups": 8, "topk_routing_group": 1}, ["num_experts_per_tok=4", "kept groups"]),
+    ({"num_expert": 4}, ["unknown key", "num_experts"]),
+    ({"learnin_rate": 0.1}, ["unknown key", "learning_rate"]),
+    ({"steps": "many"}, ["steps", "integer"]),
+    ({"base_emb_dim": -64}, ["base_emb_dim=-64", "greater than 0"]),
+    (
+        {"base_num_query_heads": 6, "ici_tensor_parallelism": 4, "ici_fsdp_parallelism": 2},
+        ["base_num_query_heads=6", "tensor"],
+    ),
+    ({"model_name": "deepseek3-tiniest"}, ["model_name", "deepseek3-tiny"]),
+    ({"dtype": "float8"}, ["dtype", "float32"]),
+    ({"first_num_dense_layers": 9}, ["first_num_dense_layers=9"]),
+    ({"capacity_factor": 1.25}, ["capacity_factor", "sparse"]),
+    ({"capacity_factor": 0, "sparse_matmul": False}, ["capacity_factor=0"]),
+    ({"routed_bias": True, "routed_score_func": "softmax"}, ["routed_bias", "sigmoid"]),
+    ({"ici_pipeline_parallelism": 2}, ["pipeline", "reserved"]),
+    ({"per_device_batch_size": 0.3}, ["per_device_batch_size", "whole"]),
+    (
+        {"model_name": "llama-tiny", "base_num_kv_heads": 3},
+        ["base_num_query_heads=4", "base_num_kv_heads=3"],
+    ),
+    ({"attention_type": "mla", "kv_lora_rank": 0}, ["kv_lora_rank=0", "mla"]),
+    ({"rope_type": "yarn", "rope_factor": 1.0}, ["rope_factor"]),
+    ({"sharding_rules": "nope"}, ["sharding_rules", "default"]),
+]
+
+
+@pytest.mark.parametrize("overrides,words", INVALID, ids=[str(o) for o, _ in INVALID])
+def test_invalid_config_is_refused_fast_with_its_own_message(overrides, words):
+    from expertax.sharding import load_rules
+
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        c = load_config(overrides=overrides)
+        check_mesh_fit(c, mesh_shape(c, 8))
+        load_rules(c.sharding_rules)
+    assert time.perf_counter() - t0 < 1.0
+    msg = str(err.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    assert "\n" not in msg and len(msg) < 300
+
+
+def test_invalid_messages_are_distinct():
+    from expertax.sharding import load_rules
+
+    messages = set()
+    for overrides, _ in INVALID:
+        try:
+            c = load_config(overrides=overrides)
+            check_mesh_fit(c, mesh_shape(c, 8))
+            load_rules(c.sharding_rules)
+        except ConfigError as e:
+            messages.add(str(e))
+    assert len(messages) == len(INVALID)
+
+
+def test_valid_default_is_accepted():
+    c = load_config()
+    check_mesh_fit(c, mesh_shape(c, 8))
+    assert c.model_name == "deepseek3-tiny" and c.num_moe_layers == 2 and c.num_dense_layers == 1
