@@ -1,6 +1,6 @@
-"""Compiled temp bytes of a mid-size config: before/after each seed-3922 reduction, per remat preset.
+"""Compiled temp bytes of a mid-size config: before and after each seed-3922 reduction, per preset.
 
-Run: `PYTHONPATH=src python benchmarks/memory_temp.py [--quick]`; prints one JSON line per
+Run: `PYTHONPATH=src python benchmarks/memory_temp.py`; prints one JSON line per
 compiled variant. "Before" variants are re-created here by patching the one function each
 reduction lives in; nothing is allocated (abstract compile, 8 simulated CPU devices).
 """
@@ -28,11 +28,24 @@ from expertax.sharding import rules  # noqa: E402
 from expertax.train.loop import build_trainer  # noqa: E402
 
 MID = [
-    "model_name=deepseek3-tiny", "vocab_size=32768", "base_emb_dim=512", "base_num_query_heads=8",
-    "base_num_kv_heads=8", "q_lora_rank=192", "kv_lora_rank=128", "qk_nope_head_dim=64",
-    "qk_rope_head_dim=32", "v_head_dim=64", "base_mlp_dim=1536", "base_moe_mlp_dim=256",
-    "base_num_decoder_layers=4", "num_experts=16", "num_experts_per_tok=4",
-    "max_target_length=1024", "per_device_batch_size=2", "dtype=bfloat16",
+    "model_name=deepseek3-tiny",
+    "vocab_size=32768",
+    "base_emb_dim=512",
+    "base_num_query_heads=8",
+    "base_num_kv_heads=8",
+    "q_lora_rank=192",
+    "kv_lora_rank=128",
+    "qk_nope_head_dim=64",
+    "qk_rope_head_dim=32",
+    "v_head_dim=64",
+    "base_mlp_dim=1536",
+    "base_moe_mlp_dim=256",
+    "base_num_decoder_layers=4",
+    "num_experts=16",
+    "num_experts_per_tok=4",
+    "max_target_length=1024",
+    "per_device_batch_size=2",
+    "dtype=bfloat16",
 ]
 FSDP = ["ici_fsdp_parallelism=8"]
 TENSOR = ["ici_fsdp_parallelism=1", "ici_tensor_parallelism=8"]
@@ -42,9 +55,10 @@ def _all_modules_constrain(fn):
     """Point every module that imported `constrain` at fn; returns the undo list."""
     undo = []
     for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("expertax") and getattr(
-            mod, "constrain", None
-        ) is rules.constrain:
+        if (
+            getattr(mod, "__name__", "").startswith("expertax")
+            and getattr(mod, "constrain", None) is rules.constrain
+        ):
             undo.append((mod, mod.constrain))
             mod.constrain = fn
     return undo
@@ -146,8 +160,10 @@ def main() -> None:
     measure("(h) float32_weight_sum=false", [*FSDP, "float32_weight_sum=false"])
     for policy in ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj"):
         measure(f"remat_policy={policy}", [*FSDP, f"remat_policy={policy}"])
-    measure("remat_policy=custom moe_mlpwo=offload mlpwi_0=offload",
-            [*FSDP, "remat_policy=custom", "moe_mlpwo=offload", "mlpwi_0=offload"])
+    measure(
+        "remat_policy=custom moe_mlpwo=offload mlpwi_0=offload",
+        [*FSDP, "remat_policy=custom", "moe_mlpwo=offload", "mlpwi_0=offload"],
+    )
 
 
 if __name__ == "__main__":

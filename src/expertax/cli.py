@@ -78,7 +78,8 @@ def _use_simulated_devices(n: int, argv: list[str]) -> None:
 
     flag = f"--xla_force_host_platform_device_count={n}"
     flags = " ".join(
-        f for f in os.environ.get("XLA_FLAGS", "").split()
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
         if not f.startswith("--xla_force_host_platform_device_count")
     )
     env = {"XLA_FLAGS": f"{flags} {flag}".strip(), "JAX_PLATFORMS": "cpu"}

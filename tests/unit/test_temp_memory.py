@@ -101,8 +101,10 @@ def test_d_embedding_gathers_and_uses_one_hot_only_below_two_gib():
     big = jax.ShapeDtypeStruct((8, 4096), jnp.int32)  # x 32768 vocab x 4 bytes = 4 GiB one-hot
     table = jax.ShapeDtypeStruct((32768, 64), jnp.float32)
     names = lambda ids, iota: {  # noqa: E731
-        e.primitive.name for e in _prims(
-            functools.partial(embed.lookup, dtype=jnp.float32, use_iota=iota), table, ids)
+        e.primitive.name
+        for e in _prims(
+            functools.partial(embed.lookup, dtype=jnp.float32, use_iota=iota), table, ids
+        )
     }
     assert embed.one_hot_bytes(big, 32768, jnp.float32) > embed.ONE_HOT_LIMIT_BYTES
     assert "gather" in names(small, False) and "dot_general" not in names(small, False)
@@ -111,7 +113,8 @@ def test_d_embedding_gathers_and_uses_one_hot_only_below_two_gib():
     t = jax.random.normal(jax.random.key(0), (50, 8))
     ids = jnp.arange(12).reshape(2, 6) * 3
     np.testing.assert_allclose(
-        embed.lookup(t, ids, jnp.float32, use_iota=True), embed.lookup(t, ids, jnp.float32),
+        embed.lookup(t, ids, jnp.float32, use_iota=True),
+        embed.lookup(t, ids, jnp.float32),
         rtol=1e-6,
     )
 
@@ -173,10 +176,14 @@ def test_e_document_mask_blocks_other_documents():
 
 # (f) and (h) -------------------------------------------------------------------------------
 def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple[str, str]]:
-    c = load_config(overrides=[
-        "model_name=mixtral-tiny", "dtype=bfloat16", f"float32_weight_sum={float32_weight_sum}",
-        f"sparse_matmul={sparse}",
-    ])
+    c = load_config(
+        overrides=[
+            "model_name=mixtral-tiny",
+            "dtype=bfloat16",
+            f"float32_weight_sum={float32_weight_sum}",
+            f"sparse_matmul={sparse}",
+        ]
+    )
     p = param.abstract(moe_spec(c), jnp.float32)
     n, d, k = 32, c.base_emb_dim, c.num_experts_per_tok
 
@@ -185,14 +192,23 @@ def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple[s
         if sparse:
             return dispatch.sparse(x, r, p, c, jnp.bfloat16)[0]
         xb = x.reshape(2, n // 2, d)
-        return dispatch.dense(xb, r.experts_NK.reshape(2, n // 2, k),
-                              r.weights_NK.reshape(2, n // 2, k), p, c, jnp.bfloat16)[0]
+        return dispatch.dense(
+            xb,
+            r.experts_NK.reshape(2, n // 2, k),
+            r.weights_NK.reshape(2, n // 2, k),
+            p,
+            c,
+            jnp.bfloat16,
+        )[0]
 
     x = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
     casts = [e for e in _prims(layer, p, x) if e.primitive.name == "convert_element_type"]
     big = lambda a: a.ndim >= 2 and a.shape[-1] == d and np.prod(a.shape) >= n * k * d  # noqa
-    return [(str(e.invars[0].aval.dtype), str(e.outvars[0].aval.dtype)) for e in casts
-            if big(e.invars[0].aval) and e.invars[0].aval.dtype == jnp.bfloat16]
+    return [
+        (str(e.invars[0].aval.dtype), str(e.outvars[0].aval.dtype))
+        for e in casts
+        if big(e.invars[0].aval) and e.invars[0].aval.dtype == jnp.bfloat16
+    ]
 
 
 @pytest.mark.parametrize("sparse", [True, False])
@@ -203,8 +219,9 @@ def test_f_no_casts_of_expert_outputs_without_float32_weight_sum(sparse):
 
 
 def test_h_float32_weight_sum_cost_is_in_the_report():
-    c = load_config(overrides=["model_name=mixtral-tiny", "dtype=bfloat16",
-                               "float32_weight_sum=true"])
+    c = load_config(
+        overrides=["model_name=mixtral-tiny", "dtype=bfloat16", "float32_weight_sum=true"]
+    )
     cost = _weight_sum_cost(c, batch_local=2)
     rows = 2 * c.max_target_length * c.num_experts_per_tok
     assert cost["extra_bytes_per_moe_layer"] == rows * c.base_emb_dim * (4 - 2)
@@ -220,39 +237,74 @@ def _grad_casts(grad_dtype: str) -> int:
     from expertax.train.loop import build_trainer
     from expertax.train.step import train_step
 
-    c = load_config(overrides=["model_name=llama-tiny", "base_num_decoder_layers=1",
-                               f"grad_dtype={grad_dtype}", "max_target_length=16"])
+    c = load_config(
+        overrides=[
+            "model_name=llama-tiny",
+            "base_num_decoder_layers=1",
+            f"grad_dtype={grad_dtype}",
+            "max_target_length=16",
+        ]
+    )
     tr = build_trainer(c, jax.devices()[:1])
     fn = functools.partial(train_step, c=c, tx=tr.tx)
     state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), tr.abstract_state())
     batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), tr.abstract_batch())
     eqns = jax.make_jaxpr(fn)(state, batch).jaxpr.eqns  # the top level, where the cast lives
-    return sum(1 for e in eqns if e.primitive.name == "convert_element_type"
-               and e.invars[0].aval.dtype == jnp.float32
-               and e.outvars[0].aval.dtype == jnp.dtype(grad_dtype) == jnp.bfloat16)
+    return sum(
+        1
+        for e in eqns
+        if e.primitive.name == "convert_element_type"
+        and e.invars[0].aval.dtype == jnp.float32
+        and e.outvars[0].aval.dtype == jnp.dtype(grad_dtype) == jnp.bfloat16
+    )
 
 
 def test_g_gradients_cast_only_when_grad_dtype_differs():
     from expertax.models import decoder
 
-    leaves = len(jax.tree.leaves(param.abstract(decoder.spec(
-        load_config(overrides=["model_name=llama-tiny", "base_num_decoder_layers=1"])),
-        jnp.float32)))
+    leaves = len(
+        jax.tree.leaves(
+            param.abstract(
+                decoder.spec(
+                    load_config(overrides=["model_name=llama-tiny", "base_num_decoder_layers=1"])
+                ),
+                jnp.float32,
+            )
+        )
+    )
     assert _grad_casts("float32") == 0
     assert _grad_casts("bfloat16") >= leaves  # negative control
 
 
 def test_report_format_mentions_weight_sum_cost():
     report = {
-        "model_name": "m", "devices": 1, "backend": "cpu", "mesh": {}, "global_batch": 1,
-        "batch_per_device": 1, "max_target_length": 8, "remat_policy": "full",
-        "parameter_bytes": 0, "optimizer_state_bytes": 0, "gradient_bytes": 0,
-        "parameter_memory_host_offload": False, "optimizer_memory_host_offload": False,
-        "residuals": [], "residual_bytes_device": 0, "residual_bytes_host": 0,
-        "float32_weight_sum": {"enabled": True, "extra_bytes_per_moe_layer": 2048,
-                               "extra_bytes_if_enabled": 2048},
-        "xla": dict.fromkeys(("argument", "output", "alias", "temp", "host_argument",
-                              "host_output", "host_temp"), 0),
-        "offloaded_state_bytes": 0, "peak_device_bytes": 0, "hbm_gib": None, "fits": None,
+        "model_name": "m",
+        "devices": 1,
+        "backend": "cpu",
+        "mesh": {},
+        "global_batch": 1,
+        "batch_per_device": 1,
+        "max_target_length": 8,
+        "remat_policy": "full",
+        "parameter_bytes": 0,
+        "optimizer_state_bytes": 0,
+        "gradient_bytes": 0,
+        "parameter_memory_host_offload": False,
+        "optimizer_memory_host_offload": False,
+        "residuals": [],
+        "residual_bytes_device": 0,
+        "residual_bytes_host": 0,
+        "float32_weight_sum": {
+            "enabled": True,
+            "extra_bytes_per_moe_layer": 2048,
+            "extra_bytes_if_enabled": 2048,
+        },
+        "xla": dict.fromkeys(
+            ("argument", "output", "alias", "temp", "host_argument", "host_output", "host_temp"), 0
+        ),
+        "offloaded_state_bytes": 0,
+        "peak_device_bytes": 0,
+        "hbm_gib": None,
+        "fits": None,
     }
     assert "float32_weight_sum=true: 2.00 KiB" in format_report(report)

@@ -203,8 +203,11 @@ Placement = Literal["device", "offload", "remat"]
 
 
 def _placement(default: str, what: str):
-    return Field(default, description=f"remat_policy=custom: where {what} is kept (device, "
-                 "offload = pinned host, remat = recomputed).")
+    return Field(
+        default,
+        description=f"remat_policy=custom: where {what} is kept (device, "
+        "offload = pinned host, remat = recomputed).",
+    )
 
 
 class RematSection(_Section):
@@ -243,8 +246,9 @@ class RematSection(_Section):
         False, description="Keep the parameters in pinned host memory between steps."
     )
     use_iota_embed: bool = Field(
-        False, description="Embed by a one-hot matmul when the one-hot is below 2 GiB (else "
-        "always by gather, which needs no [B, T, V] temporary)."
+        False,
+        description="Embed by a one-hot matmul when the one-hot is below 2 GiB (else "
+        "always by gather, which needs no [B, T, V] temporary).",
     )
 
 
@@ -263,7 +267,12 @@ class DistributedSection(_Section):
 
 
 class Config(
-    ModelSection, MoESection, ParallelSection, TrainSection, RematSection, DataSection,
+    ModelSection,
+    MoESection,
+    ParallelSection,
+    TrainSection,
+    RematSection,
+    DataSection,
     DistributedSection,
 ):
     """The whole configuration; see the sections for the keys."""

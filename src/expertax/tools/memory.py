@@ -159,8 +159,15 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None) -> dict
     xla = {
         k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
         for k in (
-            "argument", "output", "alias", "temp", "generated_code",
-            "host_argument", "host_output", "host_alias", "host_temp",
+            "argument",
+            "output",
+            "alias",
+            "temp",
+            "generated_code",
+            "host_argument",
+            "host_output",
+            "host_alias",
+            "host_temp",
         )
     }
     peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
@@ -245,8 +252,11 @@ def format_report(r: dict) -> str:
         f"  host: arguments {_fmt(x['host_argument'])}, outputs {_fmt(x['host_output'])}, "
         f"temporaries {_fmt(x['host_temp'])}",
         "  peak estimate (arguments + outputs - aliased + temporaries"
-        + (f" - {_fmt(r['offloaded_state_bytes'])} offloaded state" if r["offloaded_state_bytes"]
-           else "")
+        + (
+            f" - {_fmt(r['offloaded_state_bytes'])} offloaded state"
+            if r["offloaded_state_bytes"]
+            else ""
+        )
         + f"): {_fmt(r['peak_device_bytes'])}",
     ]
     if r["hbm_gib"] is not None:

@@ -157,7 +157,13 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     global_batch = int(c.per_device_batch_size * mesh.devices.size)
     host_sh = host_offloaded_shardings(c, state_sh, mesh)
     return Trainer(
-        c, mesh, rules, tx, host_sh or state_sh, NamedSharding(mesh, batch_spec), global_batch,
+        c,
+        mesh,
+        rules,
+        tx,
+        host_sh or state_sh,
+        NamedSharding(mesh, batch_spec),
+        global_batch,
         device_state_shardings=state_sh if host_sh is not None else None,
     )
 
@@ -168,8 +174,11 @@ def host_offloaded_shardings(c: Config, state_sh: TrainState, mesh) -> TrainStat
     None when neither `parameter_memory_host_offload` nor `optimizer_memory_host_offload` is
     set; a ConfigError when one is set and the devices have no pinned host memory.
     """
-    keys = [k for k in ("parameter_memory_host_offload", "optimizer_memory_host_offload")
-            if getattr(c, k)]
+    keys = [
+        k
+        for k in ("parameter_memory_host_offload", "optimizer_memory_host_offload")
+        if getattr(c, k)
+    ]
     if not keys:
         return None
     device = mesh.devices.flat[0]

@@ -51,7 +51,9 @@ def _names(c, moe):
 
 def test_every_name_is_a_config_key_and_every_key_a_name():
     keys = set(RematSection.model_fields) - {
-        "remat_policy", "optimizer_memory_host_offload", "parameter_memory_host_offload",
+        "remat_policy",
+        "optimizer_memory_host_offload",
+        "parameter_memory_host_offload",
         "use_iota_embed",
     }
     assert keys == set(remat.ALL_NAMES)
@@ -60,8 +62,12 @@ def test_every_name_is_a_config_key_and_every_key_a_name():
 
 @pytest.mark.parametrize("preset", sorted(remat.PRESETS))
 @pytest.mark.parametrize(
-    "model, expected", [("deepseek3-tiny", MLA_EXPECTED), ("mixtral-tiny", GQA_EXPECTED),
-                        ("llama-tiny", GQA_EXPECTED)]
+    "model, expected",
+    [
+        ("deepseek3-tiny", MLA_EXPECTED),
+        ("mixtral-tiny", GQA_EXPECTED),
+        ("llama-tiny", GQA_EXPECTED),
+    ],
 )
 def test_preset_saves_exactly_its_names(model, expected, preset):
     c = load_config(overrides=[f"model_name={model}", f"remat_policy={preset}", *SHORT])
@@ -81,10 +87,16 @@ def test_none_saves_unnamed_residuals_too():
 
 
 def test_custom_placements_are_reported_by_name():
-    c = load_config(overrides=[
-        "model_name=deepseek3-tiny", "remat_policy=custom", "moe_mlpwo=offload",
-        "query_wa_proj=device", "kv_wa_proj=offload", *SHORT,
-    ])
+    c = load_config(
+        overrides=[
+            "model_name=deepseek3-tiny",
+            "remat_policy=custom",
+            "moe_mlpwo=offload",
+            "query_wa_proj=device",
+            "kv_wa_proj=offload",
+            *SHORT,
+        ]
+    )
     got = {(r.name, r.placement) for r in layer_residuals(c, moe=True, batch_local=2)}
     assert got == {(DLI, "device"), (QA, "device"), (MOE_WO, "host"), (KVA, "host")}
     dense = {(r.name, r.placement) for r in layer_residuals(c, moe=False, batch_local=2)}
@@ -92,9 +104,14 @@ def test_custom_placements_are_reported_by_name():
 
 
 def test_custom_layer_input_remat_is_still_kept_as_the_layer_argument():
-    c = load_config(overrides=[
-        "model_name=llama-tiny", "remat_policy=custom", "decoder_layer_input=remat", *SHORT,
-    ])
+    c = load_config(
+        overrides=[
+            "model_name=llama-tiny",
+            "remat_policy=custom",
+            "decoder_layer_input=remat",
+            *SHORT,
+        ]
+    )
     assert _names(c, False) == [DLI]
 
 
@@ -102,10 +119,15 @@ def test_offloaded_residuals_really_live_on_the_host():
     """The real policy (not the report's trace) moves exactly the offloaded names to host."""
     from jax._src.ad_checkpoint import saved_residuals
 
-    c = load_config(overrides=[
-        "model_name=deepseek3-tiny", "remat_policy=custom", "moe_mlpwo=offload",
-        "query_wa_proj=device", *SHORT,
-    ])
+    c = load_config(
+        overrides=[
+            "model_name=deepseek3-tiny",
+            "remat_policy=custom",
+            "moe_mlpwo=offload",
+            "query_wa_proj=device",
+            *SHORT,
+        ]
+    )
     block = param.abstract(decoder.block_spec(c, moe=True), jnp.float32)
     x = jax.ShapeDtypeStruct((2, 16, c.base_emb_dim), jnp.float32)
     pos = jax.ShapeDtypeStruct((2, 16), jnp.int32)
@@ -141,19 +163,42 @@ def _produced_names(c):
     return found
 
 
-MLA_TAGS = {DLI, Q, K, V, ATT, OUT, QA, KVA, remat.MLA_Q, remat.MLA_KV, remat.MLPWI_0,
-            remat.MLPWI_1, remat.MLPWO, remat.MOE_MLPWI_0, remat.MOE_MLPWI_1, MOE_WO}
+MLA_TAGS = {
+    DLI,
+    Q,
+    K,
+    V,
+    ATT,
+    OUT,
+    QA,
+    KVA,
+    remat.MLA_Q,
+    remat.MLA_KV,
+    remat.MLPWI_0,
+    remat.MLPWI_1,
+    remat.MLPWO,
+    remat.MOE_MLPWI_0,
+    remat.MOE_MLPWI_1,
+    MOE_WO,
+}
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["model_name=deepseek3-tiny"], MLA_TAGS),
-    (["model_name=deepseek3-tiny", "sparse_matmul=false"], MLA_TAGS),
-    (["model_name=deepseek3-tiny", "q_lora_rank=0"], MLA_TAGS - {QA}),
-    (["model_name=mixtral-tiny"], {DLI, Q, K, V, ATT, OUT, remat.MOE_MLPWI_0,
-                                   remat.MOE_MLPWI_1, MOE_WO}),
-    (["model_name=llama-tiny"], {DLI, Q, K, V, ATT, OUT, remat.MLPWI_0, remat.MLPWI_1,
-                                 remat.MLPWO}),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model_name=deepseek3-tiny"], MLA_TAGS),
+        (["model_name=deepseek3-tiny", "sparse_matmul=false"], MLA_TAGS),
+        (["model_name=deepseek3-tiny", "q_lora_rank=0"], MLA_TAGS - {QA}),
+        (
+            ["model_name=mixtral-tiny"],
+            {DLI, Q, K, V, ATT, OUT, remat.MOE_MLPWI_0, remat.MOE_MLPWI_1, MOE_WO},
+        ),
+        (
+            ["model_name=llama-tiny"],
+            {DLI, Q, K, V, ATT, OUT, remat.MLPWI_0, remat.MLPWI_1, remat.MLPWO},
+        ),
+    ],
+)
 def test_tags_are_produced_where_expected(overrides, expected):
     c = load_config(overrides=[*overrides, "remat_policy=none", *SHORT])
     assert _produced_names(c) == expected
@@ -192,15 +237,29 @@ def test_bad_placement_is_refused():
 # Every preset and a custom mix with offload, on the MLA + MoE model where the policy matters
 # most and on a one-layer GQA model (cheaper to compile) for the attention-only presets.
 GRAD_CASES = [
-    (["model_name=deepseek3-tiny", "base_num_decoder_layers=2"], [
-        ["remat_policy=minimal"],
-        ["remat_policy=custom", "moe_mlpwo=offload", "query_wa_proj=device", "mlpwi_0=offload",
-         "attention_out=device"],
-    ]),
-    (["model_name=llama-tiny", "base_num_decoder_layers=1"], [
-        ["remat_policy=full"], ["remat_policy=save_qkv_proj"], ["remat_policy=save_dot_except_mlp"],
-        ["remat_policy=save_out_proj"], ["remat_policy=full", "scan_layers=false"],
-    ]),
+    (
+        ["model_name=deepseek3-tiny", "base_num_decoder_layers=2"],
+        [
+            ["remat_policy=minimal"],
+            [
+                "remat_policy=custom",
+                "moe_mlpwo=offload",
+                "query_wa_proj=device",
+                "mlpwi_0=offload",
+                "attention_out=device",
+            ],
+        ],
+    ),
+    (
+        ["model_name=llama-tiny", "base_num_decoder_layers=1"],
+        [
+            ["remat_policy=full"],
+            ["remat_policy=save_qkv_proj"],
+            ["remat_policy=save_dot_except_mlp"],
+            ["remat_policy=save_out_proj"],
+            ["remat_policy=full", "scan_layers=false"],
+        ],
+    ),
 ]
 
 
@@ -229,6 +288,11 @@ def test_gradients_under_every_policy_equal_no_remat_bitwise(base, policies):
 
 
 def test_all_presets_are_covered_by_the_gradient_test():
-    covered = {o.split("=")[1] for _, pols in GRAD_CASES for p in pols for o in p
-               if o.startswith("remat_policy=")}
+    covered = {
+        o.split("=")[1]
+        for _, pols in GRAD_CASES
+        for p in pols
+        for o in p
+        if o.startswith("remat_policy=")
+    }
     assert covered | {"none"} == set(remat.POLICY_NAMES)

@@ -18,14 +18,19 @@ from expertax.parallel import remat
 from expertax.tools.memory import memory_report
 from expertax.train.loop import build_trainer
 
-SMALL = ["model_name=deepseek3-tiny", "base_num_decoder_layers=3", "max_target_length=32",
-         "per_device_batch_size=1"]
+SMALL = [
+    "model_name=deepseek3-tiny",
+    "base_num_decoder_layers=3",
+    "max_target_length=32",
+    "per_device_batch_size=1",
+]
 
 
 @pytest.fixture(scope="module")
 def report():
-    c = load_config(overrides=[*SMALL, "remat_policy=custom", "moe_mlpwo=offload",
-                               "query_wa_proj=device"])
+    c = load_config(
+        overrides=[*SMALL, "remat_policy=custom", "moe_mlpwo=offload", "query_wa_proj=device"]
+    )
     return c, memory_report(c, hbm_gib=1.0)
 
 
@@ -74,9 +79,19 @@ def test_xla_figures_and_verdict(report):
 
 def test_cli_writes_json_and_says_whether_it_fits(tmp_path, capsys):
     path = tmp_path / "m.json"
-    rc = cli.main(["memory", "model_name=llama-tiny", "base_num_decoder_layers=1",
-                   "max_target_length=16", "remat_policy=save_out_proj", "--json", str(path),
-                   "--hbm", "0.001"])
+    rc = cli.main(
+        [
+            "memory",
+            "model_name=llama-tiny",
+            "base_num_decoder_layers=1",
+            "max_target_length=16",
+            "remat_policy=save_out_proj",
+            "--json",
+            str(path),
+            "--hbm",
+            "0.001",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "DOES NOT FIT" in out and "out_proj" in out
     data = json.loads(path.read_text())
@@ -97,8 +112,12 @@ def test_offload_the_backend_cannot_honour_is_an_error(monkeypatch, capsys):
 
 
 def test_host_offloaded_state_lives_in_pinned_host_and_trains_the_same():
-    base = ["model_name=llama-tiny", "base_num_decoder_layers=1", "max_target_length=16",
-            "per_device_batch_size=1"]
+    base = [
+        "model_name=llama-tiny",
+        "base_num_decoder_layers=1",
+        "max_target_length=16",
+        "per_device_batch_size=1",
+    ]
     from expertax.train.loop import make_data
 
     finals = []
@@ -111,8 +130,11 @@ def test_host_offloaded_state_lives_in_pinned_host_and_trains_the_same():
         with tr.context():
             for _ in range(2):
                 state, _ = step(state, tr.put_batch(next(data)))
-        kinds = {x.sharding.memory_kind for x in jax.tree.leaves((state.params, state.opt_state))
-                 if hasattr(x, "sharding") and x.ndim}
+        kinds = {
+            x.sharding.memory_kind
+            for x in jax.tree.leaves((state.params, state.opt_state))
+            if hasattr(x, "sharding") and x.ndim
+        }
         assert kinds == ({"pinned_host"} if extra else {"device"})
         finals.append([np.asarray(x) for x in jax.tree.leaves(state.params)])
     for a, b in zip(*finals, strict=True):
@@ -126,9 +148,15 @@ def test_temp_bytes_fall_from_none_to_minimal_to_full():
     dense expansion of the grouped matmul dominates the peak)."""
     temps = {}
     for policy in ("none", "minimal", "full"):
-        c = load_config(overrides=["model_name=deepseek3-tiny", f"remat_policy={policy}",
-                                   "base_num_decoder_layers=8", "max_target_length=1024",
-                                   "per_device_batch_size=1"])
+        c = load_config(
+            overrides=[
+                "model_name=deepseek3-tiny",
+                f"remat_policy={policy}",
+                "base_num_decoder_layers=8",
+                "max_target_length=1024",
+                "per_device_batch_size=1",
+            ]
+        )
         tr = build_trainer(c, jax.devices()[:1])
         temps[policy] = tr.compile().memory_analysis().temp_size_in_bytes
     assert temps["none"] > temps["minimal"] > temps["full"], temps
@@ -137,7 +165,15 @@ def test_temp_bytes_fall_from_none_to_minimal_to_full():
 @pytest.mark.slow
 def test_devices_flag_reexecutes_with_simulated_devices(capfd):
     with pytest.raises(SystemExit) as done:
-        cli.main(["memory", "model_name=llama-tiny", "base_num_decoder_layers=1",
-                  "max_target_length=16", "--devices", "2"])
+        cli.main(
+            [
+                "memory",
+                "model_name=llama-tiny",
+                "base_num_decoder_layers=1",
+                "max_target_length=16",
+                "--devices",
+                "2",
+            ]
+        )
     assert done.value.code == 0
     assert "on 2 cpu devices" in capfd.readouterr().out
