@@ -167,9 +167,6 @@ class TrainSection(_Section):
         "resumes from a checkpoint (the checkpoint wins); empty = off.",
     )
     scan_layers: bool = Field(True, description="Run each layer stack with lax.scan.")
-    remat_policy: Literal["full", "none"] = Field(
-        "full", description="Rematerialization: full (save layer inputs) or none (save all)."
-    )
     base_output_directory: str = Field("runs", description="Runs are written under this folder.")
     run_name: str = Field("", description="Run folder name; empty = a timestamp.")
     log_period: int = Field(1, gt=0, description="Print a console line every this many steps.")
@@ -215,6 +212,59 @@ class DataSection(_Section):
     )
 
 
+Placement = Literal["device", "offload", "remat"]
+
+
+def _placement(default: str, what: str):
+    return Field(
+        default,
+        description=f"remat_policy=custom: where {what} is kept (device, "
+        "offload = pinned host, remat = recomputed).",
+    )
+
+
+class RematSection(_Section):
+    """Rematerialization and memory placement (parallel/remat.py, docs/design/remat.md)."""
+
+    remat_policy: Literal[
+        "full", "minimal", "save_qkv_proj", "save_dot_except_mlp", "save_out_proj", "none", "custom"
+    ] = Field(
+        "full",
+        description="What each layer keeps for the backward pass: full (layer input only), "
+        "minimal (all named tensors but the MLP/expert gate and up hiddens), save_qkv_proj, "
+        "save_dot_except_mlp (attention projections), save_out_proj, none (everything, no "
+        "remat), custom (the per-name keys below).",
+    )
+    decoder_layer_input: Placement = _placement("device", "each decoder layer's input")
+    query_proj: Placement = _placement("remat", "the per-head queries")
+    key_proj: Placement = _placement("remat", "the per-head keys")
+    value_proj: Placement = _placement("remat", "the per-head values")
+    qkv_proj: Placement = _placement("remat", "a fused q/k/v projection (none is computed)")
+    attention_out: Placement = _placement("remat", "the attention kernel's output")
+    out_proj: Placement = _placement("remat", "the attention output projection")
+    mlpwi_0: Placement = _placement("remat", "the dense MLP gate")
+    mlpwi_1: Placement = _placement("remat", "the dense MLP up projection")
+    mlpwo: Placement = _placement("remat", "the dense MLP output")
+    moe_mlpwi_0: Placement = _placement("remat", "the routed experts' gate")
+    moe_mlpwi_1: Placement = _placement("remat", "the routed experts' up projection")
+    moe_mlpwo: Placement = _placement("remat", "the routed experts' output")
+    query_wa_proj: Placement = _placement("remat", "MLA's query down projection")
+    kv_wa_proj: Placement = _placement("remat", "MLA's key/value down projection")
+    mla_q: Placement = _placement("remat", "MLA's per-head queries before RoPE")
+    mla_kv: Placement = _placement("remat", "MLA's up-projected keys and values")
+    optimizer_memory_host_offload: bool = Field(
+        False, description="Keep the optimizer state in pinned host memory between steps."
+    )
+    parameter_memory_host_offload: bool = Field(
+        False, description="Keep the parameters in pinned host memory between steps."
+    )
+    use_iota_embed: bool = Field(
+        False,
+        description="Embed by a one-hot matmul when the one-hot is below 2 GiB (else "
+        "always by gather, which needs no [B, T, V] temporary).",
+    )
+
+
 class DistributedSection(_Section):
     coordinator_address: str = Field(
         "",
@@ -230,7 +280,13 @@ class DistributedSection(_Section):
 
 
 class Config(
-    ModelSection, MoESection, ParallelSection, TrainSection, DataSection, DistributedSection
+    ModelSection,
+    MoESection,
+    ParallelSection,
+    TrainSection,
+    RematSection,
+    DataSection,
+    DistributedSection,
 ):
     """The whole configuration; see the sections for the keys."""
 
@@ -283,6 +339,7 @@ SECTIONS = (
     MoESection,
     ParallelSection,
     TrainSection,
+    RematSection,
     DataSection,
     DistributedSection,
 )

@@ -30,6 +30,7 @@ from expertax.data import files, tokenizer
 from expertax.data.synthetic import SyntheticData
 from expertax.models import decoder, init_params
 from expertax.nn import param
+from expertax.parallel import remat
 from expertax.sharding import load_rules, logical_to_spec, make_mesh, use_rules
 from expertax.train import checkpoint, optimizer, params_io
 from expertax.train import metrics as metrics_lib
@@ -50,6 +51,9 @@ class Trainer:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     global_batch: int
+    # With parameter/optimizer host offload: the same shardings in device memory, where the
+    # step moves the offloaded state before computing (None when nothing is offloaded).
+    device_state_shardings: TrainState | None = None
 
     @property
     def num_devices(self) -> int:
@@ -92,6 +96,14 @@ class Trainer:
 
     def jitted_step(self):
         fn = functools.partial(train_step, c=self.c, tx=self.tx)
+        if self.device_state_shardings is not None:
+            on_device, step_fn = self.device_state_shardings, fn
+
+            def fn(state, batch):
+                # Host-offloaded state is copied to device memory for the step; the outputs go
+                # back to pinned host memory through out_shardings.
+                return step_fn(jax.device_put(state, on_device), batch)
+
         return jax.jit(
             fn,
             in_shardings=(self.state_shardings, self.batch_sharding),
@@ -146,7 +158,46 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
     batch_spec = logical_to_spec(("batch", "length"), rules, mesh)
     global_batch = int(c.per_device_batch_size * mesh.devices.size)
-    return Trainer(c, mesh, rules, tx, state_sh, NamedSharding(mesh, batch_spec), global_batch)
+    host_sh = host_offloaded_shardings(c, state_sh, mesh)
+    return Trainer(
+        c,
+        mesh,
+        rules,
+        tx,
+        host_sh or state_sh,
+        NamedSharding(mesh, batch_spec),
+        global_batch,
+        device_state_shardings=state_sh if host_sh is not None else None,
+    )
+
+
+def host_offloaded_shardings(c: Config, state_sh: TrainState, mesh) -> TrainState | None:
+    """State shardings with parameters and/or optimizer state in pinned host memory.
+
+    None when neither `parameter_memory_host_offload` nor `optimizer_memory_host_offload` is
+    set; a ConfigError when one is set and the devices have no pinned host memory.
+    """
+    keys = [
+        k
+        for k in ("parameter_memory_host_offload", "optimizer_memory_host_offload")
+        if getattr(c, k)
+    ]
+    if not keys:
+        return None
+    device = mesh.devices.flat[0]
+    if not remat.backend_has_pinned_host([device]):
+        raise ConfigError(
+            f"{', '.join(f'{k}=true' for k in keys)}: the {device.platform} devices have no "
+            "pinned_host memory to offload to; set it to false"
+        )
+    to_host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
+    return dataclasses.replace(
+        state_sh,
+        params=to_host(state_sh.params) if c.parameter_memory_host_offload else state_sh.params,
+        opt_state=(
+            to_host(state_sh.opt_state) if c.optimizer_memory_host_offload else state_sh.opt_state
+        ),
+    )
 
 
 # Keys that may differ between a run and its resumption: they change neither the model nor the data
@@ -172,6 +223,8 @@ RESUMABLE_KEYS = frozenset(
         "per_device_batch_size",
         "sharding_rules",
         "remat_policy",
+        *remat.ALL_NAMES,  # per-name placements: same numbers, other memory
+        "use_iota_embed",
         "scan_layers",
         "load_parameters_path",
         *(
