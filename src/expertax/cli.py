@@ -42,9 +42,17 @@ def cmd_train(args) -> int:
         print(help_keys())
         return 0
     cfg = config_from_args(args.config)
-    from expertax.train.loop import train
+    from expertax.train import distributed
 
-    train(cfg)
+    distributed.initialize(cfg)  # before any JAX backend use
+    from expertax.train.loop import train
+    from expertax.train.step import NonFiniteError
+
+    try:
+        train(cfg)
+    except NonFiniteError as e:
+        print(f"expertax: error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -79,16 +87,75 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from expertax.tools import bench_gmm
+
+    benches = {"gmm": bench_gmm.main}
+    return benches[args.what](args.rest)
+
+
+def _use_simulated_devices(n: int, argv: list[str]) -> None:
+    """Make JAX see `n` simulated CPU devices: set XLA_FLAGS before its backend starts, or
+    re-execute this command in a fresh interpreter when a backend is already running."""
+    import os
+
+    flag = f"--xla_force_host_platform_device_count={n}"
+    flags = " ".join(
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    env = {"XLA_FLAGS": f"{flags} {flag}".strip(), "JAX_PLATFORMS": "cpu"}
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            import subprocess
+
+            cmd = [sys.executable, "-m", "expertax.cli", *argv]
+            sys.exit(subprocess.call(cmd, env={**os.environ, **env}))
+    os.environ.update(env)
+
+
+def cmd_memory(args) -> int:
+    import json
+
+    cfg = config_from_args(args.config)
+    if args.devices is not None:
+        if args.devices < 1:
+            raise ConfigError(f"--devices={args.devices}: use a positive number of devices")
+        _use_simulated_devices(args.devices, args.argv)
+    import time
+
+    from expertax.tools.memory import format_report, memory_report, to_json_ready
+
+    t0 = time.perf_counter()
+    try:
+        report = memory_report(cfg, hbm_gib=args.hbm)
+    except ValueError as e:  # e.g. an offload request the backend cannot honour
+        raise ConfigError(str(e)) from None
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    print(format_report(report))
+    print(f"(built and compiled abstractly in {report['seconds']} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json_ready(report), f, indent=1)
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable]] = {
     "train": ("train a model: expertax train [PRESET.yml ...] [key=value ...]", cmd_train),
     "parity": (
         "every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]",
         cmd_parity,
     ),
+    "memory": ("per-device memory plan of the train step, compiled abstractly", cmd_memory),
     "convert": (
-        "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR",
+        "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR "
+        "(CKPT_DIR: a from-hf OUT_DIR or a training run folder)",
         cmd_convert,
     ),
+    "bench": ("benchmarks: expertax bench gmm [--json PATH] [--quick] ...", cmd_bench),
 }
 
 
@@ -107,15 +174,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated subset, e.g. sparse-ring-ep8,dense-ep2-tp2-data2",
     )
+    memory = sub.add_parser("memory", help=COMMANDS["memory"][0])
+    memory.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
+    memory.add_argument("--devices", type=int, help="compile for N simulated CPU devices")
+    memory.add_argument("--json", help="also write the report as JSON to this path")
+    memory.add_argument("--hbm", type=float, help="device memory budget in GiB")
     convert = sub.add_parser("convert", help=COMMANDS["convert"][0])
     convert.add_argument("direction", choices=("from-hf", "to-hf"))
-    convert.add_argument("src", help="HF_DIR (from-hf) or expertax CKPT_DIR (to-hf)")
+    convert.add_argument(
+        "src",
+        help="HF_DIR (from-hf); to-hf: an expertax model directory or a training run folder "
+        "(<base_output_directory>/<run_name>; its latest complete checkpoint is exported)",
+    )
     convert.add_argument("dst", help="OUT_DIR, new or empty")
+    bench = sub.add_parser("bench", help=COMMANDS["bench"][0])
+    bench.add_argument("what", choices=("gmm",), help="which benchmark")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return COMMANDS[args.command][1](args)
     except ConfigError as e:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -42,6 +43,12 @@ def test_train_writes_metrics_and_config(tmp_path):
     assert "model_name: deepseek3-tiny" in (run_dir / "config.yml").read_text()
     assert "done: loss" in r.stdout
 
+    # The same command again resumes from the last checkpoint: here, nothing is left to do.
+    again = run_cli("train", "steps=3", "run_name=smoke", cwd=tmp_path)
+    assert again.returncode == 0 and "nothing to do: the run is at step 3" in again.stdout
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    # Without checkpoints, a folder that holds a run is refused, never overwritten.
+    shutil.rmtree(run_dir / "checkpoints")
     again = run_cli("train", "steps=3", "run_name=smoke", cwd=tmp_path)
     assert again.returncode == 2 and "run_name='smoke'" in again.stderr
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3

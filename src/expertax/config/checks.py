@@ -139,7 +139,36 @@ def check_ring_of_experts(c: Config) -> None:
         )
 
 
+def check_data_files(c: Config) -> None:
+    if c.dataset_type != "files":
+        return
+    missing = [k for k in ("dataset_path", "tokenizer_path") if not getattr(c, k)]
+    if missing:
+        raise ConfigError(
+            f"dataset_type=files needs {' and '.join(missing)}: set "
+            + " ".join(f"{k}=..." for k in missing)
+            + " (a data file, directory or glob; a tokenizer.json)"
+        )
+
+
+def check_distributed(c: Config) -> None:
+    n, i = c.num_processes, c.process_id
+    if n == 0:
+        raise ConfigError("num_processes=0: use a positive count or -1 (from $JAX_NUM_PROCESSES)")
+    if n > 0 and i >= n:
+        raise ConfigError(f"process_id={i} must be below num_processes={n}")
+
+
+def check_gmm_tiles(c: Config) -> None:
+    lo, hi = c.gmm_tile_rows_min, c.gmm_tile_rows
+    if lo & (lo - 1) or lo > hi:
+        raise ConfigError(
+            f"gmm_tile_rows_min={lo} must be a power of two no larger than gmm_tile_rows={hi}"
+        )
+
+
 ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
+    check_gmm_tiles,
     check_layers,
     check_top_k,
     check_routing_groups,
@@ -152,6 +181,8 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_parallelism_values,
     check_ragged_buffer,
     check_ring_of_experts,
+    check_data_files,
+    check_distributed,
 )
 
 

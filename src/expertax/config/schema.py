@@ -107,8 +107,14 @@ class MoESection(_Section):
     float32_weight_sum: bool = Field(
         True, description="Combine the K expert outputs in float32 (else in `dtype`)."
     )
-    gmm_impl: Literal["auto", "ragged_dot"] = Field(
-        "auto", description="Grouped-matmul backend of the sparse path."
+    gmm_impl: Literal["auto", "ragged_dot", "tiled"] = Field(
+        "auto",
+        description="Grouped-matmul backend of the sparse path; auto picks per platform from "
+        "the measurements recorded in nn/moe/gmm.py.",
+    )
+    gmm_tile_rows: int = Field(512, gt=0, description="tiled gmm: rows per full tile.")
+    gmm_tile_rows_min: int = Field(
+        8, gt=0, description="tiled gmm: smallest power-of-two tile for a group's remainder."
     )
     # Expert parallelism (docs/design/ep.md): the sparse path inside one shard_map.
     use_ring_of_experts: bool = Field(
@@ -174,23 +180,135 @@ class TrainSection(_Section):
     grad_dtype: DType = Field("float32", description="Gradient dtype (cast only if different).")
     mu_dtype: DType = Field("float32", description="AdamW first-moment dtype.")
     init_weights_seed: int = Field(0, description="Seed of the parameter initialization.")
-    scan_layers: bool = Field(True, description="Run each layer stack with lax.scan.")
-    remat_policy: Literal["full", "none"] = Field(
-        "full", description="Rematerialization: full (save layer inputs) or none (save all)."
+    load_parameters_path: str = Field(
+        "",
+        description="Start from the parameters of this expertax model directory (the output of "
+        "`expertax convert from-hf`) instead of a random init: fresh optimizer state, step 0. Its "
+        "config.yml must agree with the run on every MODEL_KEYS key. Ignored when the run "
+        "resumes from a checkpoint (the checkpoint wins); empty = off.",
     )
+    scan_layers: bool = Field(True, description="Run each layer stack with lax.scan.")
     base_output_directory: str = Field("runs", description="Runs are written under this folder.")
     run_name: str = Field("", description="Run folder name; empty = a timestamp.")
     log_period: int = Field(1, gt=0, description="Print a console line every this many steps.")
+    enable_checkpointing: bool = Field(
+        True, description="Save checkpoints in <run dir>/checkpoints and resume from them."
+    )
+    checkpoint_period: int = Field(
+        100, gt=0, description="Save a checkpoint every this many steps (and after the last step)."
+    )
+    max_checkpoints: int = Field(3, gt=0, description="Keep this many most recent checkpoints.")
+    async_checkpointing: bool = Field(
+        True, description="Write checkpoints on a background thread while training continues."
+    )
+    skip_nonfinite_steps: bool = Field(
+        False,
+        description="On a NaN/Inf loss or gradient, skip that update (params and optimizer state "
+        "unchanged, counted in skipped_steps) instead of stopping the run.",
+    )
+    debug_inject_nan_step: int = Field(
+        -1, ge=-1, description="Debugging/tests only: make the loss NaN at this step; -1 = off."
+    )
 
 
 class DataSection(_Section):
-    dataset_type: Literal["synthetic"] = Field(
-        "synthetic", description="synthetic: learnable arithmetic token sequences."
+    dataset_type: Literal["synthetic", "files"] = Field(
+        "synthetic",
+        description="synthetic: learnable arithmetic token sequences; files: local JSONL/Parquet/"
+        "text files (dataset_path), tokenized with tokenizer_path and packed.",
     )
     data_shuffle_seed: int = Field(0, description="Seed of the data order (and synthetic data).")
+    dataset_path: str = Field(
+        "", description="dataset_type=files: a file, a directory or a glob of .jsonl/.parquet/.txt."
+    )
+    tokenizer_path: str = Field(
+        "", description="dataset_type=files: a HuggingFace tokenizer.json (or its directory)."
+    )
+    data_text_field: str = Field("text", description="JSONL key / Parquet column with the text.")
+    data_num_epochs: int = Field(
+        -1, ge=-1, description="dataset_type=files: passes over the data; -1 repeats forever."
+    )
+    data_worker_count: int = Field(
+        0, ge=0, description="dataset_type=files: reader threads (never changes the batches)."
+    )
 
 
-class Config(ModelSection, MoESection, ParallelSection, TrainSection, DataSection):
+Placement = Literal["device", "offload", "remat"]
+
+
+def _placement(default: str, what: str):
+    return Field(
+        default,
+        description=f"remat_policy=custom: where {what} is kept (device, "
+        "offload = pinned host, remat = recomputed).",
+    )
+
+
+class RematSection(_Section):
+    """Rematerialization and memory placement (parallel/remat.py, docs/design/remat.md)."""
+
+    remat_policy: Literal[
+        "full", "minimal", "save_qkv_proj", "save_dot_except_mlp", "save_out_proj", "none", "custom"
+    ] = Field(
+        "full",
+        description="What each layer keeps for the backward pass: full (layer input only), "
+        "minimal (all named tensors but the MLP/expert gate and up hiddens), save_qkv_proj, "
+        "save_dot_except_mlp (attention projections), save_out_proj, none (everything, no "
+        "remat), custom (the per-name keys below).",
+    )
+    decoder_layer_input: Placement = _placement("device", "each decoder layer's input")
+    query_proj: Placement = _placement("remat", "the per-head queries")
+    key_proj: Placement = _placement("remat", "the per-head keys")
+    value_proj: Placement = _placement("remat", "the per-head values")
+    qkv_proj: Placement = _placement("remat", "a fused q/k/v projection (none is computed)")
+    attention_out: Placement = _placement("remat", "the attention kernel's output")
+    out_proj: Placement = _placement("remat", "the attention output projection")
+    mlpwi_0: Placement = _placement("remat", "the dense MLP gate")
+    mlpwi_1: Placement = _placement("remat", "the dense MLP up projection")
+    mlpwo: Placement = _placement("remat", "the dense MLP output")
+    moe_mlpwi_0: Placement = _placement("remat", "the routed experts' gate")
+    moe_mlpwi_1: Placement = _placement("remat", "the routed experts' up projection")
+    moe_mlpwo: Placement = _placement("remat", "the routed experts' output")
+    query_wa_proj: Placement = _placement("remat", "MLA's query down projection")
+    kv_wa_proj: Placement = _placement("remat", "MLA's key/value down projection")
+    mla_q: Placement = _placement("remat", "MLA's per-head queries before RoPE")
+    mla_kv: Placement = _placement("remat", "MLA's up-projected keys and values")
+    optimizer_memory_host_offload: bool = Field(
+        False, description="Keep the optimizer state in pinned host memory between steps."
+    )
+    parameter_memory_host_offload: bool = Field(
+        False, description="Keep the parameters in pinned host memory between steps."
+    )
+    use_iota_embed: bool = Field(
+        False,
+        description="Embed by a one-hot matmul when the one-hot is below 2 GiB (else "
+        "always by gather, which needs no [B, T, V] temporary).",
+    )
+
+
+class DistributedSection(_Section):
+    coordinator_address: str = Field(
+        "",
+        description="Multi-process runs: host:port of process 0 for jax.distributed.initialize; "
+        "empty = $JAX_COORDINATOR_ADDRESS, or a single process when that is unset too.",
+    )
+    num_processes: int = Field(
+        -1, ge=-1, description="Multi-process runs: processes in all; -1 = $JAX_NUM_PROCESSES."
+    )
+    process_id: int = Field(
+        -1, ge=-1, description="Multi-process runs: this process's index; -1 = $JAX_PROCESS_ID."
+    )
+
+
+class Config(
+    ModelSection,
+    MoESection,
+    ParallelSection,
+    TrainSection,
+    RematSection,
+    DataSection,
+    DistributedSection,
+):
     """The whole configuration; see the sections for the keys."""
 
     @property
@@ -223,4 +341,26 @@ class Config(ModelSection, MoESection, ParallelSection, TrainSection, DataSectio
         return self.v_head_dim if self.attention_type == "mla" else self.head_dim
 
 
-SECTIONS = (ModelSection, MoESection, ParallelSection, TrainSection, DataSection)
+# Keys that define the model (its parameter shapes and what the parameters compute), as opposed to
+# how it is trained or run: saved parameters load only into a config with the same values.
+MODEL_KEYS = (frozenset(ModelSection.model_fields) - {"model_name"}) | {
+    "num_experts",
+    "num_experts_per_tok",
+    "shared_experts",
+    "routed_score_func",
+    "routed_bias",
+    "routed_scaling_factor",
+    "n_routing_groups",
+    "topk_routing_group",
+    "norm_topk_prob",
+}
+
+SECTIONS = (
+    ModelSection,
+    MoESection,
+    ParallelSection,
+    TrainSection,
+    RematSection,
+    DataSection,
+    DistributedSection,
+)

@@ -2,11 +2,12 @@
 
 load_hf(hf_dir) -> (config, params)          an HF checkpoint, ready for `expertax.logits`
 from_hf(hf_dir, out_dir) -> Config            HF checkpoint -> expertax model directory
-to_hf(ckpt_dir, out_dir) -> list of files     expertax model directory -> HF checkpoint
+to_hf(ckpt_dir, out_dir) -> list of files     expertax model or training run dir -> HF checkpoint
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -34,12 +35,30 @@ def from_hf(hf_dir: str | Path, out_dir: str | Path) -> Config:
 
 
 def to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5 * 2**30):
-    """Convert an expertax model directory into config.json + safetensors for transformers."""
+    """Convert into config.json + safetensors for transformers: an expertax model directory, or
+    a training run directory (`<base_output_directory>/<run_name>`: the parameters of its latest
+    complete checkpoint)."""
     from expertax.convert import store
+    from expertax.train import params_io  # the run folder's layout is the trainer's
 
     store.check_new_dir(out_dir)
-    c, params, hf = store.load(ckpt_dir)
+    if params_io.is_run_dir(ckpt_dir):
+        c, params, _ = params_io.load_run_params(ckpt_dir)
+        hf = _source_hf_config(c)
+    else:
+        c, params, hf = store.load(ckpt_dir)
     return write_hf(params, c, out_dir, base_config=hf, max_shard_bytes=max_shard_bytes)
+
+
+def _source_hf_config(c: Config) -> dict | None:
+    """The HF config.json a run started from (through load_parameters_path), if still there: it
+    supplies the fields expertax does not model (token ids, max_position_embeddings)."""
+    from expertax.convert import store
+
+    path = Path(c.load_parameters_path) / store.HF_CONFIG
+    if not c.load_parameters_path or not path.is_file():
+        return None
+    return json.loads(path.read_text())
 
 
 __all__ = [

@@ -61,6 +61,21 @@ def save(out_dir: str | Path, c: Config, params, *, source: str, hf_config: dict
     (out / MARKER).write_text(json.dumps(marker) + "\n")
 
 
+def read_config(ckpt_dir: str | Path) -> Config:
+    """The Config of an expertax model directory; ValueError if `ckpt_dir` is not one."""
+    path = Path(ckpt_dir).resolve()
+    marker = path / MARKER
+    if not marker.is_file():
+        raise ValueError(f"{path} is not an expertax model directory (no {MARKER})")
+    try:
+        content = json.loads(marker.read_text())
+    except ValueError:
+        content = None
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise ValueError(f"{path}: {MARKER} is not expertax's")
+    return build_config(read_yaml(path / "config.yml"))
+
+
 def load(ckpt_dir: str | Path, shardings=None) -> tuple[Config, decoder.Decoder, dict | None]:
     """(Config, parameters, source HF config or None).
 
@@ -68,12 +83,7 @@ def load(ckpt_dir: str | Path, shardings=None) -> tuple[Config, decoder.Decoder,
     `nn.param.shardings(decoder.spec(c), mesh, rules)`), read straight into each shard by Orbax.
     """
     path = Path(ckpt_dir).resolve()
-    marker = path / MARKER
-    if not marker.is_file():
-        raise ValueError(f"{path} is not an expertax model directory (no {MARKER})")
-    if json.loads(marker.read_text()).get("format") != FORMAT:
-        raise ValueError(f"{path}: {MARKER} is not expertax's")
-    c = build_config(read_yaml(path / "config.yml"))
+    c = read_config(path)
     hf_path = path / HF_CONFIG
     hf_config = json.loads(hf_path.read_text()) if hf_path.is_file() else None
     with ocp.StandardCheckpointer() as ckptr:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn import mlp, norm
+from expertax.nn import embed, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe.router import MoEStats
@@ -85,9 +85,9 @@ def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dt
     def body(x, layer_params):
         return block_apply(layer_params, x, c, positions_BT, segment_ids_BT, dtype)
 
-    policy = remat.policy(c.remat_policy)
-    if c.remat_policy != "none":
-        body = jax.checkpoint(body, policy=policy, prevent_cse=not c.scan_layers)
+    # One policy for the dense and the MoE stack; jax.checkpoint's CSE prevention is only
+    # needed unrolled (scan already keeps the recomputation from being merged with the forward).
+    body = remat.wrap_layer(body, c, prevent_cse=not c.scan_layers)
     if c.scan_layers:
         return jax.lax.scan(body, x_BTD, stacked)
     n = jax.tree.leaves(stacked)[0].shape[0]
@@ -111,7 +111,7 @@ def forward(
 ) -> tuple[jax.Array, MoEStats | None]:
     """Float32 logits [B, T, V] and the MoE layers' stats ([L_moe, ...] leaves, or None)."""
     dtype = jnp.dtype(c.dtype)
-    x_BTD = jnp.take(params.embed, inputs_BT, axis=0).astype(dtype)
+    x_BTD = embed.lookup(params.embed, inputs_BT, dtype, use_iota=c.use_iota_embed)
     return forward_embedded(
         params, x_BTD, c, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT
     )

@@ -1,4 +1,9 @@
-"""RMSNorm: scale applied as a broadcast multiply (seed 3922: no einsum temporaries)."""
+"""RMSNorm: scale applied as a broadcast multiply (seed 3922: no einsum temporaries).
+
+The scale is multiplied elementwise (an einsum "...d,d->...d" can lower to a larger
+intermediate inside scan bodies), and a constant offset (scale + offset, as in Gemma-style
+norms) is added only when it is non-zero, so the plain RMSNorm HLO has no extra add.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,12 @@ def spec(dim: int, axis: str | None = None) -> ParamSpec:
     return ParamSpec((dim,), (axis,), "ones")
 
 
-def rms_norm(scale_D: jax.Array, x: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) * scale, computed in float32 and returned in x's dtype."""
+def rms_norm(scale_D: jax.Array, x: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x / rms(x) * (scale + offset), computed in float32 and returned in x's dtype."""
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    scale = scale_D.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale_D.shape)
+    scale = scale_D.astype(jnp.float32)
+    if offset != 0.0:
+        scale = scale + jnp.float32(offset)
+    scale = scale.reshape((1,) * (x.ndim - 1) + scale.shape)  # explicit rank (no promotion)
     return (x32 * inv * scale).astype(x.dtype)

@@ -1,11 +1,29 @@
 """Names of the activations a user may keep for the backward pass, and remat policies.
 
 Every such tensor is tagged with `checkpoint_name(x, NAME)` exactly where it is produced, using
-the constants below (never string literals elsewhere). A policy decides, per name, whether the
-tensor is kept on device or recomputed.
+the constants below (never string literals elsewhere). A policy maps each name to a placement:
+`device` (kept in device memory), `offload` (kept in pinned host memory, copied back for the
+backward pass) or `remat` (recomputed). Presets are named policies; `remat_policy=custom` reads
+one config key per name (`moe_mlpwo=offload query_wa_proj=device ...`).
+
+Where each name is produced (docs/design/remat.md has the table with shapes):
+- decoder_layer_input: the input of every decoder layer (models/decoder.py); it is also the scan
+  carry, so every policy that rematerializes keeps it.
+- query_proj, key_proj, value_proj: per-head queries/keys/values entering the attention kernel
+  (GQA: after the projections; MLA: after the RoPE split and concat).
+- qkv_proj: reserved for a fused q/k/v projection; neither GQA nor MLA here computes one (their
+  projections are separate einsums), so no tensor carries it and saving it saves nothing.
+- attention_out: the attention kernel's output; out_proj: after the output projection wo.
+- mlpwi_0, mlpwi_1, mlpwo: dense SwiGLU gate, up and output (dense layers and shared experts).
+- moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo: routed experts' gate, up and output, in every dispatch
+  path (dense einsum, sparse grouped matmul, expert-parallel paths reusing expert_ffn_sorted).
+- query_wa_proj, kv_wa_proj: MLA's low-rank down projections (x @ wq_a, x @ wkv_a).
+- mla_q, mla_kv: MLA's per-head queries (before RoPE) and the up-projected keys/values.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -48,16 +66,99 @@ ALL_NAMES = (
     MLA_KV,
 )
 
+DEVICE, OFFLOAD, REMAT = "device", "offload", "remat"
+PLACEMENTS = (DEVICE, OFFLOAD, REMAT)
+
+_QKV = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ, QKV_PROJ)
+_ATTENTION_DOTS = (*_QKV, OUT_PROJ, QUERY_WA_PROJ, KV_WA_PROJ, MLA_Q, MLA_KV)
+
+# Preset -> names kept on device. The layer input is in every set: it is the scan carry.
+PRESETS: dict[str, tuple[str, ...]] = {
+    # Recompute the whole layer in the backward pass; keep only its input.
+    "full": (DECODER_LAYER_INPUT,),
+    # Keep every named tensor except the F-wide MLP/expert hiddens (gate and up), which are
+    # recomputed from the saved layer input: the largest activations, the cheapest matmuls.
+    "minimal": (DECODER_LAYER_INPUT, *_ATTENTION_DOTS, ATTENTION_OUT, MLPWO, MOE_MLPWO),
+    # Keep the attention's q/k/v projections.
+    "save_qkv_proj": (DECODER_LAYER_INPUT, *_QKV),
+    # Keep every attention projection (q/k/v, out, MLA's low-rank and up projections); the
+    # attention kernel and the whole MLP/MoE block are recomputed.
+    "save_dot_except_mlp": (DECODER_LAYER_INPUT, *_ATTENTION_DOTS),
+    # Keep the attention's output projection.
+    "save_out_proj": (DECODER_LAYER_INPUT, OUT_PROJ),
+}
+# "none": no jax.checkpoint at all; the backward pass keeps every residual autodiff needs.
+# "custom": the per-name config keys.
+POLICY_NAMES = (*PRESETS, "none", "custom")
+
 
 def tag(x: jax.Array, name: str) -> jax.Array:
     """Tag an activation with its checkpoint name (one place, so names stay the constants)."""
     return checkpoint_name(x, name)
 
 
-def policy(remat_policy: str):
-    """The jax.checkpoint policy for a preset, or None when layers are not rematerialized."""
+def placements(remat_policy: str, custom: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Name -> device | offload | remat for a preset, or for `custom` from the per-name keys."""
+    if remat_policy == "custom":
+        custom = dict(custom or {})
+        unknown = sorted(set(custom) - set(ALL_NAMES))
+        if unknown:
+            raise ValueError(f"unknown checkpoint names {unknown}; known: {list(ALL_NAMES)}")
+        out = {n: custom.get(n, REMAT) for n in ALL_NAMES}
+        for n, p in out.items():
+            if p not in PLACEMENTS:
+                raise ValueError(f"{n}={p!r}; valid placements: {', '.join(PLACEMENTS)}")
+        return out
     if remat_policy == "none":
-        return None
-    if remat_policy == "full":
-        return jax.checkpoint_policies.save_only_these_names(DECODER_LAYER_INPUT)
-    raise ValueError(f"remat_policy={remat_policy!r}; valid: full, none")
+        return {n: DEVICE for n in ALL_NAMES}
+    if remat_policy not in PRESETS:
+        raise ValueError(f"remat_policy={remat_policy!r}; valid: {', '.join(POLICY_NAMES)}")
+    kept = set(PRESETS[remat_policy])
+    return {n: DEVICE if n in kept else REMAT for n in ALL_NAMES}
+
+
+def config_placements(c) -> dict[str, str]:
+    """The placements a Config asks for (its remat_policy and, for custom, its per-name keys)."""
+    return placements(c.remat_policy, {n: getattr(c, n) for n in ALL_NAMES})
+
+
+def checkpoint_policy(place: Mapping[str, str]):
+    """The jax.checkpoint policy for a placement map (offload goes to pinned host memory)."""
+    saved = [n for n in ALL_NAMES if place[n] == DEVICE]
+    offloaded = [n for n in ALL_NAMES if place[n] == OFFLOAD]
+    if not offloaded:
+        return jax.checkpoint_policies.save_only_these_names(*saved)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved,
+        names_which_can_be_offloaded=offloaded,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+def backend_has_pinned_host(devices=None) -> bool:
+    devices = jax.devices() if devices is None else devices
+    try:
+        kinds = {m.kind for m in devices[0].addressable_memories()}
+    except Exception:  # backends without the memories API
+        return False
+    return "pinned_host" in kinds
+
+
+def check_offload_supported(place: Mapping[str, str], devices=None) -> None:
+    """Raise ValueError when some name is to be offloaded and the backend has no pinned host."""
+    offloaded = [n for n, p in place.items() if p == OFFLOAD]
+    if offloaded and not backend_has_pinned_host(devices):
+        raise ValueError(
+            f"{', '.join(f'{n}=offload' for n in offloaded)}: the {jax.default_backend()} backend "
+            "has no pinned_host memory to offload to; use device or remat for these names"
+        )
+
+
+def wrap_layer(fn, c, *, prevent_cse: bool):
+    """`fn` under jax.checkpoint with the config's policy; `fn` itself for remat_policy=none."""
+    if c.remat_policy == "none":
+        return fn
+    place = config_placements(c)
+    check_offload_supported(place)
+    return jax.checkpoint(fn, policy=checkpoint_policy(place), prevent_cse=prevent_cse)

@@ -84,6 +84,33 @@ def _check_abstract(abstract_state: PyTree) -> None:
             )
 
 
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The step of the latest complete checkpoint in `directory` (None if there is none)."""
+    fmt = ocp.path.step.standard_name_format()
+    meta = ocp.path.step.latest_step_metadata(epath.Path(os.fspath(directory)), fmt)
+    return None if meta is None else meta.step
+
+
+def restore_state_field(
+    directory: str | os.PathLike, step: int, field: str, abstract: PyTree
+) -> PyTree:
+    """One top-level field of a saved train state (e.g. "params"), read alone.
+
+    An Orbax partial restore: the other fields (the optimizer state, twice the parameters' size
+    with AdamW) are never read. `abstract` gives shape, dtype and sharding per array, as in
+    `Checkpointer.restore`; typed PRNG key leaves are not supported here.
+    """
+    _check_abstract({field: abstract})
+    fmt = ocp.path.step.standard_name_format()
+    path = fmt.find_step(epath.Path(os.fspath(directory)), step).path / STATE_ITEM
+    restore_args = jax.tree.map(ocp.checkpoint_utils.construct_restore_args, abstract)
+    args = ocp.args.PyTreeRestore(
+        item={field: abstract}, restore_args={field: restore_args}, partial_restore=True
+    )
+    with ocp.PyTreeCheckpointer() as ckptr:
+        return ckptr.restore(path, args=args)[field]
+
+
 class Checkpointer:
     """Saves and restores the checkpoints of one run directory (Orbax, asynchronous).
 

@@ -40,18 +40,50 @@ def _with_router_bias(params: decoder.Decoder, bias_LE) -> decoder.Decoder:
     return dataclasses.replace(params, moe_layers=dataclasses.replace(moe_layers, moe=moe))
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient was NaN/Inf and skip_nonfinite_steps is false."""
+
+
+def _debug_nan_loss_fn(params, batch: dict, c: Config, step):
+    """`loss_fn`, made NaN at step `debug_inject_nan_step` (tests of the non-finite handling)."""
+    total, aux = loss_fn(params, batch, c)
+    poison = jnp.where(step == c.debug_inject_nan_step, jnp.float32(jnp.nan), jnp.float32(1))
+    ce, lb, stats = aux
+    return total * poison, (ce * poison, lb, stats)
+
+
+def _keep_if_finite(finite, new: TrainState, old: TrainState) -> TrainState:
+    """`new` if `finite`, else `old` with only the step advanced (bitwise: a select per leaf)."""
+    params, opt_state = jax.tree.map(
+        lambda n, o: jnp.where(finite, n, o),
+        (new.params, new.opt_state),
+        (old.params, old.opt_state),
+    )
+    return TrainState(step=new.step, params=params, opt_state=opt_state, rng=new.rng)
+
+
 def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainState, dict]:
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (_, (ce, lb, stats)), grads = grad_fn(state.params, batch, c)
+    """One update. A non-finite loss or gradient norm leaves params and optimizer state as they
+    were (metric `nonfinite` = 1); the loop then stops or counts a skip (skip_nonfinite_steps).
+    Guarding in every mode means no checkpoint ever holds a NaN state."""
+    if c.debug_inject_nan_step >= 0:
+        grad_fn = jax.value_and_grad(_debug_nan_loss_fn, has_aux=True)
+        (_, (ce, lb, stats)), grads = grad_fn(state.params, batch, c, state.step)
+    else:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, (ce, lb, stats)), grads = grad_fn(state.params, batch, c)
     grad_dtype = jnp.dtype(c.grad_dtype)
     if grad_dtype != jnp.dtype(c.weight_dtype):
         grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(ce) & jnp.isfinite(lb) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": ce,
         "lb_loss": lb,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
+        "nonfinite": 1 - finite.astype(jnp.float32),
         "learning_rate": optimizer.schedule(c)(state.step),
         "dropped_tokens": jnp.float32(0),
         "max_expert_load_ratio": jnp.float32(1),
@@ -64,4 +96,4 @@ def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainS
             bias = params.moe_layers.moe.router.bias
             params = _with_router_bias(params, updated_bias(bias, load, c.routed_bias_update_rate))
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
-    return new_state, metrics
+    return _keep_if_finite(finite, new_state, state), metrics

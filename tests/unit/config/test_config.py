@@ -89,6 +89,7 @@ INVALID = [
     ({"attention_type": "mla", "kv_lora_rank": 0}, ["kv_lora_rank=0", "mla"]),
     ({"rope_type": "yarn", "rope_factor": 1.0}, ["rope_factor"]),
     ({"sharding_rules": "nope"}, ["sharding_rules", "default"]),
+    ({"gmm_tile_rows_min": 12}, ["gmm_tile_rows_min=12", "power of two"]),
 ]
 
 

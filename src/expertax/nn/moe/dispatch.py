@@ -23,7 +23,12 @@ def expert_ffn_sorted(
     rows_ND, wi_0_EDF, wi_1_EDF, wo_EFD, group_sizes_E, c: Config, dtype, group_offset=None
 ):
     """SwiGLU over rows sorted by expert, with grouped matmuls (local experts only if offset)."""
-    kw = dict(group_offset=group_offset, backend=c.gmm_impl)
+    kw = dict(
+        group_offset=group_offset,
+        backend=c.gmm_impl,
+        tile_rows=c.gmm_tile_rows,
+        tile_rows_min=c.gmm_tile_rows_min,
+    )
     gate = remat.tag(gmm(rows_ND, wi_0_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_0)
     up = remat.tag(gmm(rows_ND, wi_1_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_1)
     h = jax.nn.silu(gate) * up

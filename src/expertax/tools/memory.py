@@ -1,0 +1,273 @@
+"""`expertax memory`: what the train step keeps, per device, before anything is allocated.
+
+The train step is lowered with abstract state (ShapeDtypeStructs carrying their shardings) and
+compiled for the configured mesh; nothing is placed on a device. The report has four parts:
+- the persistent state per device (parameters, optimizer state, gradients) from the shardings;
+- the residuals each layer saves for the backward pass, by checkpoint name, found by tracing one
+  layer's VJP under the layer policy (`saved_residuals`) with the per-device batch, and multiplied
+  by the number of layers in its stack (the scan stacks them);
+- XLA's own figures for the compiled step (`compiled.memory_analysis()`): arguments, outputs,
+  aliased bytes, temporaries, and their host-memory counterparts;
+- the peak estimate (arguments + outputs - aliased + temporaries) against an HBM budget.
+
+Residual shapes split the batch over the data, fsdp and expert axes only; splits of heads, hidden
+dims or experts (tensor parallelism, the [E, B, C, .] tensors of the dense MoE dispatch under
+expert parallelism) are not applied, so those entries are upper bounds. XLA:CPU has one memory
+for device and pinned host: its figures count offloaded tensors as device bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from expertax.config.schema import Config
+from expertax.models import decoder
+from expertax.nn import param
+from expertax.parallel import remat
+from expertax.train.loop import build_trainer
+
+GIB = 1024**3
+_NAMED = re.compile(r"named '([A-Za-z0-9_]+)'")
+_SOURCE = re.compile(r"output of (.+?) from .*?([A-Za-z0-9_]+\.py):(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One tensor a layer saves for its backward pass (per device, per layer)."""
+
+    name: str  # a checkpoint name, or "unnamed: <op> at <file:line>" (remat_policy=none)
+    shape: tuple[int, ...]
+    dtype: str
+    placement: str  # "device" or "host"
+    stack: str  # "dense" or "moe"
+    layers: int  # layers in the stack; the total is bytes * layers
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+    def as_json(self) -> dict:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.bytes,
+            "placement": self.placement,
+            "stack": self.stack,
+            "layers": self.layers,
+            "total_bytes": self.bytes * self.layers,
+        }
+
+
+def _residual_name(src: str) -> str | None:
+    """The checkpoint name of a residual from its `saved_residuals` description, or None."""
+    if src.startswith("from the argument") or src == "from a literal":
+        return None
+    named = _NAMED.search(src)
+    if named:
+        return named.group(1)
+    where = _SOURCE.search(src)
+    return f"unnamed: {where.group(1)} at {where.group(2)}:{where.group(3)}" if where else src
+
+
+def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]:
+    """The residuals one layer of a stack saves, per device, by name.
+
+    Offloaded names are traced as if kept on device (a device_put to host loses the name) and
+    reported with placement "host". The layer input, when its own name is rematerialized, is the
+    argument `x` of the layer and is reported as decoder_layer_input.
+    """
+    from jax._src.ad_checkpoint import saved_residuals  # the public wrapper only prints
+
+    place = remat.config_placements(c)
+    host = {n for n, p in place.items() if p == remat.OFFLOAD}
+    traced = c.model_copy(update={n: remat.DEVICE for n in host})
+    dtype = jnp.dtype(c.dtype)
+    block = param.abstract(decoder.block_spec(c, moe=moe), jnp.dtype(c.weight_dtype))
+    t = c.max_target_length
+    x = jax.ShapeDtypeStruct((batch_local, t, c.base_emb_dim), dtype)
+    ids = jax.ShapeDtypeStruct((batch_local, t), jnp.int32)
+
+    def loss(p, x, positions, segment_ids):
+        body = lambda x, p: decoder.block_apply(p, x, traced, positions, segment_ids, dtype)
+        y, stats = remat.wrap_layer(body, traced, prevent_cse=False)(x, p)
+        lb = stats.lb_loss if stats is not None else 0.0
+        return jnp.sum(y.astype(jnp.float32)) + lb
+
+    stack = "moe" if moe else "dense"
+    layers = c.num_moe_layers if moe else c.num_dense_layers
+    out = []
+    for aval, src in saved_residuals(loss, block, x, ids, ids):
+        name = remat.DECODER_LAYER_INPUT if src == "from the argument x" else _residual_name(src)
+        if name is None:
+            continue
+        placement = "host" if name in host else "device"
+        out.append(Residual(name, tuple(aval.shape), str(aval.dtype), placement, stack, layers))
+    return out
+
+
+def _shard_bytes(abstract_tree, dtype=None) -> int:
+    total = 0
+    for leaf in jax.tree.leaves(abstract_tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        itemsize = jnp.dtype(dtype or leaf.dtype).itemsize
+        total += math.prod(shape) * itemsize
+    return total
+
+
+def _residual_total(residuals: list[Residual], placement: str) -> int:
+    return sum(r.bytes * r.layers for r in residuals if r.placement == placement)
+
+
+def batch_shards(mesh) -> int:
+    shape = dict(mesh.shape)
+    return shape.get("data", 1) * shape.get("fsdp", 1) * shape.get("expert", 1)
+
+
+def _weight_sum_cost(c: Config, batch_local: int) -> dict:
+    """Extra temporaries of float32_weight_sum: the K expert outputs of a token upcast to f32."""
+    itemsize = jnp.dtype(c.dtype).itemsize
+    rows = batch_local * c.max_target_length * c.num_experts_per_tok
+    extra = rows * c.base_emb_dim * max(4 - itemsize, 0) if c.num_moe_layers else 0
+    return {
+        "enabled": c.float32_weight_sum,
+        "extra_bytes_per_moe_layer": extra if c.float32_weight_sum else 0,
+        "extra_bytes_if_enabled": extra,
+    }
+
+
+def memory_report(c: Config, devices=None, hbm_gib: float | None = None) -> dict:
+    """Compile the train step abstractly for `c` on `devices` and report bytes per device."""
+    trainer = build_trainer(c, devices)
+    remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
+    state = trainer.abstract_state()
+    local_batch = trainer.global_batch // batch_shards(trainer.mesh)
+    residuals = []
+    if c.num_dense_layers:
+        residuals += layer_residuals(c, moe=False, batch_local=local_batch)
+    if c.num_moe_layers:
+        residuals += layer_residuals(c, moe=True, batch_local=local_batch)
+    compiled = trainer.compile()
+    ma = compiled.memory_analysis()
+    xla = {
+        k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
+        for k in (
+            "argument",
+            "output",
+            "alias",
+            "temp",
+            "generated_code",
+            "host_argument",
+            "host_output",
+            "host_alias",
+            "host_temp",
+        )
+    }
+    peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
+    offloaded = (_shard_bytes(state.params) if c.parameter_memory_host_offload else 0) + (
+        _shard_bytes(state.opt_state) if c.optimizer_memory_host_offload else 0
+    )
+    if offloaded and not xla["host_argument"]:
+        # XLA:CPU counts pinned-host arguments with the device ones (one memory); the donated
+        # state is counted once (arguments + outputs - aliased), so take it out once.
+        peak -= offloaded
+    report = {
+        "model_name": c.model_name,
+        "devices": trainer.num_devices,
+        "backend": jax.default_backend(),
+        "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
+        "global_batch": trainer.global_batch,
+        "batch_per_device": local_batch,
+        "max_target_length": c.max_target_length,
+        "remat_policy": c.remat_policy,
+        "placements": remat.config_placements(c),
+        "parameter_bytes": _shard_bytes(state.params),
+        "optimizer_state_bytes": _shard_bytes(state.opt_state),
+        "gradient_bytes": _shard_bytes(state.params, c.grad_dtype),
+        "parameter_memory_host_offload": c.parameter_memory_host_offload,
+        "optimizer_memory_host_offload": c.optimizer_memory_host_offload,
+        "residuals": [r.as_json() for r in residuals],
+        "residual_bytes_device": _residual_total(residuals, "device"),
+        "residual_bytes_host": _residual_total(residuals, "host"),
+        "float32_weight_sum": _weight_sum_cost(c, local_batch),
+        "xla": xla,
+        "offloaded_state_bytes": offloaded,
+        "peak_device_bytes": peak,
+        "hbm_gib": hbm_gib,
+        "fits": None if hbm_gib is None else bool(peak <= hbm_gib * GIB),
+    }
+    return report
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_report(r: dict) -> str:
+    """The human-readable report."""
+    lines = [
+        f"expertax memory: {r['model_name']} on {r['devices']} {r['backend']} devices, "
+        f"mesh {r['mesh']}, batch {r['global_batch']} ({r['batch_per_device']} per device) x "
+        f"{r['max_target_length']}, remat_policy={r['remat_policy']}",
+        "per device:",
+        f"  parameters       {_fmt(r['parameter_bytes']):>12}"
+        + ("  (pinned host)" if r["parameter_memory_host_offload"] else ""),
+        f"  optimizer state  {_fmt(r['optimizer_state_bytes']):>12}"
+        + ("  (pinned host)" if r["optimizer_memory_host_offload"] else ""),
+        f"  gradients        {_fmt(r['gradient_bytes']):>12}",
+        "saved residuals per layer (name, shape, bytes, placement, x layers = total):",
+    ]
+    for res in r["residuals"]:
+        shape = "x".join(map(str, res["shape"])) or "scalar"
+        lines.append(
+            f"  [{res['stack']:5}] {res['name']:<22} {res['dtype']:>8}[{shape}] "
+            f"{_fmt(res['bytes']):>11} {res['placement']:<6} x {res['layers']} = "
+            f"{_fmt(res['total_bytes'])}"
+        )
+    lines.append(
+        f"  total residuals: {_fmt(r['residual_bytes_device'])} device, "
+        f"{_fmt(r['residual_bytes_host'])} host"
+    )
+    ws = r["float32_weight_sum"]
+    lines.append(
+        f"float32_weight_sum={str(ws['enabled']).lower()}: "
+        f"{_fmt(ws['extra_bytes_if_enabled'])} of float32 combine temporaries per MoE layer"
+        + ("" if ws["enabled"] else " (saved: off)")
+    )
+    x = r["xla"]
+    lines += [
+        "XLA (compiled train step, per device):",
+        f"  arguments {_fmt(x['argument'])}, outputs {_fmt(x['output'])}, aliased "
+        f"{_fmt(x['alias'])}, temporaries {_fmt(x['temp'])}",
+        f"  host: arguments {_fmt(x['host_argument'])}, outputs {_fmt(x['host_output'])}, "
+        f"temporaries {_fmt(x['host_temp'])}",
+        "  peak estimate (arguments + outputs - aliased + temporaries"
+        + (
+            f" - {_fmt(r['offloaded_state_bytes'])} offloaded state"
+            if r["offloaded_state_bytes"]
+            else ""
+        )
+        + f"): {_fmt(r['peak_device_bytes'])}",
+    ]
+    if r["hbm_gib"] is not None:
+        verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+        lines.append(
+            f"{verdict}: {_fmt(r['peak_device_bytes'])} of {r['hbm_gib']:g} GiB per device "
+            f"({100 * r['peak_device_bytes'] / (r['hbm_gib'] * GIB):.1f}%)"
+        )
+    return "\n".join(lines)
+
+
+def to_json_ready(r: dict) -> dict:
+    """The report with numpy scalars turned into Python numbers."""
+    return jax.tree.map(lambda v: v.item() if isinstance(v, np.generic) else v, r)

@@ -1,0 +1,99 @@
+"""Parameters into a run from a model directory, and out of a run for export.
+
+- `load_parameters_path` (MaxText's name): a new run starts from the parameters of an expertax
+  model directory (`expertax convert from-hf` output, see `convert/store.py`) instead of a random
+  init; the optimizer state is fresh and the step 0. `check_model_dir` refuses, before anything
+  is compiled, a directory that is not a model directory or whose config.yml differs from the
+  run's in a `MODEL_KEYS` key. A run that resumes from its own checkpoint ignores the key.
+- `load_run_params`: the parameters (only) of a run directory's latest complete checkpoint, for
+  `expertax convert to-hf RUN_DIR OUT_DIR`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.checks import ConfigError
+from expertax.config.loader import build_config, read_yaml
+from expertax.config.schema import MODEL_KEYS, Config
+from expertax.convert import store
+from expertax.models import decoder
+from expertax.nn.param import is_spec
+from expertax.train import checkpoint
+
+# The run folder <base_output_directory>/<run_name> holds config.yml and this checkpoint folder.
+CHECKPOINT_SUBDIR = "checkpoints"
+
+
+def model_key_diffs(old: Config, new: Config) -> list[str]:
+    """The MODEL_KEYS keys whose values differ, as "key: old -> new", in schema order."""
+    return [
+        f"{k}: {getattr(old, k)!r} -> {getattr(new, k)!r}"
+        for k in Config.model_fields
+        if k in MODEL_KEYS and getattr(old, k) != getattr(new, k)
+    ]
+
+
+def check_model_dir(c: Config) -> Config:
+    """The Config saved in `c.load_parameters_path`; ConfigError unless that is an expertax
+    model directory whose model keys equal the run's."""
+    path = c.load_parameters_path
+    try:
+        saved = store.read_config(path)
+    except ValueError as e:  # ConfigError (a bad config.yml) is a ValueError too
+        raise ConfigError(f"load_parameters_path={path!r}: {e}") from None
+    diffs = model_key_diffs(saved, c)
+    if diffs:
+        raise ConfigError(
+            f"load_parameters_path={path!r}: its config.yml differs from this run's config in "
+            f"keys that change the model ({'; '.join(diffs)}); start from the saved values "
+            f"(expertax train {Path(path) / 'config.yml'} ...)"
+        )
+    return saved
+
+
+def load_params(c: Config, shardings, abstract) -> decoder.Decoder:
+    """The parameters of `c.load_parameters_path`, read into `shardings` (a Decoder tree) and
+    cast to the dtypes of `abstract` (the run's weight_dtype) where the stored ones differ."""
+    check_model_dir(c)
+    _, params, _ = store.load(c.load_parameters_path, shardings)
+    if all(x.dtype == a.dtype for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract))):
+        return params
+    cast = jax.jit(
+        lambda p: jax.tree.map(lambda x, a: x.astype(a.dtype), p, abstract),
+        out_shardings=shardings,
+    )
+    return cast(params)
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether `path` is a training run folder (config.yml and an expertax checkpoint folder)."""
+    p = Path(path)
+    marker = p / CHECKPOINT_SUBDIR / checkpoint.MARKER_FILE
+    return (p / "config.yml").is_file() and marker.is_file()
+
+
+def load_run_params(run_dir: str | Path) -> tuple[Config, decoder.Decoder, int]:
+    """(Config, parameters on the first device, step) of a run's latest complete checkpoint.
+
+    Only the parameters are read (the optimizer state stays on disk). ValueError if the run has
+    no complete checkpoint.
+    """
+    path = Path(run_dir).resolve()
+    c = build_config(read_yaml(path / "config.yml"))
+    ckpt_dir = path / CHECKPOINT_SUBDIR
+    step = checkpoint.latest_step(ckpt_dir)
+    if step is None:
+        raise ValueError(f"run folder {path} has no complete checkpoint in {ckpt_dir}")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    dtype = jnp.dtype(c.weight_dtype)
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=device),
+        decoder.spec(c),
+        is_leaf=is_spec,
+    )
+    params = checkpoint.restore_state_field(ckpt_dir, step, "params", abstract)
+    return c, params, step

@@ -1,0 +1,206 @@
+"""Resuming a run: stop + resume is bitwise an uninterrupted run; the run folder stays consistent.
+
+The train() runs share one compiled step through JAX's persistent compilation cache (same model,
+same mesh), so only the first of them pays the compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from expertax.config import ConfigError, load_config
+from expertax.train import checkpoint
+from expertax.train.loop import build_trainer, prepare_run_dir, train
+
+pytestmark = pytest.mark.distributed
+
+# A shrunk Mixtral with DeepSeek's sigmoid routing and balancing bias, so the bias (a parameter
+# updated outside the optimizer) is part of what must resume exactly.
+TINY = dict(
+    model_name="mixtral-tiny",
+    base_emb_dim=64,
+    base_moe_mlp_dim=64,
+    vocab_size=128,
+    base_num_decoder_layers=1,
+    num_experts=4,
+    routed_score_func="sigmoid",
+    routed_bias=True,
+    max_target_length=32,
+    per_device_batch_size=1,
+    steps=20,
+    checkpoint_period=5,
+    log_period=100,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """One persistent compilation cache for the session's train() runs (shared across modules)."""
+    path = tmp_path_factory.getbasetemp() / "jax-compilation-cache"
+    settings = {
+        "jax_compilation_cache_dir": str(path),
+        "jax_persistent_cache_min_compile_time_secs": 0,
+    }
+    saved = {k: getattr(jax.config, k) for k in settings}
+    for k, v in settings.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+    yield
+    for k, v in saved.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
+def tiny(tmp_path, **overrides):
+    return load_config(overrides={**TINY, "base_output_directory": str(tmp_path), **overrides})
+
+
+def leaves(state) -> list[np.ndarray]:
+    """All arrays of a train state as host numpy (typed keys as their key data)."""
+    out = []
+    for x in jax.tree.leaves(state):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append(np.asarray(jax.device_get(x)))
+    return out
+
+
+def assert_bitwise_equal(a, b) -> None:
+    la, lb = leaves(a), leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_stop_and_resume_is_bitwise_an_uninterrupted_run(tmp_path):
+    quiet = dict(echo=lambda *_: None)
+    straight = train(tiny(tmp_path, run_name="straight"), **quiet)
+    first = train(tiny(tmp_path, run_name="resumed"), stop_after_step=10, **quiet)
+    run_dir = tmp_path / "resumed"
+    assert int(first["state"].step) == 10 and first["resumed_from"] is None
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["10", "5", checkpoint.MARKER_FILE]
+
+    # What a process killed during the step-15 save and after writing metrics leaves behind: a
+    # temporary step directory and records past the last complete checkpoint (one cut off).
+    (run_dir / "checkpoints" / "15.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 10, "loss": 99.0}) + "\n" + '{"step": 11, "lo')
+
+    second = train(tiny(tmp_path, run_name="resumed"), **quiet)
+    assert second["resumed_from"] == 10
+    assert_bitwise_equal(second["state"], straight["state"])
+    assert second["data_state"] == straight["data_state"] == {"step": 20}
+    # Negative control: the state at the stop differs from the final one (so equality means
+    # something), and the balancing bias really moved away from its zero init.
+    assert not np.array_equal(leaves(first["state"].params)[0], leaves(straight["state"].params)[0])
+    bias = np.asarray(straight["state"].params.moe_layers.moe.router.bias)
+    assert np.any(bias != 0)
+
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(20))
+    want = [r["loss"] for r in read_metrics(tmp_path / "straight")]
+    assert [r["loss"] for r in records] == want
+    assert not any("tmp" in p for p in os.listdir(run_dir / "checkpoints"))
+
+    # Re-running a finished run does nothing and keeps the metrics.
+    third = train(tiny(tmp_path, run_name="resumed"), **quiet)
+    assert third["resumed_from"] == 20 and "final_loss" not in third
+    assert len(read_metrics(run_dir)) == 20
+
+
+def _fake_checkpoint(run_dir, step: int) -> None:
+    with checkpoint.Checkpointer(run_dir / "checkpoints", period_steps=1, max_to_keep=2) as ck:
+        ck.maybe_save(step, {"x": jnp.zeros(2)}, {"step": step})
+
+
+def test_run_dir_with_metrics_but_no_checkpoint_is_refused(tmp_path):
+    c, run = prepare_run_dir(tiny(tmp_path, run_name="r"))
+    assert run.resume_step is None
+    run.checkpointer.close()
+    (run.path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    with pytest.raises(ConfigError, match="already holds a run .*no complete checkpoint"):
+        prepare_run_dir(tiny(tmp_path, run_name="r"))
+    assert (run.path / "metrics.jsonl").read_text() == '{"step": 0, "loss": 1.0}\n'
+    # Without checkpointing there is nothing to resume from either.
+    (run.path / "checkpoints" / checkpoint.MARKER_FILE).unlink()
+    (run.path / "checkpoints").rmdir()
+    with pytest.raises(ConfigError, match="without checkpoints"):
+        prepare_run_dir(tiny(tmp_path, run_name="r", enable_checkpointing=False))
+
+
+def test_resume_refuses_keys_that_change_the_model_or_data(tmp_path):
+    _, run = prepare_run_dir(tiny(tmp_path, run_name="r"))
+    run.checkpointer.close()
+    _fake_checkpoint(run.path, 3)
+    records = [{"step": i, "loss": 1.0} for i in range(5)]
+    (run.path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ConfigError, match=r"step 3\) saved with different values") as err:
+        prepare_run_dir(tiny(tmp_path, run_name="r", base_emb_dim=32, data_shuffle_seed=1))
+    assert "base_emb_dim: 64 -> 32" in str(err.value)
+    assert "data_shuffle_seed: 0 -> 1" in str(err.value)
+    assert "steps" not in str(err.value).split("(")[2]  # only the differing keys are named
+    assert len(read_metrics(run.path)) == 5  # refused: nothing touched
+    # Run-time keys may change: more steps, another mesh, logging, checkpoint settings.
+    c, run = prepare_run_dir(
+        tiny(tmp_path, run_name="r", steps=40, ici_expert_parallelism=4, log_period=7,
+             checkpoint_period=2, skip_nonfinite_steps=True)
+    )  # fmt: skip
+    run.checkpointer.close()
+    assert run.resume_step == 3 and c.steps == 40
+    assert [r["step"] for r in read_metrics(run.path)] == [0, 1, 2]
+
+
+def test_checkpoint_restores_on_another_mesh(tmp_path):
+    """fsdp=8 -> expert=4 x fsdp=2 -> one device, through Trainer.abstract_state; bitwise."""
+    meshes = [
+        (tiny(tmp_path), None),
+        (tiny(tmp_path, ici_expert_parallelism=4, ici_fsdp_parallelism=2), None),
+        (tiny(tmp_path, per_device_batch_size=8), jax.devices()[:1]),
+    ]
+    trainers = [build_trainer(c, devices) for c, devices in meshes]
+    assert [dict(t.mesh.shape)["expert"] for t in trainers] == [1, 4, 1]
+    state = trainers[0].init_state()
+    # Make the optimizer moments non-trivial (they start at zero).
+    state = jax.tree.map(lambda x: x + 0.5 if x.dtype == jnp.float32 else x, state)
+    original = leaves(state)
+    ck = checkpoint.Checkpointer(tmp_path / "ck", period_steps=1, max_to_keep=3)
+    for i, trainer in enumerate(trainers[1:], start=1):
+        ck.maybe_save(i, state, {"step": i})
+        ck.wait()
+        state, _ = ck.restore(i, trainer.abstract_state())
+        for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.abstract_state())):
+            assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+        assert all(np.array_equal(a, b) for a, b in zip(leaves(state), original, strict=True))
+    ck.close()
+    assert len(trainers[2].mesh.devices.flatten()) == 1
+
+
+def test_run_resumes_on_another_mesh_with_the_same_global_batch(tmp_path):
+    quiet = dict(echo=lambda *_: None)
+    train(tiny(tmp_path, run_name="m"), stop_after_step=2, **quiet)  # fsdp=8
+    # One device with per_device_batch_size=1 would change the global batch (8 -> 1): refused.
+    with pytest.raises(ConfigError, match="global batch of 8 sequences; this run has 1"):
+        train(tiny(tmp_path, run_name="m"), devices=jax.devices()[:1], **quiet)
+    moved = train(
+        tiny(tmp_path, run_name="m", ici_expert_parallelism=4, ici_fsdp_parallelism=2),
+        stop_after_step=4,
+        **quiet,
+    )
+    assert moved["resumed_from"] == 2 and int(moved["state"].step) == 4
+    assert dict(moved["state"].params.embed.sharding.mesh.shape)["expert"] == 4
+    records = read_metrics(tmp_path / "m")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in records)
