@@ -228,6 +228,15 @@ RESUMABLE_KEYS = frozenset(
         "use_iota_embed",
         "scan_layers",
         "load_parameters_path",
+        # layout and kernel choices: the same model and numbers (the parity table proves it)
+        "use_ring_of_experts",
+        "a2a_impl",
+        "shard_exp_on_fsdp",
+        "gmm_impl",
+        "gmm_tile_rows",
+        "gmm_tile_rows_min",
+        "optimizer_memory_host_offload",
+        "parameter_memory_host_offload",
         *(
             f"{p}_{a}_parallelism"
             for p in ("ici", "dcn")
