@@ -121,7 +121,9 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
     sizes = jnp.maximum(ends - starts, 0)
     n_full = sizes // big
     rem = sizes - n_full * big
-    bucket = jnp.sum(jnp.asarray(rest_tiles, jnp.int32)[None, :] < rem[:, None], axis=1)
+    # count of ladder tiles smaller than the remainder; written as a sum of comparisons so no
+    # constant array enters the traced function (a jax.checkpoint would save it as a residual)
+    bucket = sum((rem > t).astype(jnp.int32) for t in rest_tiles)
     specs = [(n_full, starts, n // big, big)]
     for k, tile in enumerate(rest_tiles):
         count = ((rem > 0) & (bucket == k)).astype(jnp.int32)
