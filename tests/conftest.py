@@ -11,3 +11,41 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+
+# A shrunk Mixtral with DeepSeek's sigmoid routing and balancing bias (a parameter updated outside
+# the optimizer), shared by the trainer-level tests so they reuse one compiled step.
+TINY_MOE = dict(
+    model_name="mixtral-tiny",
+    base_emb_dim=64,
+    base_moe_mlp_dim=64,
+    vocab_size=128,
+    base_num_decoder_layers=1,
+    num_experts=4,
+    routed_score_func="sigmoid",
+    routed_bias=True,
+    max_target_length=32,
+    per_device_batch_size=1,
+    log_period=100,
+)
+
+
+@pytest.fixture(scope="module")
+def persistent_compile_cache(tmp_path_factory):
+    """One persistent compilation cache for the session's train() runs (shared across modules):
+    trainer-level tests that build the same step compile it once."""
+    path = tmp_path_factory.getbasetemp() / "jax-compilation-cache"
+    settings = {
+        "jax_compilation_cache_dir": str(path),
+        "jax_persistent_cache_min_compile_time_secs": 0,
+    }
+    saved = {k: getattr(jax.config, k) for k in settings}
+    for k, v in settings.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+    yield
+    for k, v in saved.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()

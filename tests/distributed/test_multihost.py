@@ -22,26 +22,13 @@ import pytest
 from expertax.config import ConfigError, load_config
 from expertax.train import checkpoint, distributed
 from expertax.train.loop import build_trainer, train
+from tests.conftest import TINY_MOE
 
 pytestmark = pytest.mark.distributed
 
 CHILD = Path(__file__).with_name("_multihost_child.py")
 SRC = Path(__file__).resolve().parents[2] / "src"
-MODEL = dict(
-    model_name="mixtral-tiny",
-    base_emb_dim=64,
-    base_moe_mlp_dim=64,
-    vocab_size=128,
-    base_num_decoder_layers=1,
-    num_experts=4,
-    routed_score_func="sigmoid",
-    routed_bias=True,
-    max_target_length=32,
-    per_device_batch_size=1,
-    steps=4,
-    checkpoint_period=2,
-    log_period=100,
-)
+MODEL = dict(TINY_MOE, steps=4, checkpoint_period=2)
 RTOL = 1e-5
 
 

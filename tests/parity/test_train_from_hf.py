@@ -14,7 +14,6 @@ pytest.importorskip("torch", reason="parity tests need torch (pip install expert
 pytest.importorskip("transformers", reason="parity tests need transformers (extra 'parity')")
 
 from hf_models import build, hf_logits, prompt, save  # noqa: E402
-from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 from tests.tolerances import tol  # noqa: E402
 
 import expertax  # noqa: E402
@@ -31,21 +30,8 @@ MISS = 1e-2
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """A persistent compilation cache: the resumed train() reuses the first one's step."""
-    path = tmp_path_factory.getbasetemp() / "jax-compilation-cache"
-    settings = {
-        "jax_compilation_cache_dir": str(path),
-        "jax_persistent_cache_min_compile_time_secs": 0,
-    }
-    saved = {k: getattr(jax.config, k) for k in settings}
-    for k, v in settings.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
+def _cache(persistent_compile_cache):
     yield
-    for k, v in saved.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
 
 
 def _max_diff(a, b) -> float:

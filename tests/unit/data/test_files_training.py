@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
+from tests.conftest import TINY_MOE
 
 from expertax.config import ConfigError, load_config
 from expertax.models import abstract_params, decoder
@@ -17,38 +17,12 @@ from expertax.train import loop
 pytestmark = pytest.mark.distributed
 
 # The model of tests/unit/train/test_resume.py (same compiled step through the persistent cache).
-TINY = dict(
-    model_name="mixtral-tiny",
-    base_emb_dim=64,
-    base_moe_mlp_dim=64,
-    vocab_size=128,
-    base_num_decoder_layers=1,
-    num_experts=4,
-    routed_score_func="sigmoid",
-    routed_bias=True,
-    max_target_length=32,
-    per_device_batch_size=1,
-    steps=20,
-    checkpoint_period=5,
-    log_period=100,
-)
+TINY = dict(TINY_MOE, steps=20, checkpoint_period=5)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """Shared persistent compilation cache; see tests/unit/train/test_resume.py."""
-    settings = {
-        "jax_compilation_cache_dir": str(tmp_path_factory.getbasetemp() / "jax-compilation-cache"),
-        "jax_persistent_cache_min_compile_time_secs": 0,
-    }
-    saved = {k: getattr(jax.config, k) for k in settings}
-    for k, v in settings.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
+def _cache(persistent_compile_cache):
     yield
-    for k, v in saved.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
 
 
 def files_config(corpus, tmp_path, **overrides):

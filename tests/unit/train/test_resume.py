@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
+from tests.conftest import TINY_MOE
 
 from expertax.config import ConfigError, load_config
 from expertax.train import checkpoint
@@ -23,39 +23,12 @@ pytestmark = pytest.mark.distributed
 
 # A shrunk Mixtral with DeepSeek's sigmoid routing and balancing bias, so the bias (a parameter
 # updated outside the optimizer) is part of what must resume exactly.
-TINY = dict(
-    model_name="mixtral-tiny",
-    base_emb_dim=64,
-    base_moe_mlp_dim=64,
-    vocab_size=128,
-    base_num_decoder_layers=1,
-    num_experts=4,
-    routed_score_func="sigmoid",
-    routed_bias=True,
-    max_target_length=32,
-    per_device_batch_size=1,
-    steps=20,
-    checkpoint_period=5,
-    log_period=100,
-)
+TINY = dict(TINY_MOE, steps=20, checkpoint_period=5)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """One persistent compilation cache for the session's train() runs (shared across modules)."""
-    path = tmp_path_factory.getbasetemp() / "jax-compilation-cache"
-    settings = {
-        "jax_compilation_cache_dir": str(path),
-        "jax_persistent_cache_min_compile_time_secs": 0,
-    }
-    saved = {k: getattr(jax.config, k) for k in settings}
-    for k, v in settings.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
+def _cache(persistent_compile_cache):
     yield
-    for k, v in saved.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
 
 
 def tiny(tmp_path, **overrides):
