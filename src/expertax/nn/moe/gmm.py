@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 BACKENDS = ("auto", "ragged_dot", "tiled")
 
-# Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, grouped-matmul section, docs/design/gmm.md).
+# Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, docs/design/gmm.md).
 # platform: (choice, measured on, date, evidence)
 MEASURED = {
     "cpu": ("tiled", "2-core AMD EPYC VM, jax 0.10.2, float32", "2026-11-21",
