@@ -7,14 +7,14 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_resume import TINY, compile_cache, leaves  # noqa: F401  (fixture)
+from test_resume import TINY, leaves
 
 from expertax.config import load_config
 from expertax.train import checkpoint
 from expertax.train.loop import build_trainer, train
 from expertax.train.step import NonFiniteError
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("persistent_compile_cache")]
 
 NAN_STEP = 3
 
