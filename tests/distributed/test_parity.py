@@ -145,3 +145,32 @@ def test_layout_matrix_and_parsing():
         parity.parse_layout("sparse-ep8-pp2")
     with pytest.raises(ConfigError, match="dense"):
         parity.parse_layout("dense-ring-ep8")
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(
+    "model,extra",
+    [("deepseek3-tiny", ["base_num_decoder_layers=2"]), ("mixtral-tiny", [])],
+)
+def test_parity_full_matrix(model, extra, tmp_path):
+    """The whole layout matrix (12 layouts on 8 devices); CI runs it after the default suite."""
+    path = tmp_path / "parity.json"
+    rc = cli.main(
+        [
+            "parity",
+            f"model_name={model}",
+            *extra,
+            "max_target_length=32",
+            "--steps",
+            "5",
+            "--json",
+            str(path),
+        ]
+    )
+    assert rc == 0
+    report = json.loads(path.read_text())
+    _check_rows(report["rows"], report["tolerance"], 10.0, 12)
+    layouts = {
+        (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"]) for r in report["rows"]
+    }
+    assert ("sparse", True, 4, 2, 1, 1) in layouts and ("dense", False, 2, 1, 2, 2) in layouts
