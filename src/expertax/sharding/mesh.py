@@ -72,21 +72,19 @@ def check_mesh_fit(c: Config, shape: dict[str, int]) -> None:
 def make_mesh(c: Config, devices=None) -> Mesh:
     """Build the mesh with Auto axis types (GSPMD propagation; shard_map where explicit)."""
     devices = list(jax.devices() if devices is None else devices)
-    num_slices = jax.process_count() if any(c_ != 1 for c_ in _dcn(c)) else 1
+    uses_dcn = any(getattr(c, f"dcn_{a}_parallelism") != 1 for a in MESH_AXES)
+    num_slices = jax.process_count() if uses_dcn else 1
     shape = mesh_shape(c, len(devices), num_slices)
     check_mesh_fit(c, shape)
     sizes = tuple(shape[a] for a in MESH_AXES)
     if num_slices > 1:
         from jax.experimental import mesh_utils
 
-        ici = tuple(s // d for s, d in zip(sizes, _dcn(c), strict=True))
+        dcn = tuple(_resolve(c, "dcn", num_slices))
+        ici = tuple(s // d for s, d in zip(sizes, dcn, strict=True))
         dev_array = mesh_utils.create_hybrid_device_mesh(
-            ici, _dcn(c), devices, process_is_granule=True
+            ici, dcn, devices, process_is_granule=True
         )
     else:
         dev_array = np.asarray(devices).reshape(sizes)
     return Mesh(dev_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-def _dcn(c: Config) -> tuple[int, ...]:
-    return tuple(max(getattr(c, f"dcn_{a}_parallelism"), 1) for a in MESH_AXES)

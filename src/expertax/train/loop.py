@@ -6,6 +6,7 @@ the host never stalls the device. `step_time_s` is the time between consecutive 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -62,8 +63,7 @@ class Trainer:
 
     def context(self):
         """Mesh and rules active while tracing."""
-        stack = _ContextStack(jax.set_mesh(self.mesh), use_rules(self.rules))
-        return stack
+        return _mesh_and_rules(self.mesh, self.rules)
 
     def abstract_batch(self) -> dict:
         shape = (self.global_batch, self.c.max_target_length)
@@ -123,19 +123,10 @@ class Trainer:
         }
 
 
-class _ContextStack:
-    def __init__(self, *managers):
-        self.managers = managers
-
-    def __enter__(self):
-        for m in self.managers:
-            m.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for m in reversed(self.managers):
-            m.__exit__(*exc)
-        return False
+@contextlib.contextmanager
+def _mesh_and_rules(mesh, rules):
+    with jax.set_mesh(mesh), use_rules(rules):
+        yield
 
 
 def build_trainer(c: Config, devices=None) -> Trainer:
