@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 from expertax.config import load_config  # noqa: E402
 from expertax.nn import embed, norm  # noqa: E402
 from expertax.sharding import rules  # noqa: E402
-from expertax.train.loop import build_trainer  # noqa: E402
+from expertax.train.trainer import build_trainer  # noqa: E402
 
 MID = [
     "model_name=deepseek3-tiny",

@@ -16,10 +16,10 @@ import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError, config_rules, load_config
 from expertax.nn import param
 from expertax.nn.moe import ep, layer, router
-from expertax.sharding import config_rules, make_mesh, use_rules
+from expertax.sharding import make_mesh, use_rules
 from tests.tolerances import tol
 
 pytestmark = pytest.mark.distributed

@@ -21,7 +21,8 @@ import pytest
 
 from expertax.config import ConfigError, load_config
 from expertax.train import checkpoint, distributed
-from expertax.train.loop import build_trainer, train
+from expertax.train.loop import train
+from expertax.train.trainer import build_trainer
 from tests.conftest import TINY_MOE
 
 pytestmark = pytest.mark.distributed

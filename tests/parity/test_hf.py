@@ -367,10 +367,11 @@ def test_converted_directory_restores_sharded(hf_dirs, tmp_path):
     """The trainer's way in: params/ restores into the shardings of an 8-device fsdp mesh."""
     import jax
 
-    from expertax.convert import store
+    from expertax.config import load_rules
     from expertax.models import decoder
     from expertax.nn import param
-    from expertax.sharding import load_rules, make_mesh
+    from expertax.sharding import make_mesh
+    from expertax.train import model_dir as store
 
     path, _ = hf_dirs["deepseek-qlora"]
     from_hf(path, tmp_path / "ours")
@@ -392,8 +393,8 @@ def test_from_hf_holds_the_model_once(tmp_path):
     default deep-copies every numpy leaf first: that would add the whole model)."""
     import tracemalloc
 
-    from expertax.convert import store
     from expertax.convert.hf import params_from_hf
+    from expertax.train import model_dir as store
 
     path = save(build("deepseek-qlora", seed=9), tmp_path / "hf")
     model_bytes = sum(x.nbytes for _, x in iter_tensors(path))

@@ -18,8 +18,9 @@ from tests.tolerances import tol  # noqa: E402
 
 import expertax  # noqa: E402
 from expertax import cli  # noqa: E402
-from expertax.convert import from_hf, store  # noqa: E402
+from expertax.convert import from_hf  # noqa: E402
 from expertax.data.synthetic import SyntheticData  # noqa: E402
+from expertax.train import model_dir as store  # noqa: E402
 from expertax.train.loop import train  # noqa: E402
 
 pytestmark = pytest.mark.parity

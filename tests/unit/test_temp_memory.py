@@ -21,12 +21,12 @@ import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from expertax.config import load_config
+from expertax.config.schema import MESH_AXES
 from expertax.nn import embed, norm, param
 from expertax.nn.attention.kernel import attend
 from expertax.nn.moe import dispatch, router
 from expertax.nn.moe.layer import spec as moe_spec
 from expertax.sharding import constrain, logical_to_spec, use_rules
-from expertax.sharding.rules import MESH_AXES
 from expertax.tools.memory import _weight_sum_cost, format_report
 
 
@@ -234,8 +234,8 @@ def test_h_float32_weight_sum_cost_is_in_the_report():
 
 # (g) ---------------------------------------------------------------------------------------
 def _grad_casts(grad_dtype: str) -> int:
-    from expertax.train.loop import build_trainer
     from expertax.train.step import train_step
+    from expertax.train.trainer import build_trainer
 
     c = load_config(
         overrides=[

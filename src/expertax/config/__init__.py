@@ -1,7 +1,23 @@
-"""Typed configuration: schema, checks and loading."""
+"""Typed configuration: schema, checks and loading (presets, overrides, rules tables)."""
 
 from expertax.config.checks import ConfigError
-from expertax.config.loader import build_config, config_to_yaml, configs_dir, load_config
+from expertax.config.loader import (
+    build_config,
+    config_rules,
+    config_to_yaml,
+    configs_dir,
+    load_config,
+    load_rules,
+)
 from expertax.config.schema import Config
 
-__all__ = ["Config", "ConfigError", "build_config", "config_to_yaml", "configs_dir", "load_config"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "build_config",
+    "config_rules",
+    "config_to_yaml",
+    "configs_dir",
+    "load_config",
+    "load_rules",
+]

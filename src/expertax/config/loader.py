@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from expertax.config.checks import ConfigError, run_checks
-from expertax.config.schema import Config
+from expertax.config.schema import MESH_AXES, Config
 
 
 def configs_dir() -> Path:
@@ -25,6 +25,35 @@ def configs_dir() -> Path:
 
 def available_models() -> list[str]:
     return sorted(p.stem for p in (configs_dir() / "models").glob("*.yml"))
+
+
+def load_rules(name: str) -> dict[str, tuple[str, ...]]:
+    """The logical-axis rules preset `configs/parallel/<name>.yml`: logical name -> mesh axes."""
+    folder = configs_dir() / "parallel"
+    path = folder / f"{name}.yml"
+    if not path.is_file():
+        names = sorted(p.stem for p in folder.glob("*.yml"))
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"sharding_rules={name!r} has no preset; {hint}available: {names}")
+    rules = {}
+    for logical, mesh_axes in read_yaml(path).items():
+        mesh_axes = tuple(mesh_axes or ())
+        for axis in mesh_axes:
+            if axis not in MESH_AXES:
+                raise ConfigError(
+                    f"sharding_rules={name!r}: {logical} -> {axis!r} is not a mesh axis {MESH_AXES}"
+                )
+        rules[str(logical)] = mesh_axes
+    return rules
+
+
+def config_rules(c: Config) -> dict[str, tuple[str, ...]]:
+    """The rules preset `c.sharding_rules`, with `shard_exp_on_fsdp` applied (exp -> fsdp)."""
+    rules = load_rules(c.sharding_rules)
+    if c.shard_exp_on_fsdp:
+        rules["exp"] = ("fsdp",)
+    return rules
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -8,11 +8,33 @@ need the device count live in `checks.py`; those that do (mesh sizes) in `shardi
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 DType = Literal["float32", "bfloat16", "float16"]
+
+# The mesh axes, in mesh order; each has ici_<axis>_parallelism and dcn_<axis>_parallelism keys.
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+
+# What a key changes, declared with the key (`_key(KIND, default, ...)`); one classification used
+# by the resume check, the `load_parameters_path` check and `--help-keys`:
+MODEL = "model"  # the parameters' shapes and what they compute: saved weights need the same values
+TRAINING = "training"  # the numbers of later steps (optimizer, precision, drops), not the weights
+DATA = "data"  # the data stream (its files, order and sequence length)
+LAYOUT = "layout"  # how the same numbers are computed: mesh, kernels, remat, batch per device
+RUN = "run"  # where the run goes, how long, logging, checkpoints, processes
+KINDS = (MODEL, TRAINING, DATA, LAYOUT, RUN)
+# A resumed run (or a restart before its first checkpoint) must agree on these kinds.
+SAME_RUN_KINDS = (MODEL, TRAINING, DATA)
+
+
+def _key(kind: str, default: Any, **kwargs: Any) -> Any:
+    """A config field whose metadata says which kind of key it is (see KINDS)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown key kind {kind!r}; use one of {KINDS}")
+    return Field(default, json_schema_extra={"kind": kind}, **kwargs)
 
 
 class _Section(BaseModel):
@@ -20,119 +42,166 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    model_name: str = Field(
-        "deepseek3-tiny", description="Preset in configs/models/ to start from."
+    model_name: str = _key(
+        RUN, "deepseek3-tiny", description="Preset in configs/models/ to start from."
     )
-    decoder_block: Literal["deepseek", "mixtral", "llama"] = Field(
-        "deepseek", description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Llama."
+    decoder_block: Literal["deepseek", "mixtral", "llama"] = _key(
+        MODEL,
+        "deepseek",
+        description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Llama.",
     )
-    vocab_size: int = Field(512, gt=0, description="Vocabulary size V.")
-    base_emb_dim: int = Field(128, gt=0, description="Model width D.")
-    base_num_query_heads: int = Field(4, gt=0, description="Query heads H.")
-    base_num_kv_heads: int = Field(4, gt=0, description="Key/value heads G for GQA (H % G == 0).")
-    head_dim: int = Field(32, gt=0, description="GQA head dimension Q.")
-    base_mlp_dim: int = Field(256, gt=0, description="Hidden size F of the dense MLP layers.")
-    base_moe_mlp_dim: int = Field(64, gt=0, description="Hidden size F of each routed expert.")
-    base_num_decoder_layers: int = Field(4, gt=0, description="Total decoder layers L.")
-    first_num_dense_layers: int = Field(
-        0, ge=0, description="DeepSeek layout: this many dense layers first, then MoE layers."
+    vocab_size: int = _key(MODEL, 512, gt=0, description="Vocabulary size V.")
+    base_emb_dim: int = _key(MODEL, 128, gt=0, description="Model width D.")
+    base_num_query_heads: int = _key(MODEL, 4, gt=0, description="Query heads H.")
+    base_num_kv_heads: int = _key(
+        MODEL, 4, gt=0, description="Key/value heads G for GQA (H % G == 0)."
     )
-    attention_type: Literal["gqa", "mla"] = Field(
-        "gqa", description="Grouped-query attention, or DeepSeek Multi-head Latent Attention."
+    head_dim: int = _key(MODEL, 32, gt=0, description="GQA head dimension Q.")
+    base_mlp_dim: int = _key(MODEL, 256, gt=0, description="Hidden size F of the dense MLP layers.")
+    base_moe_mlp_dim: int = _key(
+        MODEL, 64, gt=0, description="Hidden size F of each routed expert."
     )
-    q_lora_rank: int = Field(
-        0, ge=0, description="MLA query low rank R_q (wq_a -> norm -> wq_b); 0 means a plain wq."
+    base_num_decoder_layers: int = _key(MODEL, 4, gt=0, description="Total decoder layers L.")
+    first_num_dense_layers: int = _key(
+        MODEL,
+        0,
+        ge=0,
+        description="DeepSeek layout: this many dense layers first, then MoE layers.",
     )
-    kv_lora_rank: int = Field(32, ge=0, description="MLA key/value latent rank R_kv.")
-    qk_nope_head_dim: int = Field(32, ge=0, description="MLA per-head query/key dims without RoPE.")
-    qk_rope_head_dim: int = Field(16, ge=0, description="MLA decoupled RoPE dims (shared key).")
-    v_head_dim: int = Field(32, ge=0, description="MLA per-head value dims.")
-    rope_type: Literal["default", "yarn"] = Field("default", description="RoPE variant.")
-    rope_max_timescale: float = Field(10_000.0, gt=0, description="RoPE base (theta).")
-    rope_factor: float = Field(1.0, ge=1.0, description="YaRN context-extension factor.")
-    original_max_position_embeddings: int = Field(
-        4096, gt=0, description="YaRN: context length the model was pretrained with."
+    attention_type: Literal["gqa", "mla"] = _key(
+        MODEL,
+        "gqa",
+        description="Grouped-query attention, or DeepSeek Multi-head Latent Attention.",
     )
-    beta_fast: float = Field(
-        32.0, gt=0, description="YaRN ramp: rotations where extrapolation ends."
+    q_lora_rank: int = _key(
+        MODEL,
+        0,
+        ge=0,
+        description="MLA query low rank R_q (wq_a -> norm -> wq_b); 0 means a plain wq.",
     )
-    beta_slow: float = Field(
-        1.0, gt=0, description="YaRN ramp: rotations where interpolation starts."
+    kv_lora_rank: int = _key(MODEL, 32, ge=0, description="MLA key/value latent rank R_kv.")
+    qk_nope_head_dim: int = _key(
+        MODEL, 32, ge=0, description="MLA per-head query/key dims without RoPE."
     )
-    mscale: float = Field(1.0, ge=0, description="YaRN mscale for the RoPE amplitude.")
-    mscale_all_dim: float = Field(
+    qk_rope_head_dim: int = _key(
+        MODEL, 16, ge=0, description="MLA decoupled RoPE dims (shared key)."
+    )
+    v_head_dim: int = _key(MODEL, 32, ge=0, description="MLA per-head value dims.")
+    rope_type: Literal["default", "yarn"] = _key(MODEL, "default", description="RoPE variant.")
+    rope_max_timescale: float = _key(MODEL, 10_000.0, gt=0, description="RoPE base (theta).")
+    rope_factor: float = _key(MODEL, 1.0, ge=1.0, description="YaRN context-extension factor.")
+    original_max_position_embeddings: int = _key(
+        MODEL, 4096, gt=0, description="YaRN: context length the model was pretrained with."
+    )
+    beta_fast: float = _key(
+        MODEL, 32.0, gt=0, description="YaRN ramp: rotations where extrapolation ends."
+    )
+    beta_slow: float = _key(
+        MODEL, 1.0, gt=0, description="YaRN ramp: rotations where interpolation starts."
+    )
+    mscale: float = _key(MODEL, 1.0, ge=0, description="YaRN mscale for the RoPE amplitude.")
+    mscale_all_dim: float = _key(
+        MODEL,
         0.0,
         ge=0,
         description="YaRN mscale_all_dim; > 0 also scales the attention softmax (DeepSeek).",
     )
-    normalization_layer_epsilon: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
-    logits_via_embedding: bool = Field(False, description="Tie the output head to the embedding.")
+    normalization_layer_epsilon: float = _key(MODEL, 1e-6, gt=0, description="RMSNorm epsilon.")
+    logits_via_embedding: bool = _key(
+        MODEL, False, description="Tie the output head to the embedding."
+    )
 
 
 class MoESection(_Section):
-    num_experts: int = Field(16, ge=1, description="Routed experts E (1 with a dense model).")
-    num_experts_per_tok: int = Field(4, ge=1, description="Experts per token K (top-k).")
-    shared_experts: int = Field(
-        0, ge=0, description="Shared experts, each of base_moe_mlp_dim, run on every token."
+    num_experts: int = _key(MODEL, 16, ge=1, description="Routed experts E (1 with a dense model).")
+    num_experts_per_tok: int = _key(MODEL, 4, ge=1, description="Experts per token K (top-k).")
+    shared_experts: int = _key(
+        MODEL, 0, ge=0, description="Shared experts, each of base_moe_mlp_dim, run on every token."
     )
-    sparse_matmul: bool = Field(
-        True, description="Dropless sort -> grouped matmul -> unsort; false: dense einsum dispatch."
+    sparse_matmul: bool = _key(
+        TRAINING,
+        True,
+        description="Dropless sort -> grouped matmul -> unsort; false: dense einsum dispatch.",
     )
-    capacity_factor: float = Field(
-        -1.0, description="Dense path only: expert capacity = ceil(T*K/E * factor); -1 = dropless."
+    capacity_factor: float = _key(
+        TRAINING,
+        -1.0,
+        description="Dense path only: expert capacity = ceil(T*K/E * factor); -1 = dropless.",
     )
-    routed_score_func: Literal["softmax", "sigmoid"] = Field(
-        "softmax", description="Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3)."
+    routed_score_func: Literal["softmax", "sigmoid"] = _key(
+        MODEL, "softmax", description="Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3)."
     )
-    routed_bias: bool = Field(
-        False, description="DeepSeek-V3 aux-loss-free balancing: a bias used only for selection."
+    routed_bias: bool = _key(
+        MODEL,
+        False,
+        description="DeepSeek-V3 aux-loss-free balancing: a bias used only for selection.",
     )
-    routed_bias_update_rate: float = Field(
-        1e-3, ge=0, description="Step of the bias update bias += rate*sign(mean load - load)."
+    routed_bias_update_rate: float = _key(
+        TRAINING,
+        1e-3,
+        ge=0,
+        description="Step of the bias update bias += rate*sign(mean load - load).",
     )
-    routed_scaling_factor: float = Field(1.0, gt=0, description="Multiplies the routing weights.")
-    n_routing_groups: int = Field(
-        -1, description="Group-limited routing: experts split in this many groups; -1 = off."
+    routed_scaling_factor: float = _key(
+        MODEL, 1.0, gt=0, description="Multiplies the routing weights."
     )
-    topk_routing_group: int = Field(
-        -1, description="Group-limited routing: groups kept per token (by top-2 score sum)."
+    n_routing_groups: int = _key(
+        MODEL, -1, description="Group-limited routing: experts split in this many groups; -1 = off."
     )
-    norm_topk_prob: bool = Field(True, description="Normalize the top-k weights to sum to one.")
-    load_balance_loss_weight: float = Field(
-        0.0, ge=0, description="Weight of the Switch-style load-balance loss (global statistics)."
+    topk_routing_group: int = _key(
+        MODEL, -1, description="Group-limited routing: groups kept per token (by top-2 score sum)."
     )
-    use_random_routing: bool = Field(
-        False, description="Benchmarks: route to uniformly random experts, ignoring the router."
+    norm_topk_prob: bool = _key(
+        MODEL, True, description="Normalize the top-k weights to sum to one."
     )
-    float32_weight_sum: bool = Field(
-        True, description="Combine the K expert outputs in float32 (else in `dtype`)."
+    load_balance_loss_weight: float = _key(
+        TRAINING,
+        0.0,
+        ge=0,
+        description="Weight of the Switch-style load-balance loss (global statistics).",
     )
-    gmm_impl: Literal["auto", "ragged_dot", "tiled"] = Field(
+    use_random_routing: bool = _key(
+        TRAINING,
+        False,
+        description="Benchmarks: route to uniformly random experts, ignoring the router.",
+    )
+    float32_weight_sum: bool = _key(
+        TRAINING, True, description="Combine the K expert outputs in float32 (else in `dtype`)."
+    )
+    gmm_impl: Literal["auto", "ragged_dot", "tiled"] = _key(
+        LAYOUT,
         "auto",
         description="Grouped-matmul backend of the sparse path; auto picks per platform from "
         "the measurements recorded in nn/moe/gmm.py.",
     )
-    gmm_tile_rows: int = Field(512, gt=0, description="tiled gmm: rows per full tile.")
-    gmm_tile_rows_min: int = Field(
-        8, gt=0, description="tiled gmm: smallest power-of-two tile for a group's remainder."
+    gmm_tile_rows: int = _key(LAYOUT, 512, gt=0, description="tiled gmm: rows per full tile.")
+    gmm_tile_rows_min: int = _key(
+        LAYOUT,
+        8,
+        gt=0,
+        description="tiled gmm: smallest power-of-two tile for a group's remainder.",
     )
     # Expert parallelism (docs/design/ep.md): the sparse path inside one shard_map.
-    use_ring_of_experts: bool = Field(
+    use_ring_of_experts: bool = _key(
+        LAYOUT,
         False,
         description="Sparse EP strategy: all-gather tokens over `expert`, local experts, "
         "reduce-scatter; false: route locally and exchange rows with a ragged all-to-all.",
     )
-    a2a_impl: Literal["auto", "ragged", "padded"] = Field(
+    a2a_impl: Literal["auto", "ragged", "padded"] = _key(
+        LAYOUT,
         "auto",
         description="All-to-all of the sparse EP path: ragged (jax.lax.ragged_all_to_all, GPU/"
         "TPU), padded (all_to_all over padded per-peer blocks, any backend), auto (per backend).",
     )
-    shard_exp_on_fsdp: bool = Field(
+    shard_exp_on_fsdp: bool = _key(
+        LAYOUT,
         False,
         description="Store expert weights sharded over `fsdp` on the expert dim (instead of "
         "`expert`); they are all-gathered at the dispatch shard_map boundary.",
     )
-    ragged_buffer_factor: float = Field(
+    ragged_buffer_factor: float = _key(
+        TRAINING,
         -1.0,
         description="Receive buffer of the all-to-all EP path: -1 = worst case (dropless); > 0 "
         "caps it at factor x the rows a shard routes; rows past it are counted as dropped.",
@@ -140,96 +209,133 @@ class MoESection(_Section):
 
 
 class ParallelSection(_Section):
-    ici_pipeline_parallelism: int = Field(1, description="Reserved: pipeline axis, must be 1.")
-    ici_data_parallelism: int = Field(1, description="Data-parallel axis size (-1: the rest).")
-    ici_fsdp_parallelism: int = Field(-1, description="FSDP axis size (-1: the rest).")
-    ici_expert_parallelism: int = Field(1, description="Expert-parallel axis size (-1: the rest).")
-    ici_tensor_parallelism: int = Field(1, description="Tensor-parallel axis size (-1: the rest).")
-    dcn_pipeline_parallelism: int = Field(1, description="Reserved: across hosts, must be 1.")
-    dcn_data_parallelism: int = Field(1, description="Data-parallel across hosts/slices.")
-    dcn_fsdp_parallelism: int = Field(1, description="FSDP across hosts/slices.")
-    dcn_expert_parallelism: int = Field(1, description="Expert parallelism across hosts/slices.")
-    dcn_tensor_parallelism: int = Field(1, description="Tensor parallelism across hosts/slices.")
-    sharding_rules: str = Field(
-        "default", description="Logical-axis rules preset in configs/parallel/ (e.g. default)."
+    ici_pipeline_parallelism: int = _key(
+        LAYOUT, 1, description="Reserved: pipeline axis, must be 1."
+    )
+    ici_data_parallelism: int = _key(
+        LAYOUT, 1, description="Data-parallel axis size (-1: the rest)."
+    )
+    ici_fsdp_parallelism: int = _key(LAYOUT, -1, description="FSDP axis size (-1: the rest).")
+    ici_expert_parallelism: int = _key(
+        LAYOUT, 1, description="Expert-parallel axis size (-1: the rest)."
+    )
+    ici_tensor_parallelism: int = _key(
+        LAYOUT, 1, description="Tensor-parallel axis size (-1: the rest)."
+    )
+    dcn_pipeline_parallelism: int = _key(
+        LAYOUT, 1, description="Reserved: across hosts, must be 1."
+    )
+    dcn_data_parallelism: int = _key(LAYOUT, 1, description="Data-parallel across hosts/slices.")
+    dcn_fsdp_parallelism: int = _key(LAYOUT, 1, description="FSDP across hosts/slices.")
+    dcn_expert_parallelism: int = _key(
+        LAYOUT, 1, description="Expert parallelism across hosts/slices."
+    )
+    dcn_tensor_parallelism: int = _key(
+        LAYOUT, 1, description="Tensor parallelism across hosts/slices."
+    )
+    sharding_rules: str = _key(
+        LAYOUT,
+        "default",
+        description="Logical-axis rules preset in configs/parallel/ (e.g. default).",
     )
 
 
 class TrainSection(_Section):
-    steps: int = Field(40, gt=0, description="Training steps.")
-    per_device_batch_size: float = Field(
-        2.0, gt=0, description="Sequences per device; the global batch must be whole."
+    steps: int = _key(RUN, 40, gt=0, description="Training steps.")
+    per_device_batch_size: float = _key(
+        LAYOUT, 2.0, gt=0, description="Sequences per device; the global batch must be whole."
     )
-    max_target_length: int = Field(128, gt=1, description="Sequence length T.")
-    learning_rate: float = Field(3e-3, gt=0, description="Peak learning rate.")
-    warmup_steps_fraction: float = Field(
-        0.1, ge=0, lt=1, description="Fraction of steps of linear warmup."
+    max_target_length: int = _key(DATA, 128, gt=1, description="Sequence length T.")
+    learning_rate: float = _key(TRAINING, 3e-3, gt=0, description="Peak learning rate.")
+    warmup_steps_fraction: float = _key(
+        TRAINING, 0.1, ge=0, lt=1, description="Fraction of steps of linear warmup."
     )
-    cosine_learning_rate_final_fraction: float = Field(
-        0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak."
+    cosine_learning_rate_final_fraction: float = _key(
+        TRAINING, 0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak."
     )
-    adam_b1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    adam_b2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    adam_weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay.")
-    gradient_clipping_threshold: float = Field(
-        1.0, ge=0, description="Clip the global gradient norm to this; 0 = off."
+    adam_b1: float = _key(TRAINING, 0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_b2: float = _key(TRAINING, 0.95, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = _key(TRAINING, 1e-8, gt=0, description="AdamW epsilon.")
+    adam_weight_decay: float = _key(
+        TRAINING, 0.1, ge=0, description="AdamW decoupled weight decay."
     )
-    dtype: DType = Field("float32", description="Activation/compute dtype.")
-    weight_dtype: DType = Field("float32", description="Parameter storage dtype.")
-    grad_dtype: DType = Field("float32", description="Gradient dtype (cast only if different).")
-    mu_dtype: DType = Field("float32", description="AdamW first-moment dtype.")
-    init_weights_seed: int = Field(0, description="Seed of the parameter initialization.")
-    load_parameters_path: str = Field(
+    gradient_clipping_threshold: float = _key(
+        TRAINING, 1.0, ge=0, description="Clip the global gradient norm to this; 0 = off."
+    )
+    dtype: DType = _key(TRAINING, "float32", description="Activation/compute dtype.")
+    weight_dtype: DType = _key(TRAINING, "float32", description="Parameter storage dtype.")
+    grad_dtype: DType = _key(
+        TRAINING, "float32", description="Gradient dtype (cast only if different)."
+    )
+    mu_dtype: DType = _key(TRAINING, "float32", description="AdamW first-moment dtype.")
+    init_weights_seed: int = _key(TRAINING, 0, description="Seed of the parameter initialization.")
+    load_parameters_path: str = _key(
+        RUN,
         "",
         description="Start from the parameters of this expertax model directory (the output of "
         "`expertax convert from-hf`) instead of a random init: fresh optimizer state, step 0. Its "
-        "config.yml must agree with the run on every MODEL_KEYS key. Ignored when the run "
+        "config.yml must agree with the run on every key of kind model. Ignored when the run "
         "resumes from a checkpoint (the checkpoint wins); empty = off.",
     )
-    scan_layers: bool = Field(True, description="Run each layer stack with lax.scan.")
-    base_output_directory: str = Field("runs", description="Runs are written under this folder.")
-    run_name: str = Field("", description="Run folder name; empty = a timestamp.")
-    log_period: int = Field(1, gt=0, description="Print a console line every this many steps.")
-    enable_checkpointing: bool = Field(
-        True, description="Save checkpoints in <run dir>/checkpoints and resume from them."
+    scan_layers: bool = _key(LAYOUT, True, description="Run each layer stack with lax.scan.")
+    base_output_directory: str = _key(
+        RUN, "runs", description="Runs are written under this folder."
     )
-    checkpoint_period: int = Field(
-        100, gt=0, description="Save a checkpoint every this many steps (and after the last step)."
+    run_name: str = _key(RUN, "", description="Run folder name; empty = a timestamp.")
+    log_period: int = _key(RUN, 1, gt=0, description="Print a console line every this many steps.")
+    enable_checkpointing: bool = _key(
+        RUN, True, description="Save checkpoints in <run dir>/checkpoints and resume from them."
     )
-    max_checkpoints: int = Field(3, gt=0, description="Keep this many most recent checkpoints.")
-    async_checkpointing: bool = Field(
-        True, description="Write checkpoints on a background thread while training continues."
+    checkpoint_period: int = _key(
+        RUN,
+        100,
+        gt=0,
+        description="Save a checkpoint every this many steps (and after the last step).",
     )
-    skip_nonfinite_steps: bool = Field(
+    max_checkpoints: int = _key(RUN, 3, gt=0, description="Keep this many most recent checkpoints.")
+    async_checkpointing: bool = _key(
+        RUN, True, description="Write checkpoints on a background thread while training continues."
+    )
+    skip_nonfinite_steps: bool = _key(
+        RUN,
         False,
         description="On a NaN/Inf loss or gradient, skip that update (params and optimizer state "
         "unchanged, counted in skipped_steps) instead of stopping the run.",
     )
-    debug_inject_nan_step: int = Field(
-        -1, ge=-1, description="Debugging/tests only: make the loss NaN at this step; -1 = off."
+    debug_inject_nan_step: int = _key(
+        RUN,
+        -1,
+        ge=-1,
+        description="Debugging/tests only: make the loss NaN at this step; -1 = off.",
     )
 
 
 class DataSection(_Section):
-    dataset_type: Literal["synthetic", "files"] = Field(
+    dataset_type: Literal["synthetic", "files"] = _key(
+        DATA,
         "synthetic",
         description="synthetic: learnable arithmetic token sequences; files: local JSONL/Parquet/"
         "text files (dataset_path), tokenized with tokenizer_path and packed.",
     )
-    data_shuffle_seed: int = Field(0, description="Seed of the data order (and synthetic data).")
-    dataset_path: str = Field(
-        "", description="dataset_type=files: a file, a directory or a glob of .jsonl/.parquet/.txt."
+    data_shuffle_seed: int = _key(
+        DATA, 0, description="Seed of the data order (and synthetic data)."
     )
-    tokenizer_path: str = Field(
-        "", description="dataset_type=files: a HuggingFace tokenizer.json (or its directory)."
+    dataset_path: str = _key(
+        DATA,
+        "",
+        description="dataset_type=files: a file, a directory or a glob of .jsonl/.parquet/.txt.",
     )
-    data_text_field: str = Field("text", description="JSONL key / Parquet column with the text.")
-    data_num_epochs: int = Field(
-        -1, ge=-1, description="dataset_type=files: passes over the data; -1 repeats forever."
+    tokenizer_path: str = _key(
+        DATA, "", description="dataset_type=files: a HuggingFace tokenizer.json (or its directory)."
     )
-    data_worker_count: int = Field(
-        0, ge=0, description="dataset_type=files: reader threads (never changes the batches)."
+    data_text_field: str = _key(
+        DATA, "text", description="JSONL key / Parquet column with the text."
+    )
+    data_num_epochs: int = _key(
+        DATA, -1, ge=-1, description="dataset_type=files: passes over the data; -1 repeats forever."
+    )
+    data_worker_count: int = _key(
+        RUN, 0, ge=0, description="dataset_type=files: reader threads (never changes the batches)."
     )
 
 
@@ -237,7 +343,8 @@ Placement = Literal["device", "offload", "remat"]
 
 
 def _placement(default: str, what: str):
-    return Field(
+    return _key(
+        LAYOUT,
         default,
         description=f"remat_policy=custom: where {what} is kept (device, "
         "offload = pinned host, remat = recomputed).",
@@ -249,7 +356,8 @@ class RematSection(_Section):
 
     remat_policy: Literal[
         "full", "minimal", "save_qkv_proj", "save_dot_except_mlp", "save_out_proj", "none", "custom"
-    ] = Field(
+    ] = _key(
+        LAYOUT,
         "full",
         description="What each layer keeps for the backward pass: full (layer input only), "
         "minimal (all named tensors but the MLP/expert gate and up hiddens), save_qkv_proj, "
@@ -273,13 +381,14 @@ class RematSection(_Section):
     kv_wa_proj: Placement = _placement("remat", "MLA's key/value down projection")
     mla_q: Placement = _placement("remat", "MLA's per-head queries before RoPE")
     mla_kv: Placement = _placement("remat", "MLA's up-projected keys and values")
-    optimizer_memory_host_offload: bool = Field(
-        False, description="Keep the optimizer state in pinned host memory between steps."
+    optimizer_memory_host_offload: bool = _key(
+        LAYOUT, False, description="Keep the optimizer state in pinned host memory between steps."
     )
-    parameter_memory_host_offload: bool = Field(
-        False, description="Keep the parameters in pinned host memory between steps."
+    parameter_memory_host_offload: bool = _key(
+        LAYOUT, False, description="Keep the parameters in pinned host memory between steps."
     )
-    use_iota_embed: bool = Field(
+    use_iota_embed: bool = _key(
+        LAYOUT,
         False,
         description="Embed by a one-hot matmul when the one-hot is below 2 GiB (else "
         "always by gather, which needs no [B, T, V] temporary).",
@@ -287,16 +396,20 @@ class RematSection(_Section):
 
 
 class DistributedSection(_Section):
-    coordinator_address: str = Field(
+    coordinator_address: str = _key(
+        RUN,
         "",
         description="Multi-process runs: host:port of process 0 for jax.distributed.initialize; "
         "empty = $JAX_COORDINATOR_ADDRESS, or a single process when that is unset too.",
     )
-    num_processes: int = Field(
-        -1, ge=-1, description="Multi-process runs: processes in all; -1 = $JAX_NUM_PROCESSES."
+    num_processes: int = _key(
+        RUN, -1, ge=-1, description="Multi-process runs: processes in all; -1 = $JAX_NUM_PROCESSES."
     )
-    process_id: int = Field(
-        -1, ge=-1, description="Multi-process runs: this process's index; -1 = $JAX_PROCESS_ID."
+    process_id: int = _key(
+        RUN,
+        -1,
+        ge=-1,
+        description="Multi-process runs: this process's index; -1 = $JAX_PROCESS_ID.",
     )
 
 
@@ -341,20 +454,6 @@ class Config(
         return self.v_head_dim if self.attention_type == "mla" else self.head_dim
 
 
-# Keys that define the model (its parameter shapes and what the parameters compute), as opposed to
-# how it is trained or run: saved parameters load only into a config with the same values.
-MODEL_KEYS = (frozenset(ModelSection.model_fields) - {"model_name"}) | {
-    "num_experts",
-    "num_experts_per_tok",
-    "shared_experts",
-    "routed_score_func",
-    "routed_bias",
-    "routed_scaling_factor",
-    "n_routing_groups",
-    "topk_routing_group",
-    "norm_topk_prob",
-}
-
 SECTIONS = (
     ModelSection,
     MoESection,
@@ -364,3 +463,30 @@ SECTIONS = (
     DataSection,
     DistributedSection,
 )
+
+
+def key_kind(name: str) -> str:
+    """The kind (MODEL, TRAINING, DATA, LAYOUT or RUN) declared with config key `name`."""
+    extra = Config.model_fields[name].json_schema_extra
+    if not isinstance(extra, dict) or extra.get("kind") not in KINDS:
+        raise KeyError(f"config key {name!r} declares no kind")
+    return str(extra["kind"])
+
+
+def keys_of_kind(*kinds: str) -> tuple[str, ...]:
+    """The config keys of the given kinds, in schema order."""
+    return tuple(k for k in Config.model_fields if key_kind(k) in kinds)
+
+
+def changed_keys(old: Mapping[str, Any], new: Config, kinds: Iterable[str]) -> list[str]:
+    """`"key: old -> new"` for each key of `kinds` whose value in `new` differs from `old` (a
+    saved config's values; a key missing there counts as its default), in schema order."""
+    kinds = tuple(kinds)
+    out = []
+    for key, field in Config.model_fields.items():
+        if key_kind(key) not in kinds:
+            continue
+        before, after = old.get(key, field.default), getattr(new, key)
+        if before != after:
+            out.append(f"{key}: {before!r} -> {after!r}")
+    return out

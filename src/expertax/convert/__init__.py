@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from expertax.config import Config
 from expertax.convert.hf import params_from_hf, write_hf
 from expertax.convert.hf_config import ConversionError, config_from_hf, config_to_hf
+from expertax.train import model_dir, params_io
 
 
 def load_hf(hf_dir: str | Path) -> tuple[Config, object]:
@@ -25,12 +26,10 @@ def load_hf(hf_dir: str | Path) -> tuple[Config, object]:
 
 
 def from_hf(hf_dir: str | Path, out_dir: str | Path) -> Config:
-    """Convert an HF checkpoint directory into an expertax model directory (see `store`)."""
-    from expertax.convert import store  # Orbax is imported only when a directory is written
-
-    store.check_new_dir(out_dir)  # before the (long) conversion, not after
+    """Convert an HF checkpoint directory into an expertax model directory (see `model_dir`)."""
+    model_dir.check_new_dir(out_dir)  # before the (long) conversion, not after
     c, params, hf = params_from_hf(hf_dir)
-    store.save(out_dir, c, params, source="huggingface", hf_config=hf)
+    model_dir.save(out_dir, c, params, source="huggingface", hf_config=hf)
     return c
 
 
@@ -38,24 +37,19 @@ def to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5
     """Convert into config.json + safetensors for transformers: an expertax model directory, or
     a training run directory (`<base_output_directory>/<run_name>`: the parameters of its latest
     complete checkpoint)."""
-    from expertax.convert import store
-    from expertax.train import params_io  # the run folder's layout is the trainer's
-
-    store.check_new_dir(out_dir)
+    model_dir.check_new_dir(out_dir)
     if params_io.is_run_dir(ckpt_dir):
         c, params, _ = params_io.load_run_params(ckpt_dir)
         hf = _source_hf_config(c)
     else:
-        c, params, hf = store.load(ckpt_dir)
+        c, params, hf = model_dir.load(ckpt_dir)
     return write_hf(params, c, out_dir, base_config=hf, max_shard_bytes=max_shard_bytes)
 
 
 def _source_hf_config(c: Config) -> dict | None:
     """The HF config.json a run started from (through load_parameters_path), if still there: it
     supplies the fields expertax does not model (token ids, max_position_embeddings)."""
-    from expertax.convert import store
-
-    path = Path(c.load_parameters_path) / store.HF_CONFIG
+    path = Path(c.load_parameters_path) / model_dir.HF_CONFIG
     if not c.load_parameters_path or not path.is_file():
         return None
     return json.loads(path.read_text())

@@ -1,11 +1,9 @@
 """Mesh building, logical-axis rules and the activation-constraint helper."""
 
+from expertax.config.schema import MESH_AXES
 from expertax.sharding.mesh import check_mesh_fit, make_mesh, mesh_shape
 from expertax.sharding.rules import (
-    MESH_AXES,
-    config_rules,
     constrain,
-    load_rules,
     logical_to_spec,
     named_sharding,
     use_rules,
@@ -14,9 +12,7 @@ from expertax.sharding.rules import (
 __all__ = [
     "MESH_AXES",
     "check_mesh_fit",
-    "config_rules",
     "constrain",
-    "load_rules",
     "logical_to_spec",
     "make_mesh",
     "mesh_shape",

@@ -5,12 +5,17 @@ from __future__ import annotations
 import math
 
 import jax
-import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from expertax.config.checks import ConfigError
-from expertax.config.schema import Config
-from expertax.sharding.rules import MESH_AXES
+from expertax.config.schema import MESH_AXES, Config
+
+# Auto axis types, chosen deliberately: GSPMD propagates shardings outside the MoE layer (the
+# rules table places parameters and block-boundary activations), and the MoE dispatch is an
+# explicit `shard_map`. Explicit types (JAX's make_mesh default) would put shardings into every
+# array type and require every op outside the shard_map to resolve them by hand.
+AXIS_TYPES = (AxisType.Auto,) * len(MESH_AXES)
 
 
 def _resolve(c: Config, prefix: str, total: int) -> list[int]:
@@ -70,21 +75,21 @@ def check_mesh_fit(c: Config, shape: dict[str, int]) -> None:
 
 
 def make_mesh(c: Config, devices=None) -> Mesh:
-    """Build the mesh with Auto axis types (GSPMD propagation; shard_map where explicit)."""
+    """The mesh for `c` over `devices` (default: all), axes MESH_AXES with Auto types.
+
+    One slice: `jax.make_mesh`, which orders the devices by the interconnect topology on GPU and
+    TPU hosts (on CPU it keeps the given order). Several slices (dcn_* > 1): a hybrid mesh whose
+    dcn axes span processes (`mesh_utils.create_hybrid_device_mesh`).
+    """
     devices = list(jax.devices() if devices is None else devices)
     uses_dcn = any(getattr(c, f"dcn_{a}_parallelism") != 1 for a in MESH_AXES)
     num_slices = jax.process_count() if uses_dcn else 1
     shape = mesh_shape(c, len(devices), num_slices)
     check_mesh_fit(c, shape)
     sizes = tuple(shape[a] for a in MESH_AXES)
-    if num_slices > 1:
-        from jax.experimental import mesh_utils
-
-        dcn = tuple(_resolve(c, "dcn", num_slices))
-        ici = tuple(s // d for s, d in zip(sizes, dcn, strict=True))
-        dev_array = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, process_is_granule=True
-        )
-    else:
-        dev_array = np.asarray(devices).reshape(sizes)
-    return Mesh(dev_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    if num_slices == 1:
+        return jax.make_mesh(sizes, MESH_AXES, axis_types=AXIS_TYPES, devices=devices)
+    dcn = tuple(_resolve(c, "dcn", num_slices))
+    ici = tuple(s // d for s, d in zip(sizes, dcn, strict=True))
+    dev_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+    return Mesh(dev_array, MESH_AXES, axis_types=AXIS_TYPES)

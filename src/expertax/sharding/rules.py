@@ -1,4 +1,5 @@
-"""Logical axis names -> mesh axes, through a rules table that is data (configs/parallel/*.yml).
+"""Logical axis names -> mesh axes, through a rules table that is data (configs/parallel/*.yml,
+read by `expertax.config.load_rules`; this layer only applies a table it is given).
 
 `constrain(x, axes)` is the one helper that places activations at block boundaries. It reads the
 mesh from `jax.set_mesh` and the rules from `use_rules`; outside both it does nothing, so layers
@@ -10,50 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import difflib
 from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from expertax.config.checks import ConfigError
-from expertax.config.loader import configs_dir, read_yaml
-
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
-
 Rules = Mapping[str, tuple[str, ...]]
 _RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar(
     "expertax_rules", default=None
 )
-
-
-def load_rules(name: str) -> dict[str, tuple[str, ...]]:
-    """Load the rules preset `configs/parallel/<name>.yml`."""
-    folder = configs_dir() / "parallel"
-    path = folder / f"{name}.yml"
-    if not path.is_file():
-        names = sorted(p.stem for p in folder.glob("*.yml"))
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"sharding_rules={name!r} has no preset; {hint}available: {names}")
-    rules = {}
-    for logical, mesh_axes in read_yaml(path).items():
-        mesh_axes = tuple(mesh_axes or ())
-        for axis in mesh_axes:
-            if axis not in MESH_AXES:
-                raise ConfigError(
-                    f"sharding_rules={name!r}: {logical} -> {axis!r} is not a mesh axis {MESH_AXES}"
-                )
-        rules[str(logical)] = mesh_axes
-    return rules
-
-
-def config_rules(c) -> dict[str, tuple[str, ...]]:
-    """The rules preset `c.sharding_rules`, with `shard_exp_on_fsdp` applied (exp -> fsdp)."""
-    rules = load_rules(c.sharding_rules)
-    if getattr(c, "shard_exp_on_fsdp", False):
-        rules["exp"] = ("fsdp",)
-    return rules
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from expertax.config.schema import Config
 from expertax.models import decoder
 from expertax.nn import param
 from expertax.parallel import remat
-from expertax.train.loop import build_trainer
+from expertax.train.trainer import build_trainer
 
 GIB = 1024**3
 _NAMED = re.compile(r"named '([A-Za-z0-9_]+)'")

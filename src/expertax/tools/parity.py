@@ -22,7 +22,7 @@ from expertax.config.checks import ConfigError
 from expertax.config.loader import build_config
 from expertax.config.schema import Config
 from expertax.data.synthetic import SyntheticData
-from expertax.train.loop import build_trainer
+from expertax.train.trainer import build_trainer
 
 # Relative tolerance on the loss, per compute dtype (the one table; loosening it is reviewed).
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}

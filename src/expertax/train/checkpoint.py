@@ -84,6 +84,45 @@ def _check_abstract(abstract_state: PyTree) -> None:
             )
 
 
+def check_directory(directory: str | os.PathLike) -> None:
+    """ValueError unless `directory` is missing, empty, or an expertax checkpoint directory (it
+    holds our marker file). Reads only."""
+    path = epath.Path(os.fspath(directory))
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"checkpoint directory {path} exists and is not a directory")
+    if not path.exists() or not any(True for _ in path.iterdir()):
+        return
+    marker = path / MARKER_FILE
+    if not marker.exists():
+        entries = sorted(p.name for p in path.iterdir())[:5]
+        raise ValueError(
+            f"checkpoint directory {path} is not empty and is not an expertax checkpoint "
+            f"directory (no {MARKER_FILE}; it holds {entries}); choose another directory"
+        )
+    try:
+        content = json.loads(marker.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint directory {path}: unreadable {MARKER_FILE}") from e
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise ValueError(f"checkpoint directory {path}: {MARKER_FILE} is not expertax's")
+
+
+def mark_directory(directory: str | os.PathLike) -> None:
+    """Create `directory` and its marker file unless marked already: the one writer of markers.
+
+    Call it from one process (process 0) and let the others wait at a barrier before they open
+    the directory; the marker appears whole (written aside, then renamed).
+    """
+    path = epath.Path(os.fspath(directory))
+    path.mkdir(parents=True, exist_ok=True)
+    marker = path / MARKER_FILE
+    if marker.exists():
+        return
+    tmp = path / f".{MARKER_FILE}.tmp"
+    tmp.write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION}))
+    tmp.rename(marker)
+
+
 def latest_step(directory: str | os.PathLike) -> int | None:
     """The step of the latest complete checkpoint in `directory` (None if there is none)."""
     fmt = ocp.path.step.standard_name_format()
@@ -142,7 +181,9 @@ class Checkpointer:
         self.directory = epath.Path(path if "://" in path else os.path.abspath(path))
         self.period_steps = period_steps
         self.max_to_keep = max_to_keep
-        self._check_or_mark_directory()
+        check_directory(self.directory)
+        if jax.process_index() == 0:
+            mark_directory(self.directory)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
             create=True,
@@ -154,31 +195,6 @@ class Checkpointer:
             self.directory, options=options, item_names=(STATE_ITEM, DATA_ITEM)
         )
         self._name_format = ocp.path.step.standard_name_format()
-
-    def _check_or_mark_directory(self) -> None:
-        path = self.directory
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"checkpoint directory {path} exists and is not a directory")
-        marker = path / MARKER_FILE
-        if path.exists() and any(True for _ in path.iterdir()):
-            if not marker.exists():
-                entries = sorted(p.name for p in path.iterdir())[:5]
-                raise ValueError(
-                    f"checkpoint directory {path} is not empty and is not an expertax checkpoint "
-                    f"directory (no {MARKER_FILE}; it holds {entries}); choose another directory"
-                )
-            try:
-                content = json.loads(marker.read_text())
-            except (OSError, ValueError) as e:
-                raise ValueError(f"checkpoint directory {path}: unreadable {MARKER_FILE}") from e
-            if not isinstance(content, dict) or content.get("format") != FORMAT:
-                raise ValueError(f"checkpoint directory {path}: {MARKER_FILE} is not expertax's")
-            return
-        if jax.process_index() == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            tmp = path / f".{MARKER_FILE}.tmp"
-            tmp.write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION}))
-            tmp.rename(marker)
 
     def latest_step(self) -> int | None:
         """The step of the latest complete checkpoint on disk (None if there is none)."""

@@ -1,10 +1,11 @@
 """Parameters into a run from a model directory, and out of a run for export.
 
 - `load_parameters_path` (MaxText's name): a new run starts from the parameters of an expertax
-  model directory (`expertax convert from-hf` output, see `convert/store.py`) instead of a random
+  model directory (`expertax convert from-hf` output, see `train/model_dir.py`) instead of a random
   init; the optimizer state is fresh and the step 0. `check_model_dir` refuses, before anything
   is compiled, a directory that is not a model directory or whose config.yml differs from the
-  run's in a `MODEL_KEYS` key. A run that resumes from its own checkpoint ignores the key.
+  run's in a key of kind `model` (declared in the schema). A run that resumes from its own
+  checkpoint ignores the key.
 - `load_run_params`: the parameters (only) of a run directory's latest complete checkpoint, for
   `expertax convert to-hf RUN_DIR OUT_DIR`.
 """
@@ -18,23 +19,13 @@ import jax.numpy as jnp
 
 from expertax.config.checks import ConfigError
 from expertax.config.loader import build_config, read_yaml
-from expertax.config.schema import MODEL_KEYS, Config
-from expertax.convert import store
+from expertax.config.schema import MODEL, Config, changed_keys
 from expertax.models import decoder
 from expertax.nn.param import is_spec
-from expertax.train import checkpoint
+from expertax.train import checkpoint, model_dir
 
 # The run folder <base_output_directory>/<run_name> holds config.yml and this checkpoint folder.
 CHECKPOINT_SUBDIR = "checkpoints"
-
-
-def model_key_diffs(old: Config, new: Config) -> list[str]:
-    """The MODEL_KEYS keys whose values differ, as "key: old -> new", in schema order."""
-    return [
-        f"{k}: {getattr(old, k)!r} -> {getattr(new, k)!r}"
-        for k in Config.model_fields
-        if k in MODEL_KEYS and getattr(old, k) != getattr(new, k)
-    ]
 
 
 def check_model_dir(c: Config) -> Config:
@@ -42,10 +33,10 @@ def check_model_dir(c: Config) -> Config:
     model directory whose model keys equal the run's."""
     path = c.load_parameters_path
     try:
-        saved = store.read_config(path)
+        saved = model_dir.read_config(path)
     except ValueError as e:  # ConfigError (a bad config.yml) is a ValueError too
         raise ConfigError(f"load_parameters_path={path!r}: {e}") from None
-    diffs = model_key_diffs(saved, c)
+    diffs = changed_keys(saved.model_dump(), c, [MODEL])
     if diffs:
         raise ConfigError(
             f"load_parameters_path={path!r}: its config.yml differs from this run's config in "
@@ -59,7 +50,7 @@ def load_params(c: Config, shardings, abstract) -> decoder.Decoder:
     """The parameters of `c.load_parameters_path`, read into `shardings` (a Decoder tree) and
     cast to the dtypes of `abstract` (the run's weight_dtype) where the stored ones differ."""
     check_model_dir(c)
-    _, params, _ = store.load(c.load_parameters_path, shardings)
+    _, params, _ = model_dir.load(c.load_parameters_path, shardings)
     if all(x.dtype == a.dtype for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract))):
         return params
     cast = jax.jit(

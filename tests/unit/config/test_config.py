@@ -95,7 +95,7 @@ INVALID = [
 
 @pytest.mark.parametrize("overrides,words", INVALID, ids=[str(o) for o, _ in INVALID])
 def test_invalid_config_is_refused_fast_with_its_own_message(overrides, words):
-    from expertax.sharding import load_rules
+    from expertax.config import load_rules
 
     t0 = time.perf_counter()
     with pytest.raises(ConfigError) as err:
@@ -110,7 +110,7 @@ def test_invalid_config_is_refused_fast_with_its_own_message(overrides, words):
 
 
 def test_invalid_messages_are_distinct():
-    from expertax.sharding import load_rules
+    from expertax.config import load_rules
 
     messages = set()
     for overrides, _ in INVALID:

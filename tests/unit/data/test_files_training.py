@@ -13,6 +13,8 @@ from tests.conftest import TINY_MOE
 from expertax.config import ConfigError, load_config
 from expertax.models import abstract_params, decoder
 from expertax.train import loop
+from expertax.train.inputs import make_data
+from expertax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -57,12 +59,12 @@ def test_tokenizer_larger_than_vocab_is_refused(corpus, tmp_path):
 
 def test_each_process_reads_its_rows(corpus, tmp_path, monkeypatch):
     c = files_config(corpus, tmp_path)
-    trainer = loop.build_trainer(c)
+    trainer = build_trainer(c)
     batches = []
     for index in range(2):
         monkeypatch.setattr(jax, "process_count", lambda: 2)
         monkeypatch.setattr(jax, "process_index", lambda index=index: index)
-        it = loop.make_data(c, trainer)
+        it = make_data(c, trainer)
         batches.append(next(it))
         assert batches[-1]["inputs"].shape == (trainer.global_batch // 2, c.max_target_length)
         state = it.get_state()["config"]

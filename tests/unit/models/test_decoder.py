@@ -8,7 +8,7 @@ import pytest
 from expertax import init_params, load_config, logits
 from expertax.models import decoder
 from expertax.train import step as step_lib
-from expertax.train.loop import build_trainer
+from expertax.train.trainer import build_trainer
 from tests.tolerances import tol
 
 SMALL = {"max_target_length": 16, "per_device_batch_size": 1}

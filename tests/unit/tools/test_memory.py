@@ -16,7 +16,7 @@ from expertax.models import decoder
 from expertax.nn import param
 from expertax.parallel import remat
 from expertax.tools.memory import memory_report
-from expertax.train.loop import build_trainer
+from expertax.train.trainer import build_trainer
 
 SMALL = [
     "model_name=deepseek3-tiny",
@@ -118,7 +118,7 @@ def test_host_offloaded_state_lives_in_pinned_host_and_trains_the_same():
         "max_target_length=16",
         "per_device_batch_size=1",
     ]
-    from expertax.train.loop import make_data
+    from expertax.train.inputs import make_data
 
     finals = []
     for extra in ([], ["optimizer_memory_host_offload=true", "parameter_memory_host_offload=true"]):

@@ -11,8 +11,9 @@ from test_resume import TINY, leaves
 
 from expertax.config import load_config
 from expertax.train import checkpoint
-from expertax.train.loop import build_trainer, train
+from expertax.train.loop import train
 from expertax.train.step import NonFiniteError
+from expertax.train.trainer import build_trainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("persistent_compile_cache")]
 

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from expertax.config import ConfigError, load_config
-from expertax.convert import store, to_hf
+from expertax.convert import to_hf
 from expertax.convert.hf import params_from_hf
 from expertax.models import decoder
 from expertax.nn.param import is_spec
 from expertax.train import checkpoint, params_io
-from expertax.train.loop import build_trainer, prepare_run_dir
+from expertax.train import model_dir as store
+from expertax.train.loop import prepare
+from expertax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -31,6 +33,12 @@ TINY = dict(
     per_device_batch_size=1,
     steps=4,
 )
+
+
+def prepare_run_dir(c):
+    """The checks and the opened run folder of `c`, as `train` does them before compiling."""
+    p = prepare(c)
+    return p.c, p.run
 
 
 def tiny(tmp_path, **overrides):

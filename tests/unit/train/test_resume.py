@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +21,20 @@ from tests.conftest import TINY_MOE
 
 from expertax.config import ConfigError, load_config
 from expertax.train import checkpoint
-from expertax.train.loop import build_trainer, prepare_run_dir, train
+from expertax.train.loop import prepare, train
+from expertax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.distributed
 
 # A shrunk Mixtral with DeepSeek's sigmoid routing and balancing bias, so the bias (a parameter
 # updated outside the optimizer) is part of what must resume exactly.
 TINY = dict(TINY_MOE, steps=20, checkpoint_period=5)
+
+
+def prepare_run_dir(c):
+    """The checks and the opened run folder of `c`, as `train` does them before compiling."""
+    p = prepare(c)
+    return p.c, p.run
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,19 +110,63 @@ def _fake_checkpoint(run_dir, step: int) -> None:
         ck.maybe_save(step, {"x": jnp.zeros(2)}, {"step": step})
 
 
-def test_run_dir_with_metrics_but_no_checkpoint_is_refused(tmp_path):
+def test_run_dir_without_a_checkpoint_restarts_or_refuses(tmp_path):
     c, run = prepare_run_dir(tiny(tmp_path, run_name="r"))
-    assert run.resume_step is None
+    assert run.resume_step is None and not run.restarted
     run.checkpointer.close()
-    (run.path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
-    with pytest.raises(ConfigError, match="already holds a run .*no complete checkpoint"):
+    first = '{"step": 0, "loss": 1.0}\n'
+    (run.path / "metrics.jsonl").write_text(first)
+    # Another model in the same folder: refused, nothing touched.
+    with pytest.raises(ConfigError, match=r"holds a run \(no checkpoint yet\).*base_emb_dim"):
+        prepare_run_dir(tiny(tmp_path, run_name="r", base_emb_dim=32))
+    assert (run.path / "metrics.jsonl").read_text() == first
+    assert not (run.path / "metrics.jsonl.1").exists()
+    # The same run (a layout key may differ): restarted from step 0, the old metrics kept aside.
+    _, again = prepare_run_dir(tiny(tmp_path, run_name="r", ici_expert_parallelism=2))
+    again.checkpointer.close()
+    assert again.resume_step is None and again.restarted
+    assert (run.path / "metrics.jsonl.1").read_text() == first
+    assert not (run.path / "metrics.jsonl").exists()
+    # A second restart keeps both earlier files.
+    (run.path / "metrics.jsonl").write_text(first)
+    prepare_run_dir(tiny(tmp_path, run_name="r"))[1].checkpointer.close()
+    assert (run.path / "metrics.jsonl.2").read_text() == first
+    # Metrics without the config.yml that says whose run they are: refused.
+    (run.path / "metrics.jsonl").write_text(first)
+    (run.path / "config.yml").unlink()
+    with pytest.raises(ConfigError, match="no config.yml"):
         prepare_run_dir(tiny(tmp_path, run_name="r"))
-    assert (run.path / "metrics.jsonl").read_text() == '{"step": 0, "loss": 1.0}\n'
-    # Without checkpointing there is nothing to resume from either.
-    (run.path / "checkpoints" / checkpoint.MARKER_FILE).unlink()
-    (run.path / "checkpoints").rmdir()
-    with pytest.raises(ConfigError, match="without checkpoints"):
-        prepare_run_dir(tiny(tmp_path, run_name="r", enable_checkpointing=False))
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_same_command(tmp_path):
+    """SIGKILL during the first steps (no checkpoint yet), then the same command: it trains
+    from step 0 to the end, with the losses of the killed attempt, and keeps its metrics."""
+    args = [f"{k}={v}" for k, v in {**TINY, "steps": 400, "checkpoint_period": 1000}.items()]
+    args += [f"base_output_directory={tmp_path}", "run_name=r"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    cmd = [sys.executable, "-m", "expertax.cli", "train", *args]
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed = read_metrics(tmp_path / "r")
+    assert 3 <= len(killed) < 400
+    assert checkpoint.latest_step(tmp_path / "r" / "checkpoints") is None
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restarting from step 0" in done.stdout
+    records = read_metrics(tmp_path / "r")
+    assert [r["step"] for r in records] == list(range(400))
+    assert [r["loss"] for r in records[: len(killed)]] == [r["loss"] for r in killed]
+    kept = (tmp_path / "r" / "metrics.jsonl.1").read_text().splitlines()
+    assert [json.loads(line) for line in kept] == killed
+    assert checkpoint.latest_step(tmp_path / "r" / "checkpoints") == 400
 
 
 def test_resume_refuses_keys_that_change_the_model_or_data(tmp_path):

@@ -27,11 +27,20 @@ BACKENDS = ("auto", "ragged_dot", "tiled")
 # Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, docs/design/gmm.md).
 # platform: (choice, measured on, date, evidence)
 MEASURED = {
-    "cpu": ("tiled", "2-core AMD EPYC VM, jax 0.10.2, float32", "2026-11-21",
-            "N=4096 D=512 F=1024 fwd vs dense, idle: tiled 0.98x at E=8, 1.3x roofline at E=64; "
-            "ragged_dot 0.12-0.14x at E=8 (expands to E dense matmuls)"),
-    "gpu": ("tiled", "UNMEASURED", "-", "no GPU was available; tiled is the only backend here "
-            "whose cost does not grow with E. Measure before trusting."),
+    "cpu": (
+        "tiled",
+        "2-core AMD EPYC VM, jax 0.10.2, float32",
+        "2026-11-21",
+        "N=4096 D=512 F=1024 fwd vs dense, idle: tiled 0.98x at E=8, 1.3x roofline at E=64; "
+        "ragged_dot 0.12-0.14x at E=8 (expands to E dense matmuls)",
+    ),
+    "gpu": (
+        "tiled",
+        "UNMEASURED",
+        "-",
+        "no GPU was available; tiled is the only backend here "
+        "whose cost does not grow with E. Measure before trusting.",
+    ),
     "tpu": ("tiled", "UNMEASURED", "-", "no TPU was available"),
 }
 
@@ -48,9 +57,17 @@ def resolve_backend(backend: str) -> str:
     return MEASURED.get(jax.default_backend(), ("tiled",))[0]
 
 
-def gmm(lhs_ND, rhs_EDF, group_sizes_E, *, group_offset=None, backend: str = "auto",
-        preferred_element_type=None, tile_rows: int = DEFAULT_TILE_ROWS,
-        tile_rows_min: int = DEFAULT_TILE_ROWS_MIN):
+def gmm(
+    lhs_ND,
+    rhs_EDF,
+    group_sizes_E,
+    *,
+    group_offset=None,
+    backend: str = "auto",
+    preferred_element_type=None,
+    tile_rows: int = DEFAULT_TILE_ROWS,
+    tile_rows_min: int = DEFAULT_TILE_ROWS_MIN,
+):
     """Grouped matmul `[N, D] x [E_local, D, F] -> [N, F]` (see the module docstring).
 
     Args:
@@ -90,8 +107,7 @@ def gmm(lhs_ND, rhs_EDF, group_sizes_E, *, group_offset=None, backend: str = "au
 def _tile_ladder(n: int, tile_rows: int, tile_rows_min: int) -> tuple[int, ...]:
     """(big tile, remainder tiles ascending), all <= n: `tile_rows`, then tile_rows_min * 2^k."""
     if tile_rows < 1 or tile_rows_min < 1:
-        raise ValueError(f"gmm tile_rows={tile_rows}, tile_rows_min={tile_rows_min}: "
-                         "must be >= 1")
+        raise ValueError(f"gmm tile_rows={tile_rows}, tile_rows_min={tile_rows_min}: must be >= 1")
     big = max(1, min(tile_rows, n))
     small = [min(tile_rows_min, big)]
     while small[-1] * 2 < big:
@@ -134,8 +150,17 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
         i = jnp.arange(max(cap, 1), dtype=jnp.int32)
         g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e_local - 1).astype(jnp.int32)
         row0 = first[g] + (i - (cum[g] - count[g])) * tile
-        lists.append(dict(g=g, row0=row0, row1=jnp.minimum(row0 + tile, ends[g]), count=cum[-1],
-                          lo_E=cum - count, hi_E=cum, tile=tile))
+        lists.append(
+            dict(
+                g=g,
+                row0=row0,
+                row1=jnp.minimum(row0 + tile, ends[g]),
+                count=cum[-1],
+                lo_E=cum - count,
+                hi_E=cum,
+                tile=tile,
+            )
+        )
     return lists
 
 
@@ -145,8 +170,10 @@ def _varying_like(x, *refs):
     A loop carry initialised with `jnp.zeros` is invariant inside `shard_map`, while the body's
     output varies with the local weights or `axis_index`; `while_loop` needs equal types.
     """
+
     def varying(a):
         return getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
+
     missing = frozenset().union(*(varying(r) for r in refs)) - varying(x)
     return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
@@ -162,16 +189,19 @@ def _loop_rows(x_NK, w_EKM, items, out_NM, *, contract_w: int):
     """out[rows of item] = x[rows] @ w[g] (contracting w's dim `contract_w`) for every item."""
     n = x_NK.shape[0]
     for item in items:
+
         def body(i, out, item=item):
             w = jax.lax.dynamic_index_in_dim(w_EKM, item["g"][i], keepdims=False)
 
             tile = item["tile"]
             start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
             x = jax.lax.dynamic_slice_in_dim(x_NK, start, tile)
-            y = jax.lax.dot_general(x, w, (((1,), (contract_w,)), ((), ())),
-                                    preferred_element_type=jnp.float32).astype(out.dtype)
+            y = jax.lax.dot_general(
+                x, w, (((1,), (contract_w,)), ((), ())), preferred_element_type=jnp.float32
+            ).astype(out.dtype)
             old = jax.lax.dynamic_slice_in_dim(out, start, tile)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, y, old), start, 0)
+
         out_NM = jax.lax.fori_loop(0, item["count"], body, out_NM)
     return out_NM
 
@@ -189,8 +219,9 @@ def _loop_weight_grad(x_ND, dy_NF, items, e_local: int):
         start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
         x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_ND, start, tile), 0)
         dy = jax.lax.dynamic_slice_in_dim(dy_NF, start, tile)
-        return acc + jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+        return acc + jax.lax.dot_general(
+            x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
 
     def group(_, g):
         acc = _varying_like(jnp.zeros((d, f), jnp.float32), x_ND, dy_NF, items[0]["g"], g)
@@ -219,8 +250,9 @@ def _tiled_bwd(tiles, out_dtype, res, dout_NF):
     lhs_ND, rhs_EDF, group_sizes_E, offset = res
     n, e_local = lhs_ND.shape[0], rhs_EDF.shape[0]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    zeros_ND = _varying_like(jnp.zeros(lhs_ND.shape, lhs_ND.dtype), dout_NF, rhs_EDF,
-                             group_sizes_E, offset)
+    zeros_ND = _varying_like(
+        jnp.zeros(lhs_ND.shape, lhs_ND.dtype), dout_NF, rhs_EDF, group_sizes_E, offset
+    )
     dlhs_ND = _loop_rows(dout_NF, rhs_EDF, items, zeros_ND, contract_w=1)
     dw_EDF = _loop_weight_grad(lhs_ND, dout_NF, items, e_local)
     return dlhs_ND, dw_EDF.astype(rhs_EDF.dtype), None, None

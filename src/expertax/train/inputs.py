@@ -1,0 +1,97 @@
+"""The training data of a run: its checks, this process's batch iterator, its saved position.
+
+`make_data` builds the iterator (and so checks the data paths, the tokenizer and the text field)
+without writing anything, which is why the train loop calls it before it opens the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from expertax.config.checks import ConfigError
+from expertax.config.schema import Config
+from expertax.data import files, tokenizer
+from expertax.data.synthetic import SyntheticData
+from expertax.train.trainer import Trainer
+
+
+def check_tokenizer_vocab(c: Config) -> None:
+    """The tokenizer's ids must fit the embedding: its vocabulary size <= vocab_size."""
+    try:
+        tok = tokenizer.load_tokenizer(c.tokenizer_path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if n > c.vocab_size:
+        raise ConfigError(
+            f"tokenizer_path={c.tokenizer_path!r} has {n} tokens but vocab_size={c.vocab_size}; "
+            f"set vocab_size={n} or more (the model must embed every token id)"
+        )
+
+
+def make_data(c: Config, trainer: Trainer):
+    """This process's batch iterator: rows global_batch / process_count, its share of the batch."""
+    count, index = jax.process_count(), jax.process_index()
+    if trainer.global_batch % count:
+        raise ConfigError(
+            f"the global batch {trainer.global_batch} (per_device_batch_size="
+            f"{c.per_device_batch_size}) does not split evenly over {count} processes"
+        )
+    rows = trainer.global_batch // count
+    if c.dataset_type == "files":
+        try:
+            return files.make_file_iterator(
+                dataset_path=c.dataset_path,
+                tokenizer_path=c.tokenizer_path,
+                text_field=c.data_text_field,
+                seq_len=c.max_target_length,
+                batch_size=rows,
+                seed=c.data_shuffle_seed,
+                process_index=index,
+                process_count=count,
+                num_epochs=None if c.data_num_epochs == -1 else c.data_num_epochs,
+                worker_count=c.data_worker_count,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return SyntheticData(
+        vocab_size=c.vocab_size,
+        seq_len=c.max_target_length,
+        global_batch=trainer.global_batch,
+        seed=c.data_shuffle_seed,
+        row_start=rows * index,
+        rows=rows,
+    )
+
+
+def _allgather_json(obj) -> list:
+    """Every process's JSON-serialisable `obj`, in process order (a collective: all must call)."""
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [json.loads(bytes(r[:n]).decode()) for r, n in zip(rows, lengths)]
+
+
+def data_state(c: Config, trainer: Trainer, data, skipped_steps: int) -> dict:
+    """The JSON item saved with each checkpoint: the data position(s) and loop counters.
+
+    Synthetic data is a function of the step, the same on every process; a file iterator's
+    position differs per process (each reads its own documents), so all positions are gathered.
+    """
+    it_state = data.get_state()
+    if c.dataset_type == "files" and jax.process_count() > 1:
+        iterators = _allgather_json(it_state)
+    else:
+        iterators = [it_state]
+    return {
+        "dataset_type": c.dataset_type,
+        "global_batch": trainer.global_batch,
+        "skipped_steps": skipped_steps,
+        "iterators": iterators,
+    }

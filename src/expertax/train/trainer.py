@@ -1,0 +1,181 @@
+"""The Trainer: mesh, rules, optimizer and the shardings of the train state, and the jitted step.
+
+`build_trainer` raises ConfigError (mesh sizes, rules, offload requests) before anything is
+compiled or written; `Trainer.compile` compiles the step abstractly (AOT), which is what
+`expertax memory` and `expertax parity` use as well as the train loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from expertax.config import config_rules
+from expertax.config.checks import ConfigError
+from expertax.config.schema import Config
+from expertax.models import decoder, init_params
+from expertax.nn import param
+from expertax.parallel import remat
+from expertax.sharding import logical_to_spec, make_mesh, use_rules
+from expertax.train import optimizer
+from expertax.train.state import TrainState
+from expertax.train.step import train_step
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything needed to run (or only compile) the train step for a config on a mesh."""
+
+    c: Config
+    mesh: jax.sharding.Mesh
+    rules: dict
+    tx: optax.GradientTransformation
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    global_batch: int
+    # With parameter/optimizer host offload: the same shardings in device memory, where the
+    # step moves the offloaded state before computing (None when nothing is offloaded).
+    device_state_shardings: TrainState | None = None
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    def context(self):
+        """Mesh and rules active while tracing."""
+        return _mesh_and_rules(self.mesh, self.rules)
+
+    def abstract_batch(self) -> dict:
+        shape = (self.global_batch, self.c.max_target_length)
+        dt = {"weights": jnp.float32}
+        return {
+            k: jax.ShapeDtypeStruct(shape, dt.get(k, jnp.int32), sharding=self.batch_sharding)
+            for k in BATCH_KEYS
+        }
+
+    def abstract_state(self) -> TrainState:
+        params = param.abstract(decoder.spec(self.c), jnp.dtype(self.c.weight_dtype))
+        shapes = jax.eval_shape(
+            lambda p: TrainState(jnp.int32(0), p, self.tx.init(p), jax.random.key(0)), params
+        )
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes,
+            self.state_shardings,
+        )
+
+    def init_state(self, params: decoder.Decoder | None = None) -> TrainState:
+        """Step 0 with a fresh optimizer state; random parameters (init_weights_seed) unless
+        `params` are given (in `state_shardings.params` and the run's weight_dtype)."""
+        with self.context():
+            if params is None:
+                params = init_params(self.c, shardings=self.state_shardings.params)
+            opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+            rng = jax.device_put(jax.random.key(self.c.init_weights_seed), self.state_shardings.rng)
+            step = jax.device_put(jnp.int32(0), self.state_shardings.step)
+            return TrainState(step=step, params=params, opt_state=opt_state, rng=rng)
+
+    def jitted_step(self):
+        fn = functools.partial(train_step, c=self.c, tx=self.tx)
+        if self.device_state_shardings is not None:
+            on_device, step_fn = self.device_state_shardings, fn
+
+            def fn(state, batch):
+                # Host-offloaded state is copied to device memory for the step; the outputs go
+                # back to pinned host memory through out_shardings.
+                return step_fn(jax.device_put(state, on_device), batch)
+
+        return jax.jit(
+            fn,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, None),
+            donate_argnums=0,
+        )
+
+    def compile(self):
+        with self.context():
+            return self.jitted_step().lower(self.abstract_state(), self.abstract_batch()).compile()
+
+    def put_batch(self, local: dict) -> dict:
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local[k]))
+            for k in BATCH_KEYS
+        }
+
+
+@contextlib.contextmanager
+def _mesh_and_rules(mesh, rules):
+    with jax.set_mesh(mesh), use_rules(rules):
+        yield
+
+
+def build_trainer(c: Config, devices=None) -> Trainer:
+    """Mesh, rules, optimizer and shardings for `c`; raises ConfigError before any compilation."""
+    mesh = make_mesh(c, devices)
+    rules = config_rules(c)
+    spec_tree = decoder.spec(c)
+    tx = optimizer.make(c, param.trainable_mask(spec_tree))
+    param_sh = param.shardings(spec_tree, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract = param.abstract(spec_tree, jnp.dtype(c.weight_dtype))
+    opt_abstract = jax.eval_shape(tx.init, abstract)
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda leaf, sh: leaf if isinstance(leaf, optax.MaskedNode) else sh,
+        opt_abstract,
+        param_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
+    state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+    batch_spec = logical_to_spec(("batch", "length"), rules, mesh)
+    global_batch = int(c.per_device_batch_size * mesh.devices.size)
+    host_sh = host_offloaded_shardings(c, state_sh, mesh)
+    return Trainer(
+        c,
+        mesh,
+        rules,
+        tx,
+        host_sh or state_sh,
+        NamedSharding(mesh, batch_spec),
+        global_batch,
+        device_state_shardings=state_sh if host_sh is not None else None,
+    )
+
+
+def host_offloaded_shardings(c: Config, state_sh: TrainState, mesh) -> TrainState | None:
+    """State shardings with parameters and/or optimizer state in pinned host memory.
+
+    None when neither `parameter_memory_host_offload` nor `optimizer_memory_host_offload` is
+    set; a ConfigError when one is set and the devices have no pinned host memory.
+    """
+    keys = [
+        k
+        for k in ("parameter_memory_host_offload", "optimizer_memory_host_offload")
+        if getattr(c, k)
+    ]
+    if not keys:
+        return None
+    device = mesh.devices.flat[0]
+    if not remat.backend_has_pinned_host([device]):
+        raise ConfigError(
+            f"{', '.join(f'{k}=true' for k in keys)}: the {device.platform} devices have no "
+            "pinned_host memory to offload to; set it to false"
+        )
+    to_host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
+    return dataclasses.replace(
+        state_sh,
+        params=to_host(state_sh.params) if c.parameter_memory_host_offload else state_sh.params,
+        opt_state=(
+            to_host(state_sh.opt_state) if c.optimizer_memory_host_offload else state_sh.opt_state
+        ),
+    )

@@ -1,0 +1,101 @@
+"""train(): every check of the user's input runs before the run folder is written.
+
+Each refusal kind is tried on a fresh output folder, which must stay empty (not even a run
+folder with a config.yml); the same config with the fault fixed starts (negative control).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from tests.conftest import TINY_MOE
+from tests.unit.data.tiny_corpus import Corpus
+
+from expertax.config import ConfigError, load_config
+from expertax.train import model_dir
+from expertax.train.loop import prepare, train
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Corpus:
+    return Corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def config(out, **overrides):
+    return load_config(overrides={**TINY_MOE, "base_output_directory": str(out), **overrides})
+
+
+def files_keys(corpus: Corpus, **overrides) -> dict:
+    keys = dict(
+        dataset_type="files",
+        dataset_path=str(corpus.root / "jsonl"),
+        tokenizer_path=corpus.tokenizer_path,
+        vocab_size=128,
+    )
+    return {**keys, **overrides}
+
+
+def refusals(corpus: Corpus, tmp_path) -> dict[str, tuple[dict, str]]:
+    """Refusal kind -> (overrides, a pattern of its message)."""
+    return {
+        "data path": (files_keys(corpus, dataset_path="/no/such/path"), "dataset_path="),
+        "data field": (files_keys(corpus, data_text_field="body"), "body"),
+        "tokenizer": (files_keys(corpus, tokenizer_path=str(tmp_path / "no-tok")), "tokenizer"),
+        "vocabulary": (files_keys(corpus, vocab_size=8), "vocab_size=8"),
+        "model directory": (
+            dict(load_parameters_path=str(tmp_path / "no-model")),
+            "load_parameters_path=",
+        ),
+        "mesh": (dict(ici_expert_parallelism=3), r"ici_\w+_parallelism"),
+    }
+
+
+@pytest.mark.parametrize(
+    "kind", ["data path", "data field", "tokenizer", "vocabulary", "model directory", "mesh"]
+)
+def test_a_refused_run_leaves_nothing_behind(kind, corpus, tmp_path):
+    overrides, pattern = refusals(corpus, tmp_path)[kind]
+    out = tmp_path / "runs"
+    with pytest.raises(ConfigError, match=pattern):
+        train(config(out, **overrides), echo=lambda *_: None)
+    assert not out.exists() or os.listdir(out) == [], os.listdir(out)
+
+
+def test_the_same_configs_fixed_are_accepted(corpus, tmp_path):
+    """Negative control of the refusals: with the fault fixed, the run folder opens."""
+    c = config(tmp_path, run_name="m")
+    model_dir.save(tmp_path / "model", c, _zeros_params(c), source="test")
+    fixed = [
+        files_keys(corpus),
+        dict(load_parameters_path=str(tmp_path / "model")),
+        dict(ici_expert_parallelism=4),
+    ]
+    for i, overrides in enumerate(fixed):
+        p = prepare(config(tmp_path / "runs", run_name=f"r{i}", **overrides))
+        p.run.close()
+        assert (p.run.path / "config.yml").is_file()
+
+
+def test_a_folder_holding_another_run_is_left_as_it_was(tmp_path):
+    p = prepare(config(tmp_path, run_name="r"))
+    p.run.close()
+    before = sorted(os.listdir(p.run.path))
+    saved = (p.run.path / "config.yml").read_text()
+    (p.run.path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    with pytest.raises(ConfigError, match="base_emb_dim: 64 -> 32"):
+        train(config(tmp_path, run_name="r", base_emb_dim=32), echo=lambda *_: None)
+    assert sorted(os.listdir(p.run.path)) == sorted([*before, "metrics.jsonl"])
+    assert (p.run.path / "config.yml").read_text() == saved
+
+
+def _zeros_params(c):
+    import jax
+    import numpy as np
+
+    from expertax.models import decoder
+    from expertax.nn.param import is_spec
+
+    return jax.tree.map(lambda s: np.zeros(s.shape, np.float32), decoder.spec(c), is_leaf=is_spec)
