@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 
 from expertax.config import ConfigError, load_config
-from expertax.config.schema import SECTIONS
+from expertax.config.schema import SECTIONS, key_kind
 
 
 def split_args(items: list[str]) -> tuple[list[str], list[str]]:
@@ -29,11 +29,16 @@ def config_from_args(items: list[str]):
 
 
 def help_keys() -> str:
-    lines = []
+    """Every key by section: its default, its kind (what changing it changes) and its meaning."""
+    lines = [
+        "Kinds: model (the parameters and what they compute), training (the numbers of later",
+        "steps), data (the data stream) - a resumed run must keep these; layout (how the same",
+        "numbers are computed) and run (paths, length, logging) may change on resume.",
+    ]
     for section in SECTIONS:
         lines.append(f"[{section.__name__.removesuffix('Section').lower()}]")
         for name, field in section.model_fields.items():
-            lines.append(f"  {name} = {field.default!r}: {field.description}")
+            lines.append(f"  {name} = {field.default!r} ({key_kind(name)}): {field.description}")
     return "\n".join(lines)
 
 
@@ -159,7 +164,8 @@ COMMANDS: dict[str, tuple[str, Callable]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and one parser per subcommand (by name)."""
     parser = argparse.ArgumentParser(prog="expertax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help=COMMANDS["train"][0])
@@ -190,12 +196,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help=COMMANDS["bench"][0])
     bench.add_argument("what", choices=("gmm",), help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
-    return parser
+    return parser, {
+        "train": train,
+        "parity": par,
+        "memory": memory,
+        "convert": convert,
+        "bench": bench,
+    }
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Flags and `key=value` overrides in any order: each subcommand parses its arguments with
+    argparse's intermixed parsing (bench passes everything after its name to the benchmark)."""
+    parser, subs = build_parser()
+    if not argv or argv[0] not in subs or argv[0] == "bench":
+        return parser.parse_args(argv)  # help, errors, and bench's REMAINDER
+    args = subs[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     args.argv = argv
     try:
         return COMMANDS[args.command][1](args)

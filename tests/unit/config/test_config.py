@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from expertax.config import ConfigError, configs_dir, load_config
+from expertax.config import Config, ConfigError, configs_dir, load_config
 from expertax.config.loader import available_models, parse_overrides
 from expertax.sharding import check_mesh_fit, mesh_shape
 
@@ -127,3 +127,31 @@ def test_valid_default_is_accepted():
     c = load_config()
     check_mesh_fit(c, mesh_shape(c, 8))
     assert c.model_name == "deepseek3-tiny" and c.num_moe_layers == 2 and c.num_dense_layers == 1
+
+
+def test_every_key_declares_its_kind():
+    from expertax.config.schema import KINDS, key_kind, keys_of_kind
+
+    for key in Config.model_fields:
+        assert key_kind(key) in KINDS
+    assert sum(len(keys_of_kind(k)) for k in KINDS) == len(Config.model_fields)
+    # Spot checks of the classification the resume and load checks rely on.
+    assert key_kind("base_emb_dim") == key_kind("num_experts") == "model"
+    assert key_kind("learning_rate") == "training" and key_kind("dataset_path") == "data"
+    assert key_kind("ici_fsdp_parallelism") == key_kind("moe_mlpwo") == "layout"
+    assert key_kind("steps") == key_kind("run_name") == "run"
+
+
+def test_changed_keys_names_only_the_differing_keys_of_the_kinds_asked():
+    from expertax.config.schema import MODEL, TRAINING, changed_keys
+
+    c = load_config(overrides={"model_name": "deepseek3-tiny"})
+    saved = {**c.model_dump(), "base_emb_dim": 1, "learning_rate": 5.0, "steps": 1}
+    assert changed_keys(saved, c, [MODEL]) == [f"base_emb_dim: 1 -> {c.base_emb_dim}"]
+    assert len(changed_keys(saved, c, [MODEL, TRAINING])) == 2
+    assert changed_keys(c.model_dump(), c, [MODEL, TRAINING]) == []
+    # A key missing from an older config.yml counts as its default.
+    c8 = load_config(overrides={"model_name": "deepseek3-tiny", "num_experts": 8})
+    older = {k: v for k, v in c8.model_dump().items() if k != "num_experts"}
+    assert Config.model_fields["num_experts"].default == 16
+    assert changed_keys(older, c8, [MODEL]) == ["num_experts: 16 -> 8"]

@@ -1,0 +1,42 @@
+"""Command-line parsing: flags and key=value overrides in any order, on every subcommand."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertax.cli import help_keys, parse_args
+from expertax.config.schema import KINDS, Config
+
+
+@pytest.mark.parametrize(
+    "argv, flag, value",
+    [
+        (["memory", "model_name=x", "--devices", "128", "--hbm", "141", "a=1"], "hbm", 141.0),
+        (["memory", "--hbm", "141", "a=1", "--devices", "8", "b=2"], "devices", 8),
+        (["parity", "--steps", "3", "a=1", "p.yml", "--json", "o.json", "b=2"], "steps", 3),
+        (["train", "a=1", "--help-keys", "b=2"], "help_keys", True),
+    ],
+)
+def test_flags_and_overrides_in_any_order(argv, flag, value):
+    args = parse_args(argv)
+    assert args.command == argv[0]
+    assert getattr(args, flag) == value
+    assert [a for a in args.config if "=" in a] == [a for a in argv if "=" in a]
+
+
+def test_bench_passes_its_flags_through():
+    args = parse_args(["bench", "gmm", "--quick", "--json", "x.json"])
+    assert args.command == "bench" and args.rest == ["--quick", "--json", "x.json"]
+
+
+def test_an_unknown_flag_is_still_an_error():
+    with pytest.raises(SystemExit) as e:
+        parse_args(["memory", "a=1", "--no-such-flag"])
+    assert e.value.code == 2
+
+
+def test_help_keys_names_every_key_with_its_kind():
+    text = help_keys()
+    for key in Config.model_fields:
+        line = next(line for line in text.splitlines() if line.startswith(f"  {key} = "))
+        assert any(f"({kind}):" in line for kind in KINDS), line

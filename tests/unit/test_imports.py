@@ -1,0 +1,58 @@
+"""Imports point one way (config -> sharding -> nn -> models -> parallel -> train -> tools/cli).
+
+Read from the source (static imports, deferred ones included), so a cycle hidden by an import
+inside a function is found too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import expertax
+
+SRC = Path(expertax.__file__).parent
+
+
+def imports_of(package: str) -> dict[str, set[str]]:
+    """Module path (relative to src/expertax) -> the expertax modules it imports."""
+    out = {}
+    for path in sorted((SRC / package).rglob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        out[str(path.relative_to(SRC))] = {m for m in found if m.startswith("expertax")}
+    return out
+
+
+def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [
+        f"{module} imports {name}"
+        for module, names in imports_of(package).items()
+        for name in sorted(names)
+        if name.startswith(forbidden)
+    ]
+
+
+def test_nn_and_sharding_do_not_load_yaml_presets():
+    for package in ("nn", "sharding"):
+        assert offenders(package, ("expertax.config.loader",)) == []
+
+
+def test_lower_layers_never_import_the_trainer_tools_or_converters():
+    upper = ("expertax.train", "expertax.tools", "expertax.convert", "expertax.cli")
+    for package in ("config", "sharding", "nn", "models", "parallel", "data"):
+        assert offenders(package, upper) == []
+
+
+def test_train_does_not_import_convert_or_tools():
+    assert offenders("train", ("expertax.convert", "expertax.tools", "expertax.cli")) == []
+
+
+def test_the_check_finds_an_offender():
+    """Negative control: convert does import train (allowed), and the check sees it."""
+    assert offenders("convert", ("expertax.train",)) != []
