@@ -209,7 +209,10 @@ def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None
 
 def _fill_fused(c: Config, filler: _Filler, name: str, w: np.ndarray) -> None:
     """transformers >= 5 in-memory layout: experts.gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
-    layer, which = _FUSED.match(name).groups()
+    match = _FUSED.match(name)
+    if match is None:
+        raise ConversionError(f"tensor {name} is not a fused expert tensor")
+    layer, which = match.groups()
     i = int(layer) - c.num_dense_layers
     if i < 0:
         raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
@@ -264,14 +267,14 @@ def params_from_hf(hf_dir: str | Path) -> tuple[Config, decoder.Decoder, dict]:
             if _FUSED.match(name) and c.is_moe:
                 _fill_fused(c, filler, name, reader.get(name))
                 continue
-            t = maps.get(name)
-            if t is None:
+            found = maps.get(name)
+            if found is None:
                 raise ConversionError(
                     f"tensor {name} in {hf_dir} has no place in the expertax model"
                 )
-            shape = filler.specs[t.leaf].shape[len(t.index) :]
-            _check_shape(name, reader.shape(name), hf_shape(t, shape))
-            filler.put(t.leaf, t.index, to_ours(t, reader.get(name), shape), name)
+            shape = filler.specs[found.leaf].shape[len(found.index) :]
+            _check_shape(name, reader.shape(name), hf_shape(found, shape))
+            filler.put(found.leaf, found.index, to_ours(found, reader.get(name), shape), name)
     missing = [t.hf_name for t in canonical if (t.leaf, t.index) not in filler.filled]
     if missing:
         raise ConversionError(

@@ -155,6 +155,11 @@ def _rope(hf: dict) -> tuple[dict, dict[str, Any]]:
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConversionError("HF config field partial_rotary_factor is not supported")
     orig = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    if not orig:
+        raise ConversionError(
+            "rope_scaling of type yarn needs original_max_position_embeddings (in rope_scaling) "
+            "or max_position_embeddings in config.json; neither is set"
+        )
     factor = params.get("factor") or hf["max_position_embeddings"] / orig
     return params, {
         **out,

@@ -84,6 +84,7 @@ class _PackDatasetIterator(grain.DatasetIterator):
             if self._doc is None and not self._next_document():
                 break
             doc, offset = self._doc, self._offset
+            assert doc is not None  # _next_document() set it
             take = min(len(doc) - offset, window - fill)
             segment += 1
             tokens[fill : fill + take] = doc[offset : offset + take]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, dataclass_transform
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from expertax.sharding.rules import named_sharding
 
 
+@dataclass_transform(frozen_default=True)
 def params_dataclass(cls):
     """A frozen dataclass registered as a pytree whose fields are all data (arrays or None)."""
     cls = dataclasses.dataclass(frozen=True)(cls)

@@ -49,14 +49,14 @@ def logical_to_spec(
     """
     sizes = _axis_sizes(mesh)
     used: set[str] = set()
-    spec = []
+    spec: list[str | tuple[str, ...] | None] = []
     for i, name in enumerate(axes):
         if name is None:
             spec.append(None)
             continue
         if name not in rules:
             raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
-        kept = []
+        kept: list[str] = []
         dim = None if shape is None else shape[i]
         for axis in rules[name]:
             size = sizes.get(axis, 1)

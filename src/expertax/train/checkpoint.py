@@ -20,6 +20,7 @@ Guarantees (see docs/design/checkpoint.md):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -72,6 +73,15 @@ def _abstract_key_data(abstract_key: jax.ShapeDtypeStruct) -> tuple[jax.ShapeDty
             "SingleDeviceSharding for key arrays"
         )
     return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding), str(impls[0])
+
+
+def _wrap_key_data(data: jax.Array, impl: str) -> jax.Array:
+    return jax.random.wrap_key_data(data, impl=impl)
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    """PyTreeDef equality (typed Any: jaxlib's stub declares no __eq__)."""
+    return bool(a == b)
 
 
 def _check_abstract(abstract_state: PyTree) -> None:
@@ -261,7 +271,7 @@ class Checkpointer:
         for i, leaf in enumerate(leaves):
             if _is_key(leaf):
                 data_leaf, impl = _abstract_key_data(leaf)
-                rewrap[i] = lambda d, impl=impl: jax.random.wrap_key_data(d, impl=impl)
+                rewrap[i] = functools.partial(_wrap_key_data, impl=impl)
                 target.append(data_leaf)
             else:
                 target.append(leaf)
@@ -276,7 +286,7 @@ class Checkpointer:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"checkpoint {self.directory} step {step}: not an expertax checkpoint")
         out, out_treedef = jax.tree.flatten(restored[STATE_ITEM])
-        if out_treedef != treedef:
+        if not _same_structure(out_treedef, treedef):
             raise ValueError(
                 f"checkpoint {self.directory} step {step}: restored structure {out_treedef} "
                 f"differs from the target's {treedef}"

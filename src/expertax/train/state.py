@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-
-import jax
+from typing import Any
 
 from expertax.nn.param import params_dataclass
 
 
 @params_dataclass
 class TrainState:
-    step: jax.Array  # int32 scalar
-    params: object
-    opt_state: object
-    rng: jax.Array  # typed PRNG key
+    """A pytree; its leaves are arrays, or in derived trees their shardings or abstract values."""
+
+    step: Any  # int32 scalar
+    params: Any  # models.decoder.Decoder
+    opt_state: Any  # optax state
+    rng: Any  # typed PRNG key
 
 
 def replace(state: TrainState, **changes) -> TrainState:

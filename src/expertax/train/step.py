@@ -35,6 +35,8 @@ def loss_fn(params, batch: dict, c: Config):
 
 def _with_router_bias(params: decoder.Decoder, bias_LE) -> decoder.Decoder:
     moe_layers = params.moe_layers
+    if moe_layers is None or moe_layers.moe is None:
+        raise ValueError("a routing-bias update needs a model with MoE layers")
     router = dataclasses.replace(moe_layers.moe.router, bias=bias_LE)
     moe = dataclasses.replace(moe_layers.moe, router=router)
     return dataclasses.replace(params, moe_layers=dataclasses.replace(moe_layers, moe=moe))
