@@ -70,7 +70,8 @@ def cmd_parity(args) -> int:
     if not result["ok"]:
         refused = "" if args.skip_refused else f", {len(result.get('refused', []))} refused"
         print(
-            f"expertax: parity FAILED (relative tolerance {result['tolerance']}{refused})",
+            f"expertax: parity FAILED ({len(result['rows'])} layouts compared{refused}, relative "
+            f"tolerance {result['tolerance']})",
             file=sys.stderr,
         )
     return 0 if result["ok"] else 1

@@ -226,6 +226,7 @@ def parity_table(
     Returns {"rows", "refused", "skip_refused", "tolerance", "reference_losses", "ok"}: `rows`
     for the layouts that trained, `refused` ({"layout", "reason"}) for those the config checks
     refused. `ok` needs every row within tolerance and, unless `skip_refused`, no refusal.
+    A table where no layout trained is not ok (it compared nothing).
     `corrupt` maps a Layout to a `corrupt(state, trainer)` hook (tests only).
     """
     n = len(jax.devices())
@@ -252,6 +253,7 @@ def parity_table(
         echo(format_row(rows[-1], tol, ref_losses))
     bound = tol * max((abs(x) for x in ref_losses), default=0.0)
     ok = all(r["max_abs_loss_diff"] <= bound for r in rows) and (skip_refused or not refused)
+    ok = ok and bool(rows)
     return {
         "rows": rows,
         "refused": refused,
