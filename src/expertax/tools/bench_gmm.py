@@ -10,6 +10,7 @@ run, whichever is longer. Rows of the default backend are labelled `auto`. Combi
 predicted time per call exceeds `--max-call-s` are skipped and listed with a note.
 
 Run: `expertax bench gmm [--json PATH] [--quick]` or `python -m expertax.tools.bench_gmm`.
+Bad flag values exit with status 2 and one line naming the flag, like config errors.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
 
 GROUPINGS = ("balanced", "zipf", "one")
@@ -117,18 +119,55 @@ def _predicted_s(backend: str, experts: int, flops: float, dense_gflops: float) 
     return None
 
 
+def _positive_ints(flag: str, text: str, sep: str = ",") -> list[int]:
+    try:
+        values = [int(v) for v in text.split(sep)]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag}={text!r}: use positive integers separated by {sep!r}")
+    return values
+
+
+def _choices(flag: str, text: str, valid: tuple[str, ...]) -> list[str]:
+    values = text.split(",")
+    for v in values:
+        if v not in valid:
+            raise ConfigError(f"{flag}={text!r}: {v!r} is not one of {', '.join(valid)}")
+    return values
+
+
+def check_args(args) -> None:
+    """Every grid flag parsed before anything is measured; ConfigError names the bad flag."""
+    _choices("--backends", args.backends, gmm_lib.BACKENDS[1:])
+    _choices("--groups", args.groups, GROUPINGS)
+    _choices("--passes", args.passes, PASSES)
+    _positive_ints("--experts", args.experts)
+    _positive_ints("--rows", args.rows)
+    for shape in args.shapes.split(","):
+        if len(_positive_ints("--shapes", shape, "x")) != 2:
+            raise ConfigError(f"--shapes={args.shapes!r}: each shape is DxF, e.g. 512x1024")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats={args.repeats}: use at least 1")
+
+
 def run_grid(args) -> tuple[list[dict], dict]:
     default = gmm_lib.resolve_backend("auto")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows_list = [int(v) for v in args.rows.split(",")]
-    experts_list = [int(v) for v in args.experts.split(",")]
+    shapes = [tuple(_positive_ints("--shapes", s, "x")) for s in args.shapes.split(",")]
+    rows_list = _positive_ints("--rows", args.rows)
+    experts_list = _positive_ints("--experts", args.experts)
     backends = args.backends.split(",")
     bw_gbps, fresh_gbps = copy_bandwidth_gbps()
     dense = {p: _dense_fn(p) for p in PASSES}
-    machine = {"platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-               "cpu": platform.processor() or platform.machine(), "jax": jax.__version__,
-               "copy_gbps": round(bw_gbps, 2), "fresh_copy_gbps": round(fresh_gbps, 2),
-               "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    machine = {
+        "platform": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "cpu": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+        "copy_gbps": round(bw_gbps, 2),
+        "fresh_copy_gbps": round(fresh_gbps, 2),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
     print(json.dumps({"machine": machine}), flush=True)
     results = []
     key = jax.random.key(0)
@@ -139,16 +178,34 @@ def run_grid(args) -> tuple[list[dict], dict]:
                 x = jax.random.normal(key, (n, d), jnp.float32)
                 cot = jax.random.normal(key, (n, f), jnp.float32)
                 dense_w = w[0]
-                dense_rate = {p: _median_s(dense[p], _dense_args(p, x, dense_w, cot), args.repeats)
-                              for p in PASSES}
+                dense_rate = {
+                    p: _median_s(dense[p], _dense_args(p, x, dense_w, cot), args.repeats)
+                    for p in PASSES
+                }
                 for kind in args.groups.split(","):
                     sizes_np = group_sizes(kind, experts, n)
                     sizes = jnp.asarray(sizes_np)
                     for backend in backends:
                         for pass_name in args.passes.split(","):
-                            row = _measure(backend, default, experts, n, d, f, kind, pass_name,
-                                           x, w, sizes, sizes_np, cot, dense, dense_rate,
-                                           bw_gbps, args)
+                            row = _measure(
+                                backend,
+                                default,
+                                experts,
+                                n,
+                                d,
+                                f,
+                                kind,
+                                pass_name,
+                                x,
+                                w,
+                                sizes,
+                                sizes_np,
+                                cot,
+                                dense,
+                                dense_rate,
+                                bw_gbps,
+                                args,
+                            )
                             print(json.dumps(row), flush=True)
                             results.append(row)
             del w
@@ -159,8 +216,25 @@ def _dense_args(pass_name, x, w_DF, cot):
     return (x, w_DF, None) if pass_name == "fwd" else (x, w_DF, None, cot)
 
 
-def _measure(backend, default, experts, n, d, f, kind, pass_name, x, w, sizes, sizes_np, cot,
-             dense, dense_rate, bw_gbps, args) -> dict:
+def _measure(
+    backend,
+    default,
+    experts,
+    n,
+    d,
+    f,
+    kind,
+    pass_name,
+    x,
+    w,
+    sizes,
+    sizes_np,
+    cot,
+    dense,
+    dense_rate,
+    bw_gbps,
+    args,
+) -> dict:
     """One row; the dense reference is re-timed alongside unless the row is skipped."""
     mult = 1 if pass_name == "fwd" else 3
     flops = mult * 2.0 * n * d * f
@@ -168,10 +242,22 @@ def _measure(backend, default, experts, n, d, f, kind, pass_name, x, w, sizes, s
     used = int(np.count_nonzero(sizes_np))
     weight_bytes = d * f * BYTES_F32 * (used if pass_name == "fwd" else 2 * used + experts)
     roofline_ms = 1e3 * max(flops / (dense_gflops * 1e9), weight_bytes / (bw_gbps * 1e9))
-    row = {"backend": "auto" if backend == default else backend, "impl": backend,
-           "experts": experts, "rows": n, "d": d, "f": f, "groups": kind, "pass": pass_name,
-           "gflops": None, "dense_gflops": round(dense_gflops, 1), "ratio": None,
-           "roofline_ms": round(roofline_ms, 2), "ms": None, "note": ""}
+    row = {
+        "backend": "auto" if backend == default else backend,
+        "impl": backend,
+        "experts": experts,
+        "rows": n,
+        "d": d,
+        "f": f,
+        "groups": kind,
+        "pass": pass_name,
+        "gflops": None,
+        "dense_gflops": round(dense_gflops, 1),
+        "ratio": None,
+        "roofline_ms": round(roofline_ms, 2),
+        "ms": None,
+        "note": "",
+    }
     predicted = _predicted_s(backend, experts, flops, dense_gflops)
     if predicted is not None and predicted > args.max_call_s:
         row["note"] = f"skipped: predicted {predicted:.1f} s per call > --max-call-s"
@@ -180,14 +266,19 @@ def _measure(backend, default, experts, n, d, f, kind, pass_name, x, w, sizes, s
     fn = _pass_fn(matmul, pass_name)
     call_args = (x, w, sizes) if pass_name == "fwd" else (x, w, sizes, cot)
     repeats = args.repeats if (predicted or 0) < 0.5 else max(1, args.repeats // 2)
-    seconds, dense_s = _median_pair_s(fn, call_args, dense[pass_name],
-                                      _dense_args(pass_name, x, w[0], cot), repeats)
+    seconds, dense_s = _median_pair_s(
+        fn, call_args, dense[pass_name], _dense_args(pass_name, x, w[0], cot), repeats
+    )
     dense_gflops = flops / dense_s / 1e9
     roofline_ms = 1e3 * max(dense_s, weight_bytes / (bw_gbps * 1e9))
     gflops = flops / seconds / 1e9
-    row.update(gflops=round(gflops, 1), dense_gflops=round(dense_gflops, 1),
-               ratio=round(gflops / dense_gflops, 3), roofline_ms=round(roofline_ms, 2),
-               ms=round(seconds * 1e3, 2))
+    row.update(
+        gflops=round(gflops, 1),
+        dense_gflops=round(dense_gflops, 1),
+        ratio=round(gflops / dense_gflops, 3),
+        roofline_ms=round(roofline_ms, 2),
+        ms=round(seconds * 1e3, 2),
+    )
     if backend == default:
         if n / experts >= 256:
             met = gflops >= 0.8 * dense_gflops
@@ -199,33 +290,55 @@ def _measure(backend, default, experts, n, d, f, kind, pass_name, x, w, sizes, s
 
 
 def format_table(results: list[dict]) -> str:
-    head = (f"{'backend':<10} {'impl':<10} {'E':>4} {'N':>6} {'D':>5} {'F':>5} {'groups':<8} "
-            f"{'pass':<7} {'ms':>9} {'GFLOP/s':>8} {'dense':>7} {'ratio':>6} {'roof_ms':>8} "
-            f"{'ms/roof':>7}  note")
+    head = (
+        f"{'backend':<10} {'impl':<10} {'E':>4} {'N':>6} {'D':>5} {'F':>5} {'groups':<8} "
+        f"{'pass':<7} {'ms':>9} {'GFLOP/s':>8} {'dense':>7} {'ratio':>6} {'roof_ms':>8} "
+        f"{'ms/roof':>7}  note"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         ms = "-" if r["ms"] is None else f"{r['ms']:.2f}"
         gf = "-" if r["gflops"] is None else f"{r['gflops']:.1f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         per_roof = "-" if r["ms"] is None else f"{r['ms'] / r['roofline_ms']:.2f}"
-        lines.append(f"{r['backend']:<10} {r['impl']:<10} {r['experts']:>4} {r['rows']:>6} "
-                     f"{r['d']:>5} {r['f']:>5} {r['groups']:<8} {r['pass']:<7} {ms:>9} "
-                     f"{gf:>8} {r['dense_gflops']:>7.1f} {ratio:>6} {r['roofline_ms']:>8.2f} "
-                     f"{per_roof:>7}  {r['note']}")
+        lines.append(
+            f"{r['backend']:<10} {r['impl']:<10} {r['experts']:>4} {r['rows']:>6} "
+            f"{r['d']:>5} {r['f']:>5} {r['groups']:<8} {r['pass']:<7} {ms:>9} "
+            f"{gf:>8} {r['dense_gflops']:>7.1f} {ratio:>6} {r['roofline_ms']:>8.2f} "
+            f"{per_roof:>7}  {r['note']}"
+        )
     return "\n".join(lines)
 
 
 def format_markdown(results: list[dict], machine: dict) -> str:
     """The table as Markdown (for BENCHMARKS.md), with the machine line above it."""
-    lines = [f"{machine['date']}, {machine['device']} ({machine['cpu']}), jax {machine['jax']}; "
-             f"copy {machine['copy_gbps']} GB/s in place, {machine['fresh_copy_gbps']} GB/s "
-             "into a fresh buffer.", "",
-             "| backend | impl | E | N | D | F | groups | pass | ms | GFLOP/s | dense GFLOP/s "
-             "| ratio | roofline ms | ms/roofline | note |", "|" + "---|" * 15]
+    lines = [
+        f"{machine['date']}, {machine['device']} ({machine['cpu']}), jax {machine['jax']}; "
+        f"copy {machine['copy_gbps']} GB/s in place, {machine['fresh_copy_gbps']} GB/s "
+        "into a fresh buffer.",
+        "",
+        "| backend | impl | E | N | D | F | groups | pass | ms | GFLOP/s | dense GFLOP/s "
+        "| ratio | roofline ms | ms/roofline | note |",
+        "|" + "---|" * 15,
+    ]
     for r in results:
-        cells = [r["backend"], r["impl"], r["experts"], r["rows"], r["d"], r["f"], r["groups"],
-                 r["pass"], r["ms"], r["gflops"], r["dense_gflops"], r["ratio"], r["roofline_ms"],
-                 None if r["ms"] is None else round(r["ms"] / r["roofline_ms"], 2), r["note"]]
+        cells = [
+            r["backend"],
+            r["impl"],
+            r["experts"],
+            r["rows"],
+            r["d"],
+            r["f"],
+            r["groups"],
+            r["pass"],
+            r["ms"],
+            r["gflops"],
+            r["dense_gflops"],
+            r["ratio"],
+            r["roofline_ms"],
+            None if r["ms"] is None else round(r["ms"] / r["roofline_ms"], 2),
+            r["note"],
+        ]
         lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -234,21 +347,33 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="expertax bench gmm", description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH", help="write {'machine': ..., 'rows': [...]} here")
     p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown here")
-    p.add_argument("--from-json", metavar="PATH",
-                   help="do not measure: print (and --markdown) a table from an earlier --json")
-    p.add_argument("--quick", action="store_true",
-                   help="small subset: E in {8, 64}, N=4096, (512, 1024), balanced and zipf")
-    p.add_argument("--backends", default="tiled,ragged_dot",
-                   help=f"comma list of {', '.join(gmm_lib.BACKENDS[1:])}")
+    p.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="do not measure: print (and --markdown) a table from an earlier --json",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small subset: E in {8, 64}, N=4096, (512, 1024), balanced and zipf",
+    )
+    p.add_argument(
+        "--backends",
+        default="tiled,ragged_dot",
+        help=f"comma list of {', '.join(gmm_lib.BACKENDS[1:])}",
+    )
     p.add_argument("--experts", default="8,64,256")
     p.add_argument("--rows", default="4096,16384")
     p.add_argument("--shapes", default="512x1024,1024x512", help="comma list of DxF")
     p.add_argument("--groups", default=",".join(GROUPINGS))
     p.add_argument("--passes", default=",".join(PASSES))
     p.add_argument("--repeats", type=int, default=5, help="timed calls per row (median)")
-    p.add_argument("--max-call-s", type=float, default=2.0,
-                   help="skip ragged_dot combinations predicted to take longer per call "
-                   "(E x a dense matmul)")
+    p.add_argument(
+        "--max-call-s",
+        type=float,
+        default=2.0,
+        help="skip ragged_dot combinations predicted to take longer per call (E x a dense matmul)",
+    )
     return p
 
 
@@ -257,9 +382,7 @@ def main(argv: list[str]) -> int:
     if args.quick:
         args.experts, args.rows, args.shapes = "8,64", "4096", "512x1024"
         args.groups, args.repeats = "balanced,zipf", 3
-    for b in args.backends.split(","):
-        if b not in gmm_lib.BACKENDS[1:]:
-            raise SystemExit(f"--backends: {b!r} is not one of {', '.join(gmm_lib.BACKENDS[1:])}")
+    check_args(args)
     started = time.perf_counter()
     if args.from_json:
         with open(args.from_json) as fh:
@@ -269,9 +392,11 @@ def main(argv: list[str]) -> int:
         results, machine = run_grid(args)
     print(format_table(results))
     skipped = sum(r["ms"] is None for r in results)
-    print(f"{len(results)} rows ({skipped} skipped) in {time.perf_counter() - started:.0f} s; "
-          f"copy bandwidth {machine['copy_gbps']} GB/s in place, {machine['fresh_copy_gbps']} GB/s "
-          "into a fresh buffer" + ("" if args.from_json else f"; median of {args.repeats} calls"))
+    print(
+        f"{len(results)} rows ({skipped} skipped) in {time.perf_counter() - started:.0f} s; "
+        f"copy bandwidth {machine['copy_gbps']} GB/s in place, {machine['fresh_copy_gbps']} GB/s "
+        "into a fresh buffer" + ("" if args.from_json else f"; median of {args.repeats} calls")
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine, "rows": results}, fh, indent=1)
@@ -282,4 +407,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:
+        print(f"expertax bench gmm: error: {e}", file=sys.stderr)
+        sys.exit(2)
