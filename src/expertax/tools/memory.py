@@ -81,6 +81,7 @@ class ResidualSource:
     name: str = ""
     index: int = -1
     where: str = ""
+    host: bool = False  # kept in host memory (a remat policy's offload)
 
 
 def _where(eqn) -> str:
@@ -112,27 +113,30 @@ def residual_sources(fn, *args) -> list[ResidualSource]:
     out = []
     for v in jaxpr.constvars:
         if v in wanted:
-            out.append(ResidualSource("constant", _struct(v.aval)))
+            out.append(_source("constant", v))
     for i, v in enumerate(jaxpr.invars):
         if v in wanted:
-            out.append(ResidualSource("argument", _struct(v.aval), index=i))
+            out.append(_source("argument", v, index=i))
     for eqn in jaxpr.eqns:
         for v in eqn.outvars:
             if v not in wanted:
                 continue
-            aval = _struct(v.aval)
             if eqn.primitive.name == "name":
-                out.append(ResidualSource("named", aval, name=eqn.params["name"]))
+                out.append(_source("named", v, name=eqn.params["name"]))
             elif eqn.primitive.name in ("jit", "pjit"):
                 name = f"jitted function '{eqn.params['name']}'"
-                out.append(ResidualSource("unnamed", aval, name, where=_where(eqn)))
+                out.append(_source("unnamed", v, name=name, where=_where(eqn)))
             else:
-                out.append(ResidualSource("unnamed", aval, eqn.primitive.name, where=_where(eqn)))
+                name = eqn.primitive.name
+                out.append(_source("unnamed", v, name=name, where=_where(eqn)))
     return out
 
 
-def _struct(aval) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
+def _source(kind: str, var, **fields) -> ResidualSource:
+    aval = var.aval
+    host = getattr(aval, "memory_space", None) == jax.memory.Space.Host
+    struct = jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
+    return ResidualSource(kind, struct, host=host, **fields)
 
 
 def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]:

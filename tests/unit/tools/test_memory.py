@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -193,3 +194,35 @@ def test_devices_flag_reexecutes_with_simulated_devices(capfd):
         )
     assert done.value.code == 0
     assert "on 2 cpu devices" in capfd.readouterr().out
+
+
+def test_residual_sources_reads_names_origins_and_host_placement():
+    """The structured residual list: a remat-saved name, an offloaded tensor, an unnamed one."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    from expertax.tools.memory import residual_sources
+
+    def f(x):
+        a = checkpoint_name(jnp.sin(x) * 2.0, "kept")
+        b = checkpoint_name(jnp.cos(a) * 3.0, "moved")
+        return jnp.sum(jnp.tanh(b))
+
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    save = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=["kept"],
+        names_which_can_be_offloaded=["moved"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    got = {
+        (s.kind, s.name, s.aval.shape, s.host)
+        for s in residual_sources(jax.checkpoint(f, policy=save), x)
+    }
+    assert ("named", "kept", (4, 8), False) in got
+    assert ("unnamed", "device_put", (4, 8), True) in got  # the offload of "moved"
+    assert all(not s.host for s in residual_sources(f, x))  # negative control: no policy
+    # Without remat autodiff keeps what the derivatives use (cos x for sin, sin a for cos, ...),
+    # none of them a named value itself.
+    plain = {(s.kind, s.name) for s in residual_sources(f, x)}
+    assert ("unnamed", "cos") in plain and {k for k, _ in plain} == {"unnamed"}
+    assert len(residual_sources(f, x)) > len(residual_sources(jax.checkpoint(f, policy=save), x))
