@@ -66,13 +66,18 @@ def cmd_parity(args) -> int:
     from expertax.tools import parity
 
     chosen = [parity.parse_layout(n) for n in args.layouts.split(",")] if args.layouts else None
-    result = parity.parity_table(cfg, steps=args.steps, layout_list=chosen)
+    result = parity.parity_table(
+        cfg, steps=args.steps, layout_list=chosen, skip_refused=args.skip_refused
+    )
     print(parity.format_table(result))
     if args.json:
         parity.write_json(result, args.json)
     if not result["ok"]:
+        refused = "" if args.skip_refused else f", {len(result.get('refused', []))} refused"
         print(
-            f"expertax: parity FAILED (relative tolerance {result['tolerance']})", file=sys.stderr
+            f"expertax: parity FAILED ({len(result['rows'])} layouts compared{refused}, relative "
+            f"tolerance {result['tolerance']})",
+            file=sys.stderr,
         )
     return 0 if result["ok"] else 1
 
@@ -100,26 +105,21 @@ def cmd_bench(args) -> int:
 
 
 def _use_simulated_devices(n: int, argv: list[str]) -> None:
-    """Make JAX see `n` simulated CPU devices: set XLA_FLAGS before its backend starts, or
-    re-execute this command in a fresh interpreter when a backend is already running."""
-    import os
+    """Make JAX see `n` simulated CPU devices: configure them before its backend starts, or
+    re-execute this command in a fresh interpreter when a backend already runs with others."""
+    import jax
 
-    flag = f"--xla_force_host_platform_device_count={n}"
-    flags = " ".join(
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    )
-    env = {"XLA_FLAGS": f"{flags} {flag}".strip(), "JAX_PLATFORMS": "cpu"}
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge
+    try:  # JAX refuses this once a backend is initialized
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        if jax.default_backend() == "cpu" and len(jax.devices()) == n:
+            return
+        import os
+        import subprocess
 
-        if xla_bridge.backends_are_initialized():
-            import subprocess
-
-            cmd = [sys.executable, "-m", "expertax.cli", *argv]
-            sys.exit(subprocess.call(cmd, env={**os.environ, **env}))
-    os.environ.update(env)
+        cmd = [sys.executable, "-m", "expertax.cli", *argv]
+        sys.exit(subprocess.call(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}))
+    jax.config.update("jax_platforms", "cpu")
 
 
 def cmd_memory(args) -> int:
@@ -179,6 +179,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--layouts",
         default=None,
         help="comma-separated subset, e.g. sparse-ring-ep8,dense-ep2-tp2-data2",
+    )
+    par.add_argument(
+        "--skip-refused",
+        action="store_true",
+        help="list layouts the config checks refuse as skipped instead of failing the table",
     )
     memory = sub.add_parser("memory", help=COMMANDS["memory"][0])
     memory.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")

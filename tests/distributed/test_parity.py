@@ -174,3 +174,59 @@ def test_parity_full_matrix(model, extra, tmp_path):
         (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"]) for r in report["rows"]
     }
     assert ("sparse", True, 4, 2, 1, 1) in layouts and ("dense", False, 2, 1, 2, 2) in layouts
+
+
+def _fake_run(base, layout, *, steps, global_batch, corrupt=None):
+    """Stands in for training: every layout reproduces the reference losses exactly."""
+    return {"losses": [2.0, 1.5][:steps], "tokens_per_s_per_device": 1.0}
+
+
+MIXTRAL = ["model_name=mixtral-tiny", "base_num_decoder_layers=1", *SMALL, "--steps", "2"]
+
+
+def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, capsys):
+    """ep3 does not divide mixtral-tiny's 8 experts: the config checks refuse it. The real
+    refusal check runs; training is faked so that only the verdict logic is under test."""
+    monkeypatch.setattr(parity, "run_layout", _fake_run)
+    path = tmp_path / "parity.json"
+    argv = ["parity", *MIXTRAL, "--layouts", "sparse-padded-ep2,sparse-padded-ep3"]
+    assert cli.main([*argv, "--json", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert "| sparse | False | padded | 3 | 1 | 1 | 1 | - | - | - | - | NO (refused: " in out
+    assert "num_experts=8 is not divisible by the expert axis (3" in out
+    assert "1 refused" in err
+    saved = json.loads(path.read_text())
+    assert [r["layout"] for r in saved["refused"]] == ["sparse-padded-ep3"]
+    assert saved["ok"] is False and len(saved["rows"]) == 1
+
+    assert cli.main([*argv, "--skip-refused", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| - | skipped (refused: num_experts=8 is not divisible" in out
+    assert "| sparse | False | padded | 2 | 1 | 1 | 1 | 1.500000 |" in out
+    saved = json.loads(path.read_text())
+    assert saved["ok"] is True and saved["skip_refused"] is True
+
+    # Negative control: a row out of tolerance still fails with --skip-refused.
+    bad = lambda *a, **k: {**_fake_run(*a, **k), "losses": [2.0, 1.6]}  # noqa: E731
+    calls = iter([_fake_run, bad])
+    monkeypatch.setattr(parity, "run_layout", lambda *a, **k: next(calls)(*a, **k))
+    assert cli.main([*argv, "--skip-refused"]) == 1
+
+
+def test_every_layout_refused_fails_even_when_skipped(monkeypatch, capsys):
+    def no_training(*a, **k):
+        raise AssertionError("nothing should train when every layout is refused")
+
+    monkeypatch.setattr(parity, "run_layout", no_training)
+    layouts = "sparse-padded-ep3,dense-tp3,sparse-padded-ep16"
+    assert cli.main(["parity", *MIXTRAL, "--layouts", layouts]) == 1
+    out, err = capsys.readouterr()
+    assert out.count("NO (refused: ") == 3 and "0 layouts compared, 3 refused" in err
+    assert "but 8 devices are available" in out  # ep16: more devices than visible
+    assert cli.main(["parity", *MIXTRAL, "--layouts", layouts, "--skip-refused"]) == 1
+    assert capsys.readouterr().out.count("skipped (refused: ") == 3
+
+
+def test_layout_names_round_trip():
+    for layout in [*parity.layouts(8, "cpu"), *parity.layouts(8, "gpu")]:
+        assert parity.parse_layout(layout.name) == layout, layout.name

@@ -10,6 +10,7 @@ run, whichever is longer. Rows of the default backend are labelled `auto`. Combi
 predicted time per call exceeds `--max-call-s` are skipped and listed with a note.
 
 Run: `expertax bench gmm [--json PATH] [--quick]` or `python -m expertax.tools.bench_gmm`.
+Bad flag values exit with status 2 and one line naming the flag, like config errors.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
 
 GROUPINGS = ("balanced", "zipf", "one")
@@ -117,11 +119,43 @@ def _predicted_s(backend: str, experts: int, flops: float, dense_gflops: float) 
     return None
 
 
+def _positive_ints(flag: str, text: str, sep: str = ",") -> list[int]:
+    try:
+        values = [int(v) for v in text.split(sep)]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag}={text!r}: use positive integers separated by {sep!r}")
+    return values
+
+
+def _choices(flag: str, text: str, valid: tuple[str, ...]) -> list[str]:
+    values = text.split(",")
+    for v in values:
+        if v not in valid:
+            raise ConfigError(f"{flag}={text!r}: {v!r} is not one of {', '.join(valid)}")
+    return values
+
+
+def check_args(args) -> None:
+    """Every grid flag parsed before anything is measured; ConfigError names the bad flag."""
+    _choices("--backends", args.backends, gmm_lib.BACKENDS[1:])
+    _choices("--groups", args.groups, GROUPINGS)
+    _choices("--passes", args.passes, PASSES)
+    _positive_ints("--experts", args.experts)
+    _positive_ints("--rows", args.rows)
+    for shape in args.shapes.split(","):
+        if len(_positive_ints("--shapes", shape, "x")) != 2:
+            raise ConfigError(f"--shapes={args.shapes!r}: each shape is DxF, e.g. 512x1024")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats={args.repeats}: use at least 1")
+
+
 def run_grid(args) -> tuple[list[dict], dict]:
     default = gmm_lib.resolve_backend("auto")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows_list = [int(v) for v in args.rows.split(",")]
-    experts_list = [int(v) for v in args.experts.split(",")]
+    shapes = [tuple(_positive_ints("--shapes", s, "x")) for s in args.shapes.split(",")]
+    rows_list = _positive_ints("--rows", args.rows)
+    experts_list = _positive_ints("--experts", args.experts)
     backends = args.backends.split(",")
     bw_gbps, fresh_gbps = copy_bandwidth_gbps()
     dense = {p: _dense_fn(p) for p in PASSES}
@@ -348,9 +382,7 @@ def main(argv: list[str]) -> int:
     if args.quick:
         args.experts, args.rows, args.shapes = "8,64", "4096", "512x1024"
         args.groups, args.repeats = "balanced,zipf", 3
-    for b in args.backends.split(","):
-        if b not in gmm_lib.BACKENDS[1:]:
-            raise SystemExit(f"--backends: {b!r} is not one of {', '.join(gmm_lib.BACKENDS[1:])}")
+    check_args(args)
     started = time.perf_counter()
     if args.from_json:
         with open(args.from_json) as fh:
@@ -375,4 +407,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:
+        print(f"expertax bench gmm: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -3,9 +3,10 @@
 The train step is lowered with abstract state (ShapeDtypeStructs carrying their shardings) and
 compiled for the configured mesh; nothing is placed on a device. The report has four parts:
 - the persistent state per device (parameters, optimizer state, gradients) from the shardings;
-- the residuals each layer saves for the backward pass, by checkpoint name, found by tracing one
-  layer's VJP under the layer policy (`saved_residuals`) with the per-device batch, and multiplied
-  by the number of layers in its stack (the scan stacks them);
+- the residuals each layer saves for the backward pass, by checkpoint name, found by linearizing
+  one layer under the layer policy with the per-device batch and reading the jaxpr that builds
+  the linear function's residuals (`residual_sources`), multiplied by the number of layers in its
+  stack (the scan stacks them);
 - XLA's own figures for the compiled step (`compiled.memory_analysis()`): arguments, outputs,
   aliased bytes, temporaries, and their host-memory counterparts;
 - the peak estimate (arguments + outputs - aliased + temporaries) against an HBM budget.
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
+import os
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,8 +35,7 @@ from expertax.parallel import remat
 from expertax.train.trainer import build_trainer
 
 GIB = 1024**3
-_NAMED = re.compile(r"named '([A-Za-z0-9_]+)'")
-_SOURCE = re.compile(r"output of (.+?) from .*?([A-Za-z0-9_]+\.py):(\d+)")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,15 +66,77 @@ class Residual:
         }
 
 
-def _residual_name(src: str) -> str | None:
-    """The checkpoint name of a residual from its `saved_residuals` description, or None."""
-    if src.startswith("from the argument") or src == "from a literal":
-        return None
-    named = _NAMED.search(src)
-    if named:
-        return named.group(1)
-    where = _SOURCE.search(src)
-    return f"unnamed: {where.group(1)} at {where.group(2)}:{where.group(3)}" if where else src
+@dataclasses.dataclass(frozen=True)
+class ResidualSource:
+    """Where one residual of a linearized function comes from.
+
+    kind: "argument" (flat input `index`), "constant", "named" (the output of a `name` equation,
+    i.e. of `checkpoint_name`: `name` is its name) or "unnamed" (the output of any other
+    equation: `name` is the primitive, or the jitted function's name, and `where` the innermost
+    expertax file:line that built it).
+    """
+
+    kind: str
+    aval: jax.ShapeDtypeStruct
+    name: str = ""
+    index: int = -1
+    where: str = ""
+    host: bool = False  # kept in host memory (a remat policy's offload)
+
+
+def _where(eqn) -> str:
+    """file:line of the innermost expertax frame that built `eqn` ("unknown" when none)."""
+    tb = eqn.source_info.traceback
+    for frame in tb.frames if tb is not None else ():
+        if os.path.abspath(frame.file_name).startswith(_PACKAGE_DIR + os.sep):
+            return f"{os.path.basename(frame.file_name)}:{frame.line_num}"
+    return "unknown"
+
+
+def residual_sources(fn, *args) -> list[ResidualSource]:
+    """The residuals that `jax.linearize(fn, *args)` keeps, with where each comes from.
+
+    The linear function is a pytree whose leaves are its residuals, so they are the outputs of
+    the jaxpr of `lambda *a: jax.linearize(fn, *a)[1]`; each output is a flat input, a constant,
+    or the output of a top-level equation (the saved values of a remat policy are computed at
+    the top level, the rest of a rematerialized function stays inside its `checkpoint`).
+    Literal outputs (scalars folded into the program) take no memory and are left out.
+    """
+    closed = jax.make_jaxpr(lambda *a: jax.linearize(fn, *a)[1])(*args)
+    jaxpr = closed.jaxpr
+    # A saved value leaves its remat as reduce_precision(x) (the fence JAX puts around saved
+    # values); look through it to the equation that produced x, as JAX's saved_residuals does.
+    fence = {
+        e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive.name == "reduce_precision"
+    }
+    wanted = {fence.get(v, v) for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+    out = []
+    for v in jaxpr.constvars:
+        if v in wanted:
+            out.append(_source("constant", v))
+    for i, v in enumerate(jaxpr.invars):
+        if v in wanted:
+            out.append(_source("argument", v, index=i))
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            if v not in wanted:
+                continue
+            if eqn.primitive.name == "name":
+                out.append(_source("named", v, name=eqn.params["name"]))
+            elif eqn.primitive.name in ("jit", "pjit"):
+                name = f"jitted function '{eqn.params['name']}'"
+                out.append(_source("unnamed", v, name=name, where=_where(eqn)))
+            else:
+                name = eqn.primitive.name
+                out.append(_source("unnamed", v, name=name, where=_where(eqn)))
+    return out
+
+
+def _source(kind: str, var, **fields) -> ResidualSource:
+    aval = var.aval
+    host = getattr(aval, "memory_space", None) == jax.memory.Space.Host
+    struct = jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
+    return ResidualSource(kind, struct, host=host, **fields)
 
 
 def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]:
@@ -83,8 +146,6 @@ def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]
     reported with placement "host". The layer input, when its own name is rematerialized, is the
     argument `x` of the layer and is reported as decoder_layer_input.
     """
-    from jax._src.ad_checkpoint import saved_residuals  # the public wrapper only prints
-
     place = remat.config_placements(c)
     host = {n for n, p in place.items() if p == remat.OFFLOAD}
     traced = c.model_copy(update={n: remat.DEVICE for n in host})
@@ -102,13 +163,22 @@ def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]
 
     stack = "moe" if moe else "dense"
     layers = c.num_moe_layers if moe else c.num_dense_layers
+    x_index = len(jax.tree.leaves(block))  # the flat position of `x` among the inputs
     out = []
-    for aval, src in saved_residuals(loss, block, x, ids, ids):
-        name = remat.DECODER_LAYER_INPUT if src == "from the argument x" else _residual_name(src)
-        if name is None:
-            continue
+    for src in residual_sources(loss, block, x, ids, ids):
+        if src.kind == "argument" and src.index == x_index:
+            name = remat.DECODER_LAYER_INPUT
+        elif src.kind == "argument":
+            continue  # a parameter or the positions: persistent state, not a saved activation
+        elif src.kind == "named":
+            name = src.name
+        elif src.kind == "unnamed":
+            name = f"unnamed: {src.name} at {src.where}"
+        else:
+            name = "unnamed: a constant"
         placement = "host" if name in host else "device"
-        out.append(Residual(name, tuple(aval.shape), str(aval.dtype), placement, stack, layers))
+        shape, dtype = tuple(src.aval.shape), str(src.aval.dtype)
+        out.append(Residual(name, shape, dtype, placement, stack, layers))
     return out
 
 

@@ -4,7 +4,10 @@ Every layout (dense or sparse dispatch; ring of experts or all-to-all with each 
 the backend has; a mesh of expert / fsdp / tensor / data axes) trains from the same initial
 weights (initialization does not depend on the sharding) on the same synthetic batches, and its
 per-step losses are compared with the single-device reference run. A layout fails when
-max_step |loss - reference| exceeds `TOLERANCE[dtype]` x |reference|.
+max_step |loss - reference| exceeds `TOLERANCE[dtype]` x |reference|. A layout the config checks
+refuse (an expert axis that does not divide num_experts, more devices than visible, ...) fails
+the table too, with its reason in its row, unless refusals are asked to be skipped
+(`expertax parity --skip-refused`): then it is listed as skipped and not counted.
 """
 
 from __future__ import annotations
@@ -51,6 +54,18 @@ class Layout:
     @property
     def num_devices(self) -> int:
         return self.ep * self.fsdp * self.tp * self.data
+
+    @property
+    def name(self) -> str:
+        """The `--layouts` spelling: `parse_layout(layout.name) == layout` on this backend."""
+        parts = [self.mode]
+        if self.ring:
+            parts.append("ring")
+        elif self.a2a_impl != "-":
+            parts.append(self.a2a_impl)
+        sizes = (("ep", self.ep), ("fsdp", self.fsdp), ("tp", self.tp), ("data", self.data))
+        parts += [f"{k}{v}" for k, v in sizes if v != 1]
+        return "-".join(parts)
 
     def overrides(self, global_batch: int) -> dict:
         return {
@@ -125,6 +140,21 @@ def reference_layout() -> Layout:
     return Layout("sparse", False, "-")
 
 
+def layout_config(base: Config, layout: Layout, global_batch: int) -> Config:
+    """`base` under `layout`; raises ConfigError when the config checks refuse the layout."""
+    return build_config({**base.model_dump(), **layout.overrides(global_batch)})
+
+
+def refusal(base: Config, layout: Layout, global_batch: int) -> str | None:
+    """Why the config checks refuse `layout` (config and mesh, nothing compiled), or None."""
+    try:
+        c = layout_config(base, layout, global_batch)
+        build_trainer(c, devices=jax.devices()[: layout.num_devices])
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def run_layout(
     base: Config, layout: Layout, *, steps: int, global_batch: int, corrupt: Callable | None = None
 ) -> dict:
@@ -133,7 +163,7 @@ def run_layout(
     `corrupt(state, trainer) -> state` is a test hook applied to the initial state (the negative
     control: a deliberately mis-sharded weight must fail the table).
     """
-    c = build_config({**base.model_dump(), **layout.overrides(global_batch)})
+    c = layout_config(base, layout, global_batch)
     trainer = build_trainer(c, devices=jax.devices()[: layout.num_devices])
     state = trainer.init_state()
     step_fn = trainer.compile()
@@ -187,33 +217,51 @@ def parity_table(
     *,
     steps: int,
     layout_list: list[Layout] | None = None,
+    skip_refused: bool = False,
     corrupt: dict | None = None,
     echo=print,
 ) -> dict:
-    """Run the reference and every layout; {"rows", "tolerance", "reference_losses", "ok"}.
+    """Run the reference and every layout.
 
+    Returns {"rows", "refused", "skip_refused", "tolerance", "reference_losses", "ok"}: `rows`
+    for the layouts that trained, `refused` ({"layout", "reason"}) for those the config checks
+    refused. `ok` needs every row within tolerance and, unless `skip_refused`, no refusal.
+    A table where no layout trained is not ok (it compared nothing).
     `corrupt` maps a Layout to a `corrupt(state, trainer)` hook (tests only).
     """
     n = len(jax.devices())
     layout_list = layouts(n, jax.default_backend()) if layout_list is None else layout_list
     global_batch = int(base.per_device_batch_size * n)
-    ref = run_layout(base, reference_layout(), steps=steps, global_batch=global_batch)
-    ref_losses = ref["losses"]
     tol = TOLERANCE[base.dtype]
-    echo(f"reference (1 device): final loss {ref_losses[-1]:.6f} after {steps} steps")
-    rows = []
-    for layout in layout_list:
-        try:
-            hook = (corrupt or {}).get(layout)
-            run = run_layout(base, layout, steps=steps, global_batch=global_batch, corrupt=hook)
-        except ConfigError as e:
-            echo(f"skipped {layout}: {e}")
-            continue
+    refused, runnable = [], []
+    for layout in layout_list:  # refusals first: they cost no compile
+        reason = refusal(base, layout, global_batch)
+        if reason is None:
+            runnable.append(layout)
+        else:
+            refused.append({"layout": layout.name, "reason": reason})
+            echo(f"{'skipped' if skip_refused else 'REFUSED'} {layout.name}: {reason}")
+    rows, ref_losses = [], []
+    if runnable:
+        ref = run_layout(base, reference_layout(), steps=steps, global_batch=global_batch)
+        ref_losses = ref["losses"]
+        echo(f"reference (1 device): final loss {ref_losses[-1]:.6f} after {steps} steps")
+    for layout in runnable:
+        hook = (corrupt or {}).get(layout)
+        run = run_layout(base, layout, steps=steps, global_batch=global_batch, corrupt=hook)
         rows.append(make_row(layout, run, ref_losses))
         echo(format_row(rows[-1], tol, ref_losses))
-    bound = tol * max(abs(x) for x in ref_losses)
-    ok = all(r["max_abs_loss_diff"] <= bound for r in rows)
-    return {"rows": rows, "tolerance": tol, "reference_losses": ref_losses, "ok": ok}
+    bound = tol * max((abs(x) for x in ref_losses), default=0.0)
+    ok = all(r["max_abs_loss_diff"] <= bound for r in rows) and (skip_refused or not refused)
+    ok = ok and bool(rows)
+    return {
+        "rows": rows,
+        "refused": refused,
+        "skip_refused": skip_refused,
+        "tolerance": tol,
+        "reference_losses": ref_losses,
+        "ok": ok,
+    }
 
 
 HEADER = (
@@ -251,13 +299,26 @@ def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 
+def format_refused_row(refused: dict, skipped: bool) -> str:
+    """A refused layout's row: its name in the first cells, the reason in the last."""
+    layout = parse_layout(refused["layout"])
+    cells = [layout.mode, str(layout.ring), layout.a2a_impl, layout.ep, layout.fsdp, layout.tp]
+    cells += [layout.data, "-", "-", "-", "-"]
+    verdict = "skipped" if skipped else "NO"
+    cells.append(f"{verdict} (refused: {refused['reason'].replace('|', '/')})")
+    return "| " + " | ".join(str(x) for x in cells) + " |"
+
+
 def format_table(result: dict) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in result["rows"]:
         lines.append(format_row(r, result["tolerance"], result["reference_losses"]))
+    for r in result.get("refused", []):
+        lines.append(format_refused_row(r, result.get("skip_refused", False)))
     return "\n".join(lines)
 
 
 def write_json(result: dict, path: str) -> None:
+    keep = ("rows", "refused", "skip_refused", "tolerance", "ok")
     with open(path, "w") as f:
-        json.dump({"rows": result["rows"], "tolerance": result["tolerance"]}, f, indent=1)
+        json.dump({k: result[k] for k in keep if k in result}, f, indent=1)

@@ -175,7 +175,9 @@ def test_e_document_mask_blocks_other_documents():
 
 
 # (f) and (h) -------------------------------------------------------------------------------
-def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple[str, str]]:
+def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple]:
+    """(input dtype, output dtype, input shape) of each cast of a bfloat16 tensor at least as big
+    as the K expert outputs of 32 tokens, in one MoE layer of mixtral-tiny."""
     c = load_config(
         overrides=[
             "model_name=mixtral-tiny",
@@ -205,7 +207,7 @@ def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple[s
     casts = [e for e in _prims(layer, p, x) if e.primitive.name == "convert_element_type"]
     big = lambda a: a.ndim >= 2 and a.shape[-1] == d and np.prod(a.shape) >= n * k * d  # noqa
     return [
-        (str(e.invars[0].aval.dtype), str(e.outvars[0].aval.dtype))
+        (str(e.invars[0].aval.dtype), str(e.outvars[0].aval.dtype), e.invars[0].aval.shape)
         for e in casts
         if big(e.invars[0].aval) and e.invars[0].aval.dtype == jnp.bfloat16
     ]
@@ -215,21 +217,30 @@ def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple[s
 def test_f_no_casts_of_expert_outputs_without_float32_weight_sum(sparse):
     assert _expert_output_casts(False, sparse) == []
     # (h) and negative control: the float32 combine upcasts the expert outputs.
-    assert ("bfloat16", "float32") in _expert_output_casts(True, sparse)
+    assert ("bfloat16", "float32") in {c[:2] for c in _expert_output_casts(True, sparse)}
 
 
-def test_h_float32_weight_sum_cost_is_in_the_report():
+def test_h_float32_weight_sum_cost_is_the_upcast_in_the_sparse_layer():
+    """The report's cost is what the sparse layer's jaxpr upcasts: the [N, K, D] expert outputs
+    of N = 32 tokens (batch 1 x 32) from 2 to 4 bytes: 32 x 2 x 128 x 2 = 16384 bytes."""
+    (cast,) = _expert_output_casts(True, sparse=True)
+    assert cast == ("bfloat16", "float32", (32, 2, 128))
     c = load_config(
-        overrides=["model_name=mixtral-tiny", "dtype=bfloat16", "float32_weight_sum=true"]
+        overrides=[
+            "model_name=mixtral-tiny",
+            "dtype=bfloat16",
+            "float32_weight_sum=true",
+            "max_target_length=32",
+        ]
     )
-    cost = _weight_sum_cost(c, batch_local=2)
-    rows = 2 * c.max_target_length * c.num_experts_per_tok
-    assert cost["extra_bytes_per_moe_layer"] == rows * c.base_emb_dim * (4 - 2)
-    off = _weight_sum_cost(c.model_copy(update={"float32_weight_sum": False}), batch_local=2)
-    assert off["extra_bytes_per_moe_layer"] == 0
-    assert off["extra_bytes_if_enabled"] == cost["extra_bytes_per_moe_layer"]
-    f32 = _weight_sum_cost(c.model_copy(update={"dtype": "float32"}), batch_local=2)
+    cost = _weight_sum_cost(c, batch_local=1)
+    assert cost["extra_bytes_per_moe_layer"] == cost["extra_bytes_if_enabled"] == 16384
+    off = _weight_sum_cost(c.model_copy(update={"float32_weight_sum": False}), batch_local=1)
+    assert (off["extra_bytes_per_moe_layer"], off["extra_bytes_if_enabled"]) == (0, 16384)
+    f32 = _weight_sum_cost(c.model_copy(update={"dtype": "float32"}), batch_local=1)
     assert f32["extra_bytes_if_enabled"] == 0  # nothing to upcast
+    # Negative control: batch 2 doubles it.
+    assert _weight_sum_cost(c, batch_local=2)["extra_bytes_if_enabled"] == 32768
 
 
 # (g) ---------------------------------------------------------------------------------------
