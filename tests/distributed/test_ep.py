@@ -263,15 +263,6 @@ def test_capped_buffer_counts_dropped_rows():
     assert float(s1.dropped) == experts.size - kept > 0
 
 
-def test_describe_dispatch_and_auto_impl():
-    c = load_config(overrides=["model_name=mixtral-tiny"])
-    assert ep.resolve_a2a_impl(c, "cpu") == "padded"
-    assert ep.resolve_a2a_impl(c, "gpu") == "ragged"
-    assert "padded" in ep.describe_dispatch(c) and "dropless" in ep.describe_dispatch(c)
-    ring = load_config(overrides=["model_name=mixtral-tiny", "use_ring_of_experts=true"])
-    assert "ring of experts" in ep.describe_dispatch(ring)
-
-
 @pytest.mark.parametrize(
     "overrides, message",
     [

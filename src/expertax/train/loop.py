@@ -31,7 +31,7 @@ from expertax.data import files, tokenizer
 from expertax.data.synthetic import SyntheticData
 from expertax.models import decoder, init_params
 from expertax.nn import param
-from expertax.nn.moe.ep import describe_dispatch
+from expertax.nn.moe.strategy import describe_dispatch
 from expertax.parallel import remat
 from expertax.sharding import config_rules, logical_to_spec, make_mesh, use_rules
 from expertax.train import checkpoint, optimizer, params_io
@@ -530,7 +530,7 @@ def _run(c: Config, trainer: Trainer, run: RunDir, writer, say, stop_after_step)
             say(f"load_parameters_path={c.load_parameters_path!r} ignored: the checkpoint wins")
     step_fn = trainer.compile()
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-    say(describe_dispatch(c))
+    say(describe_dispatch(c, dict(trainer.mesh.shape)))
     end = c.steps if stop_after_step is None else min(c.steps, stop_after_step)
     saving = run.checkpointer is not None and c.enable_checkpointing
     flops = metrics_lib.train_flops_per_token(c)

@@ -34,47 +34,17 @@ from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
 from expertax.nn.moe import dispatch, router
+from expertax.nn.moe.strategy import EXPERT, resolve_a2a_impl, token_axes
 from expertax.nn.param import params_dataclass
 from expertax.sharding.rules import current_rules
 
-BATCH_AXES = ("data", "fsdp", "expert")
-EXPERT = "expert"
 TENSOR = "tensor"
 
 
-def mesh_is_active() -> bool:
-    """True when a mesh of more than one device is set: the sparse path then runs `apply`."""
+def mesh_size() -> int:
+    """Devices in the active mesh (1 without one): `strategy.uses_shard_map` decides with it."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and mesh.size > 1
-
-
-def resolve_a2a_impl(c: Config, backend: str | None = None) -> str:
-    """`ragged` or `padded`: `auto` picks ragged where XLA implements it (GPU, TPU)."""
-    if c.a2a_impl != "auto":
-        return c.a2a_impl
-    backend = backend or jax.default_backend()
-    return "ragged" if backend in ("gpu", "cuda", "rocm", "tpu") else "padded"
-
-
-def describe_dispatch(c: Config) -> str:
-    """One line for the run's log: which MoE dispatch this config runs under a mesh."""
-    if not c.is_moe:
-        return "MoE dispatch: none (dense model)"
-    if not c.sparse_matmul:
-        cap = "dropless" if c.capacity_factor == -1 else f"capacity_factor={c.capacity_factor}"
-        return f"MoE dispatch: dense einsum under GSPMD ({cap})"
-    if c.use_ring_of_experts:
-        return "MoE dispatch: sparse, ring of experts (all-gather, local experts, reduce-scatter)"
-    impl = resolve_a2a_impl(c)
-    buf = (
-        "worst-case receive buffer (dropless)"
-        if c.ragged_buffer_factor <= 0
-        else f"receive buffer {c.ragged_buffer_factor} x routed rows (overflow counted as dropped)"
-    )
-    return (
-        f"MoE dispatch: sparse, all-to-all a2a_impl={c.a2a_impl} -> {impl} "
-        f"on {jax.default_backend()}, {buf}"
-    )
+    return 1 if mesh.empty else mesh.size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,13 +282,6 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, *, gathere
 # The shard_map.
 
 
-def token_axes() -> tuple[str, ...]:
-    """Mesh axes the MoE input tokens are sharded over: the rules' `batch` entry (batch axes)."""
-    rules = current_rules()
-    axes = tuple(rules["batch"]) if rules is not None and "batch" in rules else BATCH_AXES
-    return tuple(a for a in axes if a in BATCH_AXES)
-
-
 def global_stats(routing: router.Routing, num_tokens: int, dropped, c: Config, axes):
     """MoEStats from sums over the shards whose routed tokens differ (`axes`), on every shard.
 
@@ -337,9 +300,9 @@ def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, *, c, dtype, 
     b, t, d = x_BTD_local.shape
     x_ND = x_BTD_local.reshape(b * t, d)
     w = (wi_0_local, wi_1_local, wo_local)
-    stat_axes = token_axes() if split else (*token_axes(), EXPERT)
+    stat_axes = token_axes(current_rules()) if split else (*token_axes(current_rules()), EXPERT)
     if c.use_ring_of_experts:
-        stat_axes = token_axes()
+        stat_axes = token_axes(current_rules())
         routing = router.route(router_p, x_ND, c)
         out_ND, dropped = ring_dispatch(x_ND, routing, w, c, dtype, gathered=not split)
     else:
@@ -363,7 +326,7 @@ def apply(router_p: router.Router, wi_0_EDF, wi_1_EDF, wo_EFD, x_BTD, c: Config,
     weights [E/expert, D, F/tensor]; weights stored over `fsdp` are all-gathered by the in_specs.
     """
     impl = resolve_a2a_impl(c)
-    axes = token_axes()
+    axes = token_axes(current_rules())
     w_spec = P(EXPERT, None, TENSOR)
     wo_spec = P(EXPERT, TENSOR, None)
     router_spec = jax.tree.map(lambda _: P(), router_p)

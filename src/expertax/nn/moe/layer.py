@@ -6,7 +6,7 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import mlp
-from expertax.nn.moe import dispatch, ep, router
+from expertax.nn.moe import dispatch, ep, router, strategy
 from expertax.nn.param import dense, params_dataclass
 from expertax.sharding import constrain
 
@@ -36,7 +36,7 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
     """MoE output [B, T, D] and stats; the sparse path under a mesh is expert-parallel (ep.py)."""
     b, t, d = x_BTD.shape
     x_ND = x_BTD.reshape(b * t, d)
-    if c.sparse_matmul and ep.mesh_is_active():
+    if strategy.uses_shard_map(c, ep.mesh_size()):
         out_BTD, stats = ep.apply(p.router, p.wi_0, p.wi_1, p.wo, x_BTD, c, dtype)
         return _finish(p, x_BTD, out_BTD, c, dtype), stats
     routing = router.route(p.router, x_ND, c)
