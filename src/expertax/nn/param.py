@@ -31,6 +31,8 @@ class ParamSpec:
 
     `init` is "normal" (stddev `scale`), "zeros" or "ones". `trainable=False` parameters (the
     DeepSeek routing bias) are updated by the train step, never by the optimizer.
+    `weight_decay`: whether AdamW decays it — true for matrices and embeddings, false for norm
+    scales and biases, declared here so that stacking layers (a leading axis) never changes it.
     """
 
     shape: tuple[int, ...]
@@ -38,6 +40,7 @@ class ParamSpec:
     init: str = "normal"
     scale: float = 1.0
     trainable: bool = True
+    weight_decay: bool = True
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -74,6 +77,10 @@ def logical_axes(tree) -> Any:
 
 def trainable_mask(tree) -> Any:
     return _map(lambda s: s.trainable, tree)
+
+
+def weight_decay_mask(tree) -> Any:
+    return _map(lambda s: s.weight_decay, tree)
 
 
 def shardings(tree, mesh, rules) -> Any:

@@ -42,7 +42,11 @@ class MoEStats:
 
 def spec(c: Config) -> Router:
     d, e = c.base_emb_dim, c.num_experts
-    bias = ParamSpec((e,), (None,), "zeros", trainable=False) if c.routed_bias else None
+    bias = (
+        ParamSpec((e,), (None,), "zeros", trainable=False, weight_decay=False)
+        if c.routed_bias
+        else None
+    )
     return Router(w=dense((d, e), ("embed", None), d), bias=bias)
 
 
