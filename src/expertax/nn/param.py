@@ -47,8 +47,8 @@ class ParamSpec:
             raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
 
 
-def dense(shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int) -> ParamSpec:
-    """A projection weight with stddev 1/sqrt(fan_in)."""
+def projection(shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int) -> ParamSpec:
+    """A projection (matrix) weight: normal with stddev 1/sqrt(fan_in), weight-decayed."""
     return ParamSpec(tuple(shape), tuple(axes), "normal", 1.0 / math.sqrt(fan_in))
 
 

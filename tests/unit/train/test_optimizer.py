@@ -71,7 +71,7 @@ def test_a_step_decays_matrices_but_not_norm_scales():
     )
     tree = {
         "layers": param.stack(
-            {"scale": norm.spec(4), "w": param.dense((4, 4), ("embed", "mlp"), 4)}, 3
+            {"scale": norm.spec(4), "w": param.projection((4, 4), ("embed", "mlp"), 4)}, 3
         ),
         "final_norm": norm.spec(4),
         "frozen_bias": param.ParamSpec((4,), (None,), "zeros", trainable=False, weight_decay=False),

@@ -7,7 +7,7 @@ import jax
 from expertax.config.schema import Config
 from expertax.nn import mlp
 from expertax.nn.moe import dispatch, ep, router, strategy
-from expertax.nn.param import dense, params_dataclass
+from expertax.nn.param import params_dataclass, projection
 from expertax.sharding import constrain
 
 
@@ -25,9 +25,9 @@ def spec(c: Config) -> MoE:
     shared = mlp.spec(d, f * c.shared_experts) if c.shared_experts else None
     return MoE(
         router=router.spec(c),
-        wi_0=dense((e, d, f), ("exp", "embed", "exp_mlp"), d),
-        wi_1=dense((e, d, f), ("exp", "embed", "exp_mlp"), d),
-        wo=dense((e, f, d), ("exp", "exp_mlp", "embed"), f),
+        wi_0=projection((e, d, f), ("exp", "embed", "exp_mlp"), d),
+        wi_1=projection((e, d, f), ("exp", "embed", "exp_mlp"), d),
+        wo=projection((e, f, d), ("exp", "exp_mlp", "embed"), f),
         shared=shared,
     )
 
@@ -45,7 +45,7 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
         out_BTD = out_ND.reshape(b, t, d)
     else:
         k = c.num_experts_per_tok
-        out_BTD, dropped = dispatch.dense(
+        out_BTD, dropped = dispatch.capacity_einsum(
             x_BTD,
             routing.experts_NK.reshape(b, t, k),
             routing.weights_NK.reshape(b, t, k),

@@ -2,7 +2,7 @@
 
 `moe.layer.apply` runs the sparse path inside `ep.apply`'s `shard_map` exactly when
 `uses_shard_map` says so (sparse dispatch and a mesh of more than one device); otherwise the plain
-sorted path (one device) or the dense einsum path (under GSPMD when a mesh is set) runs. Inside
+sorted path (one device) or the one-hot einsum path (under GSPMD when a mesh is set) runs. Inside
 the `shard_map`, the exchange over the `expert` axis is the ring of experts or the all-to-all
 (`use_ring_of_experts`); with an expert axis of size one there is no exchange at all.
 `describe_dispatch` states the same decisions for the run's log (docs/design/ep.md).
@@ -64,7 +64,7 @@ def describe_dispatch(
     mesh_size = math.prod(mesh_shape.values())
     if not c.sparse_matmul:
         where = " under GSPMD" if mesh_size > 1 else " on one device"
-        return f"MoE dispatch: dense einsum{where} ({_capacity(c)})"
+        return f"MoE dispatch: one-hot einsum (capacity_einsum){where} ({_capacity(c)})"
     if not uses_shard_map(c, mesh_size):
         return "MoE dispatch: sparse, sorted grouped matmuls on one device (dropless, no exchange)"
     ep = mesh_shape.get(EXPERT, 1)

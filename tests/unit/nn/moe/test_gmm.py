@@ -29,18 +29,18 @@ CASES = {
 }
 
 
-def oracle(lhs_ND, rhs_EDF, group_sizes_E, group_offset):
+def oracle(lhs_MD, rhs_EDF, group_sizes_E, group_offset):
     """Every row times every local expert's weights, masked to its own group (test-size only)."""
-    n, e_local = lhs_ND.shape[0], rhs_EDF.shape[0]
+    n, e_local = lhs_MD.shape[0], rhs_EDF.shape[0]
     ends_E = jnp.minimum(jnp.cumsum(group_sizes_E), n)
     starts_E = ends_E - jnp.minimum(group_sizes_E, ends_E)
     off = 0 if group_offset is None else group_offset
-    rows_N = jnp.arange(n)
-    out_NF = jnp.zeros((n, rhs_EDF.shape[2]), jnp.float32)
+    rows_M = jnp.arange(n)
+    out_MF = jnp.zeros((n, rhs_EDF.shape[2]), jnp.float32)
     for e in range(e_local):
-        in_group_N = (rows_N >= starts_E[off + e]) & (rows_N < ends_E[off + e])
-        out_NF = out_NF + jnp.where(in_group_N[:, None], lhs_ND @ rhs_EDF[e], 0.0)
-    return out_NF
+        in_group_M = (rows_M >= starts_E[off + e]) & (rows_M < ends_E[off + e])
+        out_MF = out_MF + jnp.where(in_group_M[:, None], lhs_MD @ rhs_EDF[e], 0.0)
+    return out_MF
 
 
 def _inputs(e_local, seed=0):
@@ -61,8 +61,8 @@ AUTO_CASES = ("random", "rows_beyond_sum", "offset_middle")
 
 
 @pytest.mark.parametrize(
-    "backend,case",
-    [(b, c) for b in BACKENDS for c in CASES] + [("auto", c) for c in AUTO_CASES])
+    "backend,case", [(b, c) for b in BACKENDS for c in CASES] + [("auto", c) for c in AUTO_CASES]
+)
 def test_matches_dense_oracle(backend, case):
     sizes_list, e_local, offset = CASES[case]
     lhs, rhs, cot = _inputs(e_local)
@@ -79,7 +79,7 @@ def test_matches_dense_oracle(backend, case):
     for name, g, w in zip(("out", "d_lhs", "d_rhs"), got, want):
         np.testing.assert_allclose(g, w, **TOL[jnp.float32], err_msg=f"{backend} {case} {name}")
     # Negative control: a perturbed weight must fail the comparison when its group has rows.
-    local = np.asarray(sizes_list)[(offset or 0):(offset or 0) + e_local]
+    local = np.asarray(sizes_list)[(offset or 0) : (offset or 0) + e_local]
     e_hit = int(np.argmax(local > 0))
     bad = oracle(lhs, rhs.at[e_hit].add(0.1), sizes, offset)
     assert np.abs(np.asarray(bad) - np.asarray(got[0])).max() > 1e-3
@@ -108,16 +108,18 @@ def test_tiled_group_offset_from_axis_index_in_shard_map():
     devices, e = 4, 8
     sizes = jnp.asarray([9, 3, 17, 0, 22, 11, 5, 3], jnp.int32)
     lhs, rhs, cot = _inputs(e, seed=3)
-    mesh = jax.make_mesh((devices,), ("expert",), axis_types=(AxisType.Auto,),
-                         devices=jax.devices()[:devices])
+    mesh = jax.make_mesh(
+        (devices,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices]
+    )
 
     def local(x, w_local, s):
         off = jax.lax.axis_index("expert") * w_local.shape[0]
         out = gmm(x, w_local, s, group_offset=off, backend="tiled", **TILES)
         return jax.lax.psum(out, "expert")
 
-    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("expert"), P()),
-                                    out_specs=P()))
+    sharded = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P("expert"), P()), out_specs=P())
+    )
     got = _value_and_grads(lambda x, w, s, _o: sharded(x, w, s), lhs, rhs, sizes, None, cot)
     want = _value_and_grads(oracle, lhs, rhs, sizes, None, cot)
     for g, w in zip(got, want):

@@ -66,14 +66,14 @@ def test_mesh_without_expert_axis_has_no_exchange():
     assert "buffer" not in line and "ring" not in line
 
 
-def test_dense_einsum_and_dense_model():
+def test_einsum_dispatch_and_dense_model():
     c = cfg(sparse_matmul=False)
     assert strategy.describe_dispatch(c, mesh(fsdp=8)) == (
-        "MoE dispatch: dense einsum under GSPMD (dropless)"
+        "MoE dispatch: one-hot einsum (capacity_einsum) under GSPMD (dropless)"
     )
     capped = cfg(sparse_matmul=False, capacity_factor=1.5)
     assert strategy.describe_dispatch(capped, mesh()) == (
-        "MoE dispatch: dense einsum on one device (capacity_factor=1.5)"
+        "MoE dispatch: one-hot einsum (capacity_einsum) on one device (capacity_factor=1.5)"
     )
     dense_model = load_config(overrides={"model_name": "llama-tiny"})
     assert strategy.describe_dispatch(dense_model, mesh(expert=8)) == (
