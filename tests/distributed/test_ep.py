@@ -24,11 +24,11 @@ from tests.tolerances import tol
 
 pytestmark = pytest.mark.distributed
 
-S = 8  # shards on the expert axis
+EP = 8  # shards on the expert axis
 
 
 def expert_mesh():
-    devices = np.asarray(jax.devices()[:S]).reshape(1, 1, 1, S, 1)
+    devices = np.asarray(jax.devices()[:EP]).reshape(1, 1, 1, EP, 1)
     return Mesh(
         devices, ("pipeline", "data", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 5
     )
@@ -48,14 +48,14 @@ def numpy_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv):
 
 def exchange_case(rng, rows=12, out_rows=40, empty_peer=True):
     """Random ragged sizes: contiguous chunks per peer, some of them empty."""
-    send = rng.integers(0, 3, size=(S, S))
+    send = rng.integers(0, 3, size=(EP, EP))
     if empty_peer:
         send[:, 3] = 0  # nobody sends to shard 3
         send[5, :] = 0  # shard 5 sends nothing
     in_off = np.cumsum(send, 1) - send
     out_off = np.cumsum(send, 0) - send  # receivers pack by source
     assert send.sum(0).max() <= out_rows and send.sum(1).max() <= rows
-    operand = rng.normal(size=(S, rows, 3)).astype(np.float32)
+    operand = rng.normal(size=(EP, rows, 3)).astype(np.float32)
     return operand, send, in_off, out_off
 
 
@@ -64,7 +64,7 @@ def test_padded_all_to_all_matches_numpy_ragged_model(seed):
     rng = np.random.default_rng(seed)
     operand, send, in_off, out_off = exchange_case(rng)
     out_rows = 40
-    initial = np.full((S, out_rows, 3), -7.0, np.float32)  # unwritten rows must keep this
+    initial = np.full((EP, out_rows, 3), -7.0, np.float32)  # unwritten rows must keep this
 
     def body(x, out, io, ss, oo, rs):
         return ep.padded_all_to_all(
@@ -85,9 +85,9 @@ def test_padded_all_to_all_matches_numpy_ragged_model(seed):
     np.testing.assert_array_equal(np.asarray(got), np.stack(want))
 
 
-def _plan_roundtrip(experts_SNK, buffer_factor=-1.0, num_experts=16):
-    """Rank-coded rows through route_and_send and unsort_and_return with an identity FFN."""
-    n, k = experts_SNK.shape[1:]
+def _plan_roundtrip(experts_PNK, buffer_factor=-1.0, num_experts=16):
+    """Rank-coded rows through sort_and_send and unsort_and_return with an identity FFN."""
+    n, k = experts_PNK.shape[1:]
     c = load_config(
         overrides={
             "model_name": "mixtral-tiny",
@@ -97,16 +97,16 @@ def _plan_roundtrip(experts_SNK, buffer_factor=-1.0, num_experts=16):
         }
     )
     # Row code: (source shard, token, slot); the received expert is checked via the sort.
-    x_SND = np.zeros((S, n, 3), np.float32)
-    x_SND[:, :, 0] = np.arange(S)[:, None]
-    x_SND[:, :, 1] = np.arange(n)[None, :]
+    x_PND = np.zeros((EP, n, 3), np.float32)
+    x_PND[:, :, 0] = np.arange(EP)[:, None]
+    x_PND[:, :, 1] = np.arange(n)[None, :]
 
     def body(x, experts):
         x, experts = x[0], experts[0]
-        recv, plan, order = ep.route_and_send(x, experts, c, "padded")
-        local_order, sizes = ep.sort_by_local_expert(recv, plan.recv_counts_SX)
+        recv, plan, order = ep.sort_and_send(x, experts, c, "padded")
+        local_order, sizes = ep.sort_by_local_expert(recv, plan.recv_counts_PX)
         sorted_rows = jnp.take(recv, local_order, axis=0)
-        block = ep.padded_block_rows(c, n, S, recv.shape[0])
+        block = ep.padded_block_rows(c, n, EP, recv.shape[0])
         back = ep.unsort_and_return(sorted_rows, local_order, plan, order.shape[0], "padded", block)
         rows, _, _ = ep.dispatch.permute(x, experts, c.num_experts)
         return back[None], rows[None], sizes[None], plan.dropped[None]
@@ -115,33 +115,33 @@ def _plan_roundtrip(experts_SNK, buffer_factor=-1.0, num_experts=16):
     fn = jax.jit(
         jax.shard_map(body, mesh=expert_mesh(), in_specs=(spec, spec), out_specs=(spec,) * 4)
     )
-    return [np.asarray(a) for a in fn(x_SND, experts_SNK.astype(np.int32))]
+    return [np.asarray(a) for a in fn(x_PND, experts_PNK.astype(np.int32))]
 
 
 def test_roundtrip_exact_uniform_and_skewed():
     rng = np.random.default_rng(0)
     n, k, e = 6, 2, 16
     uniform = np.stack(
-        [np.stack([rng.choice(e, k, replace=False) for _ in range(n)]) for _ in range(S)]
+        [np.stack([rng.choice(e, k, replace=False) for _ in range(n)]) for _ in range(EP)]
     )
-    skewed = np.tile(np.array([0, 1]), (S, n, 1))  # every row to experts 0 and 1 (shard 0)
+    skewed = np.tile(np.array([0, 1]), (EP, n, 1))  # every row to experts 0 and 1 (shard 0)
     for experts in (uniform, skewed):
         back, rows, sizes, dropped = _plan_roundtrip(experts)
         np.testing.assert_array_equal(back, rows)  # bitwise: rows come home unchanged
         assert dropped.max() == 0
-        counts = np.bincount(experts.reshape(-1), minlength=e).reshape(S, e // S)
+        counts = np.bincount(experts.reshape(-1), minlength=e).reshape(EP, e // EP)
         np.testing.assert_array_equal(sizes, counts)  # each shard got exactly its experts' rows
     _, _, sizes, _ = _plan_roundtrip(skewed)
-    assert sizes[1:].sum() == 0 and sizes[0, 0] == S * n  # no rows to shards 1..7
+    assert sizes[1:].sum() == 0 and sizes[0, 0] == EP * n  # no rows to shards 1..7
 
 
 def test_roundtrip_all_rows_to_one_expert_with_capped_buffer_counts_drops():
     n, k = 6, 1
-    experts = np.zeros((S, n, k))  # all rows to expert 0 on shard 0
+    experts = np.zeros((EP, n, k))  # all rows to expert 0 on shard 0
     back, rows, sizes, dropped = _plan_roundtrip(experts, buffer_factor=2.0)
     cap = 2 * n * k  # the receive buffer of shard 0 holds 2 sources' rows
     assert sizes[0, 0] == cap
-    assert dropped[0] == S * n * k - cap and (dropped == dropped[0]).all()
+    assert dropped[0] == EP * n * k - cap and (dropped == dropped[0]).all()
     np.testing.assert_array_equal(back[:2], rows[:2])  # sources 0, 1 fit
     assert not back[2:].any()  # the rest was dropped, returned as zeros, and counted
 
@@ -261,15 +261,6 @@ def test_capped_buffer_counts_dropped_rows():
     per_dst = counts.reshape(8, 8, -1).sum(-1)  # [src, dst]
     kept = sum(min(m, int(col.sum())) for col in per_dst.T)
     assert float(s1.dropped) == experts.size - kept > 0
-
-
-def test_describe_dispatch_and_auto_impl():
-    c = load_config(overrides=["model_name=mixtral-tiny"])
-    assert ep.resolve_a2a_impl(c, "cpu") == "padded"
-    assert ep.resolve_a2a_impl(c, "gpu") == "ragged"
-    assert "padded" in ep.describe_dispatch(c) and "dropless" in ep.describe_dispatch(c)
-    ring = load_config(overrides=["model_name=mixtral-tiny", "use_ring_of_experts=true"])
-    assert "ring of experts" in ep.describe_dispatch(ring)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from expertax.nn import embed, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe.router import MoEStats
-from expertax.nn.param import ParamSpec, dense, params_dataclass, stack
+from expertax.nn.param import ParamSpec, params_dataclass, projection, stack
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
@@ -60,7 +60,7 @@ def spec(c: Config) -> Decoder:
         dense_layers=stack(block_spec(c, moe=False), dense_n) if dense_n else None,
         moe_layers=stack(block_spec(c, moe=True), moe_n) if moe_n else None,
         final_norm=norm.spec(d),
-        lm_head=None if c.logits_via_embedding else dense((d, v), ("embed", "vocab"), d),
+        lm_head=None if c.logits_via_embedding else projection((d, v), ("embed", "vocab"), d),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from expertax.nn.param import dense, params_dataclass
+from expertax.nn.param import params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
@@ -19,9 +19,9 @@ class MLP:
 
 def spec(d: int, f: int) -> MLP:
     return MLP(
-        wi_0=dense((d, f), ("embed", "mlp"), d),
-        wi_1=dense((d, f), ("embed", "mlp"), d),
-        wo=dense((f, d), ("mlp", "embed"), f),
+        wi_0=projection((d, f), ("embed", "mlp"), d),
+        wi_1=projection((d, f), ("embed", "mlp"), d),
+        wo=projection((f, d), ("mlp", "embed"), f),
     )
 
 

@@ -14,7 +14,8 @@ from expertax.nn.param import ParamSpec
 
 
 def spec(dim: int, axis: str | None = None) -> ParamSpec:
-    return ParamSpec((dim,), (axis,), "ones")
+    """An RMSNorm scale [dim]: initialized to ones, never weight-decayed."""
+    return ParamSpec((dim,), (axis,), "ones", weight_decay=False)
 
 
 def rms_norm(scale_D: jax.Array, x: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:

@@ -32,6 +32,8 @@ class ParamSpec:
 
     `init` is "normal" (stddev `scale`), "zeros" or "ones". `trainable=False` parameters (the
     DeepSeek routing bias) are updated by the train step, never by the optimizer.
+    `weight_decay`: whether AdamW decays it — true for matrices and embeddings, false for norm
+    scales and biases, declared here so that stacking layers (a leading axis) never changes it.
     """
 
     shape: tuple[int, ...]
@@ -39,14 +41,15 @@ class ParamSpec:
     init: str = "normal"
     scale: float = 1.0
     trainable: bool = True
+    weight_decay: bool = True
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
             raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
 
 
-def dense(shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int) -> ParamSpec:
-    """A projection weight with stddev 1/sqrt(fan_in)."""
+def projection(shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int) -> ParamSpec:
+    """A projection (matrix) weight: normal with stddev 1/sqrt(fan_in), weight-decayed."""
     return ParamSpec(tuple(shape), tuple(axes), "normal", 1.0 / math.sqrt(fan_in))
 
 
@@ -75,6 +78,10 @@ def logical_axes(tree) -> Any:
 
 def trainable_mask(tree) -> Any:
     return _map(lambda s: s.trainable, tree)
+
+
+def weight_decay_mask(tree) -> Any:
+    return _map(lambda s: s.weight_decay, tree)
 
 
 def shardings(tree, mesh, rules) -> Any:

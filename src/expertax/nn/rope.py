@@ -59,17 +59,17 @@ def softmax_scale(c: Config) -> float:
 
 
 def cos_sin(c: Config, positions_BT: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables [B, T, dim/2] in float32 for the given positions."""
+    """cos and sin tables [B, T, A] (A = dim/2 rotation angles) in float32 for the positions."""
     inv_freq, amplitude = inverse_frequencies(c, dim)
     angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     return jnp.cos(angles) * amplitude, jnp.sin(angles) * amplitude
 
 
-def apply(x_BTHR: jax.Array, cos_BTR: jax.Array, sin_BTR: jax.Array) -> jax.Array:
-    """Rotate the last dim of x [B, T, H, R] (half-split pairs)."""
-    half = x_BTHR.shape[-1] // 2
-    x32 = x_BTHR.astype(jnp.float32)
+def apply(x_BTHQ: jax.Array, cos_BTA: jax.Array, sin_BTA: jax.Array) -> jax.Array:
+    """Rotate the last dim of x [B, T, H, Q] (half-split pairs; A = Q/2 angles per position)."""
+    half = x_BTHQ.shape[-1] // 2
+    x32 = x_BTHQ.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]
-    cos, sin = cos_BTR[:, :, None, :], sin_BTR[:, :, None, :]
+    cos, sin = cos_BTA[:, :, None, :], sin_BTA[:, :, None, :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTHR.dtype)
+    return out.astype(x_BTHQ.dtype)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from expertax.config.schema import Config
-from expertax.nn.moe.ep import describe_dispatch  # TODO(merge naming): strategy
+from expertax.nn.moe.strategy import describe_dispatch
 from expertax.train import inputs, params_io, run_dir
 from expertax.train import metrics as metrics_lib
 from expertax.train.run_dir import RunDir
@@ -87,7 +87,7 @@ def _train(c, trainer: Trainer, run: RunDir, data, say: Say, t0: float, stop_aft
     start = run.resume_step or 0
     step_fn = trainer.compile()
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-    say(describe_dispatch(c))
+    say(describe_dispatch(c, dict(trainer.mesh.shape)))
     end = c.steps if stop_after_step is None else min(c.steps, stop_after_step)
     log = StepLog(c, trainer, run, say, skipped)
     done = start

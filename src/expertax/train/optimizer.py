@@ -1,4 +1,8 @@
-"""AdamW with linear warmup and cosine decay, global-norm clipping; frozen leaves untouched."""
+"""AdamW with linear warmup and cosine decay, global-norm clipping; frozen leaves untouched.
+
+Which leaves are trained and which are weight-decayed comes from the parameter declarations
+(`ParamSpec.trainable`, `ParamSpec.weight_decay`), never from shapes.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from expertax.config.schema import Config
+from expertax.nn import param
 
 
 def schedule(c: Config) -> optax.Schedule:
@@ -20,9 +25,13 @@ def schedule(c: Config) -> optax.Schedule:
     )
 
 
-def make(c: Config, trainable_mask) -> optax.GradientTransformation:
-    """The optimizer. `trainable_mask` (a bool pytree) marks leaves the optimizer must not move."""
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+def make(c: Config, spec_tree) -> optax.GradientTransformation:
+    """The optimizer for the parameters declared by `spec_tree` (`ParamSpec` leaves).
+
+    Leaves with `trainable=False` are never moved; weight decay applies where `weight_decay`.
+    """
+    decay_mask = param.weight_decay_mask(spec_tree)
+    trainable_mask = param.trainable_mask(spec_tree)
     adamw = optax.adamw(
         schedule(c),
         b1=c.adam_b1,

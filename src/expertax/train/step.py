@@ -87,7 +87,7 @@ def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainS
         "grad_norm": grad_norm,
         "nonfinite": 1 - finite.astype(jnp.float32),
         "learning_rate": optimizer.schedule(c)(state.step),
-        "dropped_tokens": jnp.float32(0),
+        "dropped_tokens": jnp.int32(0),
         "max_expert_load_ratio": jnp.float32(1),
     }
     if stats is not None:

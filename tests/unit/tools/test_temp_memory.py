@@ -194,7 +194,7 @@ def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple]:
         if sparse:
             return dispatch.sparse(x, r, p, c, jnp.bfloat16)[0]
         xb = x.reshape(2, n // 2, d)
-        return dispatch.dense(
+        return dispatch.capacity_einsum(
             xb,
             r.experts_NK.reshape(2, n // 2, k),
             r.weights_NK.reshape(2, n // 2, k),

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from expertax.config.schema import Config
 from expertax.nn import rope
 from expertax.nn.attention.kernel import attend
-from expertax.nn.param import dense, params_dataclass
+from expertax.nn.param import params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
@@ -17,27 +17,27 @@ from expertax.sharding import constrain
 class GQA:
     wq: jax.Array  # [D, H, Q]
     wk: jax.Array  # [D, G, Q]
-    wv: jax.Array  # [D, G, Q]
-    wo: jax.Array  # [H, Q, D]
+    wv: jax.Array  # [D, G, O], O = Q here
+    wo: jax.Array  # [H, O, D]
 
 
 def spec(c: Config) -> GQA:
     d, h, g, q = c.base_emb_dim, c.base_num_query_heads, c.base_num_kv_heads, c.head_dim
     return GQA(
-        wq=dense((d, h, q), ("embed", "heads", "kv"), d),
-        wk=dense((d, g, q), ("embed", "kv_heads", "kv"), d),
-        wv=dense((d, g, q), ("embed", "kv_heads", "kv"), d),
-        wo=dense((h, q, d), ("heads", "kv", "embed"), h * q),
+        wq=projection((d, h, q), ("embed", "heads", "kv"), d),
+        wk=projection((d, g, q), ("embed", "kv_heads", "kv"), d),
+        wv=projection((d, g, q), ("embed", "kv_heads", "kv"), d),
+        wo=projection((h, q, d), ("heads", "kv", "embed"), h * q),
     )
 
 
 def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.Array:
     q = remat.tag(jnp.einsum("btd,dhq->bthq", x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
     k = remat.tag(jnp.einsum("btd,dgq->btgq", x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
-    v = remat.tag(jnp.einsum("btd,dgq->btgq", x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
+    v = remat.tag(jnp.einsum("btd,dgo->btgo", x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     q = constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))
     out = attend(q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT)
     out = remat.tag(out, remat.ATTENTION_OUT)
-    return remat.tag(jnp.einsum("bthq,hqd->btd", out, p.wo.astype(dtype)), remat.OUT_PROJ)
+    return remat.tag(jnp.einsum("btho,hod->btd", out, p.wo.astype(dtype)), remat.OUT_PROJ)

@@ -1,9 +1,9 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3, arXiv:2405.04434 Sec. 2.1).
 
 Queries: x @ wq_a -> RMSNorm -> @ wq_b (or a plain wq when q_lora_rank is 0), split per head into
-a no-RoPE part [Qn] and a RoPE part [Qr]. Keys/values: x @ wkv_a -> split into the latent [R] and a
-single RoPE key [Qr] shared by all heads; the latent is normed and expanded by wkv_b into per-head
-no-RoPE keys [Qn] and values [V].
+a no-RoPE part [Qn] and a RoPE part [Qr] (Q = Qn+Qr). Keys/values: x @ wkv_a -> split into the
+latent [R] and a single RoPE key [Qr] shared by all heads; the latent is normed and expanded by
+wkv_b into per-head no-RoPE keys [Qn] and values [O]. Z: a concatenated width ([Rkv+Qr], [Qn+O]).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from expertax.config.schema import Config
 from expertax.nn import norm, rope
 from expertax.nn.attention.kernel import attend
-from expertax.nn.param import dense, params_dataclass
+from expertax.nn.param import params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
@@ -27,8 +27,8 @@ class MLA:
     wq_b: jax.Array | None  # [Rq, H, Qn+Qr]
     wkv_a: jax.Array  # [D, Rkv+Qr]
     kv_norm: jax.Array  # [Rkv]
-    wkv_b: jax.Array  # [Rkv, H, Qn+V]
-    wo: jax.Array  # [H, V, D]
+    wkv_b: jax.Array  # [Rkv, H, Qn+O]
+    wo: jax.Array  # [H, O, D]
 
 
 def spec(c: Config) -> MLA:
@@ -36,14 +36,16 @@ def spec(c: Config) -> MLA:
     qk, rq, rkv = c.qk_head_dim, c.q_lora_rank, c.kv_lora_rank
     low_rank_q = rq > 0
     return MLA(
-        wq=None if low_rank_q else dense((d, h, qk), ("embed", "heads", "kv"), d),
-        wq_a=dense((d, rq), ("embed", "q_lora"), d) if low_rank_q else None,
+        wq=None if low_rank_q else projection((d, h, qk), ("embed", "heads", "kv"), d),
+        wq_a=projection((d, rq), ("embed", "q_lora"), d) if low_rank_q else None,
         q_norm=norm.spec(rq, "q_lora") if low_rank_q else None,
-        wq_b=dense((rq, h, qk), ("q_lora", "heads", "kv"), rq) if low_rank_q else None,
-        wkv_a=dense((d, rkv + c.qk_rope_head_dim), ("embed", "kv_lora"), d),
+        wq_b=projection((rq, h, qk), ("q_lora", "heads", "kv"), rq) if low_rank_q else None,
+        wkv_a=projection((d, rkv + c.qk_rope_head_dim), ("embed", "kv_lora"), d),
         kv_norm=norm.spec(rkv, "kv_lora"),
-        wkv_b=dense((rkv, h, c.qk_nope_head_dim + c.v_head_dim), ("kv_lora", "heads", "kv"), rkv),
-        wo=dense((h, c.v_head_dim, d), ("heads", "kv", "embed"), h * c.v_head_dim),
+        wkv_b=projection(
+            (rkv, h, c.qk_nope_head_dim + c.v_head_dim), ("kv_lora", "heads", "kv"), rkv
+        ),
+        wo=projection((h, c.v_head_dim, d), ("heads", "kv", "embed"), h * c.v_head_dim),
     )
 
 
@@ -58,24 +60,24 @@ def _queries(p: MLA, x_BTD, c: Config, dtype) -> jax.Array:
 def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.Array:
     nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
     q_BTHQ = remat.tag(_queries(p, x_BTD, c, dtype), remat.MLA_Q)
-    kv_a = remat.tag(jnp.einsum("btd,dr->btr", x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
-    latent_BTR, k_rope_BTR = kv_a[..., : c.kv_lora_rank], kv_a[..., c.kv_lora_rank :]
+    kv_a = remat.tag(jnp.einsum("btd,dz->btz", x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
+    latent_BTR, k_rope_BTQ = kv_a[..., : c.kv_lora_rank], kv_a[..., c.kv_lora_rank :]
     latent_BTR = norm.rms_norm(p.kv_norm, latent_BTR, c.normalization_layer_epsilon)
-    kv_BTHK = remat.tag(
-        jnp.einsum("btr,rhk->bthk", latent_BTR, p.wkv_b.astype(dtype)), remat.MLA_KV
+    kv_BTHZ = remat.tag(  # Z = Qn+O: no-RoPE keys, then values
+        jnp.einsum("btr,rhz->bthz", latent_BTR, p.wkv_b.astype(dtype)), remat.MLA_KV
     )
-    k_nope, v_BTHV = kv_BTHK[..., :nope], kv_BTHK[..., nope:]
+    k_nope, v_BTHO = kv_BTHZ[..., :nope], kv_BTHZ[..., nope:]
 
     cos, sin = rope.cos_sin(c, positions_BT, rdim)
     q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
-    k_rope = rope.apply(k_rope_BTR[:, :, None, :], cos, sin)
+    k_rope = rope.apply(k_rope_BTQ[:, :, None, :], cos, sin)
     h = q_BTHQ.shape[2]
     q = remat.tag(jnp.concatenate([q_BTHQ[..., :nope], q_rope], -1), remat.QUERY_PROJ)
-    k_rope_BTHR = jnp.broadcast_to(k_rope, (*k_rope.shape[:2], h, rdim))
-    k = remat.tag(jnp.concatenate([k_nope, k_rope_BTHR], -1), remat.KEY_PROJ)
-    v = remat.tag(v_BTHV, remat.VALUE_PROJ)
+    k_rope_BTHQ = jnp.broadcast_to(k_rope, (*k_rope.shape[:2], h, rdim))
+    k = remat.tag(jnp.concatenate([k_nope, k_rope_BTHQ], -1), remat.KEY_PROJ)
+    v = remat.tag(v_BTHO, remat.VALUE_PROJ)
     q = constrain(q, ("batch", "length", "act_heads", None))
     k = constrain(k, ("batch", "length", "act_heads", None))
     out = attend(q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT)
     out = remat.tag(out, remat.ATTENTION_OUT)
-    return remat.tag(jnp.einsum("bthv,hvd->btd", out, p.wo.astype(dtype)), remat.OUT_PROJ)
+    return remat.tag(jnp.einsum("btho,hod->btd", out, p.wo.astype(dtype)), remat.OUT_PROJ)

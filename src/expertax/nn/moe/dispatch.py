@@ -1,10 +1,11 @@
-"""Dispatch tokens to experts, run the expert FFN, combine: the dense and the sparse path.
+"""Dispatch tokens to experts, run the expert FFN, combine: the einsum and the sorted path.
 
-Dense (`sparse_matmul=false`): per sequence, a one-hot dispatch tensor [B, T, E, C] and einsums;
-with `capacity_factor > 0` assignments past an expert's capacity C are dropped and counted
-(priority: all first choices, then second choices, ...); `capacity_factor=-1` sets C = T, dropless.
-Sparse (`sparse_matmul=true`): sort the N*K assignments by expert, grouped matmuls over the sorted
-rows, unsort, weighted combine. Dropless by construction.
+Einsum (`capacity_einsum`, `sparse_matmul=false`): per sequence, a one-hot dispatch tensor
+[B, T, E, C] and einsums; with `capacity_factor > 0` assignments past an expert's capacity C are
+dropped and counted (priority: all first choices, then second choices, ...); `capacity_factor=-1`
+sets C = T, dropless.
+Sorted (`sparse`, `sparse_matmul=true`): sort the M = N*K assignments by expert, grouped matmuls
+over the sorted rows, unsort, weighted combine. Dropless by construction. `dropped` is int32.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from expertax.parallel import remat
 
 
 def expert_ffn_sorted(
-    rows_ND, wi_0_EDF, wi_1_EDF, wo_EFD, group_sizes_E, c: Config, dtype, group_offset=None
+    rows_MD, wi_0_EDF, wi_1_EDF, wo_EFD, group_sizes_E, c: Config, dtype, group_offset=None
 ):
     """SwiGLU over rows sorted by expert, with grouped matmuls (local experts only if offset)."""
     kw = dict(
@@ -29,14 +30,14 @@ def expert_ffn_sorted(
         tile_rows=c.gmm_tile_rows,
         tile_rows_min=c.gmm_tile_rows_min,
     )
-    gate = remat.tag(gmm(rows_ND, wi_0_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_0)
-    up = remat.tag(gmm(rows_ND, wi_1_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_1)
+    gate = remat.tag(gmm(rows_MD, wi_0_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_0)
+    up = remat.tag(gmm(rows_MD, wi_1_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_1)
     h = jax.nn.silu(gate) * up
     return remat.tag(gmm(h, wo_EFD.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWO)
 
 
 def permute(x_ND, experts_NK, num_experts):
-    """Rows sorted by expert: (rows [N*K, D], sort order [N*K], group sizes [E])."""
+    """Rows sorted by expert: (rows [M, D], sort order [M], group sizes [E]), M = N*K."""
     k = experts_NK.shape[1]
     flat = experts_NK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -57,7 +58,7 @@ def unpermute_combine(y_sorted, order, weights_NK, c: Config, dtype):
 def sparse(x_ND, routing, p, c: Config, dtype):
     rows, order, sizes = permute(x_ND, routing.experts_NK, c.num_experts)
     y = expert_ffn_sorted(rows, p.wi_0, p.wi_1, p.wo, sizes, c, dtype)
-    return unpermute_combine(y, order, routing.weights_NK, c, dtype), jnp.float32(0)
+    return unpermute_combine(y, order, routing.weights_NK, c, dtype), jnp.int32(0)
 
 
 def capacity(c: Config, seq_len: int) -> int:
@@ -67,8 +68,8 @@ def capacity(c: Config, seq_len: int) -> int:
     return max(1, min(seq_len, math.ceil(per_expert)))
 
 
-def dense(x_BTD, experts_BTK, weights_BTK, p, c: Config, dtype):
-    """Einsum dispatch per sequence; returns (out [B, T, D], dropped assignment count)."""
+def capacity_einsum(x_BTD, experts_BTK, weights_BTK, p, c: Config, dtype):
+    """One-hot einsum dispatch per sequence: (out [B, T, D], dropped assignments, int32)."""
     b, t, k = experts_BTK.shape
     cap = capacity(c, t)
     onehot_BKTE = jax.nn.one_hot(experts_BTK.transpose(0, 2, 1), c.num_experts, dtype=jnp.int32)
@@ -87,4 +88,4 @@ def dense(x_BTD, experts_BTK, weights_BTK, p, c: Config, dtype):
     acc = jnp.float32 if c.float32_weight_sum else dtype
     out = jnp.einsum("ebcd,btec->btd", y.astype(acc), combine_BTEC.astype(acc)).astype(dtype)
     dropped = jnp.sum(onehot_BKTE) - jnp.sum(keep)
-    return out, dropped.astype(jnp.float32)
+    return out, dropped.astype(jnp.int32)

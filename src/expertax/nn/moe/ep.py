@@ -20,8 +20,9 @@ with one psum over `tensor` after the combine (the combine is linear, so this eq
 `wo` on fewer rows). Balancing statistics are psum-reduced over the batch axes so that the
 returned `MoEStats` is the same on every shard.
 
-Shape letters: N local tokens, K top-k, R = N*K routed rows, M receive-buffer rows, S shards on
-the expert axis (EP), E experts, X = E/S local experts, D model dim, F MLP dim.
+Shape letters (docs/notation.md): N local tokens, K top-k, M routed rows (the N*K rows this
+shard sorts and sends; the rows of its receive buffer), P shards on the expert axis (EP), E
+experts, X = E/P local experts, D model dim, F MLP dim.
 """
 
 from __future__ import annotations
@@ -34,47 +35,17 @@ from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
 from expertax.nn.moe import dispatch, router
+from expertax.nn.moe.strategy import EXPERT, resolve_a2a_impl, token_axes
 from expertax.nn.param import params_dataclass
 from expertax.sharding.rules import current_rules
 
-BATCH_AXES = ("data", "fsdp", "expert")
-EXPERT = "expert"
 TENSOR = "tensor"
 
 
-def mesh_is_active() -> bool:
-    """True when a mesh of more than one device is set: the sparse path then runs `apply`."""
+def mesh_size() -> int:
+    """Devices in the active mesh (1 without one): `strategy.uses_shard_map` decides with it."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and mesh.size > 1
-
-
-def resolve_a2a_impl(c: Config, backend: str | None = None) -> str:
-    """`ragged` or `padded`: `auto` picks ragged where XLA implements it (GPU, TPU)."""
-    if c.a2a_impl != "auto":
-        return c.a2a_impl
-    backend = backend or jax.default_backend()
-    return "ragged" if backend in ("gpu", "cuda", "rocm", "tpu") else "padded"
-
-
-def describe_dispatch(c: Config) -> str:
-    """One line for the run's log: which MoE dispatch this config runs under a mesh."""
-    if not c.is_moe:
-        return "MoE dispatch: none (dense model)"
-    if not c.sparse_matmul:
-        cap = "dropless" if c.capacity_factor == -1 else f"capacity_factor={c.capacity_factor}"
-        return f"MoE dispatch: dense einsum under GSPMD ({cap})"
-    if c.use_ring_of_experts:
-        return "MoE dispatch: sparse, ring of experts (all-gather, local experts, reduce-scatter)"
-    impl = resolve_a2a_impl(c)
-    buf = (
-        "worst-case receive buffer (dropless)"
-        if c.ragged_buffer_factor <= 0
-        else f"receive buffer {c.ragged_buffer_factor} x routed rows (overflow counted as dropped)"
-    )
-    return (
-        f"MoE dispatch: sparse, all-to-all a2a_impl={c.a2a_impl} -> {impl} "
-        f"on {jax.default_backend()}, {buf}"
-    )
+    return 1 if mesh.empty else mesh.size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,18 +58,18 @@ class ExchangePlan:
 
     Forward: rows `[fwd_in_off[j], +fwd_send[j])` of the expert-sorted rows go to peer j, at row
     `fwd_out_off[j]` of its receive buffer; `fwd_recv[i]` rows arrive from peer i. Reverse: the
-    same exchange mirrored. `recv_counts_SX[i, x]`: rows from peer i for local expert x.
+    same exchange mirrored. `recv_counts_PX[i, x]`: rows from peer i for local expert x.
     """
 
-    fwd_in_off: jax.Array  # [S]
-    fwd_send: jax.Array  # [S]
-    fwd_out_off: jax.Array  # [S]
-    fwd_recv: jax.Array  # [S]
-    rev_in_off: jax.Array  # [S]
-    rev_send: jax.Array  # [S]
-    rev_out_off: jax.Array  # [S]
-    rev_recv: jax.Array  # [S]
-    recv_counts_SX: jax.Array  # [S, X]
+    fwd_in_off: jax.Array  # [P]
+    fwd_send: jax.Array  # [P]
+    fwd_out_off: jax.Array  # [P]
+    fwd_recv: jax.Array  # [P]
+    rev_in_off: jax.Array  # [P]
+    rev_send: jax.Array  # [P]
+    rev_out_off: jax.Array  # [P]
+    rev_recv: jax.Array  # [P]
+    recv_counts_PX: jax.Array  # [P, X]
     dropped: jax.Array  # scalar int32: rows of this expert group that did not fit, all shards
 
 
@@ -106,32 +77,32 @@ def _exclusive_cumsum(a, axis):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def make_plan(counts_SE: jax.Array, me: jax.Array, buffer_rows: int) -> ExchangePlan:
-    """The exchange from the all-gathered per-expert counts `counts_SE[src, e]`.
+def make_plan(counts_PE: jax.Array, me: jax.Array, buffer_rows: int) -> ExchangePlan:
+    """The exchange from the all-gathered per-expert counts `counts_PE[src, e]`.
 
     Each receiver fills its `buffer_rows` rows in (source, local expert) order; the rows that do
     not fit are the tail of each source's chunk (its last experts) and are counted in `dropped`.
     """
-    s, e = counts_SE.shape
-    x = e // s
-    full_SDX = counts_SE.reshape(s, s, x).astype(jnp.int32)  # [src, dst, local expert]
-    per_dst = full_SDX.transpose(1, 0, 2).reshape(s, s * x)  # [dst, (src, x)]
+    p, e = counts_PE.shape
+    x = e // p
+    full_PPX = counts_PE.reshape(p, p, x).astype(jnp.int32)  # [src, dst, local expert]
+    per_dst = full_PPX.transpose(1, 0, 2).reshape(p, p * x)  # [dst, (src, x)]
     room = jnp.clip(buffer_rows - _exclusive_cumsum(per_dst, 1), 0, None)
-    kept_SDX = jnp.minimum(per_dst, room).reshape(s, s, x).transpose(1, 0, 2)
-    sent_SD = kept_SDX.sum(-1)
-    chunk_start_SD = _exclusive_cumsum(full_SDX.sum(-1), 1)  # in the sender's sorted rows
-    recv_off_SD = _exclusive_cumsum(sent_SD, 0)  # in the receiver's buffer
+    kept_PPX = jnp.minimum(per_dst, room).reshape(p, p, x).transpose(1, 0, 2)
+    sent_PP = kept_PPX.sum(-1)
+    chunk_start_PP = _exclusive_cumsum(full_PPX.sum(-1), 1)  # in the sender's sorted rows
+    recv_off_PP = _exclusive_cumsum(sent_PP, 0)  # in the receiver's buffer
     return ExchangePlan(
-        fwd_in_off=chunk_start_SD[me],
-        fwd_send=sent_SD[me],
-        fwd_out_off=recv_off_SD[me],
-        fwd_recv=sent_SD[:, me],
-        rev_in_off=recv_off_SD[:, me],
-        rev_send=sent_SD[:, me],
-        rev_out_off=chunk_start_SD[:, me],
-        rev_recv=sent_SD[me],
-        recv_counts_SX=kept_SDX[:, me, :],
-        dropped=jnp.sum(full_SDX) - jnp.sum(kept_SDX),
+        fwd_in_off=chunk_start_PP[me],
+        fwd_send=sent_PP[me],
+        fwd_out_off=recv_off_PP[me],
+        fwd_recv=sent_PP[:, me],
+        rev_in_off=recv_off_PP[:, me],
+        rev_send=sent_PP[:, me],
+        rev_out_off=chunk_start_PP[:, me],
+        rev_recv=sent_PP[me],
+        recv_counts_PX=kept_PPX[:, me, :],
+        dropped=jnp.sum(full_PPX) - jnp.sum(kept_PPX),
     )
 
 
@@ -164,16 +135,16 @@ def padded_all_to_all(
     Peer j's block holds `operand[input_offsets[j]:][:send_sizes[j]]`, zero-padded; the receiver
     scatters the first `recv_sizes[i]` rows of source i's block at the offset source i chose
     (`output_offsets`, sent along). Rows of `output` nobody writes keep their value. Needs
-    `send_sizes <= block_rows`. Moves S * block_rows rows per shard instead of the ragged sum.
+    `send_sizes <= block_rows`. Moves P * block_rows rows per shard instead of the ragged sum.
     """
     n = operand.shape[0]
     r = jnp.arange(block_rows, dtype=jnp.int32)
-    src_idx = input_offsets[:, None] + r[None, :]  # [S, block]
+    src_idx = input_offsets[:, None] + r[None, :]  # [P, block]
     valid = r[None, :] < send_sizes[:, None]
     blocks = jnp.take(operand, jnp.clip(src_idx, 0, n - 1), axis=0)
     blocks = jnp.where(valid[..., None], blocks, jnp.zeros((), operand.dtype))
-    got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [S, block, D], by source
-    their_off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # [S]
+    got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [P, block, D], by source
+    their_off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # [P]
     dst = their_off[:, None] + r[None, :]
     dst = jnp.where(r[None, :] < recv_sizes[:, None], dst, output.shape[0])  # dropped: OOB
     return output.at[dst.reshape(-1)].set(got.reshape(-1, *got.shape[2:]), mode="drop")
@@ -194,43 +165,43 @@ def all_to_all(impl: str, operand, output, in_off, send, out_off, recv, *, block
 # The all-to-all strategy, step by step.
 
 
-def route_and_send(x_ND, experts_NK, c: Config, impl: str):
-    """Sort this shard's assignments by expert and send the rows to their experts' shards.
+def sort_and_send(x_ND, experts_NK, c: Config, impl: str):
+    """Sort this shard's (already routed) assignments by expert, send the rows to their experts.
 
-    Returns (received rows [M, D], plan, sort order [R]); received rows are grouped by source.
+    Returns (received rows [M, D], plan, send order [N*K]); received rows are grouped by source.
     """
     ep = jax.lax.axis_size(EXPERT)
     n, k = experts_NK.shape
-    rows_RD, order_R, sizes_E = dispatch.permute(x_ND, experts_NK, c.num_experts)
-    counts_SE = jax.lax.all_gather(sizes_E, EXPERT)
+    rows_MD, send_order_M, sizes_E = dispatch.permute(x_ND, experts_NK, c.num_experts)
+    counts_PE = jax.lax.all_gather(sizes_E, EXPERT)
     m = buffer_rows(c, n * k, n, ep)
-    plan = make_plan(counts_SE, jax.lax.axis_index(EXPERT), m)
+    plan = make_plan(counts_PE, jax.lax.axis_index(EXPERT), m)
     block = padded_block_rows(c, n, ep, m)
     recv_MD = all_to_all(
         impl,
-        rows_RD,
-        jnp.zeros((m, rows_RD.shape[1]), rows_RD.dtype),
+        rows_MD,
+        jnp.zeros((m, rows_MD.shape[1]), rows_MD.dtype),
         plan.fwd_in_off,
         plan.fwd_send,
         plan.fwd_out_off,
         plan.fwd_recv,
         block_rows=block,
     )
-    return recv_MD, plan, order_R
+    return recv_MD, plan, send_order_M
 
 
-def sort_by_local_expert(recv_MD, recv_counts_SX):
+def sort_by_local_expert(recv_MD, recv_counts_PX):
     """Order of the received rows by local expert, and the local group sizes [X].
 
     The buffer holds, per source, that source's rows sorted by expert; empty rows sort last.
     """
     m = recv_MD.shape[0]
-    x = recv_counts_SX.shape[1]
-    ends = jnp.cumsum(recv_counts_SX.reshape(-1))
+    x = recv_counts_PX.shape[1]
+    ends = jnp.cumsum(recv_counts_PX.reshape(-1))
     segment = jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right")
     local_expert = jnp.where(segment < ends.shape[0], segment % x, x)
     order_M = jnp.argsort(local_expert, stable=True)
-    return order_M, recv_counts_SX.sum(0)
+    return order_M, recv_counts_PX.sum(0)
 
 
 def local_expert_ffn(rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c: Config, dtype):
@@ -249,7 +220,7 @@ def unsort_and_return(
 ):
     """Undo the local sort and send each row back to its source shard (reverse all-to-all).
 
-    Returns [R, D] rows in this shard's expert-sorted order; rows that were dropped are zero.
+    Returns [N*K, D] rows in this shard's expert-sorted order; rows that were dropped are zero.
     """
     y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
     block = min(block_rows, num_rows)
@@ -268,16 +239,16 @@ def unsort_and_return(
 def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str):
     """The all-to-all strategy on one shard: (partial output [N, D], dropped rows)."""
     wi_0, wi_1, wo = w
-    recv_MD, plan, order_R = route_and_send(x_ND, routing.experts_NK, c, impl)
-    order_M, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_SX)
+    recv_MD, plan, send_order_M = sort_and_send(x_ND, routing.experts_NK, c, impl)
+    recv_order_M, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_PX)
     y_sorted = local_expert_ffn(
-        jnp.take(recv_MD, order_M, axis=0), wi_0, wi_1, wo, sizes_X, c, dtype
+        jnp.take(recv_MD, recv_order_M, axis=0), wi_0, wi_1, wo, sizes_X, c, dtype
     )
     n = x_ND.shape[0]
     ep = jax.lax.axis_size(EXPERT)
     block = padded_block_rows(c, n, ep, recv_MD.shape[0])
-    back_RD = unsort_and_return(y_sorted, order_M, plan, order_R.shape[0], impl, block)
-    out_ND = dispatch.unpermute_combine(back_RD, order_R, routing.weights_NK, c, dtype)
+    back_MD = unsort_and_return(y_sorted, recv_order_M, plan, send_order_M.shape[0], impl, block)
+    out_ND = dispatch.unpermute_combine(back_MD, send_order_M, routing.weights_NK, c, dtype)
     return out_ND, plan.dropped
 
 
@@ -295,7 +266,7 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, *, gathere
     x_local = wi_0.shape[0]
     experts_NK, weights_NK = routing.experts_NK, routing.weights_NK
     if not gathered:
-        x_ND = jax.lax.all_gather(x_ND, EXPERT, tiled=True)  # [S*N, D]
+        x_ND = jax.lax.all_gather(x_ND, EXPERT, tiled=True)  # [P*N, D]
         experts_NK = jax.lax.all_gather(experts_NK, EXPERT, tiled=True)
         weights_NK = jax.lax.all_gather(weights_NK, EXPERT, tiled=True)
     rows, order, sizes_E = dispatch.permute(x_ND, experts_NK, c.num_experts)
@@ -312,22 +283,15 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, *, gathere
 # The shard_map.
 
 
-def token_axes() -> tuple[str, ...]:
-    """Mesh axes the MoE input tokens are sharded over: the rules' `batch` entry (batch axes)."""
-    rules = current_rules()
-    axes = tuple(rules["batch"]) if rules is not None and "batch" in rules else BATCH_AXES
-    return tuple(a for a in axes if a in BATCH_AXES)
-
-
 def global_stats(routing: router.Routing, num_tokens: int, dropped, c: Config, axes):
     """MoEStats from sums over the shards whose routed tokens differ (`axes`), on every shard.
 
-    `dropped` is already the total of an expert group (the same on each of its shards).
+    `dropped` (int32) is already the total of an expert group (the same on each of its shards).
     """
     counts_E = jax.lax.psum(routing.counts_E, axes)
     prob_sum_E = jax.lax.psum(routing.prob_sum_E, axes)
     groups = jax.lax.axis_size(EXPERT) if EXPERT in axes else 1
-    total_dropped = jax.lax.psum(dropped.astype(jnp.float32), axes) / groups
+    total_dropped = jax.lax.psum(dropped.astype(jnp.int32), axes) // groups
     shards = jax.lax.axis_size(axes)
     return router.balance_stats(counts_E, prob_sum_E, num_tokens * shards, c, total_dropped)
 
@@ -337,9 +301,9 @@ def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, *, c, dtype, 
     b, t, d = x_BTD_local.shape
     x_ND = x_BTD_local.reshape(b * t, d)
     w = (wi_0_local, wi_1_local, wo_local)
-    stat_axes = token_axes() if split else (*token_axes(), EXPERT)
+    stat_axes = token_axes(current_rules()) if split else (*token_axes(current_rules()), EXPERT)
     if c.use_ring_of_experts:
-        stat_axes = token_axes()
+        stat_axes = token_axes(current_rules())
         routing = router.route(router_p, x_ND, c)
         out_ND, dropped = ring_dispatch(x_ND, routing, w, c, dtype, gathered=not split)
     else:
@@ -363,7 +327,7 @@ def apply(router_p: router.Router, wi_0_EDF, wi_1_EDF, wo_EFD, x_BTD, c: Config,
     weights [E/expert, D, F/tensor]; weights stored over `fsdp` are all-gathered by the in_specs.
     """
     impl = resolve_a2a_impl(c)
-    axes = token_axes()
+    axes = token_axes(current_rules())
     w_spec = P(EXPERT, None, TENSOR)
     wo_spec = P(EXPERT, TENSOR, None)
     router_spec = jax.tree.map(lambda _: P(), router_p)

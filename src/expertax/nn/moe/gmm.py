@@ -1,7 +1,7 @@
 """Grouped matrix multiply: rows sorted by group, each group multiplied by its own weight matrix.
 
-`gmm(lhs_ND, rhs_EDF, group_sizes_E)` computes, for rows of group e, `lhs_ND[rows] @ rhs_EDF[e]`.
-Rows beyond `sum(group_sizes)` produce zeros. With `group_offset`, only groups
+`gmm(lhs_MD, rhs_EDF, group_sizes_E)` computes, for rows of group e, `lhs_MD[rows] @ rhs_EDF[e]`.
+Rows M beyond `sum(group_sizes)` produce zeros. With `group_offset`, only groups
 `[group_offset, group_offset + E_local)` are local: `rhs` holds those E_local experts and
 `group_sizes` still covers all experts (rows of non-local groups produce zeros, zero gradients).
 
@@ -58,7 +58,7 @@ def resolve_backend(backend: str) -> str:
 
 
 def gmm(
-    lhs_ND,
+    lhs_MD,
     rhs_EDF,
     group_sizes_E,
     *,
@@ -68,38 +68,38 @@ def gmm(
     tile_rows: int = DEFAULT_TILE_ROWS,
     tile_rows_min: int = DEFAULT_TILE_ROWS_MIN,
 ):
-    """Grouped matmul `[N, D] x [E_local, D, F] -> [N, F]` (see the module docstring).
+    """Grouped matmul `[M, D] x [E_local, D, F] -> [M, F]` (see the module docstring).
 
     Args:
-      lhs_ND: rows sorted by group.
+      lhs_MD: rows sorted by group.
       rhs_EDF: weights of the local experts.
-      group_sizes_E: int rows per group, for all E experts (E >= E_local), sum <= N; may be traced.
+      group_sizes_E: int rows per group, for all E experts (E >= E_local), sum <= M; may be traced.
       group_offset: first local group (may be a traced scalar); None means all groups are local.
       backend: one of `BACKENDS`.
-      preferred_element_type: output dtype (accumulation is float32); default `lhs_ND.dtype`.
+      preferred_element_type: output dtype (accumulation is float32); default `lhs_MD.dtype`.
       tile_rows: `tiled` only; rows per work item for the full chunks of a group.
       tile_rows_min: `tiled` only; smallest tile for the remainder of a group (its last
         `size % tile_rows` rows), which takes the smallest of tile_rows_min * 2^k (< tile_rows)
         holding it: one work item, fewer than 2x the remainder's rows (+ tile_rows_min) computed.
     """
     backend = resolve_backend(backend)
-    out_dtype = jnp.dtype(preferred_element_type or lhs_ND.dtype)
+    out_dtype = jnp.dtype(preferred_element_type or lhs_MD.dtype)
     group_sizes_E = group_sizes_E.astype(jnp.int32)
     if backend == "tiled":
-        tiles = _tile_ladder(lhs_ND.shape[0], tile_rows, tile_rows_min)
+        tiles = _tile_ladder(lhs_MD.shape[0], tile_rows, tile_rows_min)
         offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
         # Inside shard_map, give all operands the same varying axes outside the custom VJP so
         # autodiff transposes the implicit broadcast (a psum) for replicated operands.
-        args = (lhs_ND, rhs_EDF, group_sizes_E, offset)
+        args = (lhs_MD, rhs_EDF, group_sizes_E, offset)
         args = tuple(_varying_like(a, *args) for a in args)
         return _tiled(*args, tiles, out_dtype)
     if group_offset is None:
-        return jax.lax.ragged_dot(lhs_ND, rhs_EDF, group_sizes_E, preferred_element_type=out_dtype)
+        return jax.lax.ragged_dot(lhs_MD, rhs_EDF, group_sizes_E, preferred_element_type=out_dtype)
     # ragged_dot's group_offset is not implemented everywhere; select the local groups instead.
     e_local = rhs_EDF.shape[0]
     sizes = jax.lax.dynamic_slice_in_dim(group_sizes_E, group_offset, e_local)
     start = jnp.sum(jnp.where(jnp.arange(group_sizes_E.shape[0]) < group_offset, group_sizes_E, 0))
-    rolled = jnp.roll(lhs_ND, -start, axis=0)
+    rolled = jnp.roll(lhs_MD, -start, axis=0)
     out = jax.lax.ragged_dot(rolled, rhs_EDF, sizes, preferred_element_type=out_dtype)
     return jnp.roll(out, start, axis=0)
 
@@ -185,46 +185,50 @@ def _tile_rows_mask(row0, row1, tile: int, n: int):
     return start, ((r >= row0) & (r < row1))[:, None]
 
 
-def _loop_rows(x_NK, w_EKM, items, out_NM, *, contract_w: int):
-    """out[rows of item] = x[rows] @ w[g] (contracting w's dim `contract_w`) for every item."""
-    n = x_NK.shape[0]
+def _loop_rows(x_MI, w_EIZ, items, out_MZ, *, contract_w: int):
+    """out[rows of item] = x[rows] @ w[g] (contracting w's dim `contract_w`) for every item.
+
+    I: the contracted width, Z: the output width (D -> F forward, F -> D for the input
+    gradient, where `contract_w=1` and w is laid out [E, Z, I]).
+    """
+    n = x_MI.shape[0]
     for item in items:
 
         def body(i, out, item=item):
-            w = jax.lax.dynamic_index_in_dim(w_EKM, item["g"][i], keepdims=False)
+            w = jax.lax.dynamic_index_in_dim(w_EIZ, item["g"][i], keepdims=False)
 
             tile = item["tile"]
             start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
-            x = jax.lax.dynamic_slice_in_dim(x_NK, start, tile)
+            x = jax.lax.dynamic_slice_in_dim(x_MI, start, tile)
             y = jax.lax.dot_general(
                 x, w, (((1,), (contract_w,)), ((), ())), preferred_element_type=jnp.float32
             ).astype(out.dtype)
             old = jax.lax.dynamic_slice_in_dim(out, start, tile)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, y, old), start, 0)
 
-        out_NM = jax.lax.fori_loop(0, item["count"], body, out_NM)
-    return out_NM
+        out_MZ = jax.lax.fori_loop(0, item["count"], body, out_MZ)
+    return out_MZ
 
 
-def _loop_weight_grad(x_ND, dy_NF, items, e_local: int):
+def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
     """dw[g] = sum over g's items of x[rows]^T @ dy[rows], float32, as `[E_local, D, F]`.
 
     A scan over the local groups emits each group's gradient once: no separate zero fill of the
     whole gradient and no read-modify-write of it (each a pass over E x D x F).
     """
-    n, d, f = x_ND.shape[0], x_ND.shape[1], dy_NF.shape[1]
+    n, d, f = x_MD.shape[0], x_MD.shape[1], dy_MF.shape[1]
 
     def step(i, acc, item):
         tile = item["tile"]
         start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
-        x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_ND, start, tile), 0)
-        dy = jax.lax.dynamic_slice_in_dim(dy_NF, start, tile)
+        x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_MD, start, tile), 0)
+        dy = jax.lax.dynamic_slice_in_dim(dy_MF, start, tile)
         return acc + jax.lax.dot_general(
             x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
     def group(_, g):
-        acc = _varying_like(jnp.zeros((d, f), jnp.float32), x_ND, dy_NF, items[0]["g"], g)
+        acc = _varying_like(jnp.zeros((d, f), jnp.float32), x_MD, dy_MF, items[0]["g"], g)
         for item in items:
             body = functools.partial(step, item=item)
             acc = jax.lax.fori_loop(item["lo_E"][g], item["hi_E"][g], body, acc)
@@ -234,28 +238,28 @@ def _loop_weight_grad(x_ND, dy_NF, items, e_local: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _tiled(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
-    return _tiled_fwd(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype)[0]
+def _tiled(lhs_MD, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
+    return _tiled_fwd(lhs_MD, rhs_EDF, group_sizes_E, offset, tiles, out_dtype)[0]
 
 
-def _tiled_fwd(lhs_ND, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
-    n, e_local, f = lhs_ND.shape[0], rhs_EDF.shape[0], rhs_EDF.shape[2]
+def _tiled_fwd(lhs_MD, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
+    n, e_local, f = lhs_MD.shape[0], rhs_EDF.shape[0], rhs_EDF.shape[2]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    zeros_NF = _varying_like(jnp.zeros((n, f), out_dtype), lhs_ND, rhs_EDF, group_sizes_E, offset)
-    out_NF = _loop_rows(lhs_ND, rhs_EDF, items, zeros_NF, contract_w=0)
-    return out_NF, (lhs_ND, rhs_EDF, group_sizes_E, offset)
+    zeros_MF = _varying_like(jnp.zeros((n, f), out_dtype), lhs_MD, rhs_EDF, group_sizes_E, offset)
+    out_MF = _loop_rows(lhs_MD, rhs_EDF, items, zeros_MF, contract_w=0)
+    return out_MF, (lhs_MD, rhs_EDF, group_sizes_E, offset)
 
 
-def _tiled_bwd(tiles, out_dtype, res, dout_NF):
-    lhs_ND, rhs_EDF, group_sizes_E, offset = res
-    n, e_local = lhs_ND.shape[0], rhs_EDF.shape[0]
+def _tiled_bwd(tiles, out_dtype, res, dout_MF):
+    lhs_MD, rhs_EDF, group_sizes_E, offset = res
+    n, e_local = lhs_MD.shape[0], rhs_EDF.shape[0]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    zeros_ND = _varying_like(
-        jnp.zeros(lhs_ND.shape, lhs_ND.dtype), dout_NF, rhs_EDF, group_sizes_E, offset
+    zeros_MD = _varying_like(
+        jnp.zeros(lhs_MD.shape, lhs_MD.dtype), dout_MF, rhs_EDF, group_sizes_E, offset
     )
-    dlhs_ND = _loop_rows(dout_NF, rhs_EDF, items, zeros_ND, contract_w=1)
-    dw_EDF = _loop_weight_grad(lhs_ND, dout_NF, items, e_local)
-    return dlhs_ND, dw_EDF.astype(rhs_EDF.dtype), None, None
+    dlhs_MD = _loop_rows(dout_MF, rhs_EDF, items, zeros_MD, contract_w=1)
+    dw_EDF = _loop_weight_grad(lhs_MD, dout_MF, items, e_local)
+    return dlhs_MD, dw_EDF.astype(rhs_EDF.dtype), None, None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)

@@ -6,8 +6,8 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import mlp
-from expertax.nn.moe import dispatch, ep, router
-from expertax.nn.param import dense, params_dataclass
+from expertax.nn.moe import dispatch, ep, router, strategy
+from expertax.nn.param import params_dataclass, projection
 from expertax.sharding import constrain
 
 
@@ -25,9 +25,9 @@ def spec(c: Config) -> MoE:
     shared = mlp.spec(d, f * c.shared_experts) if c.shared_experts else None
     return MoE(
         router=router.spec(c),
-        wi_0=dense((e, d, f), ("exp", "embed", "exp_mlp"), d),
-        wi_1=dense((e, d, f), ("exp", "embed", "exp_mlp"), d),
-        wo=dense((e, f, d), ("exp", "exp_mlp", "embed"), f),
+        wi_0=projection((e, d, f), ("exp", "embed", "exp_mlp"), d),
+        wi_1=projection((e, d, f), ("exp", "embed", "exp_mlp"), d),
+        wo=projection((e, f, d), ("exp", "exp_mlp", "embed"), f),
         shared=shared,
     )
 
@@ -36,7 +36,7 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
     """MoE output [B, T, D] and stats; the sparse path under a mesh is expert-parallel (ep.py)."""
     b, t, d = x_BTD.shape
     x_ND = x_BTD.reshape(b * t, d)
-    if c.sparse_matmul and ep.mesh_is_active():
+    if strategy.uses_shard_map(c, ep.mesh_size()):
         out_BTD, stats = ep.apply(p.router, p.wi_0, p.wi_1, p.wo, x_BTD, c, dtype)
         return _finish(p, x_BTD, out_BTD, c, dtype), stats
     routing = router.route(p.router, x_ND, c)
@@ -45,7 +45,7 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
         out_BTD = out_ND.reshape(b, t, d)
     else:
         k = c.num_experts_per_tok
-        out_BTD, dropped = dispatch.dense(
+        out_BTD, dropped = dispatch.capacity_einsum(
             x_BTD,
             routing.experts_NK.reshape(b, t, k),
             routing.weights_NK.reshape(b, t, k),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.param import ParamSpec, dense, params_dataclass
+from expertax.nn.param import ParamSpec, params_dataclass, projection
 
 
 @params_dataclass
@@ -37,23 +37,27 @@ class Routing:
 class MoEStats:
     load_E: jax.Array  # float32 assignments per expert, over all shards
     lb_loss: jax.Array  # scalar Switch-style load-balance loss
-    dropped: jax.Array  # scalar number of dropped (token, expert) assignments
+    dropped: jax.Array  # int32 scalar: dropped (token, expert) assignments, all shards
 
 
 def spec(c: Config) -> Router:
     d, e = c.base_emb_dim, c.num_experts
-    bias = ParamSpec((e,), (None,), "zeros", trainable=False) if c.routed_bias else None
-    return Router(w=dense((d, e), ("embed", None), d), bias=bias)
+    bias = (
+        ParamSpec((e,), (None,), "zeros", trainable=False, weight_decay=False)
+        if c.routed_bias
+        else None
+    )
+    return Router(w=projection((d, e), ("embed", None), d), bias=bias)
 
 
 def _group_mask(choice_NE: jax.Array, c: Config) -> jax.Array:
     n, e = choice_NE.shape
-    g = c.n_routing_groups
-    grouped = choice_NE.reshape(n, g, e // g)
-    top2 = jax.lax.top_k(grouped, min(2, e // g))[0].sum(-1)  # [N, G]
-    _, keep_idx = jax.lax.top_k(top2, c.topk_routing_group)
-    keep_NG = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], keep_idx].set(True)
-    return jnp.repeat(keep_NG, e // g, axis=1)
+    u = c.n_routing_groups
+    grouped = choice_NE.reshape(n, u, e // u)  # [N, U, E/U]
+    top2_NU = jax.lax.top_k(grouped, min(2, e // u))[0].sum(-1)
+    _, keep_idx = jax.lax.top_k(top2_NU, c.topk_routing_group)
+    keep_NU = jnp.zeros((n, u), bool).at[jnp.arange(n)[:, None], keep_idx].set(True)
+    return jnp.repeat(keep_NU, e // u, axis=1)
 
 
 def route(p: Router, x_ND: jax.Array, c: Config) -> Routing:
@@ -88,7 +92,7 @@ def balance_stats(counts_E, prob_sum_E, num_tokens, c: Config, dropped) -> MoESt
     f_E = counts_E / (num_tokens * c.num_experts_per_tok)
     p_E = prob_sum_E / num_tokens
     lb = c.num_experts * jnp.sum(f_E * p_E)
-    return MoEStats(load_E=counts_E, lb_loss=lb, dropped=jnp.asarray(dropped, jnp.float32))
+    return MoEStats(load_E=counts_E, lb_loss=lb, dropped=jnp.asarray(dropped, jnp.int32))
 
 
 def updated_bias(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:

@@ -29,18 +29,18 @@ CASES = {
 }
 
 
-def oracle(lhs_ND, rhs_EDF, group_sizes_E, group_offset):
+def oracle(lhs_MD, rhs_EDF, group_sizes_E, group_offset):
     """Every row times every local expert's weights, masked to its own group (test-size only)."""
-    n, e_local = lhs_ND.shape[0], rhs_EDF.shape[0]
+    n, e_local = lhs_MD.shape[0], rhs_EDF.shape[0]
     ends_E = jnp.minimum(jnp.cumsum(group_sizes_E), n)
     starts_E = ends_E - jnp.minimum(group_sizes_E, ends_E)
     off = 0 if group_offset is None else group_offset
-    rows_N = jnp.arange(n)
-    out_NF = jnp.zeros((n, rhs_EDF.shape[2]), jnp.float32)
+    rows_M = jnp.arange(n)
+    out_MF = jnp.zeros((n, rhs_EDF.shape[2]), jnp.float32)
     for e in range(e_local):
-        in_group_N = (rows_N >= starts_E[off + e]) & (rows_N < ends_E[off + e])
-        out_NF = out_NF + jnp.where(in_group_N[:, None], lhs_ND @ rhs_EDF[e], 0.0)
-    return out_NF
+        in_group_M = (rows_M >= starts_E[off + e]) & (rows_M < ends_E[off + e])
+        out_MF = out_MF + jnp.where(in_group_M[:, None], lhs_MD @ rhs_EDF[e], 0.0)
+    return out_MF
 
 
 def _inputs(e_local, seed=0):

@@ -1,0 +1,85 @@
+"""Which MoE dispatch runs for a config and a mesh, decided once, and its one-line description.
+
+`moe.layer.apply` runs the sparse path inside `ep.apply`'s `shard_map` exactly when
+`uses_shard_map` says so (sparse dispatch and a mesh of more than one device); otherwise the plain
+sorted path (one device) or the one-hot einsum path (under GSPMD when a mesh is set) runs. Inside
+the `shard_map`, the exchange over the `expert` axis is the ring of experts or the all-to-all
+(`use_ring_of_experts`); with an expert axis of size one there is no exchange at all.
+`describe_dispatch` states the same decisions for the run's log (docs/design/ep.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+
+from expertax.config.schema import Config
+from expertax.sharding.rules import Rules, config_rules
+
+BATCH_AXES = ("data", "fsdp", "expert")
+EXPERT = "expert"
+
+
+def uses_shard_map(c: Config, mesh_size: int) -> bool:
+    """True when the MoE layer runs `ep.apply` (its `shard_map`): sparse dispatch, mesh > 1."""
+    return c.sparse_matmul and mesh_size > 1
+
+
+def token_axes(rules: Rules | None) -> tuple[str, ...]:
+    """Mesh axes the MoE input tokens are sharded over: the rules' `batch` entry (batch axes)."""
+    axes = tuple(rules["batch"]) if rules is not None and "batch" in rules else BATCH_AXES
+    return tuple(a for a in axes if a in BATCH_AXES)
+
+
+def resolve_a2a_impl(c: Config, backend: str | None = None) -> str:
+    """`ragged` or `padded`: `auto` picks ragged where XLA implements it (GPU, TPU)."""
+    if c.a2a_impl != "auto":
+        return c.a2a_impl
+    backend = backend or jax.default_backend()
+    return "ragged" if backend in ("gpu", "cuda", "rocm", "tpu") else "padded"
+
+
+def _capacity(c: Config) -> str:
+    return "dropless" if c.capacity_factor == -1 else f"capacity_factor={c.capacity_factor}"
+
+
+def _buffer(c: Config) -> str:
+    if c.ragged_buffer_factor <= 0:
+        return "worst-case receive buffer (dropless)"
+    return f"receive buffer {c.ragged_buffer_factor} x routed rows (overflow counted as dropped)"
+
+
+def describe_dispatch(
+    c: Config, mesh_shape: Mapping[str, int], *, backend: str | None = None
+) -> str:
+    """One line for the run's log: the MoE dispatch that runs for `c` on a mesh of `mesh_shape`.
+
+    `mesh_shape` maps mesh axis names to sizes (`sharding.mesh.mesh_shape(c, ...)` or
+    `dict(mesh.shape)`); `backend` defaults to `jax.default_backend()` (it picks `a2a_impl=auto`).
+    """
+    if not c.is_moe:
+        return "MoE dispatch: none (dense model)"
+    mesh_size = math.prod(mesh_shape.values())
+    if not c.sparse_matmul:
+        where = " under GSPMD" if mesh_size > 1 else " on one device"
+        return f"MoE dispatch: one-hot einsum (capacity_einsum){where} ({_capacity(c)})"
+    if not uses_shard_map(c, mesh_size):
+        return "MoE dispatch: sparse, sorted grouped matmuls on one device (dropless, no exchange)"
+    ep = mesh_shape.get(EXPERT, 1)
+    axes = [a for a in token_axes(config_rules(c)) if mesh_shape.get(a, 1) > 1]
+    tokens = "tokens over " + ",".join(axes) if axes else "tokens replicated"
+    head = f"MoE dispatch: sparse, shard_map ({tokens}), expert={ep}"
+    if ep == 1:
+        line = f"{head}: all {c.num_experts} experts on every shard, no exchange"
+        if not c.use_ring_of_experts and 0 < c.ragged_buffer_factor < 1:
+            line += f", {_buffer(c)}"
+        return line
+    if c.use_ring_of_experts:
+        split = EXPERT in token_axes(config_rules(c))
+        steps = "all-gather, local experts, reduce-scatter" if split else "local experts, psum"
+        return f"{head}: ring of experts ({steps})"
+    impl = resolve_a2a_impl(c, backend)
+    on = backend or jax.default_backend()
+    return f"{head}: all-to-all a2a_impl={c.a2a_impl} -> {impl} on {on}, {_buffer(c)}"

@@ -1,0 +1,95 @@
+"""Weight decay is declared per parameter: matrices and embeddings decay, norms and biases never."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tests.tolerances import tol
+
+from expertax.config import load_config
+from expertax.models import decoder
+from expertax.nn import norm, param
+from expertax.nn.moe import router
+from expertax.train import optimizer
+
+PRESETS = sorted(p.stem for p in (Path(__file__).parents[3] / "configs" / "models").glob("*.yml"))
+NO_DECAY_NAMES = {"attn_norm", "ffn_norm", "final_norm", "q_norm", "kv_norm", "bias"}
+DECAY_NAMES = {"embed", "lm_head", "w", "wq", "wq_a", "wq_b", "wk", "wv", "wkv_a", "wkv_b"}
+DECAY_NAMES |= {"wo", "wi_0", "wi_1"}
+
+
+def leaf_name(path) -> str:
+    return path[-1].name
+
+
+def test_presets_found():
+    assert {"deepseek3-tiny", "mixtral-tiny", "llama-tiny", "deepseek3-671b"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("model", PRESETS)
+def test_decay_mask_follows_the_parameter_names(model):
+    spec = decoder.spec(load_config(overrides={"model_name": model}))
+    mask = param.weight_decay_mask(spec)
+    flat = jax.tree_util.tree_flatten_with_path(mask)[0]
+    specs = jax.tree.leaves(spec, is_leaf=param.is_spec)
+    names = {leaf_name(path) for path, _ in flat}
+    assert names <= NO_DECAY_NAMES | DECAY_NAMES, names - NO_DECAY_NAMES - DECAY_NAMES
+    for (path, decays), s in zip(flat, specs, strict=True):
+        name = jax.tree_util.keystr(path)
+        assert decays == (leaf_name(path) in DECAY_NAMES), name
+        if not decays:  # norm scales and biases: ones/zeros, never decayed
+            assert s.init in ("ones", "zeros"), name
+    # The old shape rule (ndim >= 2) decayed the stacked per-layer norms [L, D]: they exist here.
+    stacked_norms = [
+        s
+        for (path, _), s in zip(flat, specs, strict=True)
+        if leaf_name(path) in NO_DECAY_NAMES and len(s.shape) >= 2
+    ]
+    assert stacked_norms, "no stacked norm: the ndim rule would not be distinguished"
+    assert any(flag for _, flag in flat) and not all(flag for _, flag in flat)
+
+
+def test_router_bias_is_neither_trained_nor_decayed():
+    c = load_config(overrides={"model_name": "deepseek3-tiny"})
+    bias = router.spec(c).bias
+    assert bias is not None and not bias.trainable and not bias.weight_decay
+
+
+def test_a_step_decays_matrices_but_not_norm_scales():
+    """Two AdamW steps with zero gradients (step 0 has learning rate 0 under warmup)."""
+    c = load_config(
+        overrides={
+            "model_name": "llama-tiny",
+            "learning_rate": 0.1,
+            "adam_weight_decay": 0.5,
+            "steps": 10,
+        }
+    )
+    tree = {
+        "layers": param.stack(
+            {"scale": norm.spec(4), "w": param.projection((4, 4), ("embed", "mlp"), 4)}, 3
+        ),
+        "final_norm": norm.spec(4),
+        "frozen_bias": param.ParamSpec((4,), (None,), "zeros", trainable=False, weight_decay=False),
+    }
+    params = jax.tree.map(lambda a: a + 1.0, param.initialize(tree, jax.random.key(0), jnp.float32))
+    tx = optimizer.make(c, tree)
+    state = tx.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    new = params
+    for _ in range(2):
+        updates, state = tx.update(zeros, state, new)
+        new = jax.tree.map(lambda p, u: p + u, new, updates)
+    np.testing.assert_array_equal(new["layers"]["scale"], params["layers"]["scale"])  # [L, D]
+    np.testing.assert_array_equal(new["final_norm"], params["final_norm"])
+    np.testing.assert_array_equal(new["frozen_bias"], params["frozen_bias"])
+    # Negative control: the matrices moved, by lr * wd * p (decoupled decay, zero gradient).
+    lr = float(optimizer.schedule(c)(1))
+    assert lr > 0
+    expected = params["layers"]["w"] * (1 - lr * 0.5)
+    np.testing.assert_allclose(new["layers"]["w"], expected, **tol())
+    assert not np.allclose(new["layers"]["w"], params["layers"]["w"], **tol())
