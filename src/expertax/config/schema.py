@@ -40,6 +40,13 @@ class ModelSection(_Section):
     attention_type: Literal["gqa", "mla"] = Field(
         "gqa", description="Grouped-query attention, or DeepSeek Multi-head Latent Attention."
     )
+    attention_impl: Literal["auto", "dot", "blockwise", "cudnn"] = Field(
+        "auto",
+        description="Attention kernel: dot (whole [T, S] score matrices, saved for backward), "
+        "blockwise (online softmax over key blocks, recomputed in backward; memory linear in T), "
+        "cudnn (cuDNN flash attention: GPU, bfloat16/float16, equal q/k and v head dims, so not "
+        "MLA), auto (dot for short sequences, blockwise from kernel.AUTO_BLOCKWISE_MIN_LENGTH).",
+    )
     q_lora_rank: int = Field(
         0, ge=0, description="MLA query low rank R_q (wq_a -> norm -> wq_b); 0 means a plain wq."
     )
@@ -343,7 +350,7 @@ class Config(
 
 # Keys that define the model (its parameter shapes and what the parameters compute), as opposed to
 # how it is trained or run: saved parameters load only into a config with the same values.
-MODEL_KEYS = (frozenset(ModelSection.model_fields) - {"model_name"}) | {
+MODEL_KEYS = (frozenset(ModelSection.model_fields) - {"model_name", "attention_impl"}) | {
     "num_experts",
     "num_experts_per_tok",
     "shared_experts",
