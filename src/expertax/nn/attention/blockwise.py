@@ -40,6 +40,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def balanced_block(length: int, max_block: int) -> int:
+    """The block size actually used: as many blocks as `max_block` needs, each as even as
+    possible (rounded up to a multiple of 8), so that a length just above a multiple of the block
+    pads a few rows, not a whole block (T = 768, max 512: two blocks of 384, not 1024 rows)."""
+    if length <= max_block:
+        return length
+    n = _cdiv(length, max_block)
+    return min(max_block, 8 * _cdiv(_cdiv(length, n), 8))
+
+
 def _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale):
     """Scaled float32 scores [B, G, R, bq, bk] of query block i against key block j, and the mask
     (True where the pair attends: causal by absolute position, and same segment)."""
@@ -194,15 +204,16 @@ def attend_blockwise(
 ) -> jax.Array:
     """Causal attention computed block by block; returns [B, T, H, V] in v's dtype.
 
-    Same arguments and result as `kernel.attend_dot`. Blocks longer than the sequence shrink to
-    it; a sequence that is not a multiple of the block is padded internally (padded keys lie
-    after every real query, so causality already hides them; padded query rows are dropped).
+    Same arguments and result as `kernel.attend_dot`. `block_q` and `block_k` are the largest
+    block sizes; `balanced_block` evens them out over the sequence, and a sequence that is still
+    not a multiple of the block is padded internally (padded keys lie after every real query, so
+    causality already hides them; padded query rows are dropped).
     """
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block_q={block_q}, block_k={block_k}: blocks must be positive")
     b, t, h, qd = q_BTHQ.shape
     s, g = k_BSGQ.shape[1], k_BSGQ.shape[2]
-    bq, bk = min(block_q, t), min(block_k, s)
+    bq, bk = balanced_block(t, block_q), balanced_block(s, block_k)
     # Heads before rows inside a block, so each block's matmuls are batched over B, G, R.
     q_BTGRQ = q_BTHQ.reshape(b, t, g, h // g, qd)
     q_blocks = jnp.moveaxis(_to_blocks(q_BTGRQ, bq), 2, 4)  # [nq, B, G, R, bq, Q]

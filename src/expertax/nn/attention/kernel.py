@@ -21,10 +21,14 @@ from expertax.nn.attention.blockwise import MASKED_SCORE, attend_blockwise
 
 IMPLEMENTATIONS = ("auto", "dot", "blockwise", "cudnn")
 
-# Sequence length from which `auto` picks `blockwise`. Measured on the 2-core shared CPU host
-# (2026-11, benchmarks/attention.py, forward+backward, deepseek3-small head dims H=16, Q=96, V=64,
-# B=1, float32): see the crossover note in the benchmark's docstring.
-AUTO_BLOCKWISE_MIN_LENGTH = 2048
+# Sequence length from which `auto` picks `blockwise`. Measured 2026-11 with
+# benchmarks/attention.py on the shared 2-core x86 CPU host (load average 7-9 from other jobs, so
+# repeated runs of one setting differed by up to 3x), forward+backward of one attention call with
+# deepseek3-small head dims (H=16, Q=96, V=64), B=1, float32. blockwise/dot time: T=128-384
+# between 0.4 and 1.3 (no clear winner: one block, same work); T=512 0.3-0.9; T=768 0.5 (block
+# 256); T=1024 0.35-0.5; T=2048 0.2; T=4096 0.19 (dot 30 s, 3.1 GiB temps; blockwise 5.5 s,
+# 0.18 GiB). Not measured on GPU, where the loops' per-iteration cost may move the crossover up.
+AUTO_BLOCKWISE_MIN_LENGTH = 512
 
 # Head dims cuDNN flash attention takes (Hopper and later; 128 before): multiples of 8 up to 256.
 CUDNN_MAX_HEAD_DIM = 256

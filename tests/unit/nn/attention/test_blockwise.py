@@ -194,3 +194,11 @@ def test_cudnn_config_check_names_key_and_value(overrides, words):
         assert w in str(err.value)
     # control: the same config with the blockwise kernel is accepted
     load_config(overrides={**overrides, "attention_impl": "blockwise"})
+
+
+@pytest.mark.parametrize("t,max_block", [(20, 512), (512, 512), (513, 512), (768, 512), (45, 16)])
+def test_balanced_block_pads_less_than_one_block(t, max_block):
+    block = blockwise.balanced_block(t, max_block)
+    n = -(-t // block)
+    assert block <= max_block and n == -(-t // max_block)
+    assert n * block - t < max(8 * n, 1) and (block == t or block % 8 == 0)
