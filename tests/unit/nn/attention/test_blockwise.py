@@ -160,14 +160,13 @@ def test_temp_memory_grows_linearly_in_length():
 
 
 def test_auto_picks_dot_below_and_blockwise_from_the_threshold():
-    def primitives(t):
+    def jaxpr_text(t):
         x = jax.ShapeDtypeStruct((1, t, 2, 8), jnp.float32)
-        jaxpr = jax.make_jaxpr(lambda q: attend(q, q, q, scale=0.5, impl="auto"))(x)
-        return {e.primitive.name for e in jaxpr.jaxpr.eqns}
+        return str(jax.make_jaxpr(lambda q: attend(q, q, q, scale=0.5, impl="auto"))(x))
 
     threshold = kernel.AUTO_BLOCKWISE_MIN_LENGTH
-    assert "custom_vjp_call" not in primitives(threshold - 1)
-    assert "custom_vjp_call" in primitives(threshold)
+    assert "name=_blocked_attention" not in jaxpr_text(threshold - 1)
+    assert "name=_blocked_attention" in jaxpr_text(threshold)
 
 
 def test_dispatch_refuses_unknown_and_unavailable_implementations():
@@ -202,3 +201,25 @@ def test_balanced_block_pads_less_than_one_block(t, max_block):
     n = -(-t // block)
     assert block <= max_block and n == -(-t // max_block)
     assert n * block - t < max(8 * n, 1) and (block == t or block % 8 == 0)
+
+
+@pytest.mark.parametrize("model", ["deepseek3-tiny", "mixtral-tiny"])
+def test_model_uses_the_configured_kernel_with_equal_logits(model):
+    """attention_impl reaches MLA and GQA: the blockwise model's jaxpr has the custom VJP (the dot
+    model's does not) and its logits equal the dot model's, with packed documents."""
+    from expertax import init_params, logits
+
+    base = {"model_name": model, "max_target_length": 24, "per_device_batch_size": 1}
+    configs = {
+        i: load_config(overrides={**base, "attention_impl": i}) for i in ("dot", "blockwise")
+    }
+    p = init_params(configs["dot"])
+    toks = jax.random.randint(jax.random.key(0), (2, 24), 0, configs["dot"].vocab_size)
+    seg = jnp.array([[0] * 10 + [1] * 14, [0] * 24], jnp.int32)
+    out = {}
+    for impl, c in configs.items():
+        fn = lambda p, toks, c=c: logits(p, toks, c, segment_ids=seg)  # noqa: E731
+        prims = str(jax.make_jaxpr(fn)(p, toks))
+        assert ("name=_blocked_attention" in prims) == (impl == "blockwise"), impl
+        out[impl] = jax.jit(fn)(p, toks)
+    np.testing.assert_allclose(out["blockwise"], out["dot"], **tol(jnp.float32))
