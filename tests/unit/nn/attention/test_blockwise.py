@@ -203,6 +203,7 @@ def test_balanced_block_pads_less_than_one_block(t, max_block):
     assert n * block - t < max(8 * n, 1) and (block == t or block % 8 == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["deepseek3-tiny", "mixtral-tiny"])
 def test_model_uses_the_configured_kernel_with_equal_logits(model):
     """attention_impl reaches MLA and GQA: the blockwise model's jaxpr has the custom VJP (the dot
@@ -223,3 +224,45 @@ def test_model_uses_the_configured_kernel_with_equal_logits(model):
         assert ("name=_blocked_attention" in prims) == (impl == "blockwise"), impl
         out[impl] = jax.jit(fn)(p, toks)
     np.testing.assert_allclose(out["blockwise"], out["dot"], **tol(jnp.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sharded_blockwise_model_equals_one_device_dot(monkeypatch):
+    """Blockwise under a data x fsdp x tensor mesh (heads sharded), several blocks per sequence:
+    loss and gradients equal the one-device dot model's."""
+    import functools
+
+    from expertax import init_params
+    from expertax.train import step as step_lib
+    from expertax.train.loop import build_trainer
+
+    monkeypatch.setattr(
+        kernel, "attend_blockwise", functools.partial(attend_blockwise, block_q=8, block_k=8)
+    )
+    small = {"max_target_length": 20, "per_device_batch_size": 1}
+    mesh = {"ici_data_parallelism": 2, "ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 2}
+    c = load_config(overrides={**small, **mesh, "attention_impl": "blockwise"})
+    one = load_config(overrides={**small, "ici_fsdp_parallelism": 1, "attention_impl": "dot"})
+    p = init_params(one)
+    toks = jax.random.randint(jax.random.key(1), (8, 20), 0, c.vocab_size)
+    batch = {
+        "inputs": toks,
+        "targets": jnp.roll(toks, -1, axis=1),
+        "weights": jnp.ones(toks.shape, jnp.float32),
+        "positions": jnp.broadcast_to(jnp.arange(20), toks.shape),
+        "segment_ids": (jnp.arange(20) >= 7).astype(jnp.int32)[None].repeat(8, 0),
+    }
+
+    def loss_and_grads(c, p, batch):
+        return jax.jit(jax.value_and_grad(lambda p: step_lib.loss_fn(p, batch, c)[0]))(p)
+
+    l1, g1 = loss_and_grads(one, p, batch)
+    trainer = build_trainer(c)
+    with trainer.context():
+        ps = jax.device_put(p, trainer.state_shardings.params)
+        bs = {k: jax.device_put(v, trainer.batch_sharding) for k, v in batch.items()}
+        l8, g8 = loss_and_grads(c, ps, bs)
+    np.testing.assert_allclose(l8, l1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
