@@ -75,6 +75,29 @@ def check_mla(c: Config) -> None:
         raise ConfigError(f"qk_rope_head_dim={c.qk_rope_head_dim} must be even (RoPE pairs)")
 
 
+def check_attention_impl(c: Config) -> None:
+    """What cuDNN flash attention (through jax.nn.dot_product_attention) cannot take; the platform
+    (GPU) is checked where the kernel is traced."""
+    if c.attention_impl != "cudnn":
+        return
+    qk, v = c.qk_head_dim, c.attn_v_head_dim
+    if qk != v:
+        raise ConfigError(
+            f"attention_impl=cudnn needs equal query/key and value head dims; attention_type="
+            f"{c.attention_type} has {qk} and {v}: use attention_impl=blockwise, dot or auto"
+        )
+    if qk % 8 or qk > 256:
+        raise ConfigError(
+            f"attention_impl=cudnn needs a head dim that is a multiple of 8 and at most 256 "
+            f"(got {qk}): use attention_impl=blockwise, dot or auto"
+        )
+    if c.dtype not in ("bfloat16", "float16"):
+        raise ConfigError(
+            f"attention_impl=cudnn needs dtype=bfloat16 or float16 (got dtype={c.dtype}): "
+            "change dtype or use attention_impl=blockwise, dot or auto"
+        )
+
+
 def check_rope(c: Config) -> None:
     rope_dim = c.qk_rope_head_dim if c.attention_type == "mla" else c.head_dim
     if c.attention_type == "gqa" and rope_dim % 2:
@@ -174,6 +197,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_routing_groups,
     check_heads,
     check_mla,
+    check_attention_impl,
     check_rope,
     check_capacity,
     check_routing_bias,

@@ -68,6 +68,14 @@ class ModelSection(_Section):
         ge=0,
         description="DeepSeek layout: this many dense layers first, then MoE layers.",
     )
+    attention_impl: Literal["auto", "dot", "blockwise", "cudnn"] = _key(
+        LAYOUT,
+        "auto",
+        description="Attention kernel: dot (whole [T, S] score matrices, saved for backward), "
+        "blockwise (online softmax over key blocks, recomputed in backward; memory linear in T), "
+        "cudnn (cuDNN flash attention: GPU, bfloat16/float16, equal q/k and v head dims, so not "
+        "MLA), auto (dot for short sequences, blockwise from kernel.AUTO_BLOCKWISE_MIN_LENGTH).",
+    )
     attention_type: Literal["gqa", "mla"] = _key(
         MODEL,
         "gqa",

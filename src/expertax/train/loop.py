@@ -87,7 +87,7 @@ def _train(c, trainer: Trainer, run: RunDir, data, say: Say, t0: float, stop_aft
     start = run.resume_step or 0
     step_fn = trainer.compile()
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-    say(describe_dispatch(c, dict(trainer.mesh.shape)))
+    say(describe_dispatch(c, dict(trainer.mesh.shape), trainer.rules))
     end = c.steps if stop_after_step is None else min(c.steps, stop_after_step)
     log = StepLog(c, trainer, run, say, skipped)
     done = start

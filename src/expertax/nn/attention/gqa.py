@@ -38,6 +38,8 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     q = constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))
-    out = attend(q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT)
+    out = attend(
+        q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT, impl=c.attention_impl
+    )
     out = remat.tag(out, remat.ATTENTION_OUT)
     return remat.tag(jnp.einsum("btho,hod->btd", out, p.wo.astype(dtype)), remat.OUT_PROJ)

@@ -78,6 +78,8 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.
     v = remat.tag(v_BTHO, remat.VALUE_PROJ)
     q = constrain(q, ("batch", "length", "act_heads", None))
     k = constrain(k, ("batch", "length", "act_heads", None))
-    out = attend(q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT)
+    out = attend(
+        q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT, impl=c.attention_impl
+    )
     out = remat.tag(out, remat.ATTENTION_OUT)
     return remat.tag(jnp.einsum("btho,hod->btd", out, p.wo.astype(dtype)), remat.OUT_PROJ)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import jax
 
 from expertax.config.schema import Config
-from expertax.sharding.rules import Rules, config_rules
+from expertax.sharding.rules import Rules
 
 BATCH_AXES = ("data", "fsdp", "expert")
 EXPERT = "expert"
@@ -52,12 +52,13 @@ def _buffer(c: Config) -> str:
 
 
 def describe_dispatch(
-    c: Config, mesh_shape: Mapping[str, int], *, backend: str | None = None
+    c: Config, mesh_shape: Mapping[str, int], rules: Rules, *, backend: str | None = None
 ) -> str:
     """One line for the run's log: the MoE dispatch that runs for `c` on a mesh of `mesh_shape`.
 
     `mesh_shape` maps mesh axis names to sizes (`sharding.mesh.mesh_shape(c, ...)` or
-    `dict(mesh.shape)`); `backend` defaults to `jax.default_backend()` (it picks `a2a_impl=auto`).
+    `dict(mesh.shape)`); `rules` is the run's rules table (`config.config_rules(c)`); `backend`
+    defaults to `jax.default_backend()` (it picks `a2a_impl=auto`).
     """
     if not c.is_moe:
         return "MoE dispatch: none (dense model)"
@@ -68,7 +69,7 @@ def describe_dispatch(
     if not uses_shard_map(c, mesh_size):
         return "MoE dispatch: sparse, sorted grouped matmuls on one device (dropless, no exchange)"
     ep = mesh_shape.get(EXPERT, 1)
-    axes = [a for a in token_axes(config_rules(c)) if mesh_shape.get(a, 1) > 1]
+    axes = [a for a in token_axes(rules) if mesh_shape.get(a, 1) > 1]
     tokens = "tokens over " + ",".join(axes) if axes else "tokens replicated"
     head = f"MoE dispatch: sparse, shard_map ({tokens}), expert={ep}"
     if ep == 1:
@@ -77,7 +78,7 @@ def describe_dispatch(
             line += f", {_buffer(c)}"
         return line
     if c.use_ring_of_experts:
-        split = EXPERT in token_axes(config_rules(c))
+        split = EXPERT in token_axes(rules)
         steps = "all-gather, local experts, reduce-scatter" if split else "local experts, psum"
         return f"{head}: ring of experts ({steps})"
     impl = resolve_a2a_impl(c, backend)

@@ -4,10 +4,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from expertax.config import load_config
+from expertax.config import config_rules, load_config
 from expertax.nn import param
 from expertax.nn.moe import dispatch, ep, layer, strategy
-from expertax.sharding import config_rules, make_mesh, use_rules
+from expertax.sharding import make_mesh, use_rules
+
+
+def describe(c, mesh_shape, **kwargs) -> str:
+    return strategy.describe_dispatch(c, mesh_shape, config_rules(c), **kwargs)
 
 
 def mesh(expert: int = 1, fsdp: int = 1, data: int = 1) -> dict[str, int]:
@@ -27,7 +31,7 @@ def test_auto_impl_per_backend():
 
 
 def test_one_device_is_the_plain_sorted_path():
-    line = strategy.describe_dispatch(cfg(), mesh(), backend="cpu")
+    line = describe(cfg(), mesh(), backend="cpu")
     assert line == (
         "MoE dispatch: sparse, sorted grouped matmuls on one device (dropless, no exchange)"
     )
@@ -35,30 +39,30 @@ def test_one_device_is_the_plain_sorted_path():
 
 
 def test_expert_mesh_all_to_all():
-    line = strategy.describe_dispatch(cfg(), mesh(expert=8), backend="cpu")
+    line = describe(cfg(), mesh(expert=8), backend="cpu")
     assert line == (
         "MoE dispatch: sparse, shard_map (tokens over expert), expert=8: all-to-all "
         "a2a_impl=auto -> padded on cpu, worst-case receive buffer (dropless)"
     )
-    capped = strategy.describe_dispatch(cfg(ragged_buffer_factor=2), mesh(expert=8), backend="gpu")
+    capped = describe(cfg(ragged_buffer_factor=2), mesh(expert=8), backend="gpu")
     assert "-> ragged on gpu, receive buffer 2.0 x routed rows" in capped
 
 
 def test_expert_mesh_ring():
-    line = strategy.describe_dispatch(cfg(use_ring_of_experts=True), mesh(expert=4, fsdp=2))
+    line = describe(cfg(use_ring_of_experts=True), mesh(expert=4, fsdp=2))
     assert line == (
         "MoE dispatch: sparse, shard_map (tokens over fsdp,expert), expert=4: ring of experts "
         "(all-gather, local experts, reduce-scatter)"
     )
     assert "buffer" not in line and "all-to-all" not in line  # negative control
     tp = cfg(use_ring_of_experts=True, sharding_rules="ep-tp")
-    assert strategy.describe_dispatch(tp, mesh(expert=4, fsdp=2)).endswith(
+    assert describe(tp, mesh(expert=4, fsdp=2)).endswith(
         "(tokens over fsdp), expert=4: ring of experts (local experts, psum)"
     )
 
 
 def test_mesh_without_expert_axis_has_no_exchange():
-    line = strategy.describe_dispatch(cfg(), mesh(fsdp=8), backend="cpu")
+    line = describe(cfg(), mesh(fsdp=8), backend="cpu")
     assert line == (
         "MoE dispatch: sparse, shard_map (tokens over fsdp), expert=1: "
         "all 8 experts on every shard, no exchange"
@@ -68,17 +72,15 @@ def test_mesh_without_expert_axis_has_no_exchange():
 
 def test_einsum_dispatch_and_dense_model():
     c = cfg(sparse_matmul=False)
-    assert strategy.describe_dispatch(c, mesh(fsdp=8)) == (
+    assert describe(c, mesh(fsdp=8)) == (
         "MoE dispatch: one-hot einsum (capacity_einsum) under GSPMD (dropless)"
     )
     capped = cfg(sparse_matmul=False, capacity_factor=1.5)
-    assert strategy.describe_dispatch(capped, mesh()) == (
+    assert describe(capped, mesh()) == (
         "MoE dispatch: one-hot einsum (capacity_einsum) on one device (capacity_factor=1.5)"
     )
     dense_model = load_config(overrides={"model_name": "llama-tiny"})
-    assert strategy.describe_dispatch(dense_model, mesh(expert=8)) == (
-        "MoE dispatch: none (dense model)"
-    )
+    assert describe(dense_model, mesh(expert=8)) == ("MoE dispatch: none (dense model)")
 
 
 @pytest.mark.parametrize("devices, uses", [(1, False), (8, True)])
@@ -95,6 +97,6 @@ def test_layer_runs_the_shard_map_exactly_when_described(monkeypatch, devices, u
     m = make_mesh(c, jax.devices()[:devices])
     with jax.set_mesh(m), use_rules(config_rules(c)):
         jax.eval_shape(lambda p, x: layer.apply(p, x, c, jnp.float32), p, x)
-    line = strategy.describe_dispatch(c, dict(m.shape), backend="cpu")
+    line = describe(c, dict(m.shape), backend="cpu")
     assert calls == (["ep"] if uses else ["sorted"])
     assert ("shard_map" in line) == uses

@@ -1,0 +1,228 @@
+"""Blockwise causal attention: online softmax over key blocks, recomputed in the backward pass.
+
+The same function as `kernel.attend_dot` (causal, optional packed-document segment ids, GQA,
+query/key head dim Q different from value head dim O as in MLA, scores and softmax in float32),
+but no [T, S] score matrix per head is ever held: queries are cut into blocks of `block_q` rows
+and keys into blocks of `block_k` columns, and each query block walks the key blocks keeping a
+running row max, row sum and output accumulator (FlashAttention, arXiv:2205.14135 Alg. 1).
+
+Causality is a real skip, not a mask over a full computation: query block i visits only the key
+blocks up to the diagonal (a `fori_loop` with a trip count computed from i), and in the backward
+pass key block j visits only the query blocks from the diagonal on. About half the block pairs
+are never computed.
+
+Backward (FlashAttention-2, arXiv:2307.08691 Alg. 2): the forward saves only its inputs, the
+output and the row log-sum-exp; the backward recomputes each block's probabilities from them.
+One pass over key blocks accumulates dK and dV in registers of the loop and adds each block's dQ
+into a [T, Q] float32 buffer, so every block pair costs five matmuls (QK^T, dO V^T, P^T dO,
+dS^T Q, dS K) instead of the seven of a separate dQ pass.
+
+All temporaries are O(T) plus O(block_q * block_k) per head; `tests/unit/nn/attention` checks that
+the compiled temp bytes of forward+backward grow linearly in T.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# Score given to masked (non-causal, other-document) pairs. Finite, so that a row of a block whose
+# pairs are all masked has a finite max and no inf - inf; the probabilities of masked pairs are set
+# to 0 explicitly, so this value never leaks into a sum.
+MASKED_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+DEFAULT_BLOCK = 512
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def balanced_block(length: int, max_block: int) -> int:
+    """The block size actually used: as many blocks as `max_block` needs, each as even as
+    possible (rounded up to a multiple of 8), so that a length just above a multiple of the block
+    pads a few rows, not a whole block (T = 768, max 512: two blocks of 384, not 1024 rows)."""
+    if length <= max_block:
+        return length
+    n = _cdiv(length, max_block)
+    return min(max_block, 8 * _cdiv(_cdiv(length, n), 8))
+
+
+def _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale):
+    """Scaled float32 scores [B, G, J, bq, bk] of query block i against key block j, and the mask
+    (True where the pair attends: causal by absolute position, and same segment)."""
+    bq, bk = q_blk.shape[3], k_blk.shape[2]
+    scores = jnp.einsum(
+        "bgjtq,bgsq->bgjts", q_blk, k_blk, preferred_element_type=jnp.float32
+    ) * jnp.float32(scale)
+    rows_TS = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    cols_TS = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    mask = (rows_TS >= cols_TS)[None, None, None]
+    if seg_q_blk is not None:
+        same_doc_BTS = seg_q_blk[:, :, None] == seg_k_blk[:, None, :]
+        mask = jnp.logical_and(mask, same_doc_BTS[:, None, None])
+    return scores, mask
+
+
+def _num_key_blocks(i, bq: int, bk: int, nk: int):
+    """Key blocks query block i needs: those holding a column <= its last row (the diagonal)."""
+    return jnp.minimum(nk, ((i + 1) * bq - 1) // bk + 1)
+
+
+def _first_query_block(j, bq: int, bk: int):
+    """First query block that sees key block j: the one holding row j * bk."""
+    return (j * bk) // bq
+
+
+def _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
+    """Blocked inputs -> (out [nq, B, G, J, bq, O] in v's dtype, lse [nq, B, G, J, bq] float32)."""
+    nq, b, g, r, bq, _ = q_blocks.shape
+    nk, bk, vd = k_blocks.shape[0], k_blocks.shape[3], v_blocks.shape[-1]
+
+    def one_query_block(_, xs):
+        i, q_blk, seg_q_blk = xs
+
+        def one_key_block(j, carry):
+            m_BGJT, l_BGJT, acc_BGJTO = carry
+            seg_k_blk = None if seg_k_blocks is None else seg_k_blocks[j]
+            s, mask = _block_scores(q_blk, k_blocks[j], seg_q_blk, seg_k_blk, i, j, scale)
+            s = jnp.where(mask, s, MASKED_SCORE)
+            m_new = jnp.maximum(m_BGJT, s.max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m_BGJT - m_new)
+            l_new = alpha * l_BGJT + p.sum(-1)
+            pv = jnp.einsum(
+                "bgjts,bgso->bgjto",
+                p.astype(v_blocks.dtype),
+                v_blocks[j],
+                preferred_element_type=jnp.float32,
+            )
+            return m_new, l_new, alpha[..., None] * acc_BGJTO + pv
+
+        init = (
+            jnp.full((b, g, r, bq), MASKED_SCORE, jnp.float32),
+            jnp.zeros((b, g, r, bq), jnp.float32),
+            jnp.zeros((b, g, r, bq, vd), jnp.float32),
+        )
+        m, row_sum, acc = jax.lax.fori_loop(0, _num_key_blocks(i, bq, bk, nk), one_key_block, init)
+        out = (acc / row_sum[..., None]).astype(v_blocks.dtype)
+        return None, (out, m + jnp.log(row_sum))
+
+    _, (out, lse) = jax.lax.scan(one_query_block, None, (jnp.arange(nq), q_blocks, seg_q_blocks))
+    return out, lse
+
+
+def _backward(scale, res, d_out):
+    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, out, lse = res
+    nq, bq = q_blocks.shape[0], q_blocks.shape[4]
+    nk, bk = k_blocks.shape[0], k_blocks.shape[3]
+    # D_i = rowsum(dO_i * O_i) (FlashAttention-2 Alg. 2 line 4): dS = P * (dP - D).
+    delta = jnp.einsum("nbgjto,nbgjto->nbgjt", d_out, out, preferred_element_type=jnp.float32)
+
+    def one_key_block(dq_acc, xs):
+        j, k_blk, v_blk, seg_k_blk = xs
+
+        def one_query_block(i, carry):
+            dq_acc, dk_BGSQ, dv_BGSO = carry
+            q_blk, do_blk = q_blocks[i], d_out[i]
+            seg_q_blk = None if seg_q_blocks is None else seg_q_blocks[i]
+            s, mask = _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale)
+            p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
+            dv_BGSO += jnp.einsum(
+                "bgjts,bgjto->bgso",
+                p.astype(do_blk.dtype),
+                do_blk,
+                preferred_element_type=jnp.float32,
+            )
+            dp = jnp.einsum("bgjto,bgso->bgjts", do_blk, v_blk, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta[i][..., None]) * jnp.float32(scale)
+            dk_BGSQ += jnp.einsum(
+                "bgjts,bgjtq->bgsq",
+                ds.astype(q_blk.dtype),
+                q_blk,
+                preferred_element_type=jnp.float32,
+            )
+            dq_blk = jnp.einsum(
+                "bgjts,bgsq->bgjtq",
+                ds.astype(k_blk.dtype),
+                k_blk,
+                preferred_element_type=jnp.float32,
+            )
+            return dq_acc.at[i].add(dq_blk), dk_BGSQ, dv_BGSO
+
+        init = (
+            dq_acc,
+            jnp.zeros(k_blk.shape, jnp.float32),
+            jnp.zeros(v_blk.shape, jnp.float32),
+        )
+        first = _first_query_block(j, bq, bk)
+        dq_acc, dk, dv = jax.lax.fori_loop(first, nq, one_query_block, init)
+        return dq_acc, (dk.astype(k_blk.dtype), dv.astype(v_blk.dtype))
+
+    dq0 = jnp.zeros(q_blocks.shape, jnp.float32)
+    dq, (dk, dv) = jax.lax.scan(
+        one_key_block, dq0, (jnp.arange(nk), k_blocks, v_blocks, seg_k_blocks)
+    )
+    return dq.astype(q_blocks.dtype), dk, dv, None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _blocked_attention(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
+    return _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale)[0]
+
+
+def _blocked_attention_fwd(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
+    out, lse = _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale)
+    return out, (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, out, lse)
+
+
+_blocked_attention.defvjp(_blocked_attention_fwd, _backward)
+
+
+def _to_blocks(x_BTX, block: int, pad_value=0):
+    """[B, T, ...] -> [n, B, block, ...], padding T up to a multiple of block."""
+    t = x_BTX.shape[1]
+    n = _cdiv(t, block)
+    pad = [(0, 0)] * x_BTX.ndim
+    pad[1] = (0, n * block - t)
+    x = jnp.pad(x_BTX, pad, constant_values=pad_value)
+    x = x.reshape(x.shape[0], n, block, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def attend_blockwise(
+    q_BTHQ: jax.Array,
+    k_BSGQ: jax.Array,
+    v_BSGO: jax.Array,
+    *,
+    scale: float,
+    segment_ids_BT: jax.Array | None = None,
+    block_q: int = DEFAULT_BLOCK,
+    block_k: int = DEFAULT_BLOCK,
+) -> jax.Array:
+    """Causal attention computed block by block; returns [B, T, H, O] in v's dtype.
+
+    Same arguments and result as `kernel.attend_dot`. `block_q` and `block_k` are the largest
+    block sizes; `balanced_block` evens them out over the sequence, and a sequence that is still
+    not a multiple of the block is padded internally (padded keys lie after every real query, so
+    causality already hides them; padded query rows are dropped).
+    """
+    if block_q <= 0 or block_k <= 0:
+        raise ValueError(f"block_q={block_q}, block_k={block_k}: blocks must be positive")
+    b, t, h, qd = q_BTHQ.shape
+    s, g = k_BSGQ.shape[1], k_BSGQ.shape[2]
+    bq, bk = balanced_block(t, block_q), balanced_block(s, block_k)
+    # Heads before rows inside a block, so each block's matmuls are batched over B, G, J.
+    q_BTGJQ = q_BTHQ.reshape(b, t, g, h // g, qd)
+    q_blocks = jnp.moveaxis(_to_blocks(q_BTGJQ, bq), 2, 4)  # [nq, B, G, J, bq, Q]
+    k_blocks = jnp.moveaxis(_to_blocks(k_BSGQ, bk), 2, 3)  # [nk, B, G, bk, Q]
+    v_blocks = jnp.moveaxis(_to_blocks(v_BSGO, bk), 2, 3)  # [nk, B, G, bk, O]
+    seg_q_blocks = seg_k_blocks = None
+    if segment_ids_BT is not None:
+        seg_q_blocks = _to_blocks(segment_ids_BT, bq, pad_value=-1)  # [nq, B, bq]
+        seg_k_blocks = _to_blocks(segment_ids_BT[:, :s], bk, pad_value=-1)  # [nk, B, bk]
+    out = _blocked_attention(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale)
+    out_BTGJO = jnp.moveaxis(out, (0, 4), (1, 2)).reshape(b, -1, g, h // g, v_BSGO.shape[-1])
+    return out_BTGJO[:, :t].reshape(b, t, h, v_BSGO.shape[-1])
