@@ -13,11 +13,11 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh
 
-from expertax.config.loader import available_models, load_config
+from expertax.config import config_rules, load_config, load_rules
+from expertax.config.loader import available_models
 from expertax.models import decoder
 from expertax.nn import param
-from expertax.sharding import config_rules, load_rules, logical_to_spec
-from expertax.sharding.mesh import MESH_AXES, check_mesh_fit, mesh_shape
+from expertax.sharding import MESH_AXES, check_mesh_fit, logical_to_spec, mesh_shape
 
 SLACK = 1.05
 ITEMSIZE = 4  # float32 weights; the ratio to the even split does not depend on it
