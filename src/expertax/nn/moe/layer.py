@@ -25,9 +25,9 @@ def spec(c: Config) -> MoE:
     shared = mlp.spec(d, f * c.shared_experts) if c.shared_experts else None
     return MoE(
         router=router.spec(c),
-        wi_0=projection((e, d, f), ("exp", "embed", "exp_mlp"), d),
-        wi_1=projection((e, d, f), ("exp", "embed", "exp_mlp"), d),
-        wo=projection((e, f, d), ("exp", "exp_mlp", "embed"), f),
+        wi_0=projection((e, d, f), ("exp", "exp_embed", "exp_mlp"), d),
+        wi_1=projection((e, d, f), ("exp", "exp_embed", "exp_mlp"), d),
+        wo=projection((e, f, d), ("exp", "exp_mlp", "exp_embed"), f),
         shared=shared,
     )
 
