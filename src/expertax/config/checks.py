@@ -190,8 +190,19 @@ def check_gmm_tiles(c: Config) -> None:
         )
 
 
+def check_vocab_tiling(c: Config) -> None:
+    n, t = c.num_vocab_tiling, c.max_target_length
+    if t % n:
+        divisors = [d for d in range(1, min(t, 64) + 1) if t % d == 0]
+        raise ConfigError(
+            f"num_vocab_tiling={n} does not divide max_target_length={t}; use a divisor such as "
+            f"{divisors[-4:]}"
+        )
+
+
 ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_gmm_tiles,
+    check_vocab_tiling,
     check_layers,
     check_top_k,
     check_routing_groups,

@@ -276,6 +276,20 @@ class TrainSection(_Section):
         TRAINING, "float32", description="Gradient dtype (cast only if different)."
     )
     mu_dtype: DType = _key(TRAINING, "float32", description="AdamW first-moment dtype.")
+    nu_dtype: DType = _key(
+        TRAINING,
+        "float32",
+        description="AdamW second-moment dtype (stored; updated in float32). DeepSeek-V3 keeps "
+        "both moments in bfloat16 with float32 master weights and gradients.",
+    )
+    num_vocab_tiling: int = _key(
+        LAYOUT,
+        1,
+        ge=1,
+        description="Compute the output logits and cross-entropy this many sequence tiles at a "
+        "time (recomputed in backward), so the float32 [B, T, V] logits never exist at once; "
+        "must divide max_target_length.",
+    )
     init_weights_seed: int = _key(TRAINING, 0, description="Seed of the parameter initialization.")
     load_parameters_path: str = _key(
         RUN,

@@ -110,11 +110,40 @@ def forward(
     segment_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
     """Float32 logits [B, T, V] and the MoE layers' stats ([L_moe, ...] leaves, or None)."""
+    x_BTD, stats = hidden_states(
+        params, inputs_BT, c, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT
+    )
+    return logits(params, x_BTD, c), stats
+
+
+def hidden_states(
+    params: Decoder,
+    inputs_BT: jax.Array,
+    c: Config,
+    *,
+    positions_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+) -> tuple[jax.Array, MoEStats | None]:
+    """The final-normed hidden states [B, T, D] (in `dtype`) before the output head, and stats."""
     dtype = jnp.dtype(c.dtype)
     x_BTD = embed.lookup(params.embed, inputs_BT, dtype, use_iota=c.use_iota_embed)
-    return forward_embedded(
+    return hidden_states_embedded(
         params, x_BTD, c, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT
     )
+
+
+def output_head(params: Decoder, c: Config) -> jax.Array:
+    """The output projection [D, V] in `dtype`: the tied embedding's transpose or lm_head."""
+    head_DV = params.embed.T if params.lm_head is None else params.lm_head
+    return head_DV.astype(jnp.dtype(c.dtype))
+
+
+def logits(params: Decoder, x_BTD: jax.Array, c: Config) -> jax.Array:
+    """Float32 logits [B, T, V] of final-normed hidden states."""
+    out_BTV = jnp.einsum(
+        "btd,dv->btv", x_BTD, output_head(params, c), preferred_element_type=jnp.float32
+    )
+    return constrain(out_BTV, ("batch", "length", "act_vocab"))
 
 
 def forward_embedded(
@@ -126,6 +155,21 @@ def forward_embedded(
     segment_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
     """`forward` from already-embedded inputs [B, T, D] (gradients w.r.t. inputs, tests)."""
+    x_BTD, stats = hidden_states_embedded(
+        params, x_BTD, c, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT
+    )
+    return logits(params, x_BTD, c), stats
+
+
+def hidden_states_embedded(
+    params: Decoder,
+    x_BTD: jax.Array,
+    c: Config,
+    *,
+    positions_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+) -> tuple[jax.Array, MoEStats | None]:
+    """`hidden_states` from already-embedded inputs [B, T, D]."""
     dtype = jnp.dtype(c.dtype)
     b, t, _ = x_BTD.shape
     if positions_BT is None:
@@ -136,9 +180,4 @@ def forward_embedded(
         x_BTD, _ = run_stack(params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
     if params.moe_layers is not None:
         x_BTD, stats = run_stack(params.moe_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
-    x_BTD = norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon)
-    head_DV = params.embed.T if params.lm_head is None else params.lm_head
-    logits = jnp.einsum(
-        "btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32
-    )
-    return constrain(logits, ("batch", "length", "act_vocab")), stats
+    return norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon), stats

@@ -48,8 +48,7 @@ def tiled_nll_sum(
     tile_fn = jax.checkpoint(_tile_nll_sum)
 
     def body(total, tile):
-        x_BSD, targets_BS, weights_BS = tile
-        return total + tile_fn(x_BSD, head_DV, targets_BS, weights_BS), None
+        return total + tile_fn(*tile[:1], head_DV, *tile[1:]), None
 
     total, _ = jax.lax.scan(
         body, jnp.float32(0), (tiles(x_BTD), tiles(targets_BT), tiles(weights_BT))

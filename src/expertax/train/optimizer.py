@@ -41,6 +41,8 @@ def make(c: Config, spec_tree) -> optax.GradientTransformation:
         mu_dtype=jnp.dtype(c.mu_dtype),
         mask=decay_mask,
     )
+    if jnp.dtype(c.nu_dtype) != jnp.float32:
+        adamw = _second_moment_stored_as(adamw, jnp.dtype(c.nu_dtype))
     chain = [adamw]
     if c.gradient_clipping_threshold > 0:
         chain.insert(0, optax.clip_by_global_norm(c.gradient_clipping_threshold))
@@ -48,3 +50,32 @@ def make(c: Config, spec_tree) -> optax.GradientTransformation:
     return optax.multi_transform(
         {"train": optax.chain(*chain), "frozen": optax.set_to_zero()}, labels
     )
+
+
+def _cast_nu(state, dtype):
+    """`state` with the AdamW second moment (every `ScaleByAdamState.nu`) cast to `dtype`."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+    return jax.tree.map(
+        lambda s: s._replace(nu=jax.tree.map(lambda v: v.astype(dtype), s.nu)) if is_adam(s) else s,
+        state,
+        is_leaf=is_adam,
+    )
+
+
+def _second_moment_stored_as(
+    tx: optax.GradientTransformation, dtype
+) -> optax.GradientTransformation:
+    """`tx` whose AdamW second moment is stored in `dtype` (e.g. bfloat16) between steps.
+
+    The update itself runs as optax computes it: the stored moment is promoted by the float32
+    gradient's square, and the new moment is rounded to `dtype` once, when it is stored.
+    """
+
+    def init(params):
+        return _cast_nu(tx.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = tx.update(updates, state, params)
+        return updates, _cast_nu(state, dtype)
+
+    return optax.GradientTransformation(init, update)

@@ -10,24 +10,32 @@ import optax
 
 from expertax.config.schema import Config
 from expertax.models import decoder
+from expertax.nn import vocab_loss
 from expertax.nn.moe.router import updated_bias
 from expertax.train import optimizer
 from expertax.train.state import TrainState
 
 
 def loss_fn(params, batch: dict, c: Config):
-    """Weighted next-token cross-entropy plus the weighted load-balance loss."""
-    logits, stats = decoder.forward(
-        params,
-        batch["inputs"],
-        c,
-        positions_BT=batch.get("positions"),
-        segment_ids_BT=batch.get("segment_ids"),
-    )
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-    w = batch["weights"].astype(jnp.float32)
-    ce = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+    """Weighted next-token cross-entropy plus the weighted load-balance loss.
+
+    With `num_vocab_tiling` > 1 the cross-entropy is computed a sequence tile at a time from the
+    hidden states (`nn.vocab_loss`), so the float32 [B, T, V] logits never exist at once.
+    """
+    kwargs = dict(positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids"))
+    w_BT = batch["weights"].astype(jnp.float32)
+    if c.num_vocab_tiling > 1:
+        x_BTD, stats = decoder.hidden_states(params, batch["inputs"], c, **kwargs)
+        head_DV = decoder.output_head(params, c)
+        nll_sum = vocab_loss.tiled_nll_sum(
+            x_BTD, head_DV, batch["targets"], w_BT, c.num_vocab_tiling
+        )
+    else:
+        logits_BTV, stats = decoder.forward(params, batch["inputs"], c, **kwargs)
+        logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
+        nll_BT = -jnp.take_along_axis(logp_BTV, batch["targets"][..., None], axis=-1)[..., 0]
+        nll_sum = jnp.sum(nll_BT * w_BT)
+    ce = nll_sum / jnp.maximum(jnp.sum(w_BT), 1.0)
     lb = jnp.mean(stats.lb_loss) if stats is not None else jnp.float32(0)
     total = ce + c.load_balance_loss_weight * lb
     return total, (ce, lb, stats)

@@ -93,3 +93,37 @@ def test_a_step_decays_matrices_but_not_norm_scales():
     expected = params["layers"]["w"] * (1 - lr * 0.5)
     np.testing.assert_allclose(new["layers"]["w"], expected, **tol())
     assert not np.allclose(new["layers"]["w"], params["layers"]["w"], **tol())
+
+
+def test_second_moment_stored_in_bfloat16_follows_the_float32_update():
+    """nu_dtype=bfloat16 (DeepSeek-V3's recipe with mu_dtype=bfloat16): moments stored in
+    bfloat16, parameters still float32, and the update close to the all-float32 one."""
+    base = dict(model_name="llama-tiny", steps=10, learning_rate=1e-2)
+    exact = load_config(overrides=base)
+    lowp = load_config(overrides={**base, "mu_dtype": "bfloat16", "nu_dtype": "bfloat16"})
+    spec = decoder.spec(exact)
+    params = param.initialize(spec, jax.random.key(0), jnp.float32)
+    grads = jax.tree.map(
+        lambda p: jnp.cos(jnp.arange(p.size, dtype=jnp.float32)).reshape(p.shape), params
+    )
+    results = {}
+    for name, c in (("exact", exact), ("lowp", lowp)):
+        tx = optimizer.make(c, spec)
+        state = tx.init(params)
+        p = params
+        for _ in range(3):
+            updates, state = tx.update(grads, state, p)
+            p = jax.tree.map(lambda a, u: a + u, p, updates)
+        results[name] = (p, state)
+    moments = lambda st: [x for x in jax.tree.leaves(st) if x.ndim > 0]
+    assert {x.dtype for x in moments(results["lowp"][1])} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in moments(results["exact"][1])} == {jnp.dtype(jnp.float32)}
+    for a, b in zip(jax.tree.leaves(results["exact"][0]), jax.tree.leaves(results["lowp"][0])):
+        assert b.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), **tol(jnp.bfloat16))
+    # Negative control: the bfloat16 moments really are rounded (not float32 in disguise).
+    diffs = [
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(results["exact"][0]), jax.tree.leaves(results["lowp"][0]))
+    ]
+    assert max(diffs) > 0
