@@ -110,26 +110,47 @@ def forward(
     segment_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
     """Float32 logits [B, T, V] and the MoE layers' stats ([L_moe, ...] leaves, or None)."""
-    x_BTD, stats = hidden_states(
-        params, inputs_BT, c, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT
+    return forward_embedded(
+        params,
+        embed_tokens(params, inputs_BT, c),
+        c,
+        positions_BT=positions_BT,
+        segment_ids_BT=segment_ids_BT,
     )
+
+
+def forward_embedded(params: Decoder, x_BTD: jax.Array, c: Config, **kwargs):
+    """`forward` from already-embedded inputs [B, T, D] (gradients w.r.t. inputs, tests)."""
+    x_BTD, stats = hidden_states(params, x_BTD, c, **kwargs)
     return logits(params, x_BTD, c), stats
+
+
+def embed_tokens(params: Decoder, inputs_BT: jax.Array, c: Config) -> jax.Array:
+    """The token embeddings [B, T, D] in `dtype`."""
+    return embed.lookup(params.embed, inputs_BT, jnp.dtype(c.dtype), use_iota=c.use_iota_embed)
 
 
 def hidden_states(
     params: Decoder,
-    inputs_BT: jax.Array,
+    x_BTD: jax.Array,
     c: Config,
     *,
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
-    """The final-normed hidden states [B, T, D] (in `dtype`) before the output head, and stats."""
+    """Embedded inputs [B, T, D] -> the final-normed hidden states before the output head (in
+    `dtype`), and the MoE layers' stats."""
     dtype = jnp.dtype(c.dtype)
-    x_BTD = embed.lookup(params.embed, inputs_BT, dtype, use_iota=c.use_iota_embed)
-    return hidden_states_embedded(
-        params, x_BTD, c, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT
-    )
+    b, t, _ = x_BTD.shape
+    if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x_BTD = constrain(x_BTD.astype(dtype), ACT_BTD)
+    stats = None
+    if params.dense_layers is not None:
+        x_BTD, _ = run_stack(params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+    if params.moe_layers is not None:
+        x_BTD, stats = run_stack(params.moe_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+    return norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon), stats
 
 
 def output_head(params: Decoder, c: Config) -> jax.Array:
@@ -144,40 +165,3 @@ def logits(params: Decoder, x_BTD: jax.Array, c: Config) -> jax.Array:
         "btd,dv->btv", x_BTD, output_head(params, c), preferred_element_type=jnp.float32
     )
     return constrain(out_BTV, ("batch", "length", "act_vocab"))
-
-
-def forward_embedded(
-    params: Decoder,
-    x_BTD: jax.Array,
-    c: Config,
-    *,
-    positions_BT: jax.Array | None = None,
-    segment_ids_BT: jax.Array | None = None,
-) -> tuple[jax.Array, MoEStats | None]:
-    """`forward` from already-embedded inputs [B, T, D] (gradients w.r.t. inputs, tests)."""
-    x_BTD, stats = hidden_states_embedded(
-        params, x_BTD, c, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT
-    )
-    return logits(params, x_BTD, c), stats
-
-
-def hidden_states_embedded(
-    params: Decoder,
-    x_BTD: jax.Array,
-    c: Config,
-    *,
-    positions_BT: jax.Array | None = None,
-    segment_ids_BT: jax.Array | None = None,
-) -> tuple[jax.Array, MoEStats | None]:
-    """`hidden_states` from already-embedded inputs [B, T, D]."""
-    dtype = jnp.dtype(c.dtype)
-    b, t, _ = x_BTD.shape
-    if positions_BT is None:
-        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x_BTD = constrain(x_BTD.astype(dtype), ACT_BTD)
-    stats = None
-    if params.dense_layers is not None:
-        x_BTD, _ = run_stack(params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
-    if params.moe_layers is not None:
-        x_BTD, stats = run_stack(params.moe_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
-    return norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon), stats

@@ -187,24 +187,11 @@ def run_grid(args) -> tuple[list[dict], dict]:
                     sizes = jnp.asarray(sizes_np)
                     for backend in backends:
                         for pass_name in args.passes.split(","):
+                            shape = (experts, n, d, f)
+                            arrays = (x, w, sizes, sizes_np, cot)
+                            reference = (dense, dense_rate, bw_gbps)
                             row = _measure(
-                                backend,
-                                default,
-                                experts,
-                                n,
-                                d,
-                                f,
-                                kind,
-                                pass_name,
-                                x,
-                                w,
-                                sizes,
-                                sizes_np,
-                                cot,
-                                dense,
-                                dense_rate,
-                                bw_gbps,
-                                args,
+                                backend, default, shape, kind, pass_name, arrays, reference, args
                             )
                             print(json.dumps(row), flush=True)
                             results.append(row)
@@ -216,26 +203,15 @@ def _dense_args(pass_name, x, w_DF, cot):
     return (x, w_DF, None) if pass_name == "fwd" else (x, w_DF, None, cot)
 
 
-def _measure(
-    backend,
-    default,
-    experts,
-    n,
-    d,
-    f,
-    kind,
-    pass_name,
-    x,
-    w,
-    sizes,
-    sizes_np,
-    cot,
-    dense,
-    dense_rate,
-    bw_gbps,
-    args,
-) -> dict:
-    """One row; the dense reference is re-timed alongside unless the row is skipped."""
+def _measure(backend, default, shape, kind, pass_name, arrays, reference, args) -> dict:
+    """One row; the dense reference is re-timed alongside unless the row is skipped.
+
+    shape: (experts, n, d, f); arrays: (x, w, sizes, sizes_np, cot); reference: (dense,
+    dense_rate, bw_gbps), the dense matmul of the same FLOPs and its measured rates.
+    """
+    experts, n, d, f = shape
+    x, w, sizes, sizes_np, cot = arrays
+    dense, dense_rate, bw_gbps = reference
     mult = 1 if pass_name == "fwd" else 3
     flops = mult * 2.0 * n * d * f
     dense_gflops = flops / dense_rate[pass_name] / 1e9

@@ -23,11 +23,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import yaml
 from jax.experimental import multihost_utils
 
 from expertax.config.checks import ConfigError
-from expertax.config.loader import config_to_yaml
+from expertax.config.loader import config_to_yaml, read_yaml
 from expertax.config.schema import SAME_RUN_KINDS, Config, changed_keys
 from expertax.train import checkpoint, params_io
 from expertax.train.state import TrainState
@@ -108,15 +107,7 @@ def inspect(c: Config) -> Plan:
 
 def _saved_values(path: Path) -> dict | None:
     config = path / CONFIG_FILE
-    if not config.exists():
-        return None
-    try:
-        values = yaml.safe_load(config.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{config} is not valid YAML ({e}); choose another run_name") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"{config} is not a mapping of keys; choose another run_name")
-    return values
+    return read_yaml(config) if config.exists() else None
 
 
 @dataclasses.dataclass

@@ -25,7 +25,8 @@ def loss_fn(params, batch: dict, c: Config):
     kwargs = dict(positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids"))
     w_BT = batch["weights"].astype(jnp.float32)
     if c.num_vocab_tiling > 1:
-        x_BTD, stats = decoder.hidden_states(params, batch["inputs"], c, **kwargs)
+        x_BTD = decoder.embed_tokens(params, batch["inputs"], c)
+        x_BTD, stats = decoder.hidden_states(params, x_BTD, c, **kwargs)
         head_DV = decoder.output_head(params, c)
         nll_sum = vocab_loss.tiled_nll_sum(
             x_BTD, head_DV, batch["targets"], w_BT, c.num_vocab_tiling

@@ -9,6 +9,7 @@ from expertax import init_params, load_config, logits
 from expertax.models import decoder
 from expertax.train import step as step_lib
 from expertax.train.trainer import build_trainer
+from tests.sharded import on_mesh
 from tests.tolerances import tol
 
 SMALL = {"max_target_length": 16, "per_device_batch_size": 1}
@@ -93,11 +94,7 @@ def test_data_fsdp_expert_mesh_equals_one_device():
     p = init_params(one)
     batch = _batch(c, b=8)
     l1, g1 = _loss_and_grads(one, p, batch)
-    trainer = build_trainer(c)
-    with trainer.context():
-        ps = jax.device_put(p, trainer.state_shardings.params)
-        bs = {k: jax.device_put(v, trainer.batch_sharding) for k, v in batch.items()}
-        l8, g8 = _loss_and_grads(c, ps, bs)
+    (l8, g8), ps = on_mesh(c, p, batch, _loss_and_grads)
     assert ps.moe_layers.moe.wi_0.sharding.spec[1] == "expert"
     np.testing.assert_allclose(l8, l1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1), strict=True):

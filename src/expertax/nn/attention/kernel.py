@@ -36,14 +36,7 @@ CUDNN_MAX_HEAD_DIM = 256
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def attend_dot(
-    q_BTHQ: jax.Array,
-    k_BSGQ: jax.Array,
-    v_BSGO: jax.Array,
-    *,
-    scale: float,
-    segment_ids_BT: jax.Array | None = None,
-) -> jax.Array:
+def attend_dot(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> jax.Array:
     """Causal attention with whole score matrices; returns [B, T, H, O]. Softmax in float32."""
     b, t, h, q = q_BTHQ.shape
     g = k_BSGQ.shape[2]
@@ -65,14 +58,7 @@ def attend_dot(
     return out.reshape(b, t, h, v_BSGO.shape[-1])
 
 
-def attend_cudnn(
-    q_BTHQ: jax.Array,
-    k_BSGQ: jax.Array,
-    v_BSGO: jax.Array,
-    *,
-    scale: float,
-    segment_ids_BT: jax.Array | None = None,
-) -> jax.Array:
+def attend_cudnn(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> jax.Array:
     """cuDNN flash attention. Packed documents go in as a boolean [B, 1, T, S] mask (cuDNN takes
     it as a bias, so that case materializes one [T, S] matrix per sequence, not per head)."""
     platform = jax.default_backend()

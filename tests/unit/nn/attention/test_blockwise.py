@@ -12,6 +12,7 @@ from expertax.config import ConfigError, load_config
 from expertax.nn.attention import blockwise, kernel
 from expertax.nn.attention.blockwise import attend_blockwise
 from expertax.nn.attention.kernel import attend, attend_dot
+from tests.sharded import on_mesh
 from tests.tolerances import tol
 
 # name: (B, T, H, G, Q, V, block_q, block_k, packed)
@@ -235,7 +236,6 @@ def test_sharded_blockwise_model_equals_one_device_dot(monkeypatch):
 
     from expertax import init_params
     from expertax.train import step as step_lib
-    from expertax.train.loop import build_trainer
 
     monkeypatch.setattr(
         kernel, "attend_blockwise", functools.partial(attend_blockwise, block_q=8, block_k=8)
@@ -258,11 +258,7 @@ def test_sharded_blockwise_model_equals_one_device_dot(monkeypatch):
         return jax.jit(jax.value_and_grad(lambda p: step_lib.loss_fn(p, batch, c)[0]))(p)
 
     l1, g1 = loss_and_grads(one, p, batch)
-    trainer = build_trainer(c)
-    with trainer.context():
-        ps = jax.device_put(p, trainer.state_shardings.params)
-        bs = {k: jax.device_put(v, trainer.batch_sharding) for k, v in batch.items()}
-        l8, g8 = loss_and_grads(c, ps, bs)
+    (l8, g8), _ = on_mesh(c, p, batch, loss_and_grads)
     np.testing.assert_allclose(l8, l1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
