@@ -15,7 +15,7 @@ from expertax.nn import embed, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe.router import MoEStats
-from expertax.nn.param import ParamSpec, params_dataclass, projection, stack
+from expertax.nn.param import Param, ParamSpec, params_dataclass, projection, stack
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
@@ -24,20 +24,20 @@ ACT_BTD = ("batch", "length", "act_embed")
 
 @params_dataclass
 class Block:
-    attn_norm: jax.Array  # [D]
+    attn_norm: Param  # [D]
     attn: mla.MLA | gqa.GQA
-    ffn_norm: jax.Array  # [D]
+    ffn_norm: Param  # [D]
     mlp: mlp.MLP | None
     moe: moe_layer.MoE | None
 
 
 @params_dataclass
 class Decoder:
-    embed: jax.Array  # [V, D]
+    embed: Param  # [V, D]
     dense_layers: Block | None  # stacked [L_dense, ...]
     moe_layers: Block | None  # stacked [L_moe, ...]
-    final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None  # [D, V]; None when tied to the embedding
+    final_norm: Param  # [D]
+    lm_head: Param  # [D, V]; None when tied to the embedding
 
 
 def block_spec(c: Config, *, moe: bool) -> Block:
@@ -75,6 +75,7 @@ def block_apply(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype)
     if p.moe is not None:
         y, stats = moe_layer.apply(p.moe, h, c, dtype)
     else:
+        assert p.mlp is not None  # a block has an MLP or an MoE (decoder.spec)
         y, stats = mlp.apply(p.mlp, h, dtype), None
     return constrain(x_BTD + y, ACT_BTD), stats
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from expertax.nn.param import params_dataclass, projection
+from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
 
 @params_dataclass
 class MLP:
-    wi_0: jax.Array  # [D, F]
-    wi_1: jax.Array  # [D, F]
-    wo: jax.Array  # [F, D]
+    wi_0: Param  # [D, F]
+    wi_1: Param  # [D, F]
+    wo: Param  # [F, D]
 
 
 def spec(d: int, f: int) -> MLP:

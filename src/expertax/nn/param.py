@@ -18,6 +18,11 @@ import jax.numpy as jnp
 
 from expertax.sharding.rules import named_sharding
 
+# The type of a parameter field: an array in a model's parameters, and in the trees derived from
+# the same dataclasses, its ParamSpec, ShapeDtypeStruct, sharding or logical axes (or None where
+# the config has no such parameter, e.g. `wq` of MLA with a query low rank).
+Param = Any
+
 
 @dataclass_transform(frozen_default=True)
 def params_dataclass(cls):

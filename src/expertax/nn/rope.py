@@ -35,7 +35,7 @@ def inverse_frequencies(c: Config, dim: int) -> tuple[jax.Array, float]:
     interpolation = extrapolation / c.rope_factor
     orig = c.original_max_position_embeddings
     low = max(math.floor(_correction_dim(c.beta_fast, dim, base, orig)), 0)
-    high = min(math.ceil(_correction_dim(c.beta_slow, dim, base, orig)), dim - 1)
+    high: float = min(math.ceil(_correction_dim(c.beta_slow, dim, base, orig)), dim - 1)
     if low == high:
         high += 0.001
     ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)

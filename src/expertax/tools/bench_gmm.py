@@ -96,7 +96,8 @@ def _median_pair_s(fn, args, ref, ref_args, repeats: int) -> tuple[float, float]
     """Medians of `fn` and `ref`, called alternately (machine load changes under a shared CPU)."""
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(ref(*ref_args))
-    times, ref_times = [], []
+    times: list[float] = []
+    ref_times: list[float] = []
     for _ in range(repeats):
         for f, a, out in ((fn, args, times), (ref, ref_args, ref_times)):
             start = time.perf_counter()

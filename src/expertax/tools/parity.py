@@ -93,7 +93,7 @@ def meshes_for(num_devices: int) -> list[dict]:
     for mesh in MESHES_8:
         mesh = dict(mesh)
         while math.prod(mesh.values()) > num_devices:
-            big = max(mesh, key=mesh.get)
+            big = max(mesh, key=lambda axis: mesh[axis])
             mesh[big] //= 2
         if mesh not in out:
             out.append(mesh)

@@ -8,17 +8,17 @@ import jax.numpy as jnp
 from expertax.config.schema import Config
 from expertax.nn import rope
 from expertax.nn.attention.kernel import attend
-from expertax.nn.param import params_dataclass, projection
+from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
 
 @params_dataclass
 class GQA:
-    wq: jax.Array  # [D, H, Q]
-    wk: jax.Array  # [D, G, Q]
-    wv: jax.Array  # [D, G, O], O = Q here
-    wo: jax.Array  # [H, O, D]
+    wq: Param  # [D, H, Q]
+    wk: Param  # [D, G, Q]
+    wv: Param  # [D, G, O], O = Q here
+    wo: Param  # [H, O, D]
 
 
 def spec(c: Config) -> GQA:

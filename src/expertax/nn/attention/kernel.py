@@ -99,11 +99,7 @@ def attend(
     [B, T, H, O]. Scores and softmax in float32 for every implementation but cuDNN's own."""
     if impl == "auto":
         impl = "blockwise" if q_BTHQ.shape[1] >= AUTO_BLOCKWISE_MIN_LENGTH else "dot"
-    kwargs = dict(scale=scale, segment_ids_BT=segment_ids_BT)
-    if impl == "dot":
-        return attend_dot(q_BTHQ, k_BSGQ, v_BSGO, **kwargs)
-    if impl == "blockwise":
-        return attend_blockwise(q_BTHQ, k_BSGQ, v_BSGO, **kwargs)
-    if impl == "cudnn":
-        return attend_cudnn(q_BTHQ, k_BSGQ, v_BSGO, **kwargs)
+    kernels = {"dot": attend_dot, "blockwise": attend_blockwise, "cudnn": attend_cudnn}
+    if impl in kernels:
+        return kernels[impl](q_BTHQ, k_BSGQ, v_BSGO, scale=scale, segment_ids_BT=segment_ids_BT)
     raise ValueError(f"attention_impl={impl!r}: use one of {', '.join(IMPLEMENTATIONS)}")

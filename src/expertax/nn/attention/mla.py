@@ -14,21 +14,21 @@ import jax.numpy as jnp
 from expertax.config.schema import Config
 from expertax.nn import norm, rope
 from expertax.nn.attention.kernel import attend
-from expertax.nn.param import params_dataclass, projection
+from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
 
 @params_dataclass
 class MLA:
-    wq: jax.Array | None  # [D, H, Qn+Qr] when q_lora_rank == 0
-    wq_a: jax.Array | None  # [D, Rq]
-    q_norm: jax.Array | None  # [Rq]
-    wq_b: jax.Array | None  # [Rq, H, Qn+Qr]
-    wkv_a: jax.Array  # [D, Rkv+Qr]
-    kv_norm: jax.Array  # [Rkv]
-    wkv_b: jax.Array  # [Rkv, H, Qn+O]
-    wo: jax.Array  # [H, O, D]
+    wq: Param  # [D, H, Qn+Qr] when q_lora_rank == 0; None when absent
+    wq_a: Param  # [D, Rq]; None when absent
+    q_norm: Param  # [Rq]; None when absent
+    wq_b: Param  # [Rq, H, Qn+Qr]; None when absent
+    wkv_a: Param  # [D, Rkv+Qr]
+    kv_norm: Param  # [Rkv]
+    wkv_b: Param  # [Rkv, H, Qn+O]
+    wo: Param  # [H, O, D]
 
 
 def spec(c: Config) -> MLA:
