@@ -252,7 +252,8 @@ def checkpoint_names(path: str) -> dict[int, str]:
             name = getattr(remat, tag.attr, None)
             if isinstance(name, str):
                 expr = node.args[0]
-                spans.append((expr.end_lineno - expr.lineno, expr.lineno, expr.end_lineno, name))
+                width = (expr.end_lineno - expr.lineno, expr.end_col_offset - expr.col_offset)
+                spans.append((width, expr.lineno, expr.end_lineno, name))
     out = {}
     for _, first, last, name in sorted(spans, reverse=True):  # widest first, nested overwrite
         out.update(dict.fromkeys(range(first, last + 1), name))
