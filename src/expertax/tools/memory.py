@@ -461,8 +461,12 @@ def format_report(r: dict) -> str:
         "per device:",
         f"  parameters       {_fmt(r['parameter_bytes']):>12}"
         + ("  (pinned host)" if r["parameter_memory_host_offload"] else "")
-        + f"  (ideal: all parameters / {r['devices']} devices = "
-        + f"{_fmt(r['ideal_parameter_bytes'])})",
+        + (
+            f"  (ideal: all parameters / {r['devices']} devices = "
+            f"{_fmt(r['ideal_parameter_bytes'])})"
+            if "ideal_parameter_bytes" in r
+            else ""
+        ),
         f"  optimizer state  {_fmt(r['optimizer_state_bytes']):>12}"
         + ("  (pinned host)" if r["optimizer_memory_host_offload"] else ""),
         f"  gradients        {_fmt(r['gradient_bytes']):>12}",
@@ -500,12 +504,12 @@ def format_report(r: dict) -> str:
         )
         + (
             f" - {_fmt(r['offloaded_residual_bytes'])} offloaded residuals"
-            if r["offloaded_residual_bytes"]
+            if r.get("offloaded_residual_bytes")
             else ""
         )
         + f"): {_fmt(r['peak_device_bytes'])}",
     ]
-    if r["offloaded_state_bytes"] or r["offloaded_residual_bytes"]:
+    if r["offloaded_state_bytes"] or r.get("offloaded_residual_bytes"):
         lines.append(
             "  (XLA:CPU has one memory and counts pinned-host bytes as device bytes; the estimate"
             " takes out what this config places on host)"
@@ -521,7 +525,7 @@ def format_report(r: dict) -> str:
 
 
 def _format_top_buffers(r: dict) -> list[str]:
-    a = r["attribution"]
+    a = r.get("attribution", {"unavailable": "not computed"})
     if a.get("unavailable"):
         return [f"attribution unavailable: {a['unavailable']}"]
     lines = [

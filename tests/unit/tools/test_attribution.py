@@ -239,11 +239,9 @@ def test_big_vocab_logits_are_the_top_buffer_with_our_line(tmp_path, capsys):
         assert isinstance(b["op"], str) and isinstance(b["source"], str)
     # The float32 logits [B, T, V] per device (or their gradient): 1 x 256 x 8192 x 4 = 8 MiB,
     # more than any weight, its gradient or its optimizer state (8192 x 128 x 4 = 4 MiB).
-    assert (top[0]["shape"], top[0]["dtype"], top[0]["bytes"]) == (
-        [1, t, vocab],
-        "float32",
-        4 * t * vocab,
-    )
+    # XLA may drop the batch dim of size one: [T, V] is the same buffer.
+    assert top[0]["shape"] in ([1, t, vocab], [t, vocab]), top[:2]
+    assert (top[0]["dtype"], top[0]["bytes"]) == ("float32", 4 * t * vocab)
     step_py = os.path.join(PACKAGE, "train", "step.py")
     ours = {f"models/decoder.py:{n}" for n in _lines_of(DECODER_PY, "def logits(", "return")}
     ours |= {f"train/step.py:{n}" for n in _lines_of(step_py, "logits_BTV, stats =", "nll_sum =")}
