@@ -136,7 +136,7 @@ def cmd_memory(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        report = memory_report(cfg, hbm_gib=args.hbm)
+        report = memory_report(cfg, hbm_gib=args.hbm, top=args.top)
     except ValueError as e:  # e.g. an offload request the backend cannot honour
         raise ConfigError(str(e)) from None
     report["seconds"] = round(time.perf_counter() - t0, 1)
@@ -190,6 +190,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     memory.add_argument("--devices", type=int, help="compile for N simulated CPU devices")
     memory.add_argument("--json", help="also write the report as JSON to this path")
     memory.add_argument("--hbm", type=float, help="device memory budget in GiB")
+    memory.add_argument(
+        "--top",
+        type=int,
+        default=15,
+        help="list the N largest buffers alive at XLA's peak, with their source (0: none)",
+    )
     convert = sub.add_parser("convert", help=COMMANDS["convert"][0])
     convert.add_argument("direction", choices=("from-hf", "to-hf"))
     convert.add_argument(

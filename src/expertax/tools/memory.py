@@ -9,19 +9,27 @@ compiled for the configured mesh; nothing is placed on a device. The report has 
   stack (the scan stacks them);
 - XLA's own figures for the compiled step (`compiled.memory_analysis()`): arguments, outputs,
   aliased bytes, temporaries, and their host-memory counterparts;
-- the peak estimate (arguments + outputs - aliased + temporaries) against an HBM budget.
+- the peak estimate (arguments + outputs - aliased + temporaries) against an HBM budget;
+- attribution: the largest buffers alive at the peak of XLA's buffer assignment (read from its
+  text dumps, `xla_dump.py`), each with its HLO instruction, the file:line of our code that
+  built it (the innermost stack frame under src/expertax) and its checkpoint name, if any.
 
 Residual shapes split the batch over the data, fsdp and expert axes only; splits of heads, hidden
 dims or experts (tensor parallelism, the [E, B, C, .] tensors of the dense MoE dispatch under
 expert parallelism) are not applied, so those entries are upper bounds. XLA:CPU has one memory
-for device and pinned host: its figures count offloaded tensors as device bytes.
+for device and pinned host: its figures count offloaded tensors as device bytes, so the peak
+estimate subtracts what the config itself places on host (offloaded parameters, optimizer state
+and remat names) and says so.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import math
 import os
+import tempfile
 
 import jax
 import jax.extend
@@ -32,6 +40,7 @@ from expertax.config.schema import Config
 from expertax.models import decoder
 from expertax.nn import param
 from expertax.parallel import remat
+from expertax.tools import xla_dump
 from expertax.train.trainer import build_trainer
 
 GIB = 1024**3
@@ -192,6 +201,10 @@ def _shard_bytes(abstract_tree, dtype=None) -> int:
     return total
 
 
+def _unsharded(abstract_tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_tree)
+
+
 def _residual_total(residuals: list[Residual], placement: str) -> int:
     return sum(r.bytes * r.layers for r in residuals if r.placement == placement)
 
@@ -213,8 +226,153 @@ def _weight_sum_cost(c: Config, batch_local: int) -> dict:
     }
 
 
-def memory_report(c: Config, devices=None, hbm_gib: float | None = None) -> dict:
-    """Compile the train step abstractly for `c` on `devices` and report bytes per device."""
+@functools.lru_cache(maxsize=64)
+def checkpoint_names(path: str) -> dict[int, str]:
+    """line -> checkpoint name, for the lines of each `remat.tag(expr, remat.NAME)` in `path`.
+
+    The tagged expression's lines map to the name (a nested tag's own lines to its own name), so
+    an HLO instruction whose innermost frame is on one of them computes that named tensor.
+    """
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return {}
+    spans = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and len(node.args) == 2):
+            continue
+        fn, tag = node.func, node.args[1]
+        is_tag = (
+            isinstance(fn, ast.Attribute)
+            and fn.attr == "tag"
+            or (isinstance(fn, ast.Name) and fn.id == "tag")
+        )
+        if is_tag and isinstance(tag, ast.Attribute) and isinstance(tag.value, ast.Name):
+            name = getattr(remat, tag.attr, None)
+            if isinstance(name, str):
+                expr = node.args[0]
+                width = (expr.end_lineno - expr.lineno, expr.end_col_offset - expr.col_offset)
+                spans.append((width, expr.lineno, expr.end_lineno, name))
+    out = {}
+    for _, first, last, name in sorted(spans, reverse=True):  # widest first, nested overwrite
+        out.update(dict.fromkeys(range(first, last + 1), name))
+    return out
+
+
+def _our_frame(module: xla_dump.Module, frame: int) -> tuple[str, str]:
+    """(file:line relative to src/expertax, absolute file) of the innermost expertax frame."""
+    for f in xla_dump.call_stack(module, frame):
+        path = os.path.abspath(f.file)
+        if path.startswith(_PACKAGE_DIR + os.sep):
+            return f"{os.path.relpath(path, _PACKAGE_DIR)}:{f.line}", path
+        if f"{os.sep}src{os.sep}expertax{os.sep}" in path:  # traced from another checkout
+            rel = path.split(f"{os.sep}src{os.sep}expertax{os.sep}", 1)[1]
+            return f"{rel}:{f.line}", path
+    return "", ""
+
+
+_COLLECTIVES = {
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+}
+
+
+def _describe(module, shapes, buf: xla_dump.LiveBuffer, host_names: set[str]) -> dict:
+    """One live buffer as a top_buffers entry."""
+    instr = module.instructions.get(buf.instruction)
+    text = shapes.get((buf.instruction, buf.index)) or (instr.shape if instr else "")
+    shape = xla_dump.parse_shape(text) if text else xla_dump.Shape("?", (), False)
+    index = "{" + ",".join(map(str, buf.index)) + "}" if buf.index else ""
+    entry = {
+        "bytes": buf.bytes,
+        "shape": list(shape.dims),
+        "dtype": shape.dtype,
+        "op": f"{buf.instruction}{index}" + (f" ({instr.opcode})" if instr else ""),
+        "source": "",
+        "name": "",
+        "op_name": "",
+        "placement": "host" if shape.host else "device",
+        "note": "",
+    }
+    if instr is None:
+        entry["note"] = "not in the optimized HLO"
+        return entry
+    src = xla_dump.origin(module, buf.instruction, buf.index)
+    entry["op_name"] = src.op_name
+    entry["source"], path = _our_frame(module, src.frame)
+    collective = instr.opcode.split("-start")[0].split("-done")[0] in _COLLECTIVES
+    if path and not collective:  # SPMD's collectives carry their consumer's metadata
+        entry["name"] = checkpoint_names(path).get(int(entry["source"].rsplit(":", 1)[1]), "")
+    if src.opcode == "parameter" and src.computation not in module.callers and not src.frame:
+        entry["name"] = entry["name"] or f"argument {src.op_name}".replace("\\'", "'")
+    loop = module.callers.get(instr.computation) if instr.opcode == "parameter" else None
+    if instr.opcode == "while":
+        loop = instr.name
+    if loop and buf.index:
+        entry["note"] = f"while-loop tuple element {index} of {loop}"
+    elif collective:
+        entry["note"] = f"{instr.opcode} for {'/'.join(src.op_name.split('/')[-2:])}"
+    elif src is not instr:
+        entry["note"] = f"{instr.opcode} of {src.name}"
+    if entry["name"] in host_names or any(
+        entry["name"].startswith(f"argument {p}") for p in host_names
+    ):
+        entry["placement"] = "host"
+    return entry
+
+
+def attribute_peak(dump_dir: str, top: int, host_names=()) -> dict:
+    """The `top` largest buffers alive at the peak of the module dumped in `dump_dir`.
+
+    `host_names`: checkpoint names and argument paths (e.g. "state.opt_state") the config places
+    on host, for the placement column (XLA:CPU prints no host memory space). Never raises for an
+    unreadable dump: {"unavailable": why} instead.
+    """
+    try:
+        files = xla_dump.module_files(dump_dir)
+        with open(files["live_range"]) as f:
+            peak = xla_dump.parse_live_range(f.read())
+        with open(files["buffers"]) as f:
+            shapes = xla_dump.parse_value_shapes(f.read())
+        with open(files["hlo"]) as f:
+            module = xla_dump.parse_hlo(f.read())
+        ranked = sorted(peak.buffers, key=lambda b: -b.bytes)[:top]
+        buffers = [_describe(module, shapes, b, set(host_names)) for b in ranked]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        return {"unavailable": f"{type(e).__name__}: {e}", "top_buffers": []}
+    return {
+        "unavailable": None,
+        "peak_step": peak.step,
+        "peak_instruction": peak.instruction,
+        "peak_buffers": len(peak.buffers),
+        "peak_live_bytes": sum(b.bytes for b in peak.buffers),
+        "top_buffers": buffers,
+    }
+
+
+def compile_and_attribute(trainer, top: int, host_names=()):
+    """Compile the train step abstractly; with `top` > 0, also attribute its peak (XLA's dumps
+    go to a temporary folder, removed afterwards)."""
+    with trainer.context():
+        lowered = trainer.jitted_step().lower(trainer.abstract_state(), trainer.abstract_batch())
+    if top <= 0:
+        with trainer.context():
+            return lowered.compile(), {"unavailable": "not asked for (--top 0)", "top_buffers": []}
+    with tempfile.TemporaryDirectory(prefix="expertax-xla-dump-") as tmp:
+        options = {"xla_dump_to": tmp, "xla_dump_hlo_as_text": True}
+        with trainer.context():
+            compiled = lowered.compile(compiler_options=options)
+        return compiled, attribute_peak(tmp, top, host_names)
+
+
+def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top: int = 15) -> dict:
+    """Compile the train step abstractly for `c` on `devices` and report bytes per device, with
+    the `top` largest buffers alive at XLA's peak (0: no attribution, a faster compile)."""
     trainer = build_trainer(c, devices)
     remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
     state = trainer.abstract_state()
@@ -224,7 +382,11 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None) -> dict
         residuals += layer_residuals(c, moe=False, batch_local=local_batch)
     if c.num_moe_layers:
         residuals += layer_residuals(c, moe=True, batch_local=local_batch)
-    compiled = trainer.compile()
+    place = remat.config_placements(c)
+    host_names = {n for n, p in place.items() if p == remat.OFFLOAD}
+    host_names |= {"state.params"} if c.parameter_memory_host_offload else set()
+    host_names |= {"state.opt_state"} if c.optimizer_memory_host_offload else set()
+    compiled, attribution = compile_and_attribute(trainer, top, host_names)
     ma = compiled.memory_analysis()
     xla = {
         k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
@@ -244,10 +406,13 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None) -> dict
     offloaded = (_shard_bytes(state.params) if c.parameter_memory_host_offload else 0) + (
         _shard_bytes(state.opt_state) if c.optimizer_memory_host_offload else 0
     )
-    if offloaded and not xla["host_argument"]:
+    one_memory = not (xla["host_argument"] or xla["host_temp"])
+    if offloaded and one_memory:
         # XLA:CPU counts pinned-host arguments with the device ones (one memory); the donated
         # state is counted once (arguments + outputs - aliased), so take it out once.
         peak -= offloaded
+    offloaded_residuals = _residual_total(residuals, "host") if one_memory else 0
+    peak -= offloaded_residuals  # likewise its temporaries hold the offloaded remat names
     report = {
         "model_name": c.model_name,
         "devices": trainer.num_devices,
@@ -259,6 +424,7 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None) -> dict
         "remat_policy": c.remat_policy,
         "placements": remat.config_placements(c),
         "parameter_bytes": _shard_bytes(state.params),
+        "ideal_parameter_bytes": -(-_shard_bytes(_unsharded(state.params)) // trainer.num_devices),
         "optimizer_state_bytes": _shard_bytes(state.opt_state),
         "gradient_bytes": _shard_bytes(state.params, c.grad_dtype),
         "parameter_memory_host_offload": c.parameter_memory_host_offload,
@@ -268,10 +434,13 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None) -> dict
         "residual_bytes_host": _residual_total(residuals, "host"),
         "float32_weight_sum": _weight_sum_cost(c, local_batch),
         "xla": xla,
-        "offloaded_state_bytes": offloaded,
+        "offloaded_state_bytes": offloaded if one_memory else 0,
+        "offloaded_residual_bytes": offloaded_residuals,
         "peak_device_bytes": peak,
         "hbm_gib": hbm_gib,
         "fits": None if hbm_gib is None else bool(peak <= hbm_gib * GIB),
+        "attribution": {k: v for k, v in attribution.items() if k != "top_buffers"},
+        "top_buffers": attribution["top_buffers"],
     }
     return report
 
@@ -291,7 +460,13 @@ def format_report(r: dict) -> str:
         f"{r['max_target_length']}, remat_policy={r['remat_policy']}",
         "per device:",
         f"  parameters       {_fmt(r['parameter_bytes']):>12}"
-        + ("  (pinned host)" if r["parameter_memory_host_offload"] else ""),
+        + ("  (pinned host)" if r["parameter_memory_host_offload"] else "")
+        + (
+            f"  (ideal: all parameters / {r['devices']} devices = "
+            f"{_fmt(r['ideal_parameter_bytes'])})"
+            if "ideal_parameter_bytes" in r
+            else ""
+        ),
         f"  optimizer state  {_fmt(r['optimizer_state_bytes']):>12}"
         + ("  (pinned host)" if r["optimizer_memory_host_offload"] else ""),
         f"  gradients        {_fmt(r['gradient_bytes']):>12}",
@@ -327,8 +502,19 @@ def format_report(r: dict) -> str:
             if r["offloaded_state_bytes"]
             else ""
         )
+        + (
+            f" - {_fmt(r['offloaded_residual_bytes'])} offloaded residuals"
+            if r.get("offloaded_residual_bytes")
+            else ""
+        )
         + f"): {_fmt(r['peak_device_bytes'])}",
     ]
+    if r["offloaded_state_bytes"] or r.get("offloaded_residual_bytes"):
+        lines.append(
+            "  (XLA:CPU has one memory and counts pinned-host bytes as device bytes; the estimate"
+            " takes out what this config places on host)"
+        )
+    lines += _format_top_buffers(r)
     if r["hbm_gib"] is not None:
         verdict = "FITS" if r["fits"] else "DOES NOT FIT"
         lines.append(
@@ -336,6 +522,29 @@ def format_report(r: dict) -> str:
             f"({100 * r['peak_device_bytes'] / (r['hbm_gib'] * GIB):.1f}%)"
         )
     return "\n".join(lines)
+
+
+def _format_top_buffers(r: dict) -> list[str]:
+    a = r.get("attribution", {"unavailable": "not computed"})
+    if a.get("unavailable"):
+        return [f"attribution unavailable: {a['unavailable']}"]
+    lines = [
+        f"largest buffers alive at XLA's peak (schedule step {a['peak_step']}, "
+        f"{a['peak_instruction'] or '?'}; {a['peak_buffers']} buffers, "
+        f"{_fmt(a['peak_live_bytes'])} in all):",
+        f"  {'bytes':>11}  {'dtype[shape]':<26} {'HLO instruction':<34} "
+        f"{'source (src/expertax)':<28} name / note",
+    ]
+    for b in r["top_buffers"]:
+        shape = f"{b['dtype']}[{','.join(map(str, b['shape']))}]"
+        extra = "; ".join(
+            x for x in (b["name"], b["note"], "host" if b["placement"] == "host" else "") if x
+        )
+        extra = extra if len(extra) <= 80 else extra[:77] + "..."
+        lines.append(
+            f"  {_fmt(b['bytes']):>11}  {shape:<26} {b['op']:<34} {b['source'] or '-':<28} {extra}"
+        )
+    return lines
 
 
 def to_json_ready(r: dict) -> dict:

@@ -90,7 +90,11 @@ def test_xla_figures_and_verdict(report, measured):
     assert x["temp"] > r["residual_bytes_device"] + r["residual_bytes_host"]  # XLA:CPU: one memory
     # The peak counts the donated state once (a peak counting arguments and outputs apart would
     # count it twice), plus the temporaries.
-    assert 0 <= r["peak_device_bytes"] - x["temp"] - x["argument"] < 4096
+    # XLA:CPU's one memory counts the offloaded moe_mlpwo residuals in the temporaries; the
+    # estimate takes them out.
+    assert r["offloaded_residual_bytes"] == r["residual_bytes_host"] == 131072
+    peak_one_memory = r["peak_device_bytes"] + r["offloaded_residual_bytes"]
+    assert 0 <= peak_one_memory - x["temp"] - x["argument"] < 4096
     assert r["fits"] is True and r["peak_device_bytes"] < 64 * 2**20  # ~12 MiB of 1 GiB
 
 
