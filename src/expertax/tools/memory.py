@@ -30,6 +30,7 @@ import functools
 import math
 import os
 import tempfile
+from typing import Any
 
 import jax
 import jax.extend
@@ -186,8 +187,8 @@ def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]
         else:
             name = "unnamed: a constant"
         placement = "host" if name in host else "device"
-        shape, dtype = tuple(src.aval.shape), str(src.aval.dtype)
-        out.append(Residual(name, shape, dtype, placement, stack, layers))
+        shape, dtype_name = tuple(src.aval.shape), str(src.aval.dtype)
+        out.append(Residual(name, shape, dtype_name, placement, stack, layers))
     return out
 
 
@@ -252,6 +253,7 @@ def checkpoint_names(path: str) -> dict[int, str]:
             name = getattr(remat, tag.attr, None)
             if isinstance(name, str):
                 expr = node.args[0]
+                assert expr.end_lineno is not None and expr.end_col_offset is not None
                 width = (expr.end_lineno - expr.lineno, expr.end_col_offset - expr.col_offset)
                 spans.append((width, expr.lineno, expr.end_lineno, name))
     out = {}
@@ -288,7 +290,7 @@ def _describe(module, shapes, buf: xla_dump.LiveBuffer, host_names: set[str]) ->
     text = shapes.get((buf.instruction, buf.index)) or (instr.shape if instr else "")
     shape = xla_dump.parse_shape(text) if text else xla_dump.Shape("?", (), False)
     index = "{" + ",".join(map(str, buf.index)) + "}" if buf.index else ""
-    entry = {
+    entry: dict[str, Any] = {
         "bytes": buf.bytes,
         "shape": list(shape.dims),
         "dtype": shape.dtype,

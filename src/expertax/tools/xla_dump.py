@@ -116,10 +116,11 @@ _SEQ_RE = re.compile(r"^\s*(\d+):(\S+)\s*$")
 def parse_live_range(text: str) -> Peak:
     """The buffers alive at the peak, from a `-live-range.txt` dump."""
     lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if _PEAK_RE.match(ln)), None)
-    if start is None:
+    peaks = [(i, m) for i, m in enumerate(map(_PEAK_RE.match, lines)) if m]
+    if not peaks:
         raise DumpError("the live-range dump has no 'Live ranges at N (peak):' section")
-    step = int(_PEAK_RE.match(lines[start]).group(1))
+    start, peak = peaks[0]
+    step = int(peak.group(1))
     buffers = []
     for ln in lines[start + 1 :]:
         m = _LIVE_RE.match(ln)
@@ -128,7 +129,10 @@ def parse_live_range(text: str) -> Peak:
         buffers.append(LiveBuffer(m.group(1), parse_index(m.group(2) or ""), int(m.group(3))))
     if not buffers:
         raise DumpError("the live-range dump's peak section lists no buffers")
-    seq = dict(m.groups() for m in map(_SEQ_RE.match, lines[:start]) if m)
+    seq: dict[str, str] = {}
+    for m in map(_SEQ_RE.match, lines[:start]):
+        if m:
+            seq[m.group(1)] = m.group(2)
     return Peak(step, seq.get(str(step), ""), tuple(buffers))
 
 
@@ -139,7 +143,7 @@ _VALUE_RE = re.compile(
 
 def parse_value_shapes(text: str) -> dict[tuple[str, tuple[int, ...]], str]:
     """(instruction, index) -> its shape, from a `-buffer-assignment.txt` dump."""
-    out = {}
+    out: dict[tuple[str, tuple[int, ...]], str] = {}
     for ln in text.splitlines():
         m = _VALUE_RE.match(ln)
         if m:
