@@ -26,6 +26,12 @@ TINY = [
 ]
 
 
+# Four layers and 2 x 128 tokens per device: activations outweigh the state, so remat and
+# blockwise attention move the peak.
+FIT = [*TINY[:4], "base_num_decoder_layers=4", "num_experts=4"]
+FIT += ["max_target_length=128", "per_device_batch_size=2"]
+
+
 @pytest.fixture(scope="module")
 def cfg():
     return load_config(overrides=TINY)
@@ -94,12 +100,14 @@ def test_estimate_ranks_bigger_candidates_above_smaller(cfg):
 
 
 @pytest.mark.usefixtures("persistent_compile_cache")
-def test_fit_picks_a_candidate_that_compiles_under_the_budget(cfg, capsys):
-    # The search's first choice under a generous budget, then a budget 3% below its peak with
-    # no headroom: the search must move on to more recompute or another layout.
+def test_fit_picks_a_candidate_that_compiles_under_the_budget():
+    cfg = load_config(overrides=FIT)
+    # The search's first choice under a generous budget, then a budget 15% below its peak with
+    # no headroom: the search must move on to blockwise attention, more recompute or another
+    # layout.
     first = fit.fit_search(cfg, 8, 1.0, headroom=0.0, max_compiles=1)["best"]
     assert first["fits"]
-    hbm = 0.97 * first["peak_device_bytes"] / GIB
+    hbm = 0.85 * first["peak_device_bytes"] / GIB
     seen = []
 
     def counting(c, h):
@@ -113,7 +121,7 @@ def test_fit_picks_a_candidate_that_compiles_under_the_budget(cfg, capsys):
     assert best["peak_device_bytes"] <= hbm * GIB
     assert 1 <= len(seen) <= 4
     # Independently: memory_report of the chosen overrides compiles under the budget.
-    chosen = load_config(overrides={**_as_dict(TINY), **best["overrides"]})
+    chosen = load_config(overrides={**_as_dict(FIT), **best["overrides"]})
     report = memory_report(chosen, hbm_gib=hbm)
     assert report["fits"] and report["peak_device_bytes"] == best["peak_device_bytes"]
     assert r["train_line"].startswith("expertax train model_name=mixtral-tiny ")
