@@ -130,6 +130,8 @@ def cmd_memory(args) -> int:
         if args.devices < 1:
             raise ConfigError(f"--devices={args.devices}: use a positive number of devices")
         _use_simulated_devices(args.devices, args.argv)
+    if args.fit:
+        return _memory_fit(cfg, args)
     import time
 
     from expertax.tools.memory import format_report, memory_report, to_json_ready
@@ -146,6 +148,30 @@ def cmd_memory(args) -> int:
         with open(args.json, "w") as f:
             json.dump(to_json_ready(report), f, indent=1)
     return 0
+
+
+def _memory_fit(cfg, args) -> int:
+    """`expertax memory --fit`: the search of tools/fit.py; exit 1 when no candidate fits."""
+    import json
+
+    import jax
+
+    from expertax.tools import fit
+
+    devices = args.devices if args.devices is not None else len(jax.devices())
+    result = fit.fit_search(
+        cfg,
+        devices,
+        args.hbm,
+        headroom=args.headroom,
+        allow_drops=args.allow_drops,
+        max_compiles=args.max_compiles,
+    )
+    print(fit.format_fit(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"fit": result}, f, indent=1)
+    return 0 if result["fits"] else 1
 
 
 COMMANDS: dict[str, tuple[str, Callable]] = {
@@ -195,6 +221,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         type=int,
         default=15,
         help="list the N largest buffers alive at XLA's peak, with their source (0: none)",
+    )
+    memory.add_argument(
+        "--fit",
+        action="store_true",
+        help="search layouts, token chunks, remat, rules and offload for a step that fits --hbm "
+        "on --devices (ranked table, the best as a train line; exit 1 when none fits)",
+    )
+    memory.add_argument(
+        "--headroom", type=float, default=10.0, help="--fit: percent of --hbm to keep free"
+    )
+    memory.add_argument(
+        "--allow-drops",
+        action="store_true",
+        help="--fit: also consider candidates that may drop tokens (a capped EP buffer)",
+    )
+    memory.add_argument(
+        "--max-compiles", type=int, default=6, help="--fit: compile at most this many candidates"
     )
     convert = sub.add_parser("convert", help=COMMANDS["convert"][0])
     convert.add_argument("direction", choices=("from-hf", "to-hf"))
