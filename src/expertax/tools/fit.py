@@ -244,7 +244,7 @@ class Estimator:
         """Saved residual bytes at one sequence per device, by name (all layers)."""
         key = (preset, attention, chunks)
         if key not in self._residuals:
-            update = {"remat_policy": preset, "attention_impl": attention}
+            update: dict[str, Any] = {"remat_policy": preset, "attention_impl": attention}
             if CHUNKS_KEY in Config.model_fields:
                 update[CHUNKS_KEY] = chunks
             c1 = self.c.model_copy(update=update)
@@ -414,16 +414,16 @@ def candidates(
     attentions = [c.attention_impl]
     if _resolve_attention(c.attention_impl, t) == "dot":
         attentions.append("blockwise")
-    moments = [{}]
+    moments: list[dict[str, Any]] = [{}]
     if (c.mu_dtype, c.nu_dtype) != ("bfloat16", "bfloat16"):
         moments.append({"mu_dtype": "bfloat16", "nu_dtype": "bfloat16"})
-    offloads = [{}]
+    offloads: list[dict[str, Any]] = [{}]
     if pinned_host:
         offloads += [
             {"optimizer_memory_host_offload": True},
             {"optimizer_memory_host_offload": True, "parameter_memory_host_offload": True},
         ]
-    drops = [{}]
+    drops: list[dict[str, Any]] = [{}]
     if allow_drops and c.is_moe and c.sparse_matmul:
         drops.append({"ragged_buffer_factor": DROPS_BUFFER_FACTOR})
     presets = remat_presets(c)
@@ -472,16 +472,8 @@ def default_compile(c: Config, hbm_gib: float) -> int:
     counts pinned host with the device), without its residual trace."""
     trainer = build_trainer(c)
     remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
-    ma = trainer.compile().memory_analysis()
-    get = lambda k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
-    peak = get("argument") + get("output") - get("alias") + get("temp")
-    state = trainer.abstract_state()
-    offloaded = (memory._shard_bytes(state.params) if c.parameter_memory_host_offload else 0) + (
-        memory._shard_bytes(state.opt_state) if c.optimizer_memory_host_offload else 0
-    )
-    if offloaded and not get("host_argument"):
-        peak -= offloaded
-    return peak
+    xla = memory.xla_figures(trainer.compile())
+    return memory.device_peak(c, trainer.abstract_state(), xla)[0]
 
 
 def fit_search(
@@ -559,7 +551,7 @@ def fit_search(
         if fits:
             best = cand
             break
-    closest = best or min(compiled, key=lambda x: x.peak_device_bytes, default=None)
+    closest = best or min(compiled, key=lambda x: x.peak_device_bytes or 0, default=None)
     ranked = (
         compiled
         + sorted(

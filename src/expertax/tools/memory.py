@@ -372,6 +372,43 @@ def compile_and_attribute(trainer, top: int, host_names=()):
         return compiled, attribute_peak(tmp, top, host_names)
 
 
+XLA_FIGURES = (
+    "argument",
+    "output",
+    "alias",
+    "temp",
+    "generated_code",
+    "host_argument",
+    "host_output",
+    "host_alias",
+    "host_temp",
+)
+
+
+def xla_figures(compiled) -> dict[str, int]:
+    """The compiled program's `memory_analysis()` as {figure: bytes} (XLA_FIGURES)."""
+    ma = compiled.memory_analysis()
+    return {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in XLA_FIGURES}
+
+
+def device_peak(c: Config, state, xla: dict[str, int], residuals=()) -> tuple[int, int, int]:
+    """(peak device bytes, offloaded state bytes taken out, offloaded residual bytes taken out).
+
+    The peak is arguments + outputs - aliased + temporaries. XLA:CPU has one memory: it counts
+    pinned-host arguments with the device ones, so with host offload the donated state (counted
+    once, as arguments + outputs - aliased) and the offloaded remat residuals (in its
+    temporaries) are taken out once; a backend with a host memory space reports them apart.
+    """
+    peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
+    if xla["host_argument"] or xla["host_temp"]:
+        return peak, 0, 0
+    offloaded = (_shard_bytes(state.params) if c.parameter_memory_host_offload else 0) + (
+        _shard_bytes(state.opt_state) if c.optimizer_memory_host_offload else 0
+    )
+    offloaded_residuals = _residual_total(residuals, "host")
+    return peak - offloaded - offloaded_residuals, offloaded, offloaded_residuals
+
+
 def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top: int = 15) -> dict:
     """Compile the train step abstractly for `c` on `devices` and report bytes per device, with
     the `top` largest buffers alive at XLA's peak (0: no attribution, a faster compile)."""
@@ -389,32 +426,8 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top:
     host_names |= {"state.params"} if c.parameter_memory_host_offload else set()
     host_names |= {"state.opt_state"} if c.optimizer_memory_host_offload else set()
     compiled, attribution = compile_and_attribute(trainer, top, host_names)
-    ma = compiled.memory_analysis()
-    xla = {
-        k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
-        for k in (
-            "argument",
-            "output",
-            "alias",
-            "temp",
-            "generated_code",
-            "host_argument",
-            "host_output",
-            "host_alias",
-            "host_temp",
-        )
-    }
-    peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
-    offloaded = (_shard_bytes(state.params) if c.parameter_memory_host_offload else 0) + (
-        _shard_bytes(state.opt_state) if c.optimizer_memory_host_offload else 0
-    )
-    one_memory = not (xla["host_argument"] or xla["host_temp"])
-    if offloaded and one_memory:
-        # XLA:CPU counts pinned-host arguments with the device ones (one memory); the donated
-        # state is counted once (arguments + outputs - aliased), so take it out once.
-        peak -= offloaded
-    offloaded_residuals = _residual_total(residuals, "host") if one_memory else 0
-    peak -= offloaded_residuals  # likewise its temporaries hold the offloaded remat names
+    xla = xla_figures(compiled)
+    peak, offloaded, offloaded_residuals = device_peak(c, state, xla, residuals)
     report = {
         "model_name": c.model_name,
         "devices": trainer.num_devices,
@@ -436,7 +449,7 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top:
         "residual_bytes_host": _residual_total(residuals, "host"),
         "float32_weight_sum": _weight_sum_cost(c, local_batch),
         "xla": xla,
-        "offloaded_state_bytes": offloaded if one_memory else 0,
+        "offloaded_state_bytes": offloaded,
         "offloaded_residual_bytes": offloaded_residuals,
         "peak_device_bytes": peak,
         "hbm_gib": hbm_gib,
