@@ -47,10 +47,16 @@ def test_train_writes_metrics_and_config(tmp_path):
     again = run_cli("train", "steps=3", "run_name=smoke", cwd=tmp_path)
     assert again.returncode == 0 and "nothing to do: the run is at step 3" in again.stdout
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
-    # Without checkpoints, a folder that holds a run is refused, never overwritten.
+    # Another model in that folder is refused, nothing touched.
+    other = run_cli("train", "steps=3", "run_name=smoke", "base_emb_dim=64", cwd=tmp_path)
+    assert other.returncode == 2 and "run_name='smoke'" in other.stderr
+    assert "base_emb_dim" in other.stderr
+    # Without a complete checkpoint (as after a kill in the first minutes) the same command
+    # restarts from step 0 and keeps the earlier metrics aside.
     shutil.rmtree(run_dir / "checkpoints")
     again = run_cli("train", "steps=3", "run_name=smoke", cwd=tmp_path)
-    assert again.returncode == 2 and "run_name='smoke'" in again.stderr
+    assert again.returncode == 0 and "restarting from step 0" in again.stdout
+    assert (run_dir / "metrics.jsonl.1").read_text() == "\n".join(lines) + "\n"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
 
 
