@@ -8,6 +8,7 @@ on a GPU/TPU the same tests would also run a2a_impl=ragged.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -286,3 +287,141 @@ def test_ragged_impl_traces_and_lowers_with_gradients():
     with jax.set_mesh(mesh), use_rules(config_rules(c)):
         text = f.lower(p, x, c).as_text()
     assert text.count("ragged_all_to_all") == 4  # send and return, forward and transposed
+
+
+# ---------------------------------------------------------------------------------------------
+# num_moe_token_chunks inside the shard_map (expert=4 x fsdp=2), and activations in `dtype`.
+
+CHUNKED = ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "max_target_length=16"]
+ROUTING_MODELS = {"deepseek": "model_name=deepseek3-tiny", "mixtral": "model_name=mixtral-tiny"}
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTING_MODELS))
+@pytest.mark.parametrize("strategy", ["a2a", "ring"])
+def test_token_chunks_match_one_chunk_on_the_mesh(strategy, routing):
+    ring = [f"use_ring_of_experts={strategy == 'ring'}"]
+    base = [*CHUNKED, *ring, ROUTING_MODELS[routing]]
+    c1, p, x = _layer_case(base)
+    c4, _, _ = _layer_case([*base, "num_moe_token_chunks=4"])
+    x = jax.random.normal(jax.random.key(1), (8, 16, c1.base_emb_dim))
+    (l1, (y1, s1)), g1 = _run(c1, p, x, make_mesh(c1))
+    (l4, (y4, s4)), g4 = _run(c4, p, x, make_mesh(c4))
+    _close(y4, y1)
+    _close(l4, l1)
+    for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g1), strict=True):
+        _close(a, b)
+    np.testing.assert_array_equal(np.asarray(s4.load_E), np.asarray(s1.load_E))
+    _close(s4.lb_loss, s1.lb_loss)
+    assert int(s4.dropped) == int(s1.dropped) == 0
+    # negative control: one perturbed expert weight fails the same comparison
+    bad = dataclasses.replace(p, wo=p.wo.at[5].multiply(1.01))
+    (_, (y_bad, _)), _ = _run(c4, bad, x, make_mesh(c4))
+    with pytest.raises(AssertionError):
+        _close(y_bad, y1)
+
+
+def _compiled_bf16(overrides):
+    """(config, lowered StableHLO text, compiled HLO text) of the layer's value and gradients,
+    dtype=bfloat16 (N = 32 tokens per shard)."""
+    c, p, _ = _layer_case(
+        [
+            *CHUNKED,
+            "max_target_length=32",
+            "dtype=bfloat16",
+            "base_moe_mlp_dim=96",  # F != D, so no weight shape looks like a row buffer
+            "gmm_tile_rows=16",  # gmm's float32 tile products stay smaller than the buffers
+            *overrides,
+        ]
+    )
+    dtype = jnp.dtype(c.dtype)
+    x = jax.random.normal(jax.random.key(1), (8, 32, c.base_emb_dim), dtype)
+
+    def loss(p, x):
+        y, st = layer.apply(p, x, c, dtype)
+        return jnp.sum(y.astype(jnp.float32)) + st.lb_loss
+
+    mesh = make_mesh(c)
+    with jax.set_mesh(mesh), use_rules(config_rules(c)):
+        sh = param.shardings(layer.spec(c), mesh, config_rules(c))
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        lowered = f.lower(jax.device_put(p, sh), x)
+        return c, lowered.as_text(), lowered.compile().as_text()
+
+
+def _shapes(text, op):
+    """(dtype, dims) of the results of every `op` instruction in compiled HLO text."""
+    pattern = rf"= \(?((?:[a-z0-9]+\[[0-9,]*\][^ ]*,? ?)+)\)? {op}\("
+    out = set()
+    for group in re.findall(pattern, text):
+        for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", group):
+            out.add((dt, tuple(int(v) for v in dims.split(",") if v)))
+    return out
+
+
+def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
+    """a2a (padded, on CPU): per-peer blocks of N*min(K, X) rows and the receive buffer of
+    M = P*N*min(K, X) rows are a quarter with 4 chunks; ring: gathered rows [P*N, D] too.
+    (XLA:CPU splits the all-to-all per peer, [1, block, D], and runs bfloat16 collectives in
+    float32, so the collectives' shapes are compared without their dtype.)"""
+    c1, _, hlo1 = _compiled_bf16([])
+    _, _, hlo4 = _compiled_bf16(["num_moe_token_chunks=4"])
+    d, p, n = c1.base_emb_dim, 4, 32
+    k_x = min(c1.num_experts_per_tok, c1.num_experts // p)
+    blocks1 = {s for _, s in _shapes(hlo1, "all-to-all") if len(s) == 3}
+    blocks4 = {s for _, s in _shapes(hlo4, "all-to-all") if len(s) == 3}
+    assert blocks1 == {(1, n * k_x, d)}, blocks1
+    assert blocks4 == {(1, n * k_x // 4, d)}, blocks4
+    m1, m4 = p * n * k_x, p * n * k_x // 4  # receive buffer rows
+    assert f"bf16[{m1},{d}]" in hlo1 and f"[{m1},{d}]" not in hlo4
+    assert f"bf16[{m4},{d}]" in hlo4
+    _, _, ring1 = _compiled_bf16(["use_ring_of_experts=true"])
+    _, _, ring4 = _compiled_bf16(["use_ring_of_experts=true", "num_moe_token_chunks=4"])
+    gathered1 = {s for _, s in _shapes(ring1, "all-gather")}
+    gathered4 = {s for _, s in _shapes(ring4, "all-gather")}
+    assert (p * n, d) in gathered1 and (p * n, d) not in gathered4
+    assert (p * n // 4, d) in gathered4
+    rows1, rows4 = p * n * c1.num_experts_per_tok, p * n * c1.num_experts_per_tok // 4
+    assert f"bf16[{rows1},{d}]" in ring1 and f"[{rows1},{d}]" not in ring4  # gathered sorted
+    assert f"bf16[{rows4},{d}]" in ring4
+
+
+def _f32_row_arrays(stablehlo: str, d: int, rows: set[int]) -> list[str]:
+    """float32 tensors [..., r, ..., D] with r one of `rows` in lowered StableHLO text."""
+    found = set(re.findall(r"tensor<([0-9x]+)xf32>", stablehlo))
+    return sorted(
+        s for s in found if s.endswith(f"x{d}") and any(f"x{r}x" in f"x{s}" for r in rows)
+    )
+
+
+@pytest.mark.parametrize("strategy", ["a2a", "ring"])
+def test_rows_stay_in_bfloat16_through_dispatch_exchange_and_combine(strategy):
+    """The program we emit (StableHLO, forward and backward) has no float32 array of a row
+    buffer's shape: sorted N*K rows, receive buffer, per-peer blocks, gathered rows. float32
+    only in the [N, D] combine accumulator (float32_weight_sum=true) and gmm's tile products."""
+    c, text, _ = _compiled_bf16([f"use_ring_of_experts={strategy == 'ring'}"])
+    d, p, n, k = c.base_emb_dim, 4, 32, c.num_experts_per_tok
+    k_x = min(k, c.num_experts // p)
+    if strategy == "a2a":
+        rows = {n * k, p * n * k_x, n * k_x}  # sorted rows, receive buffer, per-peer block
+    else:
+        rows = {p * n * k}  # the gathered tokens' sorted rows
+    # (ring: [P*N, D] float32 is the combine accumulator over the gathered tokens; the gathered
+    # tokens themselves are checked on the all-gathers below)
+    assert not _f32_row_arrays(text, d, rows)
+    gathers = [line for line in text.splitlines() if "all_gather" in line]
+    assert not [g for g in gathers if re.search(rf"x{d}xf32>", g)]
+    assert f"tensor<{p * n * k_x if strategy == 'a2a' else p * n * k}x{d}xbf16>" in text
+
+
+def test_negative_control_float32_rows_are_seen():
+    """dtype=float32 moves float32 rows: the same check finds them."""
+    c, text, _ = _compiled_bf16(["dtype=float32"])
+    d, p, n = c.base_emb_dim, 4, 32
+    k_x = min(c.num_experts_per_tok, c.num_experts // p)
+    assert f"{p * n * k_x}x{d}" in " ".join(_f32_row_arrays(text, d, {p * n * k_x}))
+
+
+def test_chunks_must_divide_the_tokens_per_batch_shard():
+    c = load_config(overrides=["model_name=deepseek3-tiny", *CHUNKED, "num_moe_token_chunks=3"])
+    with pytest.raises(ConfigError, match="num_moe_token_chunks=3 does not divide the 32 tokens"):
+        make_mesh(c)

@@ -200,6 +200,30 @@ def check_vocab_tiling(c: Config) -> None:
         )
 
 
+def check_moe_token_chunks(c: Config) -> None:
+    """Chunks must split the tokens evenly and leave the numbers unchanged (a layout key): no
+    per-chunk caps. Divisibility by the tokens per batch shard needs the mesh (check_mesh_fit)."""
+    n = c.num_moe_token_chunks
+    if n == 1:
+        return
+    t = c.max_target_length
+    if not c.sparse_matmul and t % n:
+        divisors = [d for d in range(1, min(t, 64) + 1) if t % d == 0]
+        raise ConfigError(
+            f"num_moe_token_chunks={n} does not divide max_target_length={t} (sparse_matmul=false "
+            f"chunks each sequence); use a divisor such as {divisors[-4:]}"
+        )
+    for key, value in (
+        ("capacity_factor", c.capacity_factor),
+        ("ragged_buffer_factor", c.ragged_buffer_factor),
+    ):
+        if value != -1:
+            raise ConfigError(
+                f"num_moe_token_chunks={n} with {key}={value}: a cap would apply per chunk and "
+                f"change what is dropped; use num_moe_token_chunks=1 or {key}=-1 (dropless)"
+            )
+
+
 ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_gmm_tiles,
     check_vocab_tiling,
@@ -216,6 +240,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_parallelism_values,
     check_ragged_buffer,
     check_ring_of_experts,
+    check_moe_token_chunks,
     check_data_files,
     check_distributed,
 )

@@ -208,6 +208,16 @@ class MoESection(_Section):
         description="Store expert weights sharded over `fsdp` on the expert dim (instead of "
         "`expert`); they are all-gathered at the dispatch shard_map boundary.",
     )
+    num_moe_token_chunks: int = _key(
+        LAYOUT,
+        1,
+        ge=1,
+        description="Run the MoE layer over its tokens in this many chunks (a scan: route, "
+        "dispatch, experts, combine per chunk), so the dropless worst-case buffers (sorted rows, "
+        "all-to-all receive buffer, ring's gathered rows, one-hot dispatch) are one chunk's; "
+        "the balancing statistics stay global. Must divide the tokens per batch shard "
+        "(and max_target_length with sparse_matmul=false).",
+    )
     ragged_buffer_factor: float = _key(
         TRAINING,
         -1.0,

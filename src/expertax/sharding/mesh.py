@@ -72,6 +72,15 @@ def check_mesh_fit(c: Config, shape: dict[str, int]) -> None:
             f"sequences, which must be a whole multiple of the batch shards "
             f"(data x fsdp x expert = {batch_shards})"
         )
+    chunks = c.num_moe_token_chunks
+    shard_tokens = int(global_batch) * c.max_target_length // batch_shards
+    if c.is_moe and shard_tokens % chunks:
+        valid = [d for d in range(1, min(shard_tokens, 64) + 1) if shard_tokens % d == 0]
+        raise ConfigError(
+            f"num_moe_token_chunks={chunks} does not divide the {shard_tokens} tokens per batch "
+            f"shard (global batch {int(global_batch)} x max_target_length={c.max_target_length} "
+            f"/ data x fsdp x expert = {batch_shards}); use a divisor such as {valid[-4:]}"
+        )
 
 
 def make_mesh(c: Config, devices=None) -> Mesh:

@@ -47,12 +47,19 @@ def permute(x_ND, experts_NK, num_experts):
 
 
 def unpermute_combine(y_sorted, order, weights_NK, c: Config, dtype):
-    """Undo the sort and take the weighted sum of each token's K expert outputs."""
+    """Undo the sort and take the weighted sum of each token's K expert outputs, in `dtype`.
+
+    The unsorted rows stay in `dtype`; with `float32_weight_sum` only the [N, D] accumulator is
+    float32 (one expert slot at a time: no float32 copy of the N*K rows, forward or backward).
+    """
     n, k = weights_NK.shape
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
+    y_NKD = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
     acc = jnp.float32 if c.float32_weight_sum else dtype
-    out = jnp.einsum("nkd,nk->nd", y.astype(acc), weights_NK.astype(acc))
-    return out.astype(dtype)
+    w_NK = weights_NK.astype(acc)
+    out_ND = y_NKD[:, 0].astype(acc) * w_NK[:, 0:1]
+    for j in range(1, k):
+        out_ND = out_ND + y_NKD[:, j].astype(acc) * w_NK[:, j : j + 1]
+    return out_ND.astype(dtype)
 
 
 def sparse(x_ND, routing, p, c: Config, dtype):
@@ -85,7 +92,12 @@ def capacity_einsum(x_BTD, experts_BTK, weights_BTK, p, c: Config, dtype):
     up = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_1.astype(dtype)), remat.MOE_MLPWI_1)
     y = jnp.einsum("ebcf,efd->ebcd", jax.nn.silu(gate) * up, p.wo.astype(dtype))
     y = remat.tag(y, remat.MOE_MLPWO)
+    # The expert outputs stay in `dtype`; the float32 combine weights set the accumulation
+    # (a mixed-dtype dot_general: no float32 copy of y [E, B, C, D]).
     acc = jnp.float32 if c.float32_weight_sum else dtype
-    out = jnp.einsum("ebcd,btec->btd", y.astype(acc), combine_BTEC.astype(acc)).astype(dtype)
+    out_BDT = jax.lax.dot_general(
+        y, combine_BTEC.astype(acc), (((0, 2), (2, 3)), ((1,), (0,))), preferred_element_type=acc
+    )
+    out = out_BDT.transpose(0, 2, 1).astype(dtype)
     dropped = jnp.sum(onehot_BKTE) - jnp.sum(keep)
     return out, dropped.astype(jnp.int32)

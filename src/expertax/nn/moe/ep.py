@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
-from expertax.nn.moe import dispatch, router
+from expertax.nn.moe import chunks, dispatch, router
 from expertax.nn.moe.strategy import EXPERT, resolve_a2a_impl, token_axes
 from expertax.nn.param import params_dataclass
 from expertax.sharding.rules import current_rules
@@ -283,39 +283,54 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, *, gathere
 # The shard_map.
 
 
-def global_stats(routing: router.Routing, num_tokens: int, dropped, c: Config, axes):
+def global_stats(counts_E, prob_sum_E, num_tokens: int, dropped, c: Config, axes):
     """MoEStats from sums over the shards whose routed tokens differ (`axes`), on every shard.
 
+    `counts_E`, `prob_sum_E`: this shard's sums over its `num_tokens` routed tokens (all chunks).
     `dropped` (int32) is already the total of an expert group (the same on each of its shards).
     """
-    counts_E = jax.lax.psum(routing.counts_E, axes)
-    prob_sum_E = jax.lax.psum(routing.prob_sum_E, axes)
+    counts_E = jax.lax.psum(counts_E, axes)
+    prob_sum_E = jax.lax.psum(prob_sum_E, axes)
     groups = jax.lax.axis_size(EXPERT) if EXPERT in axes else 1
     total_dropped = jax.lax.psum(dropped.astype(jnp.int32), axes) // groups
     shards = jax.lax.axis_size(axes)
     return router.balance_stats(counts_E, prob_sum_E, num_tokens * shards, c, total_dropped)
 
 
+def _chunk(x_ND, router_p, w, *, c, dtype, impl, split):
+    """One token chunk on one shard: (partial out [N, D], (counts_E, prob_sum_E, dropped))."""
+    routing = router.route(router_p, x_ND, c)
+    if c.use_ring_of_experts:
+        out_ND, dropped = ring_dispatch(x_ND, routing, w, c, dtype, gathered=not split)
+    else:
+        out_ND, dropped = a2a_dispatch(x_ND, routing, w, c, dtype, impl)
+    return out_ND, (routing.counts_E, routing.prob_sum_E, dropped)
+
+
 def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, *, c, dtype, impl, split):
-    """One shard. `split`: the tokens are sharded over `expert` (else replicated over it)."""
+    """One shard. `split`: the tokens are sharded over `expert` (else replicated over it).
+
+    The shard's tokens go through `_chunk` `num_moe_token_chunks` at a time (chunks.py).
+    """
     b, t, d = x_BTD_local.shape
     x_ND = x_BTD_local.reshape(b * t, d)
     w = (wi_0_local, wi_1_local, wo_local)
-    stat_axes = token_axes(current_rules()) if split else (*token_axes(current_rules()), EXPERT)
-    if c.use_ring_of_experts:
-        stat_axes = token_axes(current_rules())
-        routing = router.route(router_p, x_ND, c)
-        out_ND, dropped = ring_dispatch(x_ND, routing, w, c, dtype, gathered=not split)
-    else:
-        if not split:  # replicated tokens: each expert shard routes and sends its 1/EP slice
-            n = x_ND.shape[0] // jax.lax.axis_size(EXPERT)
-            x_ND = jax.lax.dynamic_slice_in_dim(x_ND, jax.lax.axis_index(EXPERT) * n, n)
-        routing = router.route(router_p, x_ND, c)
-        out_ND, dropped = a2a_dispatch(x_ND, routing, w, c, dtype, impl)
-        if not split:
-            out_ND = jax.lax.all_gather(out_ND, EXPERT, tiled=True, to="invarying")
+    ring = c.use_ring_of_experts
+    stat_axes = token_axes(current_rules())
+    if not split and not ring:  # replicated tokens: each expert shard routes and sends 1/EP
+        stat_axes = (*stat_axes, EXPERT)
+        n = x_ND.shape[0] // jax.lax.axis_size(EXPERT)
+        x_ND = jax.lax.dynamic_slice_in_dim(x_ND, jax.lax.axis_index(EXPERT) * n, n)
+    routed_tokens = x_ND.shape[0]
+    out_ND, (counts_E, prob_sum_E, dropped) = chunks.over_rows(
+        lambda x: _chunk(x, router_p, w, c=c, dtype=dtype, impl=impl, split=split),
+        x_ND,
+        c.num_moe_token_chunks,
+    )
+    if not split and not ring:
+        out_ND = jax.lax.all_gather(out_ND, EXPERT, tiled=True, to="invarying")
     out_ND = jax.lax.psum(out_ND, TENSOR)  # partial sums over the F shards
-    stats = global_stats(routing, routing.experts_NK.shape[0], dropped, c, stat_axes)
+    stats = global_stats(counts_E, prob_sum_E, routed_tokens, dropped, c, stat_axes)
     return out_ND.reshape(b, t, d), stats
 
 

@@ -6,7 +6,7 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import mlp
-from expertax.nn.moe import dispatch, ep, router, strategy
+from expertax.nn.moe import chunks, dispatch, ep, router, strategy
 from expertax.nn.param import params_dataclass, projection
 from expertax.sharding import constrain
 
@@ -33,28 +33,55 @@ def spec(c: Config) -> MoE:
 
 
 def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router.MoEStats]:
-    """MoE output [B, T, D] and stats; the sparse path under a mesh is expert-parallel (ep.py)."""
+    """MoE output [B, T, D] and stats; the sparse path under a mesh is expert-parallel (ep.py).
+
+    The routed tokens are cast to `dtype` once here, so the sorted, exchanged and gathered rows
+    are in `dtype`; `num_moe_token_chunks` runs route -> dispatch -> combine a chunk at a time.
+    """
     b, t, d = x_BTD.shape
-    x_ND = x_BTD.reshape(b * t, d)
+    x_in_BTD = x_BTD.astype(dtype)
     if strategy.uses_shard_map(c, ep.mesh_size()):
-        out_BTD, stats = ep.apply(p.router, p.wi_0, p.wi_1, p.wo, x_BTD, c, dtype)
+        out_BTD, stats = ep.apply(p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype)
         return _finish(p, x_BTD, out_BTD, c, dtype), stats
-    routing = router.route(p.router, x_ND, c)
     if c.sparse_matmul:
-        out_ND, dropped = dispatch.sparse(x_ND, routing, p, c, dtype)
+        out_ND, sums = chunks.over_rows(
+            lambda x_ND: _sparse_chunk(p, x_ND, c, dtype),
+            x_in_BTD.reshape(b * t, d),
+            c.num_moe_token_chunks,
+        )
         out_BTD = out_ND.reshape(b, t, d)
     else:
-        k = c.num_experts_per_tok
-        out_BTD, dropped = dispatch.capacity_einsum(
-            x_BTD,
-            routing.experts_NK.reshape(b, t, k),
-            routing.weights_NK.reshape(b, t, k),
-            p,
-            c,
-            dtype,
+        out_BTD, sums = chunks.over_positions(
+            lambda x_chunk_BTD: _einsum_chunk(p, x_chunk_BTD, c, dtype),
+            x_in_BTD,
+            c.num_moe_token_chunks,
         )
-    stats = router.balance_stats(routing.counts_E, routing.prob_sum_E, b * t, c, dropped)
+    counts_E, prob_sum_E, dropped = sums
+    stats = router.balance_stats(counts_E, prob_sum_E, b * t, c, dropped)
     return _finish(p, x_BTD, out_BTD, c, dtype), stats
+
+
+def _sparse_chunk(p: MoE, x_ND, c: Config, dtype):
+    """One chunk of the one-device sorted path: (out [N, D], (counts_E, prob_sum_E, dropped))."""
+    routing = router.route(p.router, x_ND, c)
+    out_ND, dropped = dispatch.sparse(x_ND, routing, p, c, dtype)
+    return out_ND, (routing.counts_E, routing.prob_sum_E, dropped)
+
+
+def _einsum_chunk(p: MoE, x_BTD, c: Config, dtype):
+    """One chunk (of every sequence) of the one-hot einsum path, like `_sparse_chunk`."""
+    b, t, d = x_BTD.shape
+    k = c.num_experts_per_tok
+    routing = router.route(p.router, x_BTD.reshape(b * t, d), c)
+    out_BTD, dropped = dispatch.capacity_einsum(
+        x_BTD,
+        routing.experts_NK.reshape(b, t, k),
+        routing.weights_NK.reshape(b, t, k),
+        p,
+        c,
+        dtype,
+    )
+    return out_BTD, (routing.counts_E, routing.prob_sum_E, dropped)
 
 
 def _finish(p: MoE, x_BTD, out_BTD, c: Config, dtype):

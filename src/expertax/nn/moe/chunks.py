@@ -1,0 +1,62 @@
+"""Token chunks: the MoE layer over its tokens one chunk at a time (`num_moe_token_chunks`).
+
+Each chunk is routed, dispatched (sorted, exchanged or gathered), run through the experts and
+combined on its own inside one `lax.scan`, so the dropless worst-case temporaries (the sorted
+rows, the all-to-all receive buffer and its padded per-peer blocks, the ring's gathered rows, the
+einsum's one-hot dispatch tensor) are sized for one chunk, not for all tokens. Routing is per
+token, so the outputs equal the unchunked layer's; the per-expert counts, score sums and drops
+are summed over the chunks and the balancing statistics are computed once from the sums
+(`router.balance_stats`), so they stay global. The checkpoint names tagged inside the chunk
+function (`moe_mlpwi_0`, ...) keep working: a policy saves them per chunk, stacked by the scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# fn(chunk) -> (output, sums): the sums are added over chunks (counts, score sums, drops)
+ChunkFn = Callable[[jax.Array], tuple[jax.Array, Any]]
+
+
+def scan_chunks(fn: ChunkFn, xs: jax.Array) -> tuple[jax.Array, Any]:
+    """`fn` over the leading (chunk) axis of `xs`: (outputs stacked on that axis, sums summed).
+
+    One chunk calls `fn` directly (no loop, the unchunked program). The sums are stacked by the
+    scan and added after it, rather than carried: no carry whose varying mesh axes inside a
+    `shard_map` would have to match the chunk's.
+    """
+    if xs.shape[0] == 1:
+        out, sums = fn(xs[0])
+        return out[None], sums
+    _, (outs, sums) = jax.lax.scan(lambda carry, x: (carry, fn(x)), None, xs)
+    return outs, jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)
+
+
+def over_rows(fn: ChunkFn, x_ND: jax.Array, num_chunks: int) -> tuple[jax.Array, Any]:
+    """`fn` over `num_chunks` consecutive row chunks [N/num_chunks, D]; outputs concatenated."""
+    n, d = x_ND.shape
+    if n % num_chunks:
+        raise ValueError(
+            f"num_moe_token_chunks={num_chunks} does not divide the {n} token rows of this shard; "
+            "use a divisor of the tokens per batch shard"
+        )
+    outs, sums = scan_chunks(fn, x_ND.reshape(num_chunks, n // num_chunks, d))
+    return outs.reshape(n, outs.shape[-1]), sums
+
+
+def over_positions(fn: ChunkFn, x_BTD: jax.Array, num_chunks: int) -> tuple[jax.Array, Any]:
+    """`fn` over `num_chunks` chunks of the sequence axis [B, T/num_chunks, D] (the batch axis,
+    sharded under GSPMD, stays whole in every chunk); outputs put back in position order."""
+    b, t, d = x_BTD.shape
+    if t % num_chunks:
+        raise ValueError(
+            f"num_moe_token_chunks={num_chunks} does not divide the sequence length {t} "
+            "(sparse_matmul=false chunks each sequence); use a divisor of max_target_length"
+        )
+    xs = x_BTD.reshape(b, num_chunks, t // num_chunks, d).transpose(1, 0, 2, 3)
+    outs, sums = scan_chunks(fn, xs)
+    return outs.transpose(1, 0, 2, 3).reshape(b, t, outs.shape[-1]), sums
