@@ -18,10 +18,12 @@ import jax.numpy as jnp
 
 from expertax.sharding.rules import named_sharding
 
-# The type of a parameter field: an array in a model's parameters, and in the trees derived from
-# the same dataclasses, its ParamSpec, ShapeDtypeStruct, sharding or logical axes (or None where
-# the config has no such parameter, e.g. `wq` of MLA with a query low rank).
-Param = Any
+# The type of a pytree dataclass field that holds an array in the model and, in the trees derived
+# from the same dataclass, its ParamSpec, ShapeDtypeStruct, sharding, PartitionSpec or logical
+# axes. `Param` is that for parameters (None where the config has no such parameter, e.g. `wq`
+# of MLA with a query low rank).
+Leaf = Any
+Param = Leaf
 
 
 @dataclass_transform(frozen_default=True)

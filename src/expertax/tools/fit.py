@@ -47,7 +47,7 @@ from expertax.tools import memory
 from expertax.train.trainer import build_trainer
 
 GIB = memory.GIB
-CHUNKS_KEY = "num_moe_token_chunks"  # added by the token-chunks work; searched when it exists
+CHUNKS_KEY = "num_moe_token_chunks"
 TILES = (1, 4, 16)  # num_vocab_tiling values tried (those dividing max_target_length)
 CHUNKS = (1, 2, 4, 8, 16)
 DROPS_BUFFER_FACTOR = 2.0  # ragged_buffer_factor tried with allow_drops
@@ -245,8 +245,7 @@ class Estimator:
         key = (preset, attention, chunks)
         if key not in self._residuals:
             update: dict[str, Any] = {"remat_policy": preset, "attention_impl": attention}
-            if CHUNKS_KEY in Config.model_fields:
-                update[CHUNKS_KEY] = chunks
+            update[CHUNKS_KEY] = chunks
             c1 = self.c.model_copy(update=update)
             by_name: dict[str, int] = {}
             for moe, layers in ((False, c1.num_dense_layers), (True, c1.num_moe_layers)):
@@ -410,7 +409,7 @@ def candidates(
     est = Estimator(c)
     t = c.max_target_length
     tiles = [n for n in TILES if t % n == 0]
-    chunks = list(CHUNKS) if CHUNKS_KEY in Config.model_fields and c.is_moe else [1]
+    chunks = list(CHUNKS) if c.is_moe else [1]
     attentions = [c.attention_impl]
     if _resolve_attention(c.attention_impl, t) == "dot":
         attentions.append("blockwise")
@@ -445,8 +444,7 @@ def candidates(
                 "remat_policy": preset,
                 "num_vocab_tiling": tile,
             }
-            if CHUNKS_KEY in Config.model_fields:
-                o[CHUNKS_KEY] = ch
+            o[CHUNKS_KEY] = ch
             if att != c.attention_impl:
                 o["attention_impl"] = att
             o.update(mom)

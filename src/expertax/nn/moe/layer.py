@@ -7,16 +7,16 @@ import jax
 from expertax.config.schema import Config
 from expertax.nn import mlp
 from expertax.nn.moe import chunks, dispatch, ep, router, strategy
-from expertax.nn.param import params_dataclass, projection
+from expertax.nn.param import Param, params_dataclass, projection
 from expertax.sharding import constrain
 
 
 @params_dataclass
 class MoE:
     router: router.Router
-    wi_0: jax.Array  # [E, D, F]
-    wi_1: jax.Array  # [E, D, F]
-    wo: jax.Array  # [E, F, D]
+    wi_0: Param  # [E, D, F]
+    wi_1: Param  # [E, D, F]
+    wo: Param  # [E, F, D]
     shared: mlp.MLP | None
 
 

@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.param import ParamSpec, params_dataclass, projection
+from expertax.nn.param import Leaf, Param, ParamSpec, params_dataclass, projection
 
 
 @params_dataclass
 class Router:
-    w: jax.Array  # [D, E]
-    bias: jax.Array | None  # [E], selection-only, not trained by the optimizer
+    w: Param  # [D, E]
+    bias: Param  # [E], selection-only, not trained by the optimizer; None when absent
 
 
 @params_dataclass
@@ -35,9 +35,9 @@ class Routing:
 
 @params_dataclass
 class MoEStats:
-    load_E: jax.Array  # float32 assignments per expert, over all shards
-    lb_loss: jax.Array  # scalar Switch-style load-balance loss
-    dropped: jax.Array  # int32 scalar: dropped (token, expert) assignments, all shards
+    load_E: Leaf  # float32 assignments per expert, over all shards
+    lb_loss: Leaf  # scalar Switch-style load-balance loss
+    dropped: Leaf  # int32 scalar: dropped (token, expert) assignments, all shards
 
 
 def spec(c: Config) -> Router:
