@@ -48,6 +48,7 @@ from expertax.train.trainer import build_trainer
 
 GIB = memory.GIB
 CHUNKS_KEY = "num_moe_token_chunks"
+CPU_EP_ROW_BUFFERS = 9
 TILES = (1, 4, 16)  # num_vocab_tiling values tried (those dividing max_target_length)
 CHUNKS = (1, 2, 4, 8, 16)
 DROPS_BUFFER_FACTOR = 2.0  # ragged_buffer_factor tried with allow_drops
@@ -322,7 +323,11 @@ class Estimator:
             else:
                 rows = n_tok * k
             f = c.base_moe_mlp_dim // split("exp_mlp", c.base_moe_mlp_dim)
-            moe = (rows // chunks) * (2 * d + 3 * f) * dt * 2
+            # XLA:CPU's padded all-to-all stand-in runs the exchange in float32 and keeps about
+            # nine [rows, D] buffers at once (their source lines in nn/moe/ep.py, measured by
+            # `expertax memory --top` on deepseek3-671b at expert=8); elsewhere about four.
+            copies, row_dt = (CPU_EP_ROW_BUFFERS, 4) if jax.default_backend() == "cpu" else (4, dt)
+            moe = (rows // chunks) * (copies * d * row_dt + 3 * f * dt)
             if c.float32_weight_sum:
                 moe += n_tok * k * d * 4 // chunks
         transient = max(attn, logits, moe)

@@ -216,9 +216,10 @@ def batch_shards(mesh) -> int:
 
 
 def _weight_sum_cost(c: Config, batch_local: int) -> dict:
-    """Extra temporaries of float32_weight_sum: the K expert outputs of a token upcast to f32."""
+    """Extra temporaries of float32_weight_sum: the [N, D] combine accumulator in float32 instead
+    of `dtype` (the K expert outputs are added one slot at a time, never upcast all at once)."""
     itemsize = jnp.dtype(c.dtype).itemsize
-    rows = batch_local * c.max_target_length * c.num_experts_per_tok
+    rows = batch_local * c.max_target_length
     extra = rows * c.base_emb_dim * max(4 - itemsize, 0) if c.num_moe_layers else 0
     return {
         "enabled": c.float32_weight_sum,
@@ -456,8 +457,29 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top:
         "fits": None if hbm_gib is None else bool(peak <= hbm_gib * GIB),
         "attribution": {k: v for k, v in attribution.items() if k != "top_buffers"},
         "top_buffers": attribution["top_buffers"],
+        "plan_notes": plan_notes(c, trainer),
     }
     return report
+
+
+def plan_notes(c: Config, trainer) -> list[str]:
+    """What the compiled plan shows that a GPU's would not (it is XLA:CPU's buffer assignment)."""
+    if jax.default_backend() != "cpu":
+        return []
+    notes = ["compiled by XLA:CPU: its buffer assignment is a proxy for a GPU's"]
+    ep = int(trainer.mesh.shape.get("expert", 1))
+    if c.is_moe and c.sparse_matmul and ep > 1 and not c.use_ring_of_experts:
+        notes.append(
+            "the MoE all-to-all is compiled as its padded stand-in (XLA:CPU has no "
+            "ragged_all_to_all, not even to compile): per-peer blocks of the worst-case rows "
+            "that a GPU's ragged exchange does not hold"
+        )
+    if c.is_moe and jnp.dtype(c.dtype) != jnp.float32:
+        notes.append(
+            f"XLA:CPU runs {c.dtype} collectives in float32: exchanged and gathered MoE rows "
+            "count twice their size here"
+        )
+    return notes
 
 
 def _fmt(n: float) -> str:
@@ -530,6 +552,7 @@ def format_report(r: dict) -> str:
             " takes out what this config places on host)"
         )
     lines += _format_top_buffers(r)
+    lines += [f"note: {n}" for n in r.get("plan_notes", [])]
     if r["hbm_gib"] is not None:
         verdict = "FITS" if r["fits"] else "DOES NOT FIT"
         lines.append(
