@@ -325,7 +325,7 @@ def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, *, c, dtype, 
     out_ND, (counts_E, prob_sum_E, dropped) = chunks.over_rows(
         lambda x: _chunk(x, router_p, w, c=c, dtype=dtype, impl=impl, split=split),
         x_ND,
-        c.num_moe_token_chunks,
+        c,
     )
     if not split and not ring:
         out_ND = jax.lax.all_gather(out_ND, EXPERT, tiled=True, to="invarying")

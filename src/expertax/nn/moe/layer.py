@@ -47,14 +47,14 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
         out_ND, sums = chunks.over_rows(
             lambda x_ND: _sparse_chunk(p, x_ND, c, dtype),
             x_in_BTD.reshape(b * t, d),
-            c.num_moe_token_chunks,
+            c,
         )
         out_BTD = out_ND.reshape(b, t, d)
     else:
         out_BTD, sums = chunks.over_positions(
             lambda x_chunk_BTD: _einsum_chunk(p, x_chunk_BTD, c, dtype),
             x_in_BTD,
-            c.num_moe_token_chunks,
+            c,
         )
     counts_E, prob_sum_E, dropped = sums
     stats = router.balance_stats(counts_E, prob_sum_E, b * t, c, dropped)
