@@ -237,7 +237,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="--fit: also consider candidates that may drop tokens (a capped EP buffer)",
     )
     memory.add_argument(
-        "--max-compiles", type=int, default=6, help="--fit: compile at most this many candidates"
+        "--max-compiles", type=int, default=12, help="--fit: compile at most this many candidates"
     )
     convert = sub.add_parser("convert", help=COMMANDS["convert"][0])
     convert.add_argument("direction", choices=("from-hf", "to-hf"))
