@@ -469,7 +469,7 @@ def candidates(
     return out
 
 
-def _like_a_miss(x: Candidate, compiled: list[Candidate], target: int) -> bool:
+def _like_a_miss(x: Candidate, compiled: list[Candidate], target: float) -> bool:
     """Whether the estimate cannot tell `x` from a compiled candidate of the same layout that
     missed the target (within 1%): levers the estimate sees as no change (e.g. vocab tiles when
     the logits are not at the peak) are not compiled again."""
