@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from expertax.config import ConfigError, load_config
-from expertax.nn import param
 from expertax.nn.moe import layer, router
 from expertax.parallel import remat
 from tests.tolerances import tol
+from tests.unit.nn.moe.test_moe import case as moe_case
 
 ROUTINGS = {
     "mixtral": {"model_name": "mixtral-tiny"},
@@ -26,21 +26,9 @@ CHUNKS = 4
 
 
 def setup(routing: str, chunks: int, **extra):
-    c = load_config(
-        overrides={
-            **ROUTINGS[routing],
-            "num_moe_token_chunks": chunks,
-            "load_balance_loss_weight": 0.01,
-            "max_target_length": 16,
-            **extra,
-        }
-    )
-    p = param.initialize(layer.spec(c), jax.random.key(1), jnp.float32)
-    if p.router.bias is not None:  # exercise the selection-only bias
-        bias = 0.05 * jax.random.normal(jax.random.key(2), p.router.bias.shape)
-        p = dataclasses.replace(p, router=dataclasses.replace(p.router, bias=bias))
-    x = jax.random.normal(jax.random.key(3), (2, 16, c.base_emb_dim), jnp.float32)
-    return c, p, x
+    """test_moe's layer case (router bias exercised) with `chunks` token chunks."""
+    keys = dict(num_moe_token_chunks=chunks, load_balance_loss_weight=0.01, max_target_length=16)
+    return moe_case({**ROUTINGS[routing], **keys, **extra})
 
 
 @jax.jit(static_argnums=0)

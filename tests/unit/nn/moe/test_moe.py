@@ -20,7 +20,12 @@ ROUTINGS = {
 
 
 def setup(routing: str, **extra):
-    c = load_config(overrides={**ROUTINGS[routing], **extra})
+    return case({**ROUTINGS[routing], **extra})
+
+
+def case(overrides: dict):
+    """(config, layer parameters with a random routing bias where there is one, inputs)."""
+    c = load_config(overrides=overrides)
     p = param.initialize(layer.spec(c), jax.random.key(1), jnp.float32)
     if p.router.bias is not None:  # exercise the selection-only bias
         bias = 0.05 * jax.random.normal(jax.random.key(2), p.router.bias.shape)
