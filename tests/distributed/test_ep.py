@@ -217,6 +217,21 @@ def _run(c, p, x, mesh=None):
         return f(jax.device_put(p, sh), x, c)
 
 
+def _same_layer_run(got, want):
+    """Two `_run` results agree: outputs, loss, gradients, exact loads, lb loss, no drops.
+    Returns `got`'s stats."""
+    (l1, (y1, s1)), g1 = got
+    (l0, (y0, s0)), g0 = want
+    _close(y1, y0)
+    _close(l1, l0)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        _close(a, b)
+    np.testing.assert_array_equal(np.asarray(s1.load_E), np.asarray(s0.load_E))
+    _close(s1.lb_loss, s0.lb_loss)
+    assert int(s1.dropped) == int(s0.dropped) == 0
+    return s1
+
+
 def _close(a, b):
     """float32 table tolerance, atol relative to the array's scale (sums of many terms)."""
     a, b = np.asarray(a), np.asarray(b)
@@ -227,15 +242,7 @@ def _close(a, b):
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layer_forward_gradients_and_stats_match_no_mesh(name):
     c, p, x = _layer_case(LAYOUTS[name])
-    (l0, (y0, s0)), g0 = _run(c, p, x)
-    (l1, (y1, s1)), g1 = _run(c, p, x, make_mesh(c))
-    _close(y1, y0)
-    _close(l1, l0)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
-        _close(a, b)
-    np.testing.assert_array_equal(np.asarray(s1.load_E), np.asarray(s0.load_E))
-    _close(s1.lb_loss, s0.lb_loss)
-    assert float(s1.dropped) == 0.0
+    s1 = _same_layer_run(_run(c, p, x, make_mesh(c)), _run(c, p, x))
     # The stats are replicated (out_specs P()): every shard holds the same value.
     shards = [np.asarray(s.data) for s in s1.load_E.addressable_shards]
     assert all((sh == shards[0]).all() for sh in shards)
@@ -304,15 +311,9 @@ def test_token_chunks_match_one_chunk_on_the_mesh(strategy, routing):
     c1, p, x = _layer_case(base)
     c4, _, _ = _layer_case([*base, "num_moe_token_chunks=4"])
     x = jax.random.normal(jax.random.key(1), (8, 16, c1.base_emb_dim))
-    (l1, (y1, s1)), g1 = _run(c1, p, x, make_mesh(c1))
-    (l4, (y4, s4)), g4 = _run(c4, p, x, make_mesh(c4))
-    _close(y4, y1)
-    _close(l4, l1)
-    for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g1), strict=True):
-        _close(a, b)
-    np.testing.assert_array_equal(np.asarray(s4.load_E), np.asarray(s1.load_E))
-    _close(s4.lb_loss, s1.lb_loss)
-    assert int(s4.dropped) == int(s1.dropped) == 0
+    one = _run(c1, p, x, make_mesh(c1))
+    _same_layer_run(_run(c4, p, x, make_mesh(c4)), one)
+    y1 = one[0][1][0]
     # negative control: one perturbed expert weight fails the same comparison
     bad = dataclasses.replace(p, wo=p.wo.at[5].multiply(1.01))
     (_, (y_bad, _)), _ = _run(c4, bad, x, make_mesh(c4))
