@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -29,6 +27,7 @@ from expertax.config import load_config  # noqa: E402
 from expertax.nn import rope  # noqa: E402
 from expertax.nn.attention.blockwise import attend_blockwise  # noqa: E402
 from expertax.nn.attention.kernel import attend_dot  # noqa: E402
+from expertax.tools.bench_gmm import median_seconds  # noqa: E402
 
 
 def compile_step(attend, shapes, scale):
@@ -39,17 +38,6 @@ def compile_step(attend, shapes, scale):
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*shapes).compile()
     return compiled, compiled.memory_analysis().temp_size_in_bytes
-
-
-def time_step(compiled, args, repeats: int) -> float:
-    """Median seconds of one call, after a warm-up call."""
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -90,7 +78,7 @@ def main(argv=None):
         row["block"] = args.block
         for name, fn in (("dot", attend_dot), ("blockwise", blockwise)):
             compiled, temp = compile_step(fn, shapes, scale)
-            row[f"{name}_s"] = time_step(compiled, inputs, args.repeats)
+            row[f"{name}_s"] = median_seconds(compiled, inputs, args.repeats)
             row[f"{name}_temp_bytes"] = temp
         row["blockwise_over_dot"] = row["blockwise_s"] / row["dot_s"]
         rows.append(row)

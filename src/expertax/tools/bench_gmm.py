@@ -51,7 +51,8 @@ def group_sizes(kind: str, experts: int, rows: int) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
-def _median_s(fn, args, repeats: int) -> float:
+def median_seconds(fn, args, repeats: int) -> float:
+    """Median wall seconds of one `fn(*args)` call over `repeats`, after a warm-up call."""
     jax.block_until_ready(fn(*args))  # compile and warm up
     times = []
     for _ in range(repeats):
@@ -70,7 +71,7 @@ def copy_bandwidth_gbps(mib: int = 256, repeats: int = 5) -> tuple[float, float]
     """
     a = jnp.ones((mib * 2**20 // BYTES_F32,), jnp.float32)
     nbytes = 2 * a.nbytes
-    fresh = _median_s(jax.jit(lambda x: x * 1.0001), (a,), repeats)
+    fresh = median_seconds(jax.jit(lambda x: x * 1.0001), (a,), repeats)
     scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
     a = scale(a)
     times = []
@@ -180,7 +181,7 @@ def run_grid(args) -> tuple[list[dict], dict]:
                 cot = jax.random.normal(key, (n, f), jnp.float32)
                 dense_w = w[0]
                 dense_rate = {
-                    p: _median_s(dense[p], _dense_args(p, x, dense_w, cot), args.repeats)
+                    p: median_seconds(dense[p], _dense_args(p, x, dense_w, cot), args.repeats)
                     for p in PASSES
                 }
                 for kind in args.groups.split(","):
