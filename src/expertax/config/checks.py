@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from expertax.config.schema import Config
+from expertax.parallel.remat import STASHABLE, stashed_names
 
 
 class ConfigError(ValueError):
@@ -224,6 +225,33 @@ def check_moe_token_chunks(c: Config) -> None:
             )
 
 
+def check_paged_stash(c: Config) -> None:
+    if not c.moe_paged_stash:
+        return
+    if not c.sparse_matmul:
+        raise ConfigError(
+            "moe_paged_stash=true needs the sparse (grouped-matmul) dispatch; with "
+            "sparse_matmul=false the one-hot einsum has no routed rows to stash: set "
+            "sparse_matmul=true or moe_paged_stash=false"
+        )
+    if c.moe_paged_stash_capacity_factor <= 0:
+        raise ConfigError(
+            f"moe_paged_stash_capacity_factor={c.moe_paged_stash_capacity_factor}: must be > 0 "
+            "(e.g. 1.1: 10% above the rows a device receives on average)"
+        )
+    if c.moe_paged_stash_page_rows <= 0:
+        raise ConfigError(
+            f"moe_paged_stash_page_rows={c.moe_paged_stash_page_rows}: must be a positive row "
+            "count (e.g. 256)"
+        )
+    if not stashed_names(c):
+        raise ConfigError(
+            f"moe_paged_stash=true but remat_policy={c.remat_policy} saves none of "
+            f"{', '.join(STASHABLE)} (all recomputed): nothing to stash; keep one of them "
+            "(remat_policy=custom moe_mlpwo=device, or minimal) or set moe_paged_stash=false"
+        )
+
+
 ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_gmm_tiles,
     check_vocab_tiling,
@@ -241,6 +269,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_ragged_buffer,
     check_ring_of_experts,
     check_moe_token_chunks,
+    check_paged_stash,
     check_data_files,
     check_distributed,
 )

@@ -218,6 +218,25 @@ class MoESection(_Section):
         "the balancing statistics stay global. Must divide the tokens per batch shard "
         "(and max_target_length with sparse_matmul=false).",
     )
+    moe_paged_stash: bool = _key(
+        LAYOUT,
+        False,
+        description="Paged stash: keep the routed experts' saved activations (moe_mlpwi_0, "
+        "moe_mlpwi_1, moe_mlpwo placed device/offload) by their valid rows only, in one buffer "
+        "shared by the MoE stack, instead of per layer at the worst-case row count; exact "
+        "gradients (a layer that does not fit is recomputed). Sparse dispatch only.",
+    )
+    moe_paged_stash_capacity_factor: float = _key(
+        LAYOUT,
+        1.1,
+        description="Stash buffer rows per device = factor x MoE layers x the rows a device "
+        "receives on average per layer (its tokens x num_experts_per_tok), plus one page.",
+    )
+    moe_paged_stash_page_rows: int = _key(
+        LAYOUT,
+        256,
+        description="Rows copied to/from the stash per loop step; the buffer's slack is one page.",
+    )
     ragged_buffer_factor: float = _key(
         TRAINING,
         -1.0,

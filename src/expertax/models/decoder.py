@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
+from expertax.models import stashed_stack
 from expertax.nn import embed, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.moe import layer as moe_layer
@@ -66,6 +67,12 @@ def spec(c: Config) -> Decoder:
 
 def block_apply(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype):
     """One pre-norm decoder layer; returns (x, MoEStats or None)."""
+    x_BTD, stats, _ = block_apply_stashed(p, x_BTD, c, positions_BT, segment_ids_BT, dtype, None)
+    return x_BTD, stats
+
+
+def block_apply_stashed(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, stash):
+    """`block_apply` with the MoE layer's paged stash (nn/moe/stash.py): (x, stats, stash)."""
     x_BTD = remat.tag(x_BTD, remat.DECODER_LAYER_INPUT)
     eps = c.normalization_layer_epsilon
     attn = mla if c.attention_type == "mla" else gqa
@@ -73,15 +80,23 @@ def block_apply(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype)
     x_BTD = x_BTD + attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype)
     h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
     if p.moe is not None:
-        y, stats = moe_layer.apply(p.moe, h, c, dtype)
+        y, stats, stash = moe_layer.apply_stashed(p.moe, h, c, dtype, stash)
     else:
         assert p.mlp is not None  # a block has an MLP or an MoE (decoder.spec)
         y, stats = mlp.apply(p.mlp, h, dtype), None
-    return constrain(x_BTD + y, ACT_BTD), stats
+    return constrain(x_BTD + y, ACT_BTD), stats, stash
 
 
 def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype):
-    """Run a layer stack; returns (x, per-layer stats stacked along a leading axis or None)."""
+    """Run a layer stack; returns (x, per-layer stats stacked along a leading axis or None).
+
+    The MoE stack with `moe_paged_stash` runs as models/stashed_stack.py (always scanned)."""
+    if stacked.moe is not None and c.moe_paged_stash:
+
+        def block(p, x, positions_BT, segment_ids_BT, stash):
+            return block_apply_stashed(p, x, c, positions_BT, segment_ids_BT, dtype, stash)
+
+        return stashed_stack.run(stacked, x_BTD, positions_BT, segment_ids_BT, c, block)
 
     def body(x, layer_params):
         return block_apply(layer_params, x, c, positions_BT, segment_ids_BT, dtype)

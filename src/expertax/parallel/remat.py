@@ -97,6 +97,16 @@ def tag(x: jax.Array, name: str) -> jax.Array:
     return checkpoint_name(x, name)
 
 
+# The routed experts' grouped-matmul outputs a paged stash can hold (nn/moe/stash.py).
+STASHABLE = (MOE_MLPWI_0, MOE_MLPWI_1, MOE_MLPWO)
+
+
+def stashed_names(c) -> tuple[str, ...]:
+    """The STASHABLE names a Config keeps (device or offload): the ones its paged stash holds."""
+    place = config_placements(c)
+    return tuple(n for n in STASHABLE if place[n] != REMAT)
+
+
 def placements(remat_policy: str, custom: Mapping[str, str] | None = None) -> dict[str, str]:
     """Name -> device | offload | remat for a preset, or for `custom` from the per-name keys."""
     if remat_policy == "custom":

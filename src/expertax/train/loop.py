@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from expertax.config.schema import Config
+from expertax.models import stashed_stack
 from expertax.nn.moe.strategy import describe_dispatch
 from expertax.train import inputs, params_io, run_dir
 from expertax.train import metrics as metrics_lib
@@ -143,6 +144,7 @@ class StepLog:
         self.records: list[dict] = []
         self.pending: tuple[int, dict] | None = None
         self.t_prev = time.perf_counter()
+        self.stash_overflowed = False
 
     def push(self, step: int, device_metrics: dict) -> None:
         """Record the pending step (its metrics are ready by now) and hold this one."""
@@ -175,8 +177,17 @@ class StepLog:
         self.writer.write(rec)
         if host["nonfinite"]:
             self._nonfinite(step, host)
+        if host.get("stash_overflow_layers"):
+            self._stash_overflow(step, host)
         if step % self.c.log_period == 0 or step == self.c.steps - 1:
             self.say(metrics_lib.console_line(rec))
+
+    def _stash_overflow(self, step: int, host: dict) -> None:
+        """Name the stash capacity that would have fit: on the first overflow, then at log lines."""
+        first, self.stash_overflowed = not self.stash_overflowed, True
+        if first or step % self.c.log_period == 0:
+            note = stashed_stack.capacity_factor_note(host["stash_capacity_factor_needed"], self.c)
+            self.say(f"step {step}: {int(host['stash_overflow_layers'])} MoE layer(s): {note}")
 
     def _nonfinite(self, step: int, host: dict) -> None:
         what = f"loss {host['loss']}, load-balance loss {host['lb_loss']}, "

@@ -103,6 +103,9 @@ def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainS
         load = stats.load_E
         metrics["dropped_tokens"] = jnp.sum(stats.dropped)
         metrics["max_expert_load_ratio"] = jnp.max(load / jnp.mean(load, -1, keepdims=True))
+        if stats.stash_overflow is not None:  # moe_paged_stash (models/stashed_stack.py)
+            metrics["stash_overflow_layers"] = jnp.sum(stats.stash_overflow)
+            metrics["stash_capacity_factor_needed"] = jnp.max(stats.stash_factor)
         if params.moe_layers.moe.router.bias is not None:
             bias = params.moe_layers.moe.router.bias
             params = _with_router_bias(params, updated_bias(bias, load, c.routed_bias_update_rate))

@@ -17,23 +17,46 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn.moe.gmm import gmm
+from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.parallel import remat
 
 
 def expert_ffn_sorted(
-    rows_MD, wi_0_EDF, wi_1_EDF, wo_EFD, group_sizes_E, c: Config, dtype, group_offset=None
+    rows_MD,
+    wi_0_EDF,
+    wi_1_EDF,
+    wo_EFD,
+    group_sizes_E,
+    c: Config,
+    dtype,
+    group_offset=None,
+    stash: Stash | None = None,
 ):
-    """SwiGLU over rows sorted by expert, with grouped matmuls (local experts only if offset)."""
+    """SwiGLU over rows sorted by expert, with grouped matmuls (local experts only if offset).
+
+    Returns (y [M, D], stash): with a paged stash (moe/stash.py) the stashed names' values are
+    written to it, or, in its read mode, taken from it instead of computed.
+    """
     kw = dict(
         group_offset=group_offset,
         backend=c.gmm_impl,
         tile_rows=c.gmm_tile_rows,
         tile_rows_min=c.gmm_tile_rows_min,
     )
-    gate = remat.tag(gmm(rows_MD, wi_0_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_0)
-    up = remat.tag(gmm(rows_MD, wi_1_EDF.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWI_1)
-    h = jax.nn.silu(gate) * up
-    return remat.tag(gmm(h, wo_EFD.astype(dtype), group_sizes_E, **kw), remat.MOE_MLPWO)
+
+    def ffn(given):
+        def mm(lhs, w, name):
+            return remat.tag(
+                gmm(lhs, w.astype(dtype), group_sizes_E, given=given.get(name), **kw), name
+            )
+
+        gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
+        up = mm(rows_MD, wi_1_EDF, remat.MOE_MLPWI_1)
+        y = mm(jax.nn.silu(gate) * up, wo_EFD, remat.MOE_MLPWO)
+        values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
+        return y, values
+
+    return run_ffn(stash, rows_MD, group_sizes_E, group_offset, wi_0_EDF.shape[0], ffn)
 
 
 def permute(x_ND, experts_NK, num_experts):
@@ -62,10 +85,11 @@ def unpermute_combine(y_sorted, order, weights_NK, c: Config, dtype):
     return out_ND.astype(dtype)
 
 
-def sparse(x_ND, routing, p, c: Config, dtype):
+def sparse(x_ND, routing, p, c: Config, dtype, stash: Stash | None = None):
+    """The one-device sorted path: (out [N, D], dropped = 0, stash)."""
     rows, order, sizes = permute(x_ND, routing.experts_NK, c.num_experts)
-    y = expert_ffn_sorted(rows, p.wi_0, p.wi_1, p.wo, sizes, c, dtype)
-    return unpermute_combine(y, order, routing.weights_NK, c, dtype), jnp.int32(0)
+    y, stash = expert_ffn_sorted(rows, p.wi_0, p.wi_1, p.wo, sizes, c, dtype, stash=stash)
+    return unpermute_combine(y, order, routing.weights_NK, c, dtype), jnp.int32(0), stash
 
 
 def capacity(c: Config, seq_len: int) -> int:

@@ -35,6 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
 from expertax.nn.moe import chunks, dispatch, router
+from expertax.nn.moe import stash as stash_mod
+from expertax.nn.moe.stash import Stash
 from expertax.nn.moe.strategy import EXPERT, resolve_a2a_impl, token_axes
 from expertax.nn.param import params_dataclass
 from expertax.sharding.rules import current_rules
@@ -204,9 +206,14 @@ def sort_by_local_expert(recv_MD, recv_counts_PX):
     return order_M, recv_counts_PX.sum(0)
 
 
-def local_expert_ffn(rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c: Config, dtype):
-    """The grouped matmuls of this shard's X experts over rows sorted by local expert."""
-    return dispatch.expert_ffn_sorted(rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c, dtype)
+def local_expert_ffn(
+    rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c: Config, dtype, stash: Stash | None
+):
+    """The grouped matmuls of this shard's X experts over rows sorted by local expert:
+    (y, stash)."""
+    return dispatch.expert_ffn_sorted(
+        rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c, dtype, stash=stash
+    )
 
 
 def padded_block_rows(c: Config, num_tokens: int, ep: int, buffer: int) -> int:
@@ -236,28 +243,29 @@ def unsort_and_return(
     )
 
 
-def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str):
-    """The all-to-all strategy on one shard: (partial output [N, D], dropped rows)."""
+def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, stash):
+    """The all-to-all strategy on one shard: (partial output [N, D], dropped rows, stash)."""
     wi_0, wi_1, wo = w
     recv_MD, plan, send_order_M = sort_and_send(x_ND, routing.experts_NK, c, impl)
     recv_order_M, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_PX)
-    y_sorted = local_expert_ffn(
-        jnp.take(recv_MD, recv_order_M, axis=0), wi_0, wi_1, wo, sizes_X, c, dtype
+    y_sorted, stash = local_expert_ffn(
+        jnp.take(recv_MD, recv_order_M, axis=0), wi_0, wi_1, wo, sizes_X, c, dtype, stash
     )
     n = x_ND.shape[0]
     ep = jax.lax.axis_size(EXPERT)
     block = padded_block_rows(c, n, ep, recv_MD.shape[0])
     back_MD = unsort_and_return(y_sorted, recv_order_M, plan, send_order_M.shape[0], impl, block)
     out_ND = dispatch.unpermute_combine(back_MD, send_order_M, routing.weights_NK, c, dtype)
-    return out_ND, plan.dropped
+    return out_ND, plan.dropped, stash
 
 
 # ---------------------------------------------------------------------------------------------
 # The ring-of-experts strategy.
 
 
-def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, *, gathered: bool):
-    """All-gather over `expert`, local experts only, combine, reduce-scatter: (out [N, D], 0).
+def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, gathered: bool):
+    """All-gather over `expert`, local experts only, combine, reduce-scatter: (out [N, D], 0,
+    stash).
 
     `gathered`: the tokens are already replicated over `expert` (expert-as-TP rules, `ep-tp`):
     no all-gather, and a psum instead of the reduce-scatter.
@@ -271,12 +279,14 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, *, gathere
         weights_NK = jax.lax.all_gather(weights_NK, EXPERT, tiled=True)
     rows, order, sizes_E = dispatch.permute(x_ND, experts_NK, c.num_experts)
     offset = jax.lax.axis_index(EXPERT) * x_local
-    y = dispatch.expert_ffn_sorted(rows, wi_0, wi_1, wo, sizes_E, c, dtype, group_offset=offset)
+    y, stash = dispatch.expert_ffn_sorted(
+        rows, wi_0, wi_1, wo, sizes_E, c, dtype, group_offset=offset, stash=stash
+    )
     out_all = dispatch.unpermute_combine(y, order, weights_NK, c, dtype)  # local experts' part
     if gathered:
-        return jax.lax.psum(out_all, EXPERT), jnp.int32(0)
+        return jax.lax.psum(out_all, EXPERT), jnp.int32(0), stash
     out_ND = jax.lax.psum_scatter(out_all, EXPERT, scatter_dimension=0, tiled=True)
-    return out_ND, jnp.int32(0)
+    return out_ND, jnp.int32(0), stash
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,17 +307,20 @@ def global_stats(counts_E, prob_sum_E, num_tokens: int, dropped, c: Config, axes
     return router.balance_stats(counts_E, prob_sum_E, num_tokens * shards, c, total_dropped)
 
 
-def _chunk(x_ND, router_p, w, *, c, dtype, impl, split):
-    """One token chunk on one shard: (partial out [N, D], (counts_E, prob_sum_E, dropped))."""
+def _chunk(x_ND, stash, router_p, w, *, c, dtype, impl, split):
+    """One token chunk on one shard: (partial out [N, D], (counts_E, prob_sum_E, dropped),
+    stash)."""
     routing = router.route(router_p, x_ND, c)
     if c.use_ring_of_experts:
-        out_ND, dropped = ring_dispatch(x_ND, routing, w, c, dtype, gathered=not split)
+        out_ND, dropped, stash = ring_dispatch(
+            x_ND, routing, w, c, dtype, stash, gathered=not split
+        )
     else:
-        out_ND, dropped = a2a_dispatch(x_ND, routing, w, c, dtype, impl)
-    return out_ND, (routing.counts_E, routing.prob_sum_E, dropped)
+        out_ND, dropped, stash = a2a_dispatch(x_ND, routing, w, c, dtype, impl, stash)
+    return out_ND, (routing.counts_E, routing.prob_sum_E, dropped), stash
 
 
-def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, *, c, dtype, impl, split):
+def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, stash, *, c, dtype, impl, split):
     """One shard. `split`: the tokens are sharded over `expert` (else replicated over it).
 
     The shard's tokens go through `_chunk` `num_moe_token_chunks` at a time (chunks.py).
@@ -322,24 +335,35 @@ def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, *, c, dtype, 
         n = x_ND.shape[0] // jax.lax.axis_size(EXPERT)
         x_ND = jax.lax.dynamic_slice_in_dim(x_ND, jax.lax.axis_index(EXPERT) * n, n)
     routed_tokens = x_ND.shape[0]
-    out_ND, (counts_E, prob_sum_E, dropped) = chunks.over_rows(
-        lambda x: _chunk(x, router_p, w, c=c, dtype=dtype, impl=impl, split=split),
+    out_ND, (counts_E, prob_sum_E, dropped), stash = chunks.over_rows(
+        lambda x, s: _chunk(x, s, router_p, w, c=c, dtype=dtype, impl=impl, split=split),
         x_ND,
         c,
+        stash,
     )
     if not split and not ring:
         out_ND = jax.lax.all_gather(out_ND, EXPERT, tiled=True, to="invarying")
     out_ND = jax.lax.psum(out_ND, TENSOR)  # partial sums over the F shards
     stats = global_stats(counts_E, prob_sum_E, routed_tokens, dropped, c, stat_axes)
-    return out_ND.reshape(b, t, d), stats
+    return out_ND.reshape(b, t, d), stats, stash
 
 
-def apply(router_p: router.Router, wi_0_EDF, wi_1_EDF, wo_EFD, x_BTD, c: Config, dtype):
-    """Routed experts' output [B, T, D] and global MoEStats under the active mesh.
+def apply(
+    router_p: router.Router,
+    wi_0_EDF,
+    wi_1_EDF,
+    wo_EFD,
+    x_BTD,
+    c: Config,
+    dtype,
+    stash: Stash | None = None,
+):
+    """Routed experts' output [B, T, D], global MoEStats and the stash under the active mesh.
 
     Global shapes in, global shapes out. Per device: x [B/(data*fsdp*expert), T, D] (or
     [B/(data*fsdp), T, D] under expert-as-TP rules, where `batch` does not use `expert`),
     weights [E/expert, D, F/tensor]; weights stored over `fsdp` are all-gathered by the in_specs.
+    A paged stash (stash.py) holds one buffer per device, split over every mesh axis.
     """
     impl = resolve_a2a_impl(c)
     axes = token_axes(current_rules())
@@ -347,13 +371,20 @@ def apply(router_p: router.Router, wi_0_EDF, wi_1_EDF, wo_EFD, x_BTD, c: Config,
     wo_spec = P(EXPERT, TENSOR, None)
     router_spec = jax.tree.map(lambda _: P(), router_p)
 
-    def body(x, rp, wi_0, wi_1, wo):
-        return _body(x, rp, wi_0, wi_1, wo, c=c, dtype=dtype, impl=impl, split=EXPERT in axes)
+    # A stash in write mode comes back filled; one in read mode is only read (returns None).
+    writes = stash is not None and stash.mode == stash_mod.WRITE
+
+    def body(x, rp, wi_0, wi_1, wo, stash):
+        out, stats, stash = _body(
+            x, rp, wi_0, wi_1, wo, stash, c=c, dtype=dtype, impl=impl, split=EXPERT in axes
+        )
+        return out, stats, stash if writes else None
 
     stats_spec = router.MoEStats(load_E=P(), lb_loss=P(), dropped=P())
+    stash_spec = stash_mod.specs(stash, jax.sharding.get_abstract_mesh().axis_names)
     fn = jax.shard_map(
         body,
-        in_specs=(P(axes), router_spec, w_spec, w_spec, wo_spec),
-        out_specs=(P(axes), stats_spec),
+        in_specs=(P(axes), router_spec, w_spec, w_spec, wo_spec, stash_spec),
+        out_specs=(P(axes), stats_spec, stash_spec if writes else None),
     )
-    return fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD)
+    return fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, stash)

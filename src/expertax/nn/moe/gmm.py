@@ -13,6 +13,10 @@ Backends (`backend=`, the `gmm_impl` config key):
   runs the same loop for the input gradient (weights used transposed) and accumulates the weight
   gradient group by group; the backward pass costs what the forward costs, twice.
 - `auto`: picked per `jax.default_backend()` from `MEASURED` below (see docs/design/gmm.md).
+
+`given=` (the paged stash, `moe/stash.py`): the output is already known (restored from the
+stash); `gmm` returns it as its value and its VJP is the grouped matmul's own, so the backward
+pass is exact without running the matmul again.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def gmm(
     preferred_element_type=None,
     tile_rows: int = DEFAULT_TILE_ROWS,
     tile_rows_min: int = DEFAULT_TILE_ROWS_MIN,
+    given=None,
 ):
     """Grouped matmul `[M, D] x [E_local, D, F] -> [M, F]` (see the module docstring).
 
@@ -81,6 +86,7 @@ def gmm(
       tile_rows_min: `tiled` only; smallest tile for the remainder of a group (its last
         `size % tile_rows` rows), which takes the smallest of tile_rows_min * 2^k (< tile_rows)
         holding it: one work item, fewer than 2x the remainder's rows (+ tile_rows_min) computed.
+      given: the output [M, F] when it is already known (see the module docstring).
     """
     backend = resolve_backend(backend)
     out_dtype = jnp.dtype(preferred_element_type or lhs_MD.dtype)
@@ -91,8 +97,15 @@ def gmm(
         # Inside shard_map, give all operands the same varying axes outside the custom VJP so
         # autodiff transposes the implicit broadcast (a psum) for replicated operands.
         args = (lhs_MD, rhs_EDF, group_sizes_E, offset)
-        args = tuple(_varying_like(a, *args) for a in args)
+        args = tuple(varying_like(a, *args) for a in args)
+        if given is not None:
+            return _tiled_given(*args, given.astype(out_dtype), tiles, out_dtype)
         return _tiled(*args, tiles, out_dtype)
+    if given is not None:
+        fn = functools.partial(
+            gmm, group_offset=group_offset, backend=backend, preferred_element_type=out_dtype
+        )
+        return _given(fn, lhs_MD, rhs_EDF, group_sizes_E, given.astype(out_dtype))
     if group_offset is None:
         return jax.lax.ragged_dot(lhs_MD, rhs_EDF, group_sizes_E, preferred_element_type=out_dtype)
     # ragged_dot's group_offset is not implemented everywhere; select the local groups instead.
@@ -164,7 +177,7 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
     return lists
 
 
-def _varying_like(x, *refs):
+def varying_like(x, *refs):
     """`x` marked as varying over every manual (shard_map) axis any of `refs` varies over.
 
     A loop carry initialised with `jnp.zeros` is invariant inside `shard_map`, while the body's
@@ -228,7 +241,7 @@ def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
         )
 
     def group(_, g):
-        acc = _varying_like(jnp.zeros((d, f), jnp.float32), x_MD, dy_MF, items[0]["g"], g)
+        acc = varying_like(jnp.zeros((d, f), jnp.float32), x_MD, dy_MF, items[0]["g"], g)
         for item in items:
             body = functools.partial(step, item=item)
             acc = jax.lax.fori_loop(item["lo_E"][g], item["hi_E"][g], body, acc)
@@ -245,7 +258,7 @@ def _tiled(lhs_MD, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
 def _tiled_fwd(lhs_MD, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
     n, e_local, f = lhs_MD.shape[0], rhs_EDF.shape[0], rhs_EDF.shape[2]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    zeros_MF = _varying_like(jnp.zeros((n, f), out_dtype), lhs_MD, rhs_EDF, group_sizes_E, offset)
+    zeros_MF = varying_like(jnp.zeros((n, f), out_dtype), lhs_MD, rhs_EDF, group_sizes_E, offset)
     out_MF = _loop_rows(lhs_MD, rhs_EDF, items, zeros_MF, contract_w=0)
     return out_MF, (lhs_MD, rhs_EDF, group_sizes_E, offset)
 
@@ -254,7 +267,7 @@ def _tiled_bwd(tiles, out_dtype, res, dout_MF):
     lhs_MD, rhs_EDF, group_sizes_E, offset = res
     n, e_local = lhs_MD.shape[0], rhs_EDF.shape[0]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    zeros_MD = _varying_like(
+    zeros_MD = varying_like(
         jnp.zeros(lhs_MD.shape, lhs_MD.dtype), dout_MF, rhs_EDF, group_sizes_E, offset
     )
     dlhs_MD = _loop_rows(dout_MF, rhs_EDF, items, zeros_MD, contract_w=1)
@@ -263,3 +276,40 @@ def _tiled_bwd(tiles, out_dtype, res, dout_MF):
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _tiled_given(lhs_MD, rhs_EDF, group_sizes_E, offset, given_MF, tiles, out_dtype):
+    """`_tiled` whose output `given_MF` is known: the value is `given_MF`, the VJP `_tiled`'s."""
+    return given_MF
+
+
+def _tiled_given_fwd(lhs_MD, rhs_EDF, group_sizes_E, offset, given_MF, tiles, out_dtype):
+    return given_MF, (lhs_MD, rhs_EDF, group_sizes_E, offset)
+
+
+def _tiled_given_bwd(tiles, out_dtype, res, dout_MF):
+    return (*_tiled_bwd(tiles, out_dtype, res, dout_MF), None)
+
+
+_tiled_given.defvjp(_tiled_given_fwd, _tiled_given_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _given(fn, lhs_MD, rhs_EDF, group_sizes_E, given_MF):
+    """`fn(lhs, rhs, sizes)` (a non-tiled gmm) whose output is known: value `given_MF`, VJP
+    `fn`'s (its unused forward value is dead code to XLA)."""
+    return given_MF
+
+
+def _given_fwd(fn, lhs_MD, rhs_EDF, group_sizes_E, given_MF):
+    return given_MF, (lhs_MD, rhs_EDF, group_sizes_E)
+
+
+def _given_bwd(fn, res, dout_MF):
+    lhs_MD, rhs_EDF, group_sizes_E = res
+    _, vjp = jax.vjp(lambda a, b: fn(a, b, group_sizes_E), lhs_MD, rhs_EDF)
+    return (*vjp(dout_MF), None, None)
+
+
+_given.defvjp(_given_fwd, _given_bwd)

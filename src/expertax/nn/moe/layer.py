@@ -7,6 +7,7 @@ import jax
 from expertax.config.schema import Config
 from expertax.nn import mlp
 from expertax.nn.moe import chunks, dispatch, ep, router, strategy
+from expertax.nn.moe.stash import Stash
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.sharding import constrain
 
@@ -38,16 +39,26 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
     The routed tokens are cast to `dtype` once here, so the sorted, exchanged and gathered rows
     are in `dtype`; `num_moe_token_chunks` runs route -> dispatch -> combine a chunk at a time.
     """
+    out_BTD, stats, _ = apply_stashed(p, x_BTD, c, dtype, None)
+    return out_BTD, stats
+
+
+def apply_stashed(
+    p: MoE, x_BTD: jax.Array, c: Config, dtype, stash: Stash | None
+) -> tuple[jax.Array, router.MoEStats, Stash | None]:
+    """`apply` with a paged stash (stash.py) threaded through the sparse paths: (out, stats,
+    stash). The one-hot einsum path (`sparse_matmul=false`) has no stash (config checks)."""
     b, t, d = x_BTD.shape
     x_in_BTD = x_BTD.astype(dtype)
     if strategy.uses_shard_map(c, ep.mesh_size()):
-        out_BTD, stats = ep.apply(p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype)
-        return _finish(p, x_BTD, out_BTD, c, dtype), stats
+        out_BTD, stats, stash = ep.apply(p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype, stash)
+        return _finish(p, x_BTD, out_BTD, c, dtype), stats, stash
     if c.sparse_matmul:
-        out_ND, sums = chunks.over_rows(
-            lambda x_ND: _sparse_chunk(p, x_ND, c, dtype),
+        out_ND, sums, stash = chunks.over_rows(
+            lambda x_ND, s: _sparse_chunk(p, x_ND, c, dtype, s),
             x_in_BTD.reshape(b * t, d),
             c,
+            stash,
         )
         out_BTD = out_ND.reshape(b, t, d)
     else:
@@ -58,14 +69,15 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
         )
     counts_E, prob_sum_E, dropped = sums
     stats = router.balance_stats(counts_E, prob_sum_E, b * t, c, dropped)
-    return _finish(p, x_BTD, out_BTD, c, dtype), stats
+    return _finish(p, x_BTD, out_BTD, c, dtype), stats, stash
 
 
-def _sparse_chunk(p: MoE, x_ND, c: Config, dtype):
-    """One chunk of the one-device sorted path: (out [N, D], (counts_E, prob_sum_E, dropped))."""
+def _sparse_chunk(p: MoE, x_ND, c: Config, dtype, stash: Stash | None):
+    """One chunk of the one-device sorted path: (out [N, D], (counts_E, prob_sum_E, dropped),
+    stash)."""
     routing = router.route(p.router, x_ND, c)
-    out_ND, dropped = dispatch.sparse(x_ND, routing, p, c, dtype)
-    return out_ND, (routing.counts_E, routing.prob_sum_E, dropped)
+    out_ND, dropped, stash = dispatch.sparse(x_ND, routing, p, c, dtype, stash)
+    return out_ND, (routing.counts_E, routing.prob_sum_E, dropped), stash
 
 
 def _einsum_chunk(p: MoE, x_BTD, c: Config, dtype):

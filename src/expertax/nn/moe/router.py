@@ -38,6 +38,10 @@ class MoEStats:
     load_E: Leaf  # float32 assignments per expert, over all shards
     lb_loss: Leaf  # scalar Switch-style load-balance loss
     dropped: Leaf  # int32 scalar: dropped (token, expert) assignments, all shards
+    # paged stash only (models/stashed_stack.py), else None: int32 1 if the layer's rows did not
+    # fit (it is recomputed), and the capacity factor the stack's rows needed so far (float32)
+    stash_overflow: Leaf = None
+    stash_factor: Leaf = None
 
 
 def spec(c: Config) -> Router:
