@@ -51,9 +51,9 @@ def each(items: Iterable[T], desc: str, *, total: int | None = None) -> Iterator
             b.update(1)
 
 
-def say_above(b: tqdm, echo: Callable[[str], None]) -> Callable[[str], None]:
-    """A `say` that prints through tqdm when the bar is live (so the bar is redrawn below the
-    line), else through `echo` unchanged (tests capture `echo`)."""
+def say_above(b: tqdm, echo: Callable[[str], None], file: Any = None) -> Callable[[str], None]:
+    """A `say` that prints to `file` (default stdout) through tqdm when the bar is live (so the
+    bar is redrawn below the line), else through `echo` unchanged (tests capture `echo`)."""
     if b.disable:
         return echo
-    return lambda line: b.write(line, file=sys.stdout)
+    return lambda line: b.write(line, file=sys.stdout if file is None else file)

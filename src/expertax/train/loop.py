@@ -9,6 +9,7 @@ step i+1 is dispatched before step i's metrics are read, so the host never stall
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -118,7 +119,7 @@ def _train(p: Prepared, say: Say, t0: float, stop_after_step) -> dict:
                 done = step + 1
                 log.push(step, device_metrics)  # reads the previous step's metrics
                 if evaluator is not None and evaluator.due(done):  # before `state` is donated
-                    log.flush(evaluate=lambda s=state: evaluator.run(s.params))
+                    log.flush(evaluate=functools.partial(evaluator.run, state.params))
                 bar.update(1)
                 _maybe_save(c, trainer, run, log, data, done, state, force=done == end)
             _maybe_save(c, trainer, run, log, data, done, state, force=True)  # if data ran out

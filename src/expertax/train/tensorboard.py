@@ -34,7 +34,7 @@ def _summary_writer_class():
     """
     blocked = "torch" not in sys.modules
     if blocked:
-        sys.modules["torch"] = None  # type: ignore[assignment]
+        sys.modules["torch"] = None
     try:
         from tensorboardX import SummaryWriter
     finally:
