@@ -1,4 +1,4 @@
-"""`expertax train | memory | parity | bench | convert` — the command line.
+"""`expertax train | memory | parity | bench | convert | report` — the command line.
 
 Positional arguments ending in .yml/.yaml are preset files; `key=value` arguments override keys.
 User errors print one line naming the key and value, and exit with status 2.
@@ -174,6 +174,14 @@ def _memory_fit(cfg, args) -> int:
     return 0 if result["fits"] else 1
 
 
+def cmd_report(args) -> int:
+    from expertax.tools.report import make_report
+
+    result = make_report(args.run_dir, out_dir=args.out, layer=args.layer)
+    print(f"expertax: wrote {len(result['plots'])} plots and index.html to {result['out_dir']}")
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable]] = {
     "train": ("train a model: expertax train [PRESET.yml ...] [key=value ...]", cmd_train),
     "parity": (
@@ -187,6 +195,10 @@ COMMANDS: dict[str, tuple[str, Callable]] = {
         cmd_convert,
     ),
     "bench": ("benchmarks: expertax bench gmm [--json PATH] [--quick] ...", cmd_bench),
+    "report": (
+        "plots and an index.html of a run folder: expertax report RUN_DIR [--layer I] [--out DIR]",
+        cmd_report,
+    ),
 }
 
 
@@ -250,12 +262,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench = sub.add_parser("bench", help=COMMANDS["bench"][0])
     bench.add_argument("what", choices=("gmm",), help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    report = sub.add_parser("report", help=COMMANDS["report"][0])
+    report.add_argument(
+        "run_dir", help="a training run folder (<base_output_directory>/<run_name>)"
+    )
+    report.add_argument(
+        "--layer", type=int, default=0, help="MoE layer whose expert loads are drawn over steps"
+    )
+    report.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
     return parser, {
         "train": train,
         "parity": par,
         "memory": memory,
         "convert": convert,
         "bench": bench,
+        "report": report,
     }
 
 

@@ -175,6 +175,24 @@ def check_data_files(c: Config) -> None:
         )
 
 
+def check_eval(c: Config) -> None:
+    if c.eval_dataset_path and not c.tokenizer_path:
+        raise ConfigError(
+            f"eval_dataset_path={c.eval_dataset_path!r} needs tokenizer_path (the held-out files "
+            "are tokenized like the training files); set tokenizer_path=... or "
+            'eval_dataset_path="" (a held-out synthetic stream)'
+        )
+
+
+def check_profiler(c: Config) -> None:
+    if c.profiler and c.skip_first_n_steps_for_profiler >= c.steps:
+        raise ConfigError(
+            f"profiler={c.profiler} with skip_first_n_steps_for_profiler="
+            f"{c.skip_first_n_steps_for_profiler} and steps={c.steps} would never profile; use "
+            f'skip_first_n_steps_for_profiler in 0..{c.steps - 1}, or profiler="" (off)'
+        )
+
+
 def check_distributed(c: Config) -> None:
     n, i = c.num_processes, c.process_id
     if n == 0:
@@ -271,6 +289,8 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_moe_token_chunks,
     check_paged_stash,
     check_data_files,
+    check_eval,
+    check_profiler,
     check_distributed,
 )
 

@@ -464,6 +464,48 @@ class DistributedSection(_Section):
     )
 
 
+class ObserveSection(_Section):
+    """Evaluation, TensorBoard and profiles of a run (docs/design/observe.md)."""
+
+    eval_interval: int = _key(
+        RUN,
+        0,
+        ge=0,
+        description="Evaluate on held-out data every this many steps (and after the last step); "
+        "0 = off. Adds eval_loss and eval_perplexity to metrics.jsonl and the console.",
+    )
+    eval_steps: int = _key(
+        RUN, 4, gt=0, description="Batches (of the global batch size) per evaluation."
+    )
+    eval_dataset_path: str = _key(
+        RUN,
+        "",
+        description="Held-out files (like dataset_path; tokenized with tokenizer_path and packed "
+        "on their own); empty = a held-out synthetic stream (a seed other than the training "
+        "data's). Every evaluation reads the same first eval_steps batches.",
+    )
+    enable_tensorboard: bool = _key(
+        RUN,
+        True,
+        description="Write TensorBoard event files in <run dir>/tensorboard (process 0): the "
+        "scalars of metrics.jsonl, device memory, per-MoE-layer expert loads, the config.",
+    )
+    profiler: Literal["", "xplane"] = _key(
+        RUN,
+        "",
+        description="xplane: a jax.profiler trace of profiler_steps steps in <run dir>/profile "
+        "(TensorBoard's profile plugin, or the .trace.json.gz in Perfetto); empty = off.",
+    )
+    skip_first_n_steps_for_profiler: int = _key(
+        RUN,
+        1,
+        ge=0,
+        description="Profile after this many steps of this process's run (compile and warm-up "
+        "excluded).",
+    )
+    profiler_steps: int = _key(RUN, 5, gt=0, description="Steps in the profile.")
+
+
 class Config(
     ModelSection,
     MoESection,
@@ -472,6 +514,7 @@ class Config(
     RematSection,
     DataSection,
     DistributedSection,
+    ObserveSection,
 ):
     """The whole configuration; see the sections for the keys."""
 
@@ -513,6 +556,7 @@ SECTIONS = (
     RematSection,
     DataSection,
     DistributedSection,
+    ObserveSection,
 )
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from expertax import progress
 from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
 
@@ -173,6 +174,10 @@ def run_grid(args) -> tuple[list[dict], dict]:
     print(json.dumps({"machine": machine}), flush=True)
     results = []
     key = jax.random.key(0)
+    groups, passes = args.groups.split(","), args.passes.split(",")
+    total = len(experts_list) * len(shapes) * len(rows_list) * len(groups) * len(backends)
+    bar = progress.bar(total * len(passes), "bench gmm", unit="case")
+    say = progress.say_above(bar, lambda line: print(line, flush=True))
     for experts in experts_list:
         for d, f in shapes:
             w = jax.random.normal(key, (experts, d, f), jnp.float32)
@@ -184,20 +189,22 @@ def run_grid(args) -> tuple[list[dict], dict]:
                     p: median_seconds(dense[p], _dense_args(p, x, dense_w, cot), args.repeats)
                     for p in PASSES
                 }
-                for kind in args.groups.split(","):
+                for kind in groups:
                     sizes_np = group_sizes(kind, experts, n)
                     sizes = jnp.asarray(sizes_np)
                     for backend in backends:
-                        for pass_name in args.passes.split(","):
+                        for pass_name in passes:
                             shape = (experts, n, d, f)
                             arrays = (x, w, sizes, sizes_np, cot)
                             reference = (dense, dense_rate, bw_gbps)
                             row = _measure(
                                 backend, default, shape, kind, pass_name, arrays, reference, args
                             )
-                            print(json.dumps(row), flush=True)
+                            bar.update(1)
+                            say(json.dumps(row))
                             results.append(row)
             del w
+    bar.close()
     return results, machine
 
 

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
+from expertax import progress
 from expertax.config import ConfigError, build_config, config_rules, configs_dir, load_config
 from expertax.config.schema import MESH_AXES, Config
 from expertax.models import decoder
@@ -520,6 +521,8 @@ def fit_search(
     compiled: list[Candidate] = []
     tried = set()
     best = None
+    bar = progress.bar(min(max_compiles, len(pool)), "memory --fit", unit="candidate")
+    log = progress.say_above(bar, log, file=sys.stderr)
     while len(compiled) < max_compiles:
         live = [
             x
@@ -561,6 +564,7 @@ def fit_search(
             continue
         finally:
             cand.seconds = round(time.perf_counter() - t1, 1)
+            bar.update(1)
         compiled.append(cand)
         fits = cand.peak_device_bytes <= target
         log(
@@ -573,6 +577,7 @@ def fit_search(
         if fits:
             best = cand
             break
+    bar.close()
     closest = best or min(compiled, key=lambda x: x.peak_device_bytes or 0, default=None)
     ranked = (
         compiled

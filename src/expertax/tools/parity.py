@@ -21,6 +21,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from expertax import progress
 from expertax.config.checks import ConfigError
 from expertax.config.loader import build_config
 from expertax.config.schema import Config
@@ -242,15 +243,22 @@ def parity_table(
             refused.append({"layout": layout.name, "reason": reason})
             echo(f"{'skipped' if skip_refused else 'REFUSED'} {layout.name}: {reason}")
     rows, ref_losses = [], []
+    bar = progress.bar(len(runnable) + 1 if runnable else 0, "parity", unit="layout")
+    say = progress.say_above(bar, echo)
     if runnable:
+        bar.set_postfix_str("reference")
         ref = run_layout(base, reference_layout(), steps=steps, global_batch=global_batch)
         ref_losses = ref["losses"]
-        echo(f"reference (1 device): final loss {ref_losses[-1]:.6f} after {steps} steps")
+        bar.update(1)
+        say(f"reference (1 device): final loss {ref_losses[-1]:.6f} after {steps} steps")
     for layout in runnable:
+        bar.set_postfix_str(layout.name)
         hook = (corrupt or {}).get(layout)
         run = run_layout(base, layout, steps=steps, global_batch=global_batch, corrupt=hook)
         rows.append(make_row(layout, run, ref_losses))
-        echo(format_row(rows[-1], tol, ref_losses))
+        bar.update(1)
+        say(format_row(rows[-1], tol, ref_losses))
+    bar.close()
     bound = tol * max((abs(x) for x in ref_losses), default=0.0)
     ok = all(r["max_abs_loss_diff"] <= bound for r in rows) and (skip_refused or not refused)
     ok = ok and bool(rows)

@@ -33,8 +33,26 @@ def check_tokenizer_vocab(c: Config) -> None:
         )
 
 
+# The held-out synthetic stream: seed data_shuffle_seed + this (a stream the run never trains on).
+EVAL_SEED_OFFSET = 1_000_003
+
+
 def make_data(c: Config, trainer: Trainer):
     """This process's batch iterator: rows global_batch / process_count, its share of the batch."""
+    seed, epochs = c.data_shuffle_seed, None if c.data_num_epochs == -1 else c.data_num_epochs
+    return _iterator(c, trainer, c.dataset_type, c.dataset_path, seed, epochs)
+
+
+def make_eval_data(c: Config, trainer: Trainer):
+    """The held-out iterator of the evaluation: eval_dataset_path's files (tokenized and packed
+    on their own, repeated as needed), or a synthetic stream with another seed than training's."""
+    if c.eval_dataset_path:
+        return _iterator(c, trainer, "files", c.eval_dataset_path, c.data_shuffle_seed, None)
+    seed = c.data_shuffle_seed + EVAL_SEED_OFFSET
+    return _iterator(c, trainer, "synthetic", "", seed, None)
+
+
+def _iterator(c: Config, trainer: Trainer, kind: str, path: str, seed: int, epochs: int | None):
     count, index = jax.process_count(), jax.process_index()
     if trainer.global_batch % count:
         raise ConfigError(
@@ -42,27 +60,30 @@ def make_data(c: Config, trainer: Trainer):
             f"{c.per_device_batch_size}) does not split evenly over {count} processes"
         )
     rows = trainer.global_batch // count
-    if c.dataset_type == "files":
+    if kind == "files":
         try:
             return files.make_file_iterator(
-                dataset_path=c.dataset_path,
+                dataset_path=path,
                 tokenizer_path=c.tokenizer_path,
                 text_field=c.data_text_field,
                 seq_len=c.max_target_length,
                 batch_size=rows,
-                seed=c.data_shuffle_seed,
+                seed=seed,
                 process_index=index,
                 process_count=count,
-                num_epochs=None if c.data_num_epochs == -1 else c.data_num_epochs,
+                num_epochs=epochs,
                 worker_count=c.data_worker_count,
             )
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            msg = str(e)
+            if path != c.dataset_path:  # the files' checks name dataset_path
+                msg = msg.replace("dataset_path=", "eval_dataset_path=")
+            raise ConfigError(msg) from None
     return SyntheticData(
         vocab_size=c.vocab_size,
         seq_len=c.max_target_length,
         global_batch=trainer.global_batch,
-        seed=c.data_shuffle_seed,
+        seed=seed,
         row_start=rows * index,
         rows=rows,
     )

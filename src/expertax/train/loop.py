@@ -9,6 +9,7 @@ step i+1 is dispatched before step i's metrics are read, so the host never stall
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -16,14 +17,19 @@ from typing import Any
 
 import jax
 
+from expertax import progress
+from expertax.config.loader import config_to_yaml
 from expertax.config.schema import Config
 from expertax.models import stashed_stack
 from expertax.nn.moe.strategy import describe_dispatch
 from expertax.train import inputs, params_io, run_dir
 from expertax.train import metrics as metrics_lib
+from expertax.train.evaluate import Evaluator
+from expertax.train.profile import Profiler
 from expertax.train.run_dir import RunDir
 from expertax.train.state import TrainState
 from expertax.train.step import NonFiniteError
+from expertax.train.tensorboard import TensorBoardWriter
 from expertax.train.trainer import Trainer, build_trainer
 
 Say = Callable[[str], None]
@@ -31,12 +37,14 @@ Say = Callable[[str], None]
 
 @dataclasses.dataclass
 class Prepared:
-    """A run ready to compile: its config (run_name resolved), trainer, data and open folder."""
+    """A run ready to compile: its config (run_name resolved), trainer, data (and held-out data
+    when eval_interval > 0) and open folder."""
 
     c: Config
     trainer: Trainer
     data: Any
     run: RunDir
+    eval_data: Any = None
 
 
 def prepare(c: Config, devices=None) -> Prepared:
@@ -49,13 +57,14 @@ def prepare(c: Config, devices=None) -> Prepared:
     trainer = build_trainer(c, devices)  # the mesh, rules and shardings
     c = run_dir.with_run_name(c)
     plan = run_dir.inspect(c)  # the run folder, read only
-    if c.dataset_type == "files":
+    if c.dataset_type == "files" or (c.eval_interval and c.eval_dataset_path):
         inputs.check_tokenizer_vocab(c)
     data = inputs.make_data(c, trainer)  # data paths, tokenizer, text field
+    eval_data = inputs.make_eval_data(c, trainer) if c.eval_interval else None
     if plan.resume_step is None and c.load_parameters_path:
         params_io.check_model_dir(c)
     run = run_dir.open_run(c, plan)  # the first write
-    return Prepared(c, trainer, data, run)
+    return Prepared(c, trainer, data, run, eval_data)
 
 
 def train(c: Config, *, echo=print, devices=None, stop_after_step: int | None = None) -> dict:
@@ -78,33 +87,48 @@ def train(c: Config, *, echo=print, devices=None, stop_after_step: int | None = 
     if run.resume_step is None and run.restarted:
         say(f"restarting from step 0: {run.path} had no complete checkpoint yet")
     try:
-        return _train(c, p.trainer, run, p.data, say, t0, stop_after_step)
+        return _train(p, say, t0, stop_after_step)
     finally:
         run.close()  # waits for the last save
 
 
-def _train(c, trainer: Trainer, run: RunDir, data, say: Say, t0: float, stop_after_step) -> dict:
+def _train(p: Prepared, say: Say, t0: float, stop_after_step) -> dict:
+    c, trainer, run, data = p.c, p.trainer, p.run, p.data
     state, skipped = _starting_state(c, trainer, run, data, say)
     start = run.resume_step or 0
     step_fn = trainer.compile()
+    evaluator = Evaluator(c, trainer, p.eval_data) if p.eval_data is not None else None
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(describe_dispatch(c, dict(trainer.mesh.shape), trainer.rules))
     end = c.steps if stop_after_step is None else min(c.steps, stop_after_step)
+    bar = progress.bar(end, "train", initial=start, unit="step", off=jax.process_index() != 0)
+    say = progress.say_above(bar, say)
     log = StepLog(c, trainer, run, say, skipped)
+    profiler = Profiler(c, run.path, start)
     done = start
-    with trainer.context():
-        for step in range(start, end):
-            try:
-                batch = next(data)
-            except StopIteration:
-                say(f"data exhausted (data_num_epochs={c.data_num_epochs}) before step {step}")
-                break
-            state, device_metrics = step_fn(state, trainer.put_batch(batch))
-            done = step + 1
-            log.push(step, device_metrics)  # reads the previous step's metrics
-            _maybe_save(c, trainer, run, log, data, done, state, force=done == end)
-        _maybe_save(c, trainer, run, log, data, done, state, force=True)  # also if data ran out
-        log.flush()
+    try:
+        with trainer.context():
+            for step in range(start, end):
+                try:
+                    batch = next(data)
+                except StopIteration:
+                    say(f"data exhausted (data_num_epochs={c.data_num_epochs}) before step {step}")
+                    break
+                profiler.before(step)
+                state, device_metrics = step_fn(state, trainer.put_batch(batch))
+                profiler.after(step, state)
+                done = step + 1
+                log.push(step, device_metrics)  # reads the previous step's metrics
+                if evaluator is not None and evaluator.due(done):  # before `state` is donated
+                    log.flush(evaluate=functools.partial(evaluator.run, state.params))
+                bar.update(1)
+                _maybe_save(c, trainer, run, log, data, done, state, force=done == end)
+            _maybe_save(c, trainer, run, log, data, done, state, force=True)  # if data ran out
+            log.flush()
+    finally:
+        profiler.stop()
+        log.close()
+        bar.close()
     return _summary(c, trainer, run, log, state, data, say)
 
 
@@ -133,14 +157,18 @@ def _maybe_save(c, trainer, run: RunDir, log: StepLog, data, done: int, state, *
 
 
 class StepLog:
-    """Turns each step's device metrics into a record (metrics.jsonl, console), one step late."""
+    """Turns each step's device metrics into a record (metrics.jsonl, TensorBoard, console), one
+    step late. At log_period the record also holds the per-MoE-layer expert loads."""
 
     def __init__(self, c: Config, trainer: Trainer, run: RunDir, say: Say, skipped: int):
         self.c, self.say, self.skipped = c, say, skipped
         self.devices = trainer.num_devices
         self.tokens = trainer.global_batch * c.max_target_length
         self.flops_per_token = metrics_lib.train_flops_per_token(c)
-        self.writer = metrics_lib.MetricsWriter(run.path if jax.process_index() == 0 else None)
+        first = jax.process_index() == 0
+        self.writer = metrics_lib.MetricsWriter(run.path if first else None)
+        tb_path = run.path if first and c.enable_tensorboard else None
+        self.tensorboard = TensorBoardWriter(tb_path, config_to_yaml(c))
         self.records: list[dict] = []
         self.pending: tuple[int, dict] | None = None
         self.t_prev = time.perf_counter()
@@ -151,14 +179,21 @@ class StepLog:
         self.flush()
         self.pending = (step, device_metrics)
 
-    def flush(self) -> None:
+    def flush(self, evaluate: Callable[[], dict] | None = None) -> None:
+        """Record the pending step; `evaluate()` (an evaluation of its state) adds to its record,
+        and its time is left out of the next step's step_time_s."""
         if self.pending is not None:
             step, device_metrics = self.pending
             self.pending = None
-            self._record(step, device_metrics)
+            self._record(step, device_metrics, evaluate)
 
-    def _record(self, step: int, device_metrics: dict) -> None:
-        host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    def close(self) -> None:
+        self.tensorboard.close()
+
+    def _record(self, step: int, device_metrics: dict, evaluate) -> None:
+        host = jax.device_get(device_metrics)
+        load_LE = host.pop("expert_load", None)
+        host = {k: float(v) for k, v in host.items()}
         now = time.perf_counter()
         dt, self.t_prev = now - self.t_prev, now
         per_device_rate = self.tokens / dt / self.devices
@@ -173,14 +208,26 @@ class StepLog:
             "tflops_per_device": self.flops_per_token * per_device_rate / 1e12,
             "skipped_steps": self.skipped,
         }
+        if evaluate is not None:
+            rec.update(evaluate())
+            self.t_prev = time.perf_counter()
+        self.tensorboard.scalars(rec)
+        logged = step % self.c.log_period == 0 or step == self.c.steps - 1
+        if logged and load_LE is not None:
+            rec["expert_load"] = metrics_lib.compact_expert_load(load_LE)
+            self.tensorboard.expert_loads(step, load_LE)
+        if logged:
+            self.tensorboard.device_memory(step, jax.local_devices()[0].memory_stats())
         self.records.append(rec)
         self.writer.write(rec)
         if host["nonfinite"]:
             self._nonfinite(step, host)
         if host.get("stash_overflow_layers"):
             self._stash_overflow(step, host)
-        if step % self.c.log_period == 0 or step == self.c.steps - 1:
+        if logged:
             self.say(metrics_lib.console_line(rec))
+        if evaluate is not None:
+            self.say(metrics_lib.eval_console_line(rec))
 
     def _stash_overflow(self, step: int, host: dict) -> None:
         """Name the stash capacity that would have fit: on the first overflow, then at log lines."""
@@ -224,9 +271,13 @@ def _summary(c: Config, trainer: Trainer, run: RunDir, log: StepLog, state, data
         median_step_time_s=median,
         tokens_per_s_per_device=log.tokens / median / trainer.num_devices,
     )
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        summary.update(final_eval_loss=evals[-1]["eval_loss"])
     say(
         f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, median step "
         f"{median:.3f} s, {summary['tokens_per_s_per_device']:.0f} tokens/s/device"
+        + (f", eval loss {evals[-1]['eval_loss']:.4f}" if evals else "")
         + (f", {log.skipped} non-finite steps skipped" if log.skipped else "")
     )
     return summary

@@ -63,3 +63,26 @@ def console_line(r: dict) -> str:
         f"| {r['step_time_s']:.3f} s | {r['tokens_per_s_per_device']:.0f} tok/s/dev "
         f"| {r['tflops_per_device']:.4f} TFLOP/s/dev"
     )
+
+
+def expert_load_summary(load_E) -> dict:
+    """max/mean load and the count of experts that received nothing, for one MoE layer's loads
+    (assignments per expert; a list or array of E numbers)."""
+    load_E = [float(x) for x in load_E]
+    mean = sum(load_E) / max(len(load_E), 1)
+    return {
+        "max_over_mean": max(load_E) / mean if mean > 0 else 0.0,
+        "experts_without_tokens": sum(1 for x in load_E if x == 0),
+    }
+
+
+def compact_expert_load(load_LE) -> list[list[int]]:
+    """[L_moe][E] whole numbers (the loads are counts of assignments) for metrics.jsonl."""
+    return [[int(round(float(x))) for x in load_E] for load_E in load_LE]
+
+
+def eval_console_line(r: dict) -> str:
+    return (
+        f"eval  {r['step']:>5d} | loss {r['eval_loss']:.4f} | ppl {r['eval_perplexity']:.2f} "
+        f"| {r['eval_tokens']} tokens"
+    )

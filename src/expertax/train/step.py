@@ -101,6 +101,7 @@ def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainS
     }
     if stats is not None:
         load = stats.load_E
+        metrics["expert_load"] = load  # [L_moe, E] assignments per expert (metrics.jsonl, TB)
         metrics["dropped_tokens"] = jnp.sum(stats.dropped)
         metrics["max_expert_load_ratio"] = jnp.max(load / jnp.mean(load, -1, keepdims=True))
         if stats.stash_overflow is not None:  # moe_paged_stash (models/stashed_stack.py)
