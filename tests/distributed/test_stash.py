@@ -1,0 +1,140 @@
+"""The paged stash under expert parallelism (8 simulated devices): gradients bitwise those of the
+plain stack for the all-to-all and the ring at EP=2/4/8 with FSDP, balanced and skewed routing,
+with layers that overflow; a run with the stash resumes bitwise.
+
+The default run keeps one case and one overflow case; the whole grid is `extended`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from expertax import init_params
+from expertax.config import load_config
+from expertax.train.loop import train
+from tests.sharded import on_mesh
+from tests.unit.nn.moe.test_stash import (
+    SAVE_MOE,
+    SMALL,
+    assert_bitwise,
+    batch_of,
+    loss_grads_stats,
+)
+from tests.unit.train.test_resume import assert_bitwise_equal
+
+pytestmark = pytest.mark.distributed
+
+MESHES = {
+    "ep2-fsdp2-data2": {
+        "ici_expert_parallelism": 2,
+        "ici_fsdp_parallelism": 2,
+        "ici_data_parallelism": 2,
+    },
+    "ep4-fsdp2": {"ici_expert_parallelism": 4, "ici_fsdp_parallelism": 2},
+    "ep8": {"ici_expert_parallelism": 8, "ici_fsdp_parallelism": 1},
+}
+DEFAULT = {("deepseek3-tiny", "a2a", "ep4-fsdp2", "balanced")}
+
+
+def skewed(p):
+    """Router weights that send most rows to the first experts (a hot expert shard)."""
+    moe = p.moe_layers.moe
+    router = dataclasses.replace(moe.router, w=moe.router.w.at[..., :2].multiply(8.0))
+    moe = dataclasses.replace(moe, router=router)
+    return dataclasses.replace(p, moe_layers=dataclasses.replace(p.moe_layers, moe=moe))
+
+
+def compare(model, strategy, mesh, routing, **extra):
+    base = {
+        "model_name": model,
+        **SMALL,
+        **SAVE_MOE,
+        **MESHES[mesh],
+        "use_ring_of_experts": strategy == "ring",
+        **extra,
+    }
+    plain = load_config(overrides=base)
+    stashed = load_config(overrides={**base, "moe_paged_stash": True})
+    one = load_config(overrides={"model_name": model, **SMALL})
+    p = init_params(one)
+    if routing == "skewed":
+        p = skewed(p)
+    batch = batch_of(one, 8)
+    (l0, g0, _), _ = on_mesh(plain, p, batch, loss_grads_stats)
+    (l1, g1, s1), _ = on_mesh(stashed, p, batch, loss_grads_stats)
+    assert float(l0) == float(l1)
+    assert_bitwise(g0, g1)
+    return np.asarray(s1.stash_overflow), np.asarray(s1.stash_factor)
+
+
+def _cases():
+    for model in ("deepseek3-tiny", "mixtral-tiny"):
+        for strategy in ("a2a", "ring"):
+            for mesh in MESHES:
+                for routing in ("balanced", "skewed"):
+                    case = (model, strategy, mesh, routing)
+                    marks = () if case in DEFAULT else (pytest.mark.extended,)
+                    yield pytest.param(*case, marks=marks, id="-".join(case))
+
+
+@pytest.mark.parametrize("model, strategy, mesh, routing", list(_cases()))
+def test_stash_gradients_bitwise_under_expert_parallelism(model, strategy, mesh, routing):
+    # a factor of 8 holds the worst case (a device receives at most EP x its own rows)
+    over, factor = compare(model, strategy, mesh, routing, moe_paged_stash_capacity_factor=8.0)
+    assert over.sum() == 0
+    assert factor[-1] > 0
+
+
+@pytest.mark.parametrize(
+    "strategy, factor, overflowing",
+    [
+        ("a2a", 0.6, "some"),
+        pytest.param("ring", 0.01, "all", marks=pytest.mark.extended),
+        pytest.param("a2a", 0.01, "all", marks=pytest.mark.extended),
+        pytest.param("ring", 0.6, "some", marks=pytest.mark.extended),
+    ],
+)
+def test_overflowing_layers_under_expert_parallelism(strategy, factor, overflowing):
+    over, _ = compare(
+        "deepseek3-tiny",
+        strategy,
+        "ep4-fsdp2",
+        "balanced",
+        moe_paged_stash_capacity_factor=factor,
+    )
+    if overflowing == "all":
+        assert over.sum() == len(over)
+    else:
+        assert 0 < over.sum() < len(over)
+
+
+@pytest.mark.extended
+def test_a_stash_run_resumes_bitwise_and_trains_like_the_plain_one(tmp_path):
+    base = {
+        "model_name": "deepseek3-tiny",
+        **SMALL,
+        **SAVE_MOE,
+        **MESHES["ep4-fsdp2"],
+        "steps": 6,
+        "checkpoint_period": 3,
+        "base_output_directory": str(tmp_path),
+        "enable_tensorboard": False,
+    }
+    quiet = dict(echo=lambda *_: None)
+    stash = {**base, "moe_paged_stash": True}
+    plain = train(load_config(overrides={**base, "run_name": "plain"}), **quiet)
+    straight = train(load_config(overrides={**stash, "run_name": "straight"}), **quiet)
+    train(load_config(overrides={**stash, "run_name": "resumed"}), stop_after_step=3, **quiet)
+    resumed = train(load_config(overrides={**stash, "run_name": "resumed"}), **quiet)
+    assert resumed["resumed_from"] == 3
+    assert_bitwise_equal(resumed["state"], straight["state"])
+    assert_bitwise_equal(straight["state"], plain["state"])
+    assert not np.array_equal(
+        np.asarray(jax.device_get(straight["state"].params.embed)),
+        np.asarray(jnp.zeros_like(straight["state"].params.embed)),
+    )

@@ -1,0 +1,183 @@
+"""The paged stash on one device: gradients bitwise those of the plain stack (also when layers
+overflow), the buffer is what the stack saves, the page copies, gmm with a given output, and the
+config errors. The expert-parallel paths are in tests/distributed/test_stash.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from expertax import init_params
+from expertax.config import ConfigError, load_config
+from expertax.models import stashed_stack
+from expertax.nn.moe import stash as stash_mod
+from expertax.nn.moe.gmm import gmm
+from expertax.tools.memory import residual_sources
+from expertax.train import step as step_lib
+
+# Keep exactly the stashable names (and the layer input): the plain stack then saves the same
+# names as the stashed one, so the two programs compute the same values in the same order.
+SAVE_MOE = {
+    "remat_policy": "custom",
+    "decoder_layer_input": "device",
+    "moe_mlpwi_0": "device",
+    "moe_mlpwi_1": "device",
+    "moe_mlpwo": "device",
+}
+SMALL = {"max_target_length": 16, "per_device_batch_size": 1, "base_num_decoder_layers": 4}
+
+
+def batch_of(c, b: int, seed: int = 1) -> dict:
+    toks = jax.random.randint(jax.random.key(seed), (b, c.max_target_length), 0, c.vocab_size)
+    return {
+        "inputs": toks,
+        "targets": jnp.roll(toks, -1, axis=1),
+        "weights": jnp.ones(toks.shape, jnp.float32),
+        "positions": jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape),
+        "segment_ids": jnp.ones(toks.shape, jnp.int32),
+    }
+
+
+def loss_grads_stats(c, p, batch):
+    """(loss, grads, MoE stats) of the train step's loss."""
+
+    def loss(p):
+        total, (_, _, stats) = step_lib.loss_fn(p, batch, c)
+        return total, stats
+
+    (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(p)
+    return value, grads, stats
+
+
+def assert_bitwise(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def configs(model: str, **extra):
+    base = {"model_name": model, **SMALL, **SAVE_MOE, **extra}
+    return load_config(overrides=base), load_config(overrides={**base, "moe_paged_stash": True})
+
+
+@pytest.mark.parametrize("model", ["deepseek3-tiny", "mixtral-tiny"])
+def test_stash_gradients_are_bitwise_the_plain_stacks(model):
+    plain, stashed = configs(model, moe_paged_stash_page_rows=5)  # pages that do not divide
+    p = init_params(plain)
+    batch = batch_of(plain, 2)
+    l0, g0, s0 = loss_grads_stats(plain, p, batch)
+    l1, g1, s1 = loss_grads_stats(stashed, p, batch)
+    assert float(l0) == float(l1)
+    assert_bitwise(g0, g1)
+    assert s0.stash_overflow is None
+    assert int(jnp.sum(s1.stash_overflow)) == 0
+    # one device: every sorted row is real, so the rows needed are exactly N*K per layer
+    np.testing.assert_allclose(np.asarray(s1.stash_factor)[-1], 1.0)
+    # negative control: other parameters give other gradients
+    other = jax.tree.map(lambda a: a * 1.01 if a.dtype == jnp.float32 else a, p)
+    assert not np.array_equal(
+        np.asarray(loss_grads_stats(stashed, other, batch)[1].embed), g1.embed
+    )
+
+
+@pytest.mark.parametrize(
+    "factor, overflowing", [(0.6, "some"), pytest.param(0.01, "all", marks=pytest.mark.extended)]
+)
+def test_layers_that_overflow_are_recomputed_exactly(factor, overflowing):
+    plain, stashed = configs("deepseek3-tiny", moe_paged_stash_capacity_factor=factor)
+    p = init_params(plain)
+    batch = batch_of(plain, 2)
+    _, g0, _ = loss_grads_stats(plain, p, batch)
+    _, g1, s1 = loss_grads_stats(stashed, p, batch)
+    over = np.asarray(s1.stash_overflow)
+    num_moe = plain.num_moe_layers
+    if overflowing == "all":
+        assert over.sum() == num_moe
+    else:
+        assert 0 < over.sum() < num_moe and over[0] == 0  # the first layer fits, later ones not
+    assert_bitwise(g0, g1)
+
+
+def test_the_stack_saves_the_shared_buffer_not_per_layer_rows():
+    plain, stashed = configs("mixtral-tiny")
+    p = init_params(plain)
+    batch = batch_of(plain, 2)
+    n_rows = 2 * plain.max_target_length * plain.num_experts_per_tok  # M = N*K on one device
+    f, layers = plain.base_moe_mlp_dim, plain.num_moe_layers
+
+    def shapes(c):
+        loss = lambda p: step_lib.loss_fn(p, batch, c)[0]
+        return [tuple(s.aval.shape) for s in residual_sources(loss, p)]
+
+    per_layer_rows = (layers, n_rows, f)
+    assert per_layer_rows in shapes(plain)  # the plain scan stacks [L, M, F] per name
+    got = shapes(stashed)
+    assert per_layer_rows not in got and (layers, n_rows, plain.base_emb_dim) not in got
+    cap = stash_mod.capacity_rows(stashed, layers, 2 * plain.max_target_length, {})
+    page = stashed.moe_paged_stash_page_rows
+    assert (cap + page, f) in got and (cap + page, plain.base_emb_dim) in got
+
+
+def test_pages_round_trip_and_overflow_writes_nothing():
+    page, cap = 4, 20
+    value = jnp.arange(13 * 3, dtype=jnp.float32).reshape(13, 3) + 1
+    s = stash_mod.Stash(
+        bufs={"v": jnp.zeros((cap + page, 3))},
+        offset=jnp.array([2], jnp.int32),
+        fits=jnp.array([True]),
+        rows=jnp.zeros((1,), jnp.int32),
+        mode=stash_mod.WRITE,
+        capacity=cap,
+        page=page,
+    )
+    w = jax.jit(lambda s: s.write({"v": value}, 3, 9))(s)  # rows 3..11, 3 pages (last partial)
+    assert int(w.offset[0]) == 11 and bool(w.fits[0]) and int(w.rows[0]) == 9
+    np.testing.assert_array_equal(w.bufs["v"][2:11], value[3:12])
+    assert not np.any(w.bufs["v"][:2])
+    back = jax.jit(lambda s: s.read("v", 3, 9, 13))(s.with_fields(bufs=w.bufs, mode="read"))
+    want = jnp.zeros_like(value).at[3:12].set(value[3:12])
+    np.testing.assert_array_equal(back, want)
+    # 10 more rows do not fit in the 9 left: nothing is written, fits is cleared
+    w2 = jax.jit(lambda s: s.write({"v": value}, 0, 10))(w)
+    assert int(w2.offset[0]) == 11 and not bool(w2.fits[0]) and int(w2.rows[0]) == 19
+    np.testing.assert_array_equal(w2.bufs["v"], w.bufs["v"])
+
+
+@pytest.mark.parametrize("backend", ["tiled", "ragged_dot"])
+@pytest.mark.parametrize("offset", [None, 1])
+def test_gmm_with_a_given_output_has_the_gmm_gradient(backend, offset):
+    k = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(k[0], (24, 8))
+    rhs = jax.random.normal(k[1], (2 if offset else 4, 8, 6))
+    sizes = jnp.array([5, 7, 0, 9], jnp.int32)
+    ct = jax.random.normal(k[2], (24, 6))
+    kw = dict(group_offset=offset, backend=backend, tile_rows=4, tile_rows_min=2)
+    ref = gmm(lhs, rhs, sizes, **kw)
+    f = lambda lhs, rhs, given=None: jnp.sum(gmm(lhs, rhs, sizes, given=given, **kw) * ct)
+    g_ref = jax.grad(f, argnums=(0, 1))(lhs, rhs)
+    g_given = jax.grad(lambda a, b: f(a, b, ref), argnums=(0, 1))(lhs, rhs)
+    assert_bitwise(g_ref, g_given)
+    # the value is the one given (a wrong one is returned as is: nothing is recomputed)
+    np.testing.assert_array_equal(gmm(lhs, rhs, sizes, given=ref + 1, **kw), ref + 1)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"sparse_matmul": False}, "moe_paged_stash=true needs the sparse"),
+        ({"moe_paged_stash_capacity_factor": 0}, "moe_paged_stash_capacity_factor=0"),
+        ({"moe_paged_stash_page_rows": 0}, "moe_paged_stash_page_rows=0: must be a positive"),
+        ({"remat_policy": "full"}, "remat_policy=full saves none of moe_mlpwi_0"),
+    ],
+)
+def test_bad_stash_settings_are_refused_before_compiling(overrides, message):
+    base = {"model_name": "deepseek3-tiny", "moe_paged_stash": True, **SAVE_MOE}
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={**base, **overrides})
+
+
+def test_the_overflow_note_names_a_factor_that_fits():
+    c = load_config(overrides={"model_name": "deepseek3-tiny"})
+    note = stashed_stack.capacity_factor_note(1.2301, c)
+    assert ">= 1.24" in note and "(set 1.1)" in note
