@@ -18,11 +18,11 @@ from expertax import init_params
 from expertax.config import load_config
 from expertax.train.loop import train
 from tests.sharded import on_mesh
+from tests.unit.models.test_decoder import lm_batch
 from tests.unit.nn.moe.test_stash import (
     SAVE_MOE,
     SMALL,
     assert_bitwise,
-    batch_of,
     loss_grads_stats,
 )
 from tests.unit.train.test_resume import assert_bitwise_equal
@@ -64,7 +64,7 @@ def compare(model, strategy, mesh, routing, **extra):
     p = init_params(one)
     if routing == "skewed":
         p = skewed(p)
-    batch = batch_of(one, 8)
+    batch = lm_batch(one, 8)
     (l0, g0, _), _ = on_mesh(plain, p, batch, loss_grads_stats)
     (l1, g1, s1), _ = on_mesh(stashed, p, batch, loss_grads_stats)
     assert float(l0) == float(l1)

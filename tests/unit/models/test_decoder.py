@@ -59,7 +59,7 @@ def _loss_and_grads(c, p, batch):
     return jax.jit(fn)(p)
 
 
-def _batch(c, b=2):
+def lm_batch(c, b=2):
     toks = tokens(c, b=b, seed=1)
     return {
         "inputs": toks,
@@ -73,7 +73,7 @@ def _batch(c, b=2):
 def test_scan_equals_unrolled():
     c = load_config(overrides=SMALL)
     p = init_params(c)
-    batch = _batch(c)
+    batch = lm_batch(c)
     l1, g1 = _loss_and_grads(c, p, batch)
     l2, g2 = _loss_and_grads(c.model_copy(update={"scan_layers": False}), p, batch)
     np.testing.assert_allclose(l1, l2, **tol())
@@ -92,7 +92,7 @@ def test_data_fsdp_expert_mesh_equals_one_device():
     c = load_config(overrides=overrides)
     one = load_config(overrides={**SMALL, "ici_fsdp_parallelism": 1})
     p = init_params(one)
-    batch = _batch(c, b=8)
+    batch = lm_batch(c, b=8)
     l1, g1 = _loss_and_grads(one, p, batch)
     (l8, g8), ps = on_mesh(c, p, batch, _loss_and_grads)
     assert ps.moe_layers.moe.wi_0.sharding.spec[1] == "expert"
@@ -115,7 +115,7 @@ def test_thirty_steps_on_one_batch_halve_the_loss():
     trainer = build_trainer(c, devices=jax.devices()[:1])
     state = trainer.init_state()
     step = trainer.compile()
-    batch = trainer.put_batch({k: np.asarray(v) for k, v in _batch(c, b=2).items()})
+    batch = trainer.put_batch({k: np.asarray(v) for k, v in lm_batch(c, b=2).items()})
     losses = []
     with trainer.context():
         for _ in range(30):

@@ -16,6 +16,7 @@ from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.gmm import gmm
 from expertax.tools.memory import residual_sources
 from expertax.train import step as step_lib
+from tests.unit.models.test_decoder import lm_batch
 
 # Keep exactly the stashable names (and the layer input): the plain stack then saves the same
 # names as the stashed one, so the two programs compute the same values in the same order.
@@ -27,17 +28,6 @@ SAVE_MOE = {
     "moe_mlpwo": "device",
 }
 SMALL = {"max_target_length": 16, "per_device_batch_size": 1, "base_num_decoder_layers": 4}
-
-
-def batch_of(c, b: int, seed: int = 1) -> dict:
-    toks = jax.random.randint(jax.random.key(seed), (b, c.max_target_length), 0, c.vocab_size)
-    return {
-        "inputs": toks,
-        "targets": jnp.roll(toks, -1, axis=1),
-        "weights": jnp.ones(toks.shape, jnp.float32),
-        "positions": jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape),
-        "segment_ids": jnp.ones(toks.shape, jnp.int32),
-    }
 
 
 def loss_grads_stats(c, p, batch):
@@ -65,7 +55,7 @@ def configs(model: str, **extra):
 def test_stash_gradients_are_bitwise_the_plain_stacks(model):
     plain, stashed = configs(model, moe_paged_stash_page_rows=5)  # pages that do not divide
     p = init_params(plain)
-    batch = batch_of(plain, 2)
+    batch = lm_batch(plain, 2)
     l0, g0, s0 = loss_grads_stats(plain, p, batch)
     l1, g1, s1 = loss_grads_stats(stashed, p, batch)
     assert float(l0) == float(l1)
@@ -87,7 +77,7 @@ def test_stash_gradients_are_bitwise_the_plain_stacks(model):
 def test_layers_that_overflow_are_recomputed_exactly(factor, overflowing):
     plain, stashed = configs("deepseek3-tiny", moe_paged_stash_capacity_factor=factor)
     p = init_params(plain)
-    batch = batch_of(plain, 2)
+    batch = lm_batch(plain, 2)
     _, g0, _ = loss_grads_stats(plain, p, batch)
     _, g1, s1 = loss_grads_stats(stashed, p, batch)
     over = np.asarray(s1.stash_overflow)
@@ -102,7 +92,7 @@ def test_layers_that_overflow_are_recomputed_exactly(factor, overflowing):
 def test_the_stack_saves_the_shared_buffer_not_per_layer_rows():
     plain, stashed = configs("mixtral-tiny")
     p = init_params(plain)
-    batch = batch_of(plain, 2)
+    batch = lm_batch(plain, 2)
     n_rows = 2 * plain.max_target_length * plain.num_experts_per_tok  # M = N*K on one device
     f, layers = plain.base_moe_mlp_dim, plain.num_moe_layers
 
