@@ -104,6 +104,7 @@ def test_parity_mixtral_tiny_with_negative_control():
         "sparse-padded-fsdp8",
         "sparse-padded-ep2-tp2-data2",
         "dense-ep4-fsdp2",
+        "sparse-ring-ep4-fsdp2-stash",
     ]
     good = [parity.parse_layout(n) for n in names]
     bad = parity.parse_layout("sparse-padded-ep4-fsdp2")
@@ -115,8 +116,8 @@ def test_parity_mixtral_tiny_with_negative_control():
         echo=lambda *_: None,
     )
     scale = max(abs(x) for x in result["reference_losses"])
-    _check_rows(result["rows"][:4], result["tolerance"], scale, 4)
-    assert result["rows"][4]["max_abs_loss_diff"] > 100 * result["tolerance"] * scale
+    _check_rows(result["rows"][:5], result["tolerance"], scale, 5)
+    assert result["rows"][5]["max_abs_loss_diff"] > 100 * result["tolerance"] * scale
     assert not result["ok"]  # the mis-sharded layout fails the table
 
 
