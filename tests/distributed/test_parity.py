@@ -15,6 +15,7 @@ import pytest
 
 from expertax import cli
 from expertax.config import ConfigError, load_config
+from expertax.parallel import remat
 from expertax.tools import parity
 
 pytestmark = pytest.mark.distributed
@@ -33,6 +34,7 @@ def _check_rows(rows, tol, ref_scale, n):
             "fsdp",
             "tp",
             "data",
+            "stash",
             "final_loss",
             "perplexity",
             "tokens_per_s_per_device",
@@ -44,7 +46,9 @@ def _check_rows(rows, tol, ref_scale, n):
 
 def test_parity_cli_deepseek3_tiny(tmp_path, capsys):
     path = tmp_path / "parity.json"
-    layouts = "sparse-padded-ep8,sparse-ring-ep4-fsdp2,dense-ep2-tp2-data2"
+    layouts = (
+        "sparse-padded-ep8,sparse-ring-ep4-fsdp2,dense-ep2-tp2-data2,sparse-padded-ep4-fsdp2-stash"
+    )
     rc = cli.main(
         [
             "parity",
@@ -62,11 +66,19 @@ def test_parity_cli_deepseek3_tiny(tmp_path, capsys):
     assert rc == 0
     out = json.loads(path.read_text())
     assert out["tolerance"] == parity.TOLERANCE["float32"]
-    _check_rows(out["rows"], out["tolerance"], 10.0, 3)
+    _check_rows(out["rows"], out["tolerance"], 10.0, 4)
     assert [
-        (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"]) for r in out["rows"]
-    ] == [("sparse", False, 8, 1, 1, 1), ("sparse", True, 4, 2, 1, 1), ("dense", False, 2, 1, 2, 2)]
-    assert "| sparse | False | padded | 8 |" in capsys.readouterr().out
+        (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"], r["stash"])
+        for r in out["rows"]
+    ] == [
+        ("sparse", False, 8, 1, 1, 1, False),
+        ("sparse", True, 4, 2, 1, 1, False),
+        ("dense", False, 2, 1, 2, 2, False),
+        ("sparse", False, 4, 2, 1, 1, True),
+    ]
+    printed = capsys.readouterr().out
+    assert "| sparse | False | padded | 8 | 1 | 1 | 1 | no |" in printed
+    assert "| sparse | False | padded | 4 | 2 | 1 | 1 | yes |" in printed
 
 
 def _swap_expert_shards(ep: int):
@@ -92,6 +104,7 @@ def test_parity_mixtral_tiny_with_negative_control():
         "sparse-padded-fsdp8",
         "sparse-padded-ep2-tp2-data2",
         "dense-ep4-fsdp2",
+        "sparse-ring-ep4-fsdp2-stash",
     ]
     good = [parity.parse_layout(n) for n in names]
     bad = parity.parse_layout("sparse-padded-ep4-fsdp2")
@@ -103,8 +116,8 @@ def test_parity_mixtral_tiny_with_negative_control():
         echo=lambda *_: None,
     )
     scale = max(abs(x) for x in result["reference_losses"])
-    _check_rows(result["rows"][:4], result["tolerance"], scale, 4)
-    assert result["rows"][4]["max_abs_loss_diff"] > 100 * result["tolerance"] * scale
+    _check_rows(result["rows"][:5], result["tolerance"], scale, 5)
+    assert result["rows"][5]["max_abs_loss_diff"] > 100 * result["tolerance"] * scale
     assert not result["ok"]  # the mis-sharded layout fails the table
 
 
@@ -117,6 +130,7 @@ def test_parity_cli_exit_status_on_failure(monkeypatch, capsys):
         "fsdp": 1,
         "tp": 1,
         "data": 1,
+        "stash": False,
         "final_loss": 1.0,
         "perplexity": 2.7,
         "tokens_per_s_per_device": 1.0,
@@ -130,8 +144,14 @@ def test_parity_cli_exit_status_on_failure(monkeypatch, capsys):
 
 def test_layout_matrix_and_parsing():
     rows = parity.layouts(8, "cpu")
-    assert len(rows) == 12 and all(r.a2a_impl != "ragged" for r in rows)
-    assert len(parity.layouts(8, "gpu")) == 16
+    assert len(rows) == 14 and all(r.a2a_impl != "ragged" for r in rows)
+    assert len(parity.layouts(8, "gpu")) == 19
+    stashed = [r.name for r in rows if r.stash]
+    assert stashed == ["sparse-padded-ep4-fsdp2-stash", "sparse-ring-ep4-fsdp2-stash"]
+    assert [r.name for r in parity.layouts(4, "cpu") if r.stash] == [
+        "sparse-padded-ep2-fsdp2-stash",
+        "sparse-ring-ep2-fsdp2-stash",
+    ]
     assert {(r.ep, r.fsdp, r.tp, r.data) for r in rows} == {
         (8, 1, 1, 1),
         (1, 8, 1, 1),
@@ -145,6 +165,29 @@ def test_layout_matrix_and_parsing():
         parity.parse_layout("sparse-ep8-pp2")
     with pytest.raises(ConfigError, match="dense"):
         parity.parse_layout("dense-ring-ep8")
+    assert parity.parse_layout("sparse-ring-ep4-fsdp2-stash") == parity.Layout(
+        "sparse", True, "-", ep=4, fsdp=2, stash=True
+    )
+    with pytest.raises(ConfigError, match="paged stash needs sparse"):
+        parity.parse_layout("dense-ep4-stash")
+
+
+def test_stash_layout_config_keeps_moe_names():
+    """A stash layout turns the stash on and, when the base keeps no MoE name, keeps them all;
+    a base that already keeps one keeps its own policy. Other layouts leave both alone."""
+    stash = parity.parse_layout("sparse-padded-ep4-fsdp2-stash")
+    plain = parity.parse_layout("sparse-padded-ep4-fsdp2")
+    base = load_config(overrides=["model_name=mixtral-tiny", "remat_policy=full", *SMALL])
+    c = parity.layout_config(base, stash, 8)
+    assert c.moe_paged_stash and c.remat_policy == "custom"
+    assert remat.stashed_names(c) == remat.STASHABLE
+    c = parity.layout_config(base, plain, 8)
+    assert not c.moe_paged_stash and c.remat_policy == "full"
+    own = load_config(
+        overrides=["model_name=mixtral-tiny", "remat_policy=custom", "moe_mlpwo=offload", *SMALL]
+    )
+    c = parity.layout_config(own, stash, 8)
+    assert c.moe_paged_stash and remat.stashed_names(c) == (remat.MOE_MLPWO,)
 
 
 @pytest.mark.extended
@@ -153,7 +196,8 @@ def test_layout_matrix_and_parsing():
     [("deepseek3-tiny", ["base_num_decoder_layers=2"]), ("mixtral-tiny", [])],
 )
 def test_parity_full_matrix(model, extra, tmp_path):
-    """The whole layout matrix (12 layouts on 8 devices); CI runs it after the default suite."""
+    """The whole layout matrix (14 layouts on 8 devices, 2 with the paged stash); CI runs it
+    after the default suite."""
     path = tmp_path / "parity.json"
     rc = cli.main(
         [
@@ -169,11 +213,14 @@ def test_parity_full_matrix(model, extra, tmp_path):
     )
     assert rc == 0
     report = json.loads(path.read_text())
-    _check_rows(report["rows"], report["tolerance"], 10.0, 12)
+    _check_rows(report["rows"], report["tolerance"], 10.0, 14)
     layouts = {
-        (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"]) for r in report["rows"]
+        (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"], r["stash"])
+        for r in report["rows"]
     }
-    assert ("sparse", True, 4, 2, 1, 1) in layouts and ("dense", False, 2, 1, 2, 2) in layouts
+    assert ("sparse", True, 4, 2, 1, 1, False) in layouts
+    assert ("dense", False, 2, 1, 2, 2, False) in layouts
+    assert {("sparse", True, 4, 2, 1, 1, True), ("sparse", False, 4, 2, 1, 1, True)} <= layouts
 
 
 def _fake_run(base, layout, *, steps, global_batch, corrupt=None):
@@ -192,7 +239,7 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     argv = ["parity", *MIXTRAL, "--layouts", "sparse-padded-ep2,sparse-padded-ep3"]
     assert cli.main([*argv, "--json", str(path)]) == 1
     out, err = capsys.readouterr()
-    assert "| sparse | False | padded | 3 | 1 | 1 | 1 | - | - | - | - | NO (refused: " in out
+    assert "| sparse | False | padded | 3 | 1 | 1 | 1 | no | - | - | - | - | NO (refused: " in out
     assert "num_experts=8 is not divisible by the expert axis (3" in out
     assert "1 refused" in err
     saved = json.loads(path.read_text())
@@ -202,7 +249,7 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     assert cli.main([*argv, "--skip-refused", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| - | skipped (refused: num_experts=8 is not divisible" in out
-    assert "| sparse | False | padded | 2 | 1 | 1 | 1 | 1.500000 |" in out
+    assert "| sparse | False | padded | 2 | 1 | 1 | 1 | no | 1.500000 |" in out
     saved = json.loads(path.read_text())
     assert saved["ok"] is True and saved["skip_refused"] is True
 

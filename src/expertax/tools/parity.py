@@ -8,6 +8,11 @@ max_step |loss - reference| exceeds `TOLERANCE[dtype]` x |reference|. A layout t
 refuse (an expert axis that does not divide num_experts, more devices than visible, ...) fails
 the table too, with its reason in its row, unless refusals are asked to be skipped
 (`expertax parity --skip-refused`): then it is listed as skipped and not counted.
+
+A layout may run its MoE stack with the paged stash (`-stash` in its name, `moe_paged_stash`,
+nn/moe/stash.py): its losses must equal the reference's like any other layout's. A stash layout
+keeps the routed experts' grouped-matmul outputs (a remat policy change, which moves the loss by
+float32 rounding at most) when the base config keeps none of them, so the stash has rows to hold.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from expertax.config.checks import ConfigError
 from expertax.config.loader import build_config
 from expertax.config.schema import Config
 from expertax.data.synthetic import SyntheticData
+from expertax.parallel import remat
 from expertax.train.trainer import build_trainer
 
 # Relative tolerance on the loss, per compute dtype (the one table; loosening it is reviewed).
@@ -38,11 +44,13 @@ MESHES_8 = (
     {"expert": 4, "fsdp": 2},
     {"expert": 2, "tensor": 2, "data": 2},
 )
+# The 8-device meshes whose sparse layouts also run with the paged stash.
+STASH_MESHES_8 = ({"expert": 4, "fsdp": 2},)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One row of the table: the dispatch and the mesh."""
+    """One row of the table: the dispatch, the mesh and whether the MoE stack is stashed."""
 
     mode: str  # "sparse" | "dense"
     ring: bool
@@ -51,6 +59,7 @@ class Layout:
     fsdp: int = 1
     tp: int = 1
     data: int = 1
+    stash: bool = False  # moe_paged_stash (sparse layouts only)
 
     @property
     def num_devices(self) -> int:
@@ -66,6 +75,8 @@ class Layout:
             parts.append(self.a2a_impl)
         sizes = (("ep", self.ep), ("fsdp", self.fsdp), ("tp", self.tp), ("data", self.data))
         parts += [f"{k}{v}" for k, v in sizes if v != 1]
+        if self.stash:
+            parts.append("stash")
         return "-".join(parts)
 
     def overrides(self, global_batch: int) -> dict:
@@ -80,7 +91,16 @@ class Layout:
             "ici_data_parallelism": self.data,
             "ici_pipeline_parallelism": 1,
             "per_device_batch_size": global_batch / self.num_devices,
+            "moe_paged_stash": self.stash,
         }
+
+
+def stash_overrides(base: Config) -> dict:
+    """What a stash layout sets besides `moe_paged_stash`: when `base` keeps none of the stashable
+    names, a custom remat policy keeping all of them on device (everything else rematerialized)."""
+    if remat.stashed_names(base):
+        return {}
+    return {"remat_policy": "custom", **dict.fromkeys(remat.STASHABLE, remat.DEVICE)}
 
 
 def a2a_impls(backend: str) -> tuple[str, ...]:
@@ -88,10 +108,10 @@ def a2a_impls(backend: str) -> tuple[str, ...]:
     return ("ragged", "padded") if backend in ("gpu", "cuda", "rocm", "tpu") else ("padded",)
 
 
-def meshes_for(num_devices: int) -> list[dict]:
+def meshes_for(num_devices: int, meshes_8=MESHES_8) -> list[dict]:
     """The 8-device meshes scaled down (halving the largest axis) to fit `num_devices`."""
     out = []
-    for mesh in MESHES_8:
+    for mesh in meshes_8:
         mesh = dict(mesh)
         while math.prod(mesh.values()) > num_devices:
             big = max(mesh, key=lambda axis: mesh[axis])
@@ -101,30 +121,43 @@ def meshes_for(num_devices: int) -> list[dict]:
     return out
 
 
+def _sizes(mesh: dict) -> dict:
+    return {
+        "ep": mesh.get("expert", 1),
+        "fsdp": mesh.get("fsdp", 1),
+        "tp": mesh.get("tensor", 1),
+        "data": mesh.get("data", 1),
+    }
+
+
 def layouts(num_devices: int, backend: str) -> list[Layout]:
+    """The default matrix: every mesh with each sparse dispatch and the dense one, then the
+    sparse layouts of `STASH_MESHES_8` with the paged stash."""
     rows = []
     for mesh in meshes_for(num_devices):
-        sizes = {
-            "ep": mesh.get("expert", 1),
-            "fsdp": mesh.get("fsdp", 1),
-            "tp": mesh.get("tensor", 1),
-            "data": mesh.get("data", 1),
-        }
+        sizes = _sizes(mesh)
         for impl in a2a_impls(backend):
             rows.append(Layout("sparse", False, impl, **sizes))
         rows.append(Layout("sparse", True, "-", **sizes))
         rows.append(Layout("dense", False, "-", **sizes))
+    for mesh in meshes_for(num_devices, STASH_MESHES_8):
+        sizes = _sizes(mesh)
+        for impl in a2a_impls(backend):
+            rows.append(Layout("sparse", False, impl, **sizes, stash=True))
+        rows.append(Layout("sparse", True, "-", **sizes, stash=True))
     return rows
 
 
 def parse_layout(name: str) -> Layout:
-    """`sparse-padded-ep8`, `sparse-ring-ep4-fsdp2`, `dense-ep2-tp2-data2`, ... -> Layout."""
+    """`sparse-padded-ep8`, `sparse-ring-ep4-fsdp2-stash`, `dense-ep2-tp2-data2`, ... -> Layout."""
     mode, *parts = name.split("-")
     sizes: dict[str, int] = {}
-    ring, impl = False, "-"
+    ring, impl, stash = False, "-", False
     for part in parts:
         key = part.rstrip("0123456789")
-        if part in ("ring", "ragged", "padded"):
+        if part == "stash":
+            stash = True
+        elif part in ("ring", "ragged", "padded"):
             ring, impl = (True, "-") if part == "ring" else (False, part)
         elif key in ("ep", "fsdp", "tp", "data") and part[len(key) :].isdigit():
             sizes[key] = int(part[len(key) :])
@@ -132,9 +165,11 @@ def parse_layout(name: str) -> Layout:
             raise ConfigError(f"--layouts {name!r}: unknown part {part!r} (e.g. sparse-ring-ep8)")
     if mode not in ("sparse", "dense") or (mode == "dense" and (ring or impl != "-")):
         raise ConfigError(f"--layouts {name!r}: use sparse-[ring|ragged|padded]-... or dense-...")
+    if mode == "dense" and stash:
+        raise ConfigError(f"--layouts {name!r}: the paged stash needs sparse dispatch (sparse-...)")
     if mode == "sparse" and not ring and impl == "-":
         impl = "padded" if jax.default_backend() == "cpu" else "ragged"
-    return Layout(mode, ring, impl, **sizes)
+    return Layout(mode, ring, impl, **sizes, stash=stash)
 
 
 def reference_layout() -> Layout:
@@ -143,7 +178,8 @@ def reference_layout() -> Layout:
 
 def layout_config(base: Config, layout: Layout, global_batch: int) -> Config:
     """`base` under `layout`; raises ConfigError when the config checks refuse the layout."""
-    return build_config({**base.model_dump(), **layout.overrides(global_batch)})
+    extra = stash_overrides(base) if layout.stash else {}
+    return build_config({**base.model_dump(), **layout.overrides(global_batch), **extra})
 
 
 def refusal(base: Config, layout: Layout, global_batch: int) -> str | None:
@@ -206,6 +242,7 @@ def make_row(layout: Layout, run: dict, ref_losses: list[float]) -> dict:
         "fsdp": layout.fsdp,
         "tp": layout.tp,
         "data": layout.data,
+        "stash": layout.stash,
         "final_loss": final,
         "perplexity": float(np.exp(min(final, 80.0))),
         "tokens_per_s_per_device": run["tokens_per_s_per_device"],
@@ -280,6 +317,7 @@ HEADER = (
     "FSDP",
     "TP",
     "data",
+    "stash",
     "final loss",
     "perplexity",
     "tok/s/dev",
@@ -298,6 +336,7 @@ def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
         r["fsdp"],
         r["tp"],
         r["data"],
+        "yes" if r.get("stash") else "no",
         f"{r['final_loss']:.6f}",
         f"{r['perplexity']:.3f}",
         f"{r['tokens_per_s_per_device']:,.0f}",
@@ -311,7 +350,7 @@ def format_refused_row(refused: dict, skipped: bool) -> str:
     """A refused layout's row: its name in the first cells, the reason in the last."""
     layout = parse_layout(refused["layout"])
     cells = [layout.mode, str(layout.ring), layout.a2a_impl, layout.ep, layout.fsdp, layout.tp]
-    cells += [layout.data, "-", "-", "-", "-"]
+    cells += [layout.data, "yes" if layout.stash else "no", "-", "-", "-", "-"]
     verdict = "skipped" if skipped else "NO"
     cells.append(f"{verdict} (refused: {refused['reason'].replace('|', '/')})")
     return "| " + " | ".join(str(x) for x in cells) + " |"

@@ -69,6 +69,7 @@ def test_residuals_by_name_shape_and_bytes(report):
     assert len(r["residuals"]) == len(EXPECTED_RESIDUALS)  # no duplicates
     assert {x["dtype"] for x in r["residuals"]} == {"float32"}
     assert (r["residual_bytes_device"], r["residual_bytes_host"]) == (73728, 131072)
+    assert r["stash"] is None  # moe_paged_stash off (tests/unit/tools/test_memory_stash.py)
 
 
 def test_state_bytes_are_the_initialized_state(report, measured):
