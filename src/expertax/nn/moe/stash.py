@@ -45,7 +45,9 @@ AXES = ("data", "fsdp", "expert", "tensor")
 class Stash:
     """The shared buffers and the cursor into them (a pytree; `mode`, `capacity`, `page` static).
 
-    bufs: name -> [capacity + page, W] per device. offset: int32 [1], the first free row.
+    bufs: name -> [capacity + page, W] per device, the rows' bits as unsigned integers of the
+    values' width (`dtype`): a copy, never arithmetic, and no backend widens integers (XLA:CPU
+    converts a bfloat16 buffer to float32 whole). offset: int32 [1], the first free row.
     fits: bool [1], false once a row of the current layer did not fit (write mode).
     rows: int32 [1], the rows the current layer needed, fitting or not (for the report).
     """
@@ -57,6 +59,7 @@ class Stash:
     mode: str
     capacity: int
     page: int
+    dtype: str
 
     def with_fields(self, **kw) -> Stash:
         return dataclasses.replace(self, **kw)
@@ -74,6 +77,7 @@ class Stash:
             for name, buf in bufs.items():
                 value = values[name]
                 rows = jnp.take(value, jnp.clip(src, 0, value.shape[0] - 1), axis=0)
+                rows = jax.lax.bitcast_convert_type(rows.astype(self.dtype), buf.dtype)
                 out[name] = jax.lax.dynamic_update_slice_in_dim(buf, rows, off + i * self.page, 0)
             return out
 
@@ -91,11 +95,13 @@ class Stash:
         buf = self.bufs[name]
         off = self.offset[0]
         r = jnp.arange(self.page, dtype=jnp.int32)
-        out = varying_like(jnp.zeros((num_rows + self.page, buf.shape[1]), buf.dtype), buf, n)
+        zeros = jnp.zeros((num_rows + self.page, buf.shape[1]), self.dtype)
+        out = varying_like(zeros, buf, n)
 
         def body(i, out):
-            rows = jax.lax.dynamic_slice_in_dim(buf, off + i * self.page, self.page)
-            rows = jnp.where((i * self.page + r < n)[:, None], rows, jnp.zeros((), buf.dtype))
+            bits = jax.lax.dynamic_slice_in_dim(buf, off + i * self.page, self.page)
+            rows = jax.lax.bitcast_convert_type(bits, self.dtype)
+            rows = jnp.where((i * self.page + r < n)[:, None], rows, jnp.zeros((), self.dtype))
             return jax.lax.dynamic_update_slice_in_dim(out, rows, start + i * self.page, 0)
 
         return jax.lax.fori_loop(0, _cdiv(n, self.page), body, out)[:num_rows]
@@ -105,7 +111,9 @@ class Stash:
 
 
 jax.tree_util.register_dataclass(
-    Stash, data_fields=["bufs", "offset", "fits", "rows"], meta_fields=["mode", "capacity", "page"]
+    Stash,
+    data_fields=["bufs", "offset", "fits", "rows"],
+    meta_fields=["mode", "capacity", "page", "dtype"],
 )
 
 
@@ -173,7 +181,8 @@ def empty(c: Config, num_layers: int, num_tokens: int, dtype, axis_sizes: dict[s
     devices, sizes = math.prod(axis_sizes[a] for a in axes), axis_sizes
     cap = capacity_rows(c, num_layers, num_tokens, sizes)
     page = c.moe_paged_stash_page_rows
-    bufs = {n: jnp.zeros((devices * (cap + page), w), dtype) for n, w in widths(c, sizes).items()}
+    bits = bits_dtype(dtype)
+    bufs = {n: jnp.zeros((devices * (cap + page), w), bits) for n, w in widths(c, sizes).items()}
     stash = Stash(
         bufs=bufs,
         offset=jnp.zeros((devices,), jnp.int32),
@@ -182,6 +191,7 @@ def empty(c: Config, num_layers: int, num_tokens: int, dtype, axis_sizes: dict[s
         mode=WRITE,
         capacity=cap,
         page=page,
+        dtype=jnp.dtype(dtype).name,
     )
     return constrain(stash, axes)
 
@@ -189,6 +199,11 @@ def empty(c: Config, num_layers: int, num_tokens: int, dtype, axis_sizes: dict[s
 def mesh_axes(mesh_axis_names) -> tuple[str, ...]:
     """The axes of `AXES` in a mesh, in the mesh's order."""
     return tuple(a for a in mesh_axis_names if a in AXES)
+
+
+def bits_dtype(dtype) -> jnp.dtype:
+    """The unsigned integer type a buffer of `dtype` values is stored as (same width)."""
+    return jnp.dtype(f"uint{jnp.dtype(dtype).itemsize * 8}")
 
 
 def specs(stash: Stash | None, mesh_axis_names):
