@@ -82,7 +82,9 @@ def step_times(args, out: Path) -> list[dict]:
 
 def overflow(args, out: Path) -> list[dict]:
     rows = []
-    for routing, extra in (("bias-balanced", []), ("random", ["use_random_routing=true"])):
+    routings = {"bias-balanced": [], "random": ["use_random_routing=true"]}
+    for routing in args.routings.split(","):
+        extra = routings[routing]
         name = f"overflow-{routing}"
         extra = [*extra, "moe_paged_stash=true", f"moe_paged_stash_capacity_factor={args.factor}"]
         recs = run(out, name, args.overflow_steps, extra)
@@ -113,6 +115,7 @@ def main() -> None:
     ap.add_argument("--overflow-steps", type=int, default=200)
     ap.add_argument("--factor", type=float, default=1.1)
     ap.add_argument("--only", choices=("time", "overflow"), default=None)
+    ap.add_argument("--routings", default="bias-balanced,random")
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

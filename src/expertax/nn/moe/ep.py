@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from expertax.config.schema import Config
 from expertax.nn.moe import chunks, dispatch, router
 from expertax.nn.moe import stash as stash_mod
+from expertax.nn.moe.gmm import varying_over
 from expertax.nn.moe.stash import Stash
 from expertax.nn.moe.strategy import EXPERT, resolve_a2a_impl, token_axes
 from expertax.nn.param import params_dataclass
@@ -299,12 +300,18 @@ def global_stats(counts_E, prob_sum_E, num_tokens: int, dropped, c: Config, axes
     `counts_E`, `prob_sum_E`: this shard's sums over its `num_tokens` routed tokens (all chunks).
     `dropped` (int32) is already the total of an expert group (the same on each of its shards).
     """
-    counts_E = jax.lax.psum(counts_E, axes)
-    prob_sum_E = jax.lax.psum(prob_sum_E, axes)
+    counts_E = _psum_all(counts_E, axes)
+    prob_sum_E = _psum_all(prob_sum_E, axes)
     groups = jax.lax.axis_size(EXPERT) if EXPERT in axes else 1
-    total_dropped = jax.lax.psum(dropped.astype(jnp.int32), axes) // groups
+    total_dropped = _psum_all(dropped.astype(jnp.int32), axes) // groups
     shards = jax.lax.axis_size(axes)
     return router.balance_stats(counts_E, prob_sum_E, num_tokens * shards, c, total_dropped)
+
+
+def _psum_all(x, axes):
+    """psum over `axes` of a value that may vary over only some of them (e.g. with
+    use_random_routing the counts do not depend on the shard's tokens): each shard adds its own."""
+    return jax.lax.psum(varying_over(x, axes), axes)
 
 
 def _chunk(x_ND, stash, router_p, w, *, c, dtype, impl, split):

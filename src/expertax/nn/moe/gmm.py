@@ -187,7 +187,13 @@ def varying_like(x, *refs):
     def varying(a):
         return getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
 
-    missing = frozenset().union(*(varying(r) for r in refs)) - varying(x)
+    return varying_over(x, frozenset().union(*(varying(r) for r in refs)))
+
+
+def varying_over(x, axes):
+    """`x` marked as varying over the manual (shard_map) axes `axes` it does not vary over yet."""
+    have = getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
+    missing = frozenset(axes) - have
     return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
