@@ -94,7 +94,13 @@ def cmd_convert(args) -> int:
                 print(f"expertax: {note}", file=sys.stderr)
             print(f"expertax: wrote a {summary.config.decoder_block} model to {args.dst}")
         else:
-            summary = convert_to_hf(args.src, args.dst, use_fp8=args.fp8, workers=args.workers)
+            summary = convert_to_hf(
+                args.src,
+                args.dst,
+                use_fp8=args.fp8,
+                workers=args.workers,
+                max_shard_bytes=args.max_shard_bytes,
+            )
             print(f"expertax: wrote {', '.join(summary.files)} to {args.dst}")
         print(f"expertax: {summary.line()}")
     except (ValueError, FileNotFoundError) as e:
@@ -260,6 +266,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="to-hf: linear weights in DeepSeek-V3's fp8 format (e4m3, 128 x 128 block scales)",
     )
     convert.add_argument("--workers", type=int, default=2, help="threads converting (default 2)")
+    convert.add_argument(
+        "--max-shard-bytes", type=int, default=5 * 2**30, help="to-hf: shard size (default 5 GiB)"
+    )
     bench = sub.add_parser("bench", help=COMMANDS["bench"][0])
     bench.add_argument("what", choices=("gmm",), help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")

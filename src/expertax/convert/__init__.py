@@ -217,6 +217,7 @@ def convert_to_hf(
         max_shard_bytes=max_shard_bytes,
         hints=_hints(scales_file) if use_fp8 else (lambda name: None),
         on_block=on_block,
+        on_shard=journal.add,
         workers=workers,
     )
     progress.close()

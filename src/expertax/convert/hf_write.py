@@ -124,6 +124,7 @@ def write_shards(
     max_shard_bytes: int,
     hints=lambda name: None,
     on_block: Callable[[int], None] = lambda n: None,
+    on_shard: Callable[[str], None] = lambda fname: None,
     workers: int = 2,
 ) -> tuple[list[str], int]:
     """Write every shard not already complete; (files, shards skipped as already written)."""
@@ -136,6 +137,7 @@ def write_shards(
                 continue
             blocks = shard_blocks(read, shard, jobs, hints, pool, on_block, ahead=workers + 1)
             safetensors_io.write_file(out_dir / fname, shard, blocks)
+            on_shard(fname)
     files = [fname for fname, _ in shards]
     if len(shards) > 1:
         safetensors_io.write_index(out_dir, shards)
