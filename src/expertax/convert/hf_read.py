@@ -23,7 +23,7 @@ import numpy as np
 
 from expertax.config import Config
 from expertax.convert import fp8
-from expertax.convert.hf import TensorMap, hf_shape, leaf_specs, tensor_map, to_ours
+from expertax.convert.hf import TensorMap, hf_shape, leaf_specs, tensor_map, to_ours, transpose
 from expertax.convert.hf_config import ConversionError, config_from_hf
 from expertax.convert.safetensors_io import Reader
 
@@ -209,10 +209,10 @@ def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
         w = _read(reader, p, u, p.layouts["moe_layers.moe.wo"][1])
         f = p.c.base_moe_mlp_dim
         if which == "gate_up_proj":
-            write("moe_layers.moe.wi_0", (i,), np.swapaxes(w[:, :f], 1, 2))
-            write("moe_layers.moe.wi_1", (i,), np.swapaxes(w[:, f:], 1, 2))
+            write("moe_layers.moe.wi_0", (i,), np.stack([transpose(x[:f]) for x in w]))
+            write("moe_layers.moe.wi_1", (i,), np.stack([transpose(x[f:]) for x in w]))
         else:
-            write("moe_layers.moe.wo", (i,), np.swapaxes(w, 1, 2))
+            write("moe_layers.moe.wo", (i,), np.stack([transpose(x) for x in w]))
         return
     t = u.t
     shape, dtype, _ = p.layouts[t.leaf]
@@ -224,7 +224,7 @@ def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
     if t.kind == "copy":
         write(t.leaf, (*t.index, rows), w)
     else:
-        write(t.leaf, (*t.index, slice(None), rows), np.ascontiguousarray(w.T))
+        write(t.leaf, (*t.index, slice(None), rows), transpose(w))
 
 
 def run(

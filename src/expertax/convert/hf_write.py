@@ -17,7 +17,7 @@ import numpy as np
 
 from expertax.config import Config
 from expertax.convert import fp8, safetensors_io
-from expertax.convert.hf import TensorMap, hf_shape, tensor_map, to_hf
+from expertax.convert.hf import TensorMap, hf_shape, tensor_map, to_hf, transpose
 from expertax.convert.hf_config import config_to_hf
 from expertax.convert.hf_read import CHUNK_BYTES
 
@@ -78,7 +78,7 @@ def run_job(read: Read, job: Job, hints) -> tuple[np.ndarray, np.ndarray | None]
     elif t.kind == "copy":
         w = read(t.leaf, (*t.index, slice(*job.rows)))
     else:
-        w = np.ascontiguousarray(read(t.leaf, (*t.index, slice(None), slice(*job.rows))).T)
+        w = transpose(read(t.leaf, (*t.index, slice(None), slice(*job.rows))))
     if not job.quantize:
         return w, None
     hint = hints(t.hf_name)
