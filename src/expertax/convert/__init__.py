@@ -150,7 +150,7 @@ def _source(ckpt_dir: str | Path):
     hf = json.loads(hf_path.read_text()) if hf_path.is_file() else None
 
     def read(leaf, where):
-        return leaves[leaf][where].read().result()
+        return model_dir.read_region(ckpt_dir, leaves[leaf], leaf, where)
 
     shapes = {k: tuple(v.shape) for k, v in leaves.items()}
     dtypes = {k: np.dtype(v.dtype.numpy_dtype) for k, v in leaves.items()}

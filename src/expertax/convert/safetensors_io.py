@@ -2,8 +2,8 @@
 
 A checkpoint directory holds either `model.safetensors`, or shards listed in
 `model.safetensors.index.json` (`{"metadata": {...}, "weight_map": {name: file}}`), the layout
-transformers writes. Reading memory-maps each file (`safe_open`) and copies out one tensor or a
-block of its rows per call.
+transformers writes. Reading parses each file's header and copies out one tensor or a block of
+its rows per call with `pread`.
 
 Writing streams: the `safetensors` library only writes a file from a dict of complete arrays
 (the whole shard in memory), so `write_file` writes the format itself — an 8-byte little-endian
@@ -17,18 +17,18 @@ from __future__ import annotations
 import json
 import os
 import struct
-import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+
+from expertax.train import model_dir
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PARTIAL = ".partial"
+SETTLE_BYTES = 64 * 2**20  # write_file settles (syncs and uncaches) its bytes this often
 
 # safetensors' numpy reader looks fp8 up as `numpy.float8_e4m3fn`, which numpy does not define
 # (bfloat16 it finds through ml_dtypes' registration). Give it ml_dtypes' type, the same object
@@ -55,56 +55,96 @@ def dtype_of(name: str) -> np.dtype:
 
 
 class Reader:
-    """Tensor names, shapes, dtypes and values of an HF checkpoint directory."""
+    """Tensor names, shapes, dtypes and values of an HF checkpoint directory.
+
+    Reads with `pread` into a new array and then drops the bytes read from the page cache
+    (`model_dir.settle`'s reason: a conversion reads each byte once, and on our VM fresh cache
+    pages are expensive), rather than through safetensors' memory map, whose pages stay mapped
+    (and counted in the RSS) until the file is closed. Thread-safe.
+    """
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         index = self.directory / INDEX_FILE
-        self._stack = ExitStack()
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif (self.directory / SINGLE_FILE).is_file():
-            with safe_open(self.directory / SINGLE_FILE, "numpy") as f:
-                weight_map = {name: SINGLE_FILE for name in f.keys()}
+            files = [SINGLE_FILE]
         else:
             raise FileNotFoundError(f"{self.directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-        self.weight_map: dict[str, str] = dict(weight_map)
-        self._files: dict[str, object] = {}
-        self._lock = threading.Lock()  # worker threads share one Reader
+        self._fds: dict[str, int] = {}
+        self._tensors: dict[str, tuple[str, np.dtype, tuple[int, ...], int]] = {}
+        try:
+            for fname in files:
+                self._fds[fname] = fd = os.open(self.directory / fname, os.O_RDONLY)
+                for name, (dtype, shape, offset) in read_header(fd, fname).items():
+                    self._tensors[name] = (fname, dtype, shape, offset)
+        except BaseException:
+            self.close()
+            raise
+        if index.is_file():  # the index must agree with the files
+            weight_map = json.loads(index.read_text())["weight_map"]
+            wrong = [n for n, f in weight_map.items() if self._tensors.get(n, ("",))[0] != f]
+            if wrong:
+                raise ValueError(f"{index}: tensors {wrong[:3]} are not in the files it names")
+            self._tensors = {n: self._tensors[n] for n in weight_map}
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {name: t[0] for name, t in self._tensors.items()}
 
     def names(self) -> list[str]:
-        return sorted(self.weight_map)
-
-    def _file(self, name: str):
-        fname = self.weight_map[name]
-        with self._lock:
-            if fname not in self._files:
-                self._files[fname] = self._stack.enter_context(
-                    safe_open(self.directory / fname, "numpy")
-                )
-            return self._files[fname]
+        return sorted(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file(name).get_slice(name).get_shape())
+        return self._tensors[name][2]
 
     def dtype(self, name: str) -> np.dtype:
-        return dtype_of(self._file(name).get_slice(name).get_dtype())
+        return self._tensors[name][1]
 
     def get(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """One tensor (or its rows [a, b)) as a numpy array; bfloat16 and fp8 as ml_dtypes."""
-        if rows is None:
-            return self._file(name).get_tensor(name)
-        return self._file(name).get_slice(name)[rows[0] : rows[1]]
+        """One tensor (or its rows [a, b)) as a new numpy array; bfloat16 and fp8 as ml_dtypes."""
+        fname, dtype, shape, offset = self._tensors[name]
+        if rows is not None:
+            row_bytes = nbytes(shape[1:], dtype)
+            offset += rows[0] * row_bytes
+            shape = (rows[1] - rows[0], *shape[1:])
+        out = np.empty(shape, dtype)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        fd, done = self._fds[fname], 0
+        while done < len(buf):  # pread returns at most ~2 GiB at a time
+            n = os.preadv(fd, [buf[done:]], offset + done)
+            if n == 0:
+                raise ValueError(f"{self.directory / fname} ends inside tensor {name}")
+            done += n
+        os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
+        return out
 
     def close(self) -> None:
-        self._stack.close()
-        self._files.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self) -> Reader:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_header(fd: int, fname: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
+    """name -> (dtype, shape, absolute byte offset) of every tensor of an open safetensors file."""
+    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    header = json.loads(os.pread(fd, length, 8))
+    header.pop("__metadata__", None)
+    out = {}
+    for name, info in header.items():
+        dtype, shape = dtype_of(info["dtype"]), tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        if end - begin != nbytes(shape, dtype):
+            raise ValueError(f"{fname}: tensor {name} has {end - begin} bytes, shape {shape}")
+        out[name] = (dtype, shape, 8 + length + begin)
+    return out
 
 
 Entry = tuple[str, tuple[int, ...], np.dtype]  # name, shape, dtype
@@ -166,6 +206,7 @@ def write_file(
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         position = 0
+        settled = 0  # bytes of the file on disk and out of the page cache (model_dir.settle)
         for name, block in blocks:
             while position < len(order) and written[order[position]] == expected[order[position]]:
                 position += 1
@@ -180,10 +221,15 @@ def write_file(
                 raise ValueError(f"tensor {name}: more bytes than its shape holds")
             f.write(memoryview(data.reshape(-1).view(np.uint8)))
             written[name] += data.nbytes
+            if f.tell() - settled >= SETTLE_BYTES:
+                f.flush()
+                model_dir.settle(f.fileno(), 0, f.tell())
+                settled = f.tell()
         short = [n for n in order if written[n] != expected[n]]
         if short:
             raise ValueError(f"{path.name}: tensors {short[:3]} incomplete")
         f.flush()
+        model_dir.settle(f.fileno())
         os.fsync(f.fileno())
     os.replace(tmp, path)
 

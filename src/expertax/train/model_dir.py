@@ -20,7 +20,9 @@ Orbax itself) load the same way.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -68,8 +70,33 @@ def default_chunks(shape: tuple[int, ...], dtype) -> tuple[int, ...]:
     return tuple(chunks)
 
 
+def settle(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Make the written bytes `[offset, offset + length)` of open file `fd` durable (length 0:
+    to the end), then drop them from the page cache.
+
+    Converters write far more than memory holds; without this, every written page stays cached
+    until the kernel reclaims it, and on hosts where fresh page-cache pages are expensive (a VM
+    whose memory the hypervisor backs lazily: about 2.5 s of kernel time per GiB on our 2-core
+    machine, against 0.3 s when pages are recycled) the writes run at the cost of new pages.
+    Dropped pages are reused at once by the next writes. It also makes the resume journal honest:
+    a unit is journaled only after its bytes are on disk.
+    """
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
 def _zarr_spec(path: Path) -> dict:
     return {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
+
+
+def chunk_keys(shape: tuple, chunks: tuple, where: tuple) -> list[str]:
+    """The zarr (v2, "." separated) keys of the chunks that `array[where]` touches."""
+    ranges = []
+    for axis, (n, c) in enumerate(zip(shape, chunks, strict=True)):
+        w = where[axis] if axis < len(where) else slice(None)
+        start, stop = (w, w + 1) if isinstance(w, int | np.integer) else w.indices(n)[:2]
+        ranges.append(range(start // c, -(-stop // c)))
+    return [".".join(map(str, key)) for key in itertools.product(*ranges)]
 
 
 class ParamsWriter:
@@ -85,6 +112,7 @@ class ParamsWriter:
         self.params_dir = Path(out_dir) / PARAMS_DIR
         self.params_dir.mkdir(parents=True, exist_ok=True)
         self.arrays = {}
+        self.chunks = {leaf: tuple(chunks) for leaf, (_, _, chunks) in layouts.items()}
         for leaf, (shape, dtype, chunks) in layouts.items():
             metadata = {
                 "shape": list(shape),
@@ -98,8 +126,16 @@ class ParamsWriter:
             ).result()
 
     def write(self, leaf: str, where: tuple, value: np.ndarray) -> None:
-        """Store `value` at `leaf[where]` (a tuple of ints and slices)."""
-        self.arrays[leaf][where].write(value).result()
+        """Store `value` at `leaf[where]` (a tuple of ints and slices); its chunk files are on
+        disk and out of the page cache (`settle`) when this returns."""
+        array = self.arrays[leaf]
+        array[where].write(value).result()
+        for key in chunk_keys(tuple(array.shape), self.chunks[leaf], where):
+            fd = os.open(self.params_dir / leaf / key, os.O_RDONLY)
+            try:
+                settle(fd)
+            finally:
+                os.close(fd)
 
     def finish(self, c: Config) -> None:
         """Orbax's tree metadata, from an Orbax save of the same tree with one-element leaves:
@@ -161,6 +197,20 @@ def save(out_dir: str | Path, c: Config, params, *, source: str, hf_config: dict
             writer.write(leaf, where, x[where])
     writer.finish(c)
     write_marker(out, source=source)
+
+
+def read_region(ckpt_dir: str | Path, array: ts.TensorStore, leaf: str, where: tuple) -> np.ndarray:
+    """`array[where]` of leaf `leaf` (from `open_leaves`), its chunk files then dropped from the
+    page cache (a converter reads each once; see `settle`)."""
+    value = array[where].read().result()
+    chunks = tuple(array.chunk_layout.read_chunk.shape)
+    for key in chunk_keys(tuple(array.shape), chunks, where):
+        fd = os.open(Path(ckpt_dir) / PARAMS_DIR / leaf / key, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return value
 
 
 def open_leaves(ckpt_dir: str | Path) -> dict[str, ts.TensorStore] | None:
