@@ -73,6 +73,27 @@ def _expand(scale: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return np.repeat(np.repeat(scale, BLOCK, axis=0)[:rows], BLOCK, axis=1)[:, :cols]
 
 
+def _tables() -> tuple[np.ndarray, np.ndarray]:
+    """e4m3 -> float32 lookup tables: by byte, and by pairs of bytes (a little-endian uint16,
+    the first byte's value in the low half of a uint64), from ml_dtypes' own conversion."""
+    by_byte = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)
+    pair = np.arange(2**16, dtype=np.uint32)
+    by_pair = np.stack([by_byte[pair & 0xFF], by_byte[pair >> 8]], axis=1)
+    return by_byte, by_pair.view(np.uint64).reshape(-1)
+
+
+_BY_BYTE, _BY_PAIR = _tables()
+
+
+def to_float32(w_q: np.ndarray) -> np.ndarray:
+    """`w_q.astype(float32)`, exactly (NaN included), by table lookup: ml_dtypes' cast runs at
+    about 0.15 GiB/s of fp8 on our machine, one lookup per two values at about 0.6 GiB/s."""
+    flat = np.ascontiguousarray(w_q).reshape(-1).view(np.uint8)
+    if flat.size % 2:
+        return _BY_BYTE[flat].reshape(w_q.shape)
+    return _BY_PAIR[flat.view(np.uint16)].view(np.float32).reshape(w_q.shape)
+
+
 def dequantize(w_q: np.ndarray, scale_inv: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """`w_q * scale_inv` per 128 x 128 block, computed in float32 and rounded once to `dtype`.
 
@@ -89,8 +110,8 @@ def dequantize(w_q: np.ndarray, scale_inv: np.ndarray, dtype: np.dtype) -> np.nd
     out = np.empty((rows, cols), dtype)
     scale = scale_inv.astype(np.float32)
     for r in range(0, rows, BLOCK):
-        block = w_q[r : r + BLOCK].astype(np.float32)
-        block *= _expand(scale[r // BLOCK : r // BLOCK + 1], block.shape[0], cols)
+        block = to_float32(w_q[r : r + BLOCK])
+        block *= np.repeat(scale[r // BLOCK], BLOCK)[:cols]  # one scale row, all 128 rows
         out[r : r + BLOCK] = block
     return out
 
