@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import jax
@@ -112,6 +113,9 @@ class ParamsWriter:
         self.params_dir = Path(out_dir) / PARAMS_DIR
         self.params_dir.mkdir(parents=True, exist_ok=True)
         self.arrays = {}
+        # `write` syncs each chunk file itself (`settle`); tensorstore's own fsync of every
+        # file and directory would come on top
+        self._context = ts.Context({"file_io_sync": False})
         self.chunks = {leaf: tuple(chunks) for leaf, (_, _, chunks) in layouts.items()}
         for leaf, (shape, dtype, chunks) in layouts.items():
             metadata = {
@@ -122,20 +126,45 @@ class ParamsWriter:
             }
             spec = {**_zarr_spec(self.params_dir / leaf), "metadata": metadata}
             self.arrays[leaf] = ts.open(
-                spec, dtype=ts.dtype(np.dtype(dtype).name), create=True, open=True
+                spec,
+                dtype=ts.dtype(np.dtype(dtype).name),
+                create=True,
+                open=True,
+                context=self._context,
             ).result()
 
     def write(self, leaf: str, where: tuple, value: np.ndarray) -> None:
         """Store `value` at `leaf[where]` (a tuple of ints and slices); its chunk files are on
         disk and out of the page cache (`settle`) when this returns."""
-        array = self.arrays[leaf]
+        array, chunks = self.arrays[leaf], self.chunks[leaf]
+        keys = chunk_keys(tuple(array.shape), chunks, where)
+        leaf_dir = self.params_dir / leaf
+        if len(keys) == 1 and value.size == int(np.prod(chunks, dtype=np.int64)):
+            # exactly one whole chunk: its file is the value's bytes (uncompressed zarr v2,
+            # C order), written here directly, which spares tensorstore's copy of the chunk
+            self._write_chunk(leaf_dir / keys[0], np.ascontiguousarray(value, self.dtype(leaf)))
+            return
         array[where].write(value).result()
-        for key in chunk_keys(tuple(array.shape), self.chunks[leaf], where):
-            fd = os.open(self.params_dir / leaf / key, os.O_RDONLY)
+        for key in keys:
+            fd = os.open(leaf_dir / key, os.O_RDONLY)
             try:
                 settle(fd)
             finally:
                 os.close(fd)
+
+    @staticmethod
+    def _write_chunk(path: Path, value: np.ndarray) -> None:
+        """Write a chunk file whole, through a temporary name (as tensorstore does)."""
+        tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view, done = memoryview(value.reshape(-1).view(np.uint8)), 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            settle(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
     def finish(self, c: Config) -> None:
         """Orbax's tree metadata, from an Orbax save of the same tree with one-element leaves:
