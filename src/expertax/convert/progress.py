@@ -18,6 +18,8 @@ from pathlib import Path
 STATE_DIR = ".convert"
 # Test hook: exit (status 75) right after this many units were journaled in this process.
 EXIT_AFTER_ENV = "EXPERTAX_CONVERT_EXIT_AFTER"
+# "1": draw the progress line even when stderr is not a terminal (logs, tests)
+PROGRESS_ENV = "EXPERTAX_CONVERT_PROGRESS"
 
 
 class Journal:
@@ -79,12 +81,14 @@ class Journal:
 
 class Progress:
     """`label: 1234/5678 tensors  12.3/45.6 GiB  0.81 GiB/s  ETA 41 s` on stderr, redrawn at
-    most twice a second, and only when stderr is a terminal."""
+    most twice a second, when stderr is a terminal, or `force` (default: PROGRESS_ENV is "1")."""
 
-    def __init__(self, label: str, units: int, nbytes: int, *, stream=None):
+    def __init__(self, label: str, units: int, nbytes: int, *, stream=None, force=None):
         self.label, self.units, self.nbytes = label, units, nbytes
         self.stream = stream or sys.stderr
-        self.enabled = hasattr(self.stream, "isatty") and self.stream.isatty()
+        if force is None:
+            force = os.environ.get(PROGRESS_ENV) == "1"
+        self.enabled = force or (hasattr(self.stream, "isatty") and self.stream.isatty())
         self.done_units = 0
         self.done_bytes = 0
         self.start = time.perf_counter()

@@ -1,8 +1,9 @@
 """Streamed HF conversion without torch: fp8 DeepSeek-V3 checkpoints, refusals, kill and resume,
-bounded memory (issue 16)."""
+row blocks, the progress line (issue 16)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -21,8 +22,11 @@ from expertax.convert import (
     config_from_hf,
     convert_from_hf,
     convert_to_hf,
+    hf_read,
+    hf_write,
     write_hf,
 )
+from expertax.convert.progress import PROGRESS_ENV, Progress
 from expertax.convert.safetensors_io import Reader, iter_tensors
 from expertax.models import decoder
 from expertax.nn.param import is_spec
@@ -230,3 +234,76 @@ def test_killed_conversion_resumes_without_redoing_work(checkpoints, tmp_path):
     assert r.returncode == 0
     for f in (tmp_path / "hf2").iterdir():
         assert (tmp_path / "hf" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_progress_line_counts_units_bytes_rate_and_eta():
+    out = io.StringIO()
+    p = Progress("from-hf", 4, 4 * 2**30, stream=out, force=True)
+    p.advance(2**30)
+    p.advance(2**30)  # within half a second of the first: not redrawn
+    p.advance(2**30)
+    p.advance(2**30)  # the last unit: always drawn
+    p.close()
+    lines = out.getvalue().split("\r")
+    assert lines[1].startswith("from-hf: 1/4 tensors  1.00/4.00 GiB  ")
+    assert "GiB/s  ETA " in lines[1] and lines[1].endswith(" s\033[K")
+    assert lines[-1].startswith("from-hf: 4/4 tensors  4.00/4.00 GiB  ")
+    assert "ETA 0 s" in lines[-1] and out.getvalue().endswith("\n")
+    # negative control: not a terminal, not forced: silent
+    quiet = io.StringIO()
+    q = Progress("to-hf", 1, 1, stream=quiet, force=False)
+    q.advance(1)
+    q.close()
+    assert quiet.getvalue() == ""
+
+
+def test_progress_line_forced_by_the_environment(checkpoints, tmp_path, monkeypatch, capsys):
+    root, _ = checkpoints
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    s = convert_from_hf(root / "hub", tmp_path / "ours")
+    err = capsys.readouterr().err
+    assert f"from-hf: {s.tensors}/{s.tensors} tensors" in err, err
+    monkeypatch.delenv(PROGRESS_ENV)
+    convert_from_hf(root / "hub", tmp_path / "again")
+    assert "tensors" not in capsys.readouterr().err  # control: off when not a terminal
+
+
+def test_fp8_tensors_split_in_row_blocks_convert_the_same(checkpoints, tmp_path, monkeypatch):
+    """A split threshold of 40 kB cuts the 264-row dense MLP weights (fp8) into 128-row blocks
+    (the last one 8 rows, its scale row a partial block): same bytes as whole tensors, both
+    directions."""
+    root, _ = checkpoints
+    convert_from_hf(root / "hub", tmp_path / "whole")
+    convert_to_hf(tmp_path / "whole", tmp_path / "whole-hf", use_fp8=True)
+    monkeypatch.setattr(hf_read, "CHUNK_BYTES", 40_000)
+    monkeypatch.setattr(hf_write, "CHUNK_BYTES", 40_000)
+    with Reader(root / "hub") as reader:
+        units = hf_read.plan(reader, hf_read.read_hf_config(root / "hub")).units
+    name = "model.layers.0.mlp.gate_proj.weight"
+    assert reader_rows(units, name) == [(0, 128), (128, 256), (256, 264)]
+    convert_from_hf(root / "hub", tmp_path / "split")
+    assert _leaves(tmp_path / "split") == _leaves(tmp_path / "whole")
+    convert_to_hf(tmp_path / "split", tmp_path / "split-hf", use_fp8=True)
+    whole, split = (
+        dict(iter_tensors(tmp_path / "whole-hf")),
+        dict(iter_tensors(tmp_path / "split-hf")),
+    )
+    assert whole.keys() == split.keys()
+    assert all(whole[k].tobytes() == split[k].tobytes() for k in whole)
+    # negative control: a block's rows written one row off differ
+    with Reader(root / "hub") as reader:
+        w = reader.get(name, (128, 256))
+        assert not np.array_equal(w.view(np.uint8), reader.get(name, (127, 255)).view(np.uint8))
+
+
+def reader_rows(units, name: str) -> list[tuple[int, int]]:
+    return [u.rows for u in units if u.name == name]
+
+
+@pytest.mark.parametrize("rows", [(0, 5), (3, 10)])
+def test_reader_rows_are_the_tensors_rows(checkpoints, rows):
+    root, _ = checkpoints
+    name = "model.embed_tokens.weight"
+    with Reader(root / "hub") as reader:
+        whole = reader.get(name)
+        assert reader.get(name, rows).tobytes() == whole[rows[0] : rows[1]].tobytes()
