@@ -83,15 +83,26 @@ def cmd_parity(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from expertax.convert import from_hf, to_hf
+    from expertax.convert import convert_from_hf, convert_to_hf
 
     try:  # user errors (bad paths, unsupported configs) print one line, like config errors
         if args.direction == "from-hf":
-            c = from_hf(args.src, args.dst)
-            print(f"expertax: wrote a {c.decoder_block} model to {args.dst}")
+            if args.fp8:
+                raise ValueError("--fp8 is an option of to-hf (from-hf reads fp8 as it finds it)")
+            summary = convert_from_hf(args.src, args.dst, workers=args.workers)
+            for note in summary.notes:
+                print(f"expertax: {note}", file=sys.stderr)
+            print(f"expertax: wrote a {summary.config.decoder_block} model to {args.dst}")
         else:
-            files = to_hf(args.src, args.dst)
-            print(f"expertax: wrote {', '.join(files)} to {args.dst}")
+            summary = convert_to_hf(
+                args.src,
+                args.dst,
+                use_fp8=args.fp8,
+                workers=args.workers,
+                max_shard_bytes=args.max_shard_bytes,
+            )
+            print(f"expertax: wrote {', '.join(summary.files)} to {args.dst}")
+        print(f"expertax: {summary.line()}")
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
     return 0
@@ -258,7 +269,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="HF_DIR (from-hf); to-hf: an expertax model directory or a training run folder "
         "(<base_output_directory>/<run_name>; its latest complete checkpoint is exported)",
     )
-    convert.add_argument("dst", help="OUT_DIR, new or empty")
+    convert.add_argument(
+        "dst", help="OUT_DIR, new or empty (or an interrupted conversion's: it resumes)"
+    )
+    convert.add_argument(
+        "--fp8",
+        action="store_true",
+        help="to-hf: linear weights in DeepSeek-V3's fp8 format (e4m3, 128 x 128 block scales)",
+    )
+    convert.add_argument("--workers", type=int, default=2, help="threads converting (default 2)")
+    convert.add_argument(
+        "--max-shard-bytes", type=int, default=5 * 2**30, help="to-hf: shard size (default 5 GiB)"
+    )
     bench = sub.add_parser("bench", help=COMMANDS["bench"][0])
     bench.add_argument("what", choices=("gmm",), help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")

@@ -393,7 +393,7 @@ def test_from_hf_holds_the_model_once(tmp_path):
     default deep-copies every numpy leaf first: that would add the whole model)."""
     import tracemalloc
 
-    from expertax.convert.hf import params_from_hf
+    from expertax.convert import params_from_hf
     from expertax.train import model_dir as store
 
     path = save(build("deepseek-qlora", seed=9), tmp_path / "hf")

@@ -17,16 +17,11 @@ Every transform is a transpose, reshape or permutation: the round trip is exact,
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from expertax.config import Config
-from expertax.convert import safetensors_io
-from expertax.convert.hf_config import ConversionError, config_from_hf, config_to_hf
 from expertax.models import decoder
 from expertax.nn.param import ParamSpec, is_spec
 
@@ -132,6 +127,29 @@ def tensor_map(c: Config, *, interleave: bool = True) -> list[TensorMap]:
     return out
 
 
+# Rows of the source copied per step by `transpose` (see there).
+_TRANSPOSE_ROWS = 16
+
+
+def transpose(w_AB: np.ndarray) -> np.ndarray:
+    """`w_AB.T` as a new C-contiguous array, several times faster than `np.ascontiguousarray`.
+
+    numpy copies a transposed view element by element with a stride of a whole row on one side
+    (about 0.3 GiB/s for bfloat16 on our 2-core machine); copying 16 source rows at a time writes
+    16 consecutive elements of each output row per step, which stays in cache (2 to 3 GiB/s for
+    1, 2 and 4-byte types; benchmarks/convert.py). Exact: a copy.
+    """
+    rows, cols = w_AB.shape
+    w_BA = np.empty((cols, rows), w_AB.dtype)
+    # Copied as unsigned integers of the same width: numpy's copy of ml_dtypes' bfloat16 and
+    # float8 goes through their slower per-element functions.
+    bits = f"u{w_AB.dtype.itemsize}"
+    src, dst = w_AB.view(bits), w_BA.view(bits)
+    for a in range(0, rows, _TRANSPOSE_ROWS):
+        dst[:, a : a + _TRANSPOSE_ROWS] = src[a : a + _TRANSPOSE_ROWS].T
+    return w_BA
+
+
 def _rope_perm(size: int) -> np.ndarray:
     """Our RoPE column k holds HF's interleaved column perm[k]: evens, then odds."""
     return np.concatenate([np.arange(0, size, 2), np.arange(1, size, 2)])
@@ -141,10 +159,9 @@ def to_ours(t: TensorMap, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """An HF tensor as the slice `shape` of our leaf."""
     if t.kind == "copy":
         return w.reshape(shape)
-    x = w.T.reshape(shape)
+    x = transpose(w).reshape(shape)
     if t.rope is not None:
         off, r = t.rope
-        x = x.copy()
         x[..., off : off + r] = x[..., off + _rope_perm(r)]
     return x
 
@@ -159,7 +176,7 @@ def to_hf(t: TensorMap, x: np.ndarray) -> np.ndarray:
         y[..., off + _rope_perm(r)] = x[..., off : off + r]
         x = y
     n_in = int(np.prod(x.shape[: t.n_in]))
-    return np.ascontiguousarray(x.reshape(n_in, -1).T)
+    return transpose(x.reshape(n_in, -1))
 
 
 def hf_shape(t: TensorMap, slice_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -167,165 +184,3 @@ def hf_shape(t: TensorMap, slice_shape: tuple[int, ...]) -> tuple[int, ...]:
         return slice_shape
     n_in = int(np.prod(slice_shape[: t.n_in]))
     return (int(np.prod(slice_shape)) // n_in, n_in)
-
-
-# ----------------------------------------------------------------------------------- HF -> ours
-
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _unflatten(c: Config, arrays: dict[str, np.ndarray]) -> decoder.Decoder:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(decoder.spec(c), is_leaf=is_spec)
-    leaves = [arrays[".".join(k.name for k in path)] for path, _ in flat]
-    return jax.tree.unflatten(treedef, leaves)
-
-
-class _Filler:
-    """Stacked numpy leaves, allocated at their first tensor (in its dtype), filled by slices."""
-
-    def __init__(self, c: Config):
-        self.specs = leaf_specs(c)
-        self.arrays: dict[str, np.ndarray] = {}
-        self.filled: set[tuple[str, tuple[int, ...]]] = set()
-
-    def put(self, leaf: str, index: tuple[int, ...], value: np.ndarray, source: str) -> None:
-        spec = self.specs[leaf]
-        if leaf not in self.arrays:
-            self.arrays[leaf] = np.empty(spec.shape, value.dtype)
-        arr = self.arrays[leaf]
-        if value.dtype != arr.dtype:
-            raise ConversionError(
-                f"tensor {source} has dtype {value.dtype}, the other tensors of {leaf} {arr.dtype}"
-            )
-        arr[index] = value
-        self.filled.add((leaf, index))
-
-
-def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
-    if tuple(got) != tuple(want):
-        raise ConversionError(f"tensor {name} has shape {tuple(got)}; the config implies {want}")
-
-
-def _fill_fused(c: Config, filler: _Filler, name: str, w: np.ndarray) -> None:
-    """transformers >= 5 in-memory layout: experts.gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
-    match = _FUSED.match(name)
-    if match is None:
-        raise ConversionError(f"tensor {name} is not a fused expert tensor")
-    layer, which = match.groups()
-    i = int(layer) - c.num_dense_layers
-    if i < 0:
-        raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
-    e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
-    if which == "gate_up_proj":
-        _check_shape(name, w.shape, (e, 2 * f, d))
-        filler.put("moe_layers.moe.wi_0", (i,), np.swapaxes(w[:, :f], 1, 2), name)
-        filler.put("moe_layers.moe.wi_1", (i,), np.swapaxes(w[:, f:], 1, 2), name)
-        filler.filled.update((f"moe_layers.moe.wi_{k}", (i, j)) for k in (0, 1) for j in range(e))
-    else:
-        _check_shape(name, w.shape, (e, d, f))
-        filler.put("moe_layers.moe.wo", (i,), np.swapaxes(w, 1, 2), name)
-        filler.filled.update(("moe_layers.moe.wo", (i, j)) for j in range(e))
-
-
-def _skippable(name: str, c: Config) -> bool:
-    """Tensors HF itself does not use: multi-token-prediction layers, cached RoPE tables."""
-    m = _LAYER.match(name)
-    if m and int(m.group(1)) >= c.base_num_decoder_layers:
-        return True
-    return name.endswith("rotary_emb.inv_freq")
-
-
-def read_hf_config(hf_dir: str | Path) -> dict:
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{hf_dir} has no config.json")
-    return json.loads(path.read_text())
-
-
-def params_from_hf(hf_dir: str | Path) -> tuple[Config, decoder.Decoder, dict]:
-    """(Config, numpy parameters, HF config dict) of an HF checkpoint directory.
-
-    Tensors are read one at a time into preallocated stacked arrays, so peak memory is the model
-    plus one tensor. Every tensor must be used and every parameter filled.
-    """
-    hf = read_hf_config(hf_dir)
-    c = config_from_hf(hf)
-    interleave = bool(hf.get("rope_interleave", True)) and c.attention_type == "mla"
-    canonical = tensor_map(c, interleave=interleave)
-    maps = {t.hf_name: t for t in canonical}
-    if c.decoder_block == "mixtral":  # transformers >= 5 names the router mlp.gate
-        for t in canonical:
-            if t.hf_name.endswith("block_sparse_moe.gate.weight"):
-                alias = t.hf_name.replace("block_sparse_moe.gate", "mlp.gate")
-                maps[alias] = dataclasses.replace(t, hf_name=alias)
-    filler = _Filler(c)
-    with safetensors_io.Reader(hf_dir) as reader:
-        for name in reader.names():
-            if _skippable(name, c):
-                continue
-            if _FUSED.match(name) and c.is_moe:
-                _fill_fused(c, filler, name, reader.get(name))
-                continue
-            found = maps.get(name)
-            if found is None:
-                raise ConversionError(
-                    f"tensor {name} in {hf_dir} has no place in the expertax model"
-                )
-            shape = filler.specs[found.leaf].shape[len(found.index) :]
-            _check_shape(name, reader.shape(name), hf_shape(found, shape))
-            filler.put(found.leaf, found.index, to_ours(found, reader.get(name), shape), name)
-    missing = [t.hf_name for t in canonical if (t.leaf, t.index) not in filler.filled]
-    if missing:
-        raise ConversionError(
-            f"{hf_dir} lacks tensors {', '.join(missing[:5])}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        )
-    return c, _unflatten(c, filler.arrays), hf
-
-
-# ----------------------------------------------------------------------------------- ours -> HF
-
-
-def _leaf_arrays(params: decoder.Decoder) -> dict[str, np.ndarray]:
-    """Leaves by dotted path, as host numpy arrays (a view, not a copy, for CPU jax arrays)."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {".".join(k.name for k in path): np.asarray(x) for path, x in flat}
-
-
-def write_hf(
-    params: decoder.Decoder,
-    c: Config,
-    out_dir: str | Path,
-    *,
-    base_config: dict | None = None,
-    max_shard_bytes: int = 5 * 2**30,
-) -> list[str]:
-    """Write config.json and (sharded) safetensors that transformers loads.
-
-    `base_config` (the original HF config.json, when the model came from HF) supplies fields
-    expertax does not model (token ids, max_position_embeddings) and the RoPE layout.
-    """
-    base = dict(base_config or {})
-    hf = config_to_hf(c, base)
-    interleave = c.attention_type == "mla" and bool(base.get("rope_interleave", True))
-    if c.attention_type == "mla":
-        hf["rope_interleave"] = interleave
-    leaves = _leaf_arrays(params)
-    maps = tensor_map(c, interleave=interleave)
-    by_name = {t.hf_name: t for t in maps}
-    entries = []
-    for t in maps:
-        leaf = leaves[t.leaf]
-        shape = tuple(leaf.shape[len(t.index) :])
-        entries.append((t.hf_name, hf_shape(t, shape), np.dtype(leaf.dtype)))
-
-    def produce(name: str) -> np.ndarray:
-        t = by_name[name]
-        return to_hf(t, leaves[t.leaf][t.index])
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = safetensors_io.write(out_dir, entries, produce, max_shard_bytes=max_shard_bytes)
-    (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    return ["config.json", *files]

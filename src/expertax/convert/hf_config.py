@@ -39,7 +39,7 @@ _IGNORED: dict[str, str] = {
     "dtype": "mapped to weight_dtype",
     "head_dim": "DeepSeek: derived (= qk_rope_head_dim); Mixtral: mapped",
     "qk_head_dim": "derived (qk_nope_head_dim + qk_rope_head_dim)",
-    "num_nextn_predict_layers": "multi-token-prediction layers are not converted (HF skips them)",
+    "num_nextn_predict_layers": "multi-token-prediction layers are skipped (HF skips them too)",
     "num_mtp_layers": "multi-token-prediction layers are not converted (HF skips them)",
     "pretraining_tp": "HF ignores it in the forward pass",
     "ep_size": "DeepSeek reference code's expert-parallel degree; a layout, not the model",
@@ -302,11 +302,9 @@ def config_from_hf(hf: dict) -> Config:
             f"HF config field model_type={model_type!r} is not supported ({', '.join(SUPPORTED)})"
         )
     hf = {**_HF_DEFAULTS[model_type], **hf}
-    if hf.get("quantization_config"):
-        raise ConversionError(
-            "HF config field quantization_config is set: quantized (e.g. fp8) checkpoints are not "
-            "supported; dequantize to bfloat16 first"
-        )
+    from expertax.convert import fp8  # fp8 imports ConversionError from here
+
+    fp8.check_quantization_config(hf.get("quantization_config"))
     _require(hf, "attention_dropout", (0, 0.0, None), 0.0)
     keys, mapped = _deepseek(hf) if model_type == "deepseek_v3" else _mixtral(hf)
     _, rope_keys = _rope(hf)

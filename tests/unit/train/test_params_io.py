@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from expertax.config import ConfigError, load_config
-from expertax.convert import to_hf
-from expertax.convert.hf import params_from_hf
+from expertax.convert import params_from_hf, to_hf
 from expertax.models import decoder
 from expertax.nn.param import is_spec
 from expertax.train import checkpoint, params_io

@@ -1,0 +1,274 @@
+"""HF checkpoint -> expertax parameters, streamed: one tensor (or block of rows) at a time.
+
+`plan` reads only the safetensors headers: it maps every tensor to a slice of a leaf
+(`hf.tensor_map`), checks shapes and dtypes, decides each leaf's stored dtype (fp8 weights
+become the config's weight_dtype) and its chunk layout, and cuts tensors larger than a chunk
+into blocks of rows (the embedding and lm_head of DeepSeek-V3 are 1.8 GiB each). `run` then
+converts the units on worker threads (numpy, safetensors and tensorstore release the GIL for
+their copies), each unit read -> dequantized -> transformed -> written -> released, so the
+memory held is a few units, never a leaf or the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from expertax.config import Config
+from expertax.convert import fp8
+from expertax.convert.hf import TensorMap, hf_shape, leaf_specs, tensor_map, to_ours, transpose
+from expertax.convert.hf_config import ConversionError, config_from_hf
+from expertax.convert.safetensors_io import Reader
+
+CHUNK_BYTES = 64 * 2**20  # a tensor larger than this (as stored) is converted in row blocks
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One piece of work: HF tensor `name` (rows [a, b) when `rows`) into its leaf slice."""
+
+    name: str
+    t: TensorMap | None  # None: a fused expert tensor (a whole layer's experts)
+    rows: tuple[int, int] | None
+    nbytes: int  # bytes read from the checkpoint
+
+    @property
+    def key(self) -> str:
+        return self.name if self.rows is None else f"{self.name}@{self.rows[0]}:{self.rows[1]}"
+
+
+@dataclasses.dataclass
+class Plan:
+    c: Config
+    hf: dict
+    units: list[Unit]
+    layouts: dict[str, tuple[tuple[int, ...], np.dtype, tuple[int, ...]]]  # shape, dtype, chunks
+    mtp_tensors: list[str]  # skipped: multi-token-prediction layers
+    fp8: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+
+def _maps(c: Config, hf: dict) -> tuple[list[TensorMap], dict[str, TensorMap]]:
+    interleave = bool(hf.get("rope_interleave", True)) and c.attention_type == "mla"
+    canonical = tensor_map(c, interleave=interleave)
+    maps = {t.hf_name: t for t in canonical}
+    if c.decoder_block == "mixtral":  # transformers >= 5 names the router mlp.gate
+        for t in canonical:
+            if t.hf_name.endswith("block_sparse_moe.gate.weight"):
+                alias = t.hf_name.replace("block_sparse_moe.gate", "mlp.gate")
+                maps[alias] = dataclasses.replace(t, hf_name=alias)
+    return canonical, maps
+
+
+def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(want):
+        raise ConversionError(f"tensor {name} has shape {tuple(got)}; the config implies {want}")
+
+
+def _fused_targets(c: Config, name: str) -> tuple[int, str, tuple[int, ...]]:
+    layer, which = _FUSED.match(name).groups()
+    i = int(layer) - c.num_dense_layers
+    if i < 0:
+        raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
+    e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
+    return i, which, (e, 2 * f, d) if which == "gate_up_proj" else (e, d, f)
+
+
+def _split_rows(t: TensorMap, slice_shape: tuple[int, ...], itemsize: int) -> int | None:
+    """Rows per block when a tensor of this map is converted in row blocks, else None: 2-D
+    slices without RoPE columns larger than CHUNK_BYTES, in multiples of 128 (fp8 blocks)."""
+    if len(slice_shape) != 2 or t.rope is not None:
+        return None
+    hf_rows, hf_cols = hf_shape(t, slice_shape)
+    if hf_rows * hf_cols * itemsize <= CHUNK_BYTES:
+        return None
+    return max(fp8.BLOCK, CHUNK_BYTES // (hf_cols * itemsize) // fp8.BLOCK * fp8.BLOCK)
+
+
+def plan(reader: Reader, hf: dict) -> Plan:
+    """Every unit of work of converting `reader`'s checkpoint, from its headers only."""
+    c = config_from_hf(hf)
+    quantized = fp8.check_quantization_config(hf.get("quantization_config"))
+    canonical, maps = _maps(c, hf)
+    specs = leaf_specs(c)
+    depth = {t.leaf: len(t.index) for t in canonical}
+    dtypes: dict[str, tuple[np.dtype, str]] = {}
+    filled: set[tuple[str, tuple[int, ...]]] = set()
+    units, mtp, blocks = [], [], {}
+    names = set(reader.names())
+
+    def leaf_dtype(leaf: str, dtype: np.dtype, name: str) -> None:
+        if dtype == fp8.FP8:
+            if not quantized:
+                raise ConversionError(
+                    f"tensor {name} is fp8 but config.json has no quantization_config"
+                )
+            dtype = _np_dtype(c.weight_dtype)
+        old = dtypes.setdefault(leaf, (dtype, name))
+        if old[0] != dtype:
+            raise ConversionError(
+                f"tensor {name} has dtype {dtype}, tensor {old[1]} of the same leaf {leaf} {old[0]}"
+            )
+
+    for name in sorted(names):
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= c.base_num_decoder_layers:
+            mtp.append(name)
+            continue
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if (
+            quantized
+            and name.endswith(fp8.SCALE_SUFFIX)
+            and name[: -len(fp8.SCALE_SUFFIX)] in names
+        ):
+            continue  # read with its weight
+        dtype, shape = reader.dtype(name), reader.shape(name)
+        if dtype == fp8.FP8 and fp8.scale_name(name) not in names:
+            raise ConversionError(f"fp8 tensor {name} has no {fp8.scale_name(name)}")
+        if _FUSED.match(name) and c.is_moe:
+            if dtype == fp8.FP8:
+                raise ConversionError(f"fused expert tensor {name} in fp8 is not supported")
+            i, which, want = _fused_targets(c, name)
+            _check_shape(name, shape, want)
+            leaves = ("wi_0", "wi_1") if which == "gate_up_proj" else ("wo",)
+            for leaf in leaves:
+                leaf_dtype(f"moe_layers.moe.{leaf}", dtype, name)
+                filled.update((f"moe_layers.moe.{leaf}", (i, j)) for j in range(c.num_experts))
+            units.append(Unit(name, None, None, reader_nbytes(shape, dtype)))
+            continue
+        t = maps.get(name)
+        if t is None:
+            raise ConversionError(f"tensor {name} in {reader.directory} has no place in the model")
+        slice_shape = specs[t.leaf].shape[len(t.index) :]
+        _check_shape(name, shape, hf_shape(t, slice_shape))
+        leaf_dtype(t.leaf, dtype, name)
+        filled.add((t.leaf, t.index))
+        rows = _split_rows(t, slice_shape, dtypes[t.leaf][0].itemsize)
+        if rows is None:
+            units.append(Unit(name, t, None, reader_nbytes(shape, dtype)))
+            continue
+        blocks[t.leaf] = rows
+        for a in range(0, shape[0], rows):
+            b = min(a + rows, shape[0])
+            units.append(Unit(name, t, (a, b), reader_nbytes((b - a, shape[1]), dtype)))
+    missing = [t.hf_name for t in canonical if (t.leaf, t.index) not in filled]
+    if missing:
+        raise ConversionError(
+            f"{reader.directory} lacks tensors {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    layouts = {}
+    for leaf, spec in specs.items():
+        k = depth[leaf]
+        chunks = [1] * k + list(spec.shape[k:])
+        if leaf in blocks:  # copy (embed): rows of ours; linear (lm_head): columns of ours
+            axis = k if any(t.kind == "copy" for t in canonical if t.leaf == leaf) else k + 1
+            chunks[axis] = blocks[leaf]
+        layouts[leaf] = (tuple(spec.shape), dtypes[leaf][0], tuple(chunks))
+    return Plan(c, hf, units, layouts, mtp, quantized)
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def reader_nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _read(reader: Reader, p: Plan, u: Unit, dtype: np.dtype) -> np.ndarray:
+    """The unit's rows of its HF tensor, fp8 dequantized into `dtype`."""
+    w = reader.get(u.name, u.rows)
+    if w.dtype != fp8.FP8:
+        return w
+    grid = reader.get(fp8.scale_name(u.name))
+    if u.rows is not None:
+        grid = grid[u.rows[0] // fp8.BLOCK : -(-u.rows[1] // fp8.BLOCK)]
+    return fp8.dequantize(w, grid, dtype)
+
+
+Write = Callable[[str, tuple, np.ndarray], None]  # (leaf, where, value)
+
+
+def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
+    if u.t is None:  # fused: gate_up_proj [E, 2F, D] or down_proj [E, D, F], one layer
+        i, which, _ = _fused_targets(p.c, u.name)
+        w = _read(reader, p, u, p.layouts["moe_layers.moe.wo"][1])
+        f = p.c.base_moe_mlp_dim
+        if which == "gate_up_proj":
+            write("moe_layers.moe.wi_0", (i,), np.stack([transpose(x[:f]) for x in w]))
+            write("moe_layers.moe.wi_1", (i,), np.stack([transpose(x[f:]) for x in w]))
+        else:
+            write("moe_layers.moe.wo", (i,), np.stack([transpose(x) for x in w]))
+        return
+    t = u.t
+    shape, dtype, _ = p.layouts[t.leaf]
+    w = _read(reader, p, u, dtype)
+    if u.rows is None:
+        write(t.leaf, t.index, to_ours(t, w, shape[len(t.index) :]))
+        return
+    rows = slice(*u.rows)
+    if t.kind == "copy":
+        write(t.leaf, (*t.index, rows), w)
+    else:
+        write(t.leaf, (*t.index, slice(None), rows), transpose(w))
+
+
+def run(
+    reader: Reader,
+    p: Plan,
+    write: Write,
+    *,
+    done: set[str] = frozenset(),
+    on_done: Callable[[Unit], None] = lambda u: None,
+    workers: int = 2,
+) -> int:
+    """Convert the units not in `done` on `workers` threads; `on_done(unit)` runs on this
+    thread after each unit's bytes are written. At most 2 x workers units are in flight."""
+    todo = [u for u in p.units if u.key not in done]
+    if workers <= 1:
+        for u in todo:
+            run_unit(reader, p, u, write)
+            on_done(u)
+        return len(todo)
+    with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
+        pending: dict = {}
+        queue = iter(todo)
+        try:
+            while True:
+                while len(pending) < 2 * workers:
+                    u = next(queue, None)
+                    if u is None:
+                        break
+                    pending[pool.submit(run_unit, reader, p, u, write)] = u
+                if not pending:
+                    break
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    fut.result()
+                    on_done(pending.pop(fut))
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+    return len(todo)
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json")
+    return json.loads(path.read_text())

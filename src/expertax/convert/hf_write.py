@@ -1,0 +1,145 @@
+"""expertax parameters -> HF safetensors, streamed: one tensor (or block of rows) at a time.
+
+The source is any `read(leaf, where) -> np.ndarray` (an open model directory reads only that
+region from disk). Shards are planned from shapes, each written by `safetensors_io.write_file`
+while worker threads compute the next blocks (read, transform, optionally quantize to fp8), at
+most a few blocks ahead; a shard already complete from an interrupted run is not rewritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from expertax.config import Config
+from expertax.convert import fp8, safetensors_io
+from expertax.convert.hf import TensorMap, hf_shape, tensor_map, to_hf, transpose
+from expertax.convert.hf_config import config_to_hf
+from expertax.convert.hf_read import CHUNK_BYTES
+
+Read = Callable[[str, tuple], np.ndarray]  # (leaf, where) -> the region's values
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Rows [a, b) of one HF tensor (and, for fp8, of its scale grid)."""
+
+    t: TensorMap
+    rows: tuple[int, int] | None
+    quantize: bool
+
+
+def quantized(t: TensorMap) -> bool:
+    """Whether DeepSeek-V3's hub checkpoint keeps this tensor in fp8: every linear weight but
+    the router and lm_head."""
+    return t.kind == "linear" and not t.leaf.endswith("router.w") and t.leaf != "lm_head"
+
+
+def plan(
+    c: Config, shapes: dict[str, tuple], dtypes: dict[str, np.dtype], base: dict, use_fp8: bool
+):
+    """(HF config dict, entries, jobs by tensor name)."""
+    hf = config_to_hf(c, base)
+    interleave = c.attention_type == "mla" and bool(base.get("rope_interleave", True))
+    if c.attention_type == "mla":
+        hf["rope_interleave"] = interleave
+    if use_fp8:
+        hf["quantization_config"] = dict(fp8.HUB_QUANTIZATION_CONFIG)
+    entries: list[safetensors_io.Entry] = []
+    jobs: dict[str, list[Job]] = {}
+    for t in tensor_map(c, interleave=interleave):
+        shape = hf_shape(t, tuple(shapes[t.leaf][len(t.index) :]))
+        q = use_fp8 and quantized(t) and len(shape) == 2
+        dtype = fp8.FP8 if q else dtypes[t.leaf]
+        entries.append((t.hf_name, shape, dtype))
+        if q:
+            entries.append((fp8.scale_name(t.hf_name), fp8.scale_shape(shape), np.float32))
+        slice_ndim = len(shapes[t.leaf]) - len(t.index)
+        row_bytes = shape[-1] * np.dtype(dtypes[t.leaf]).itemsize
+        if slice_ndim == 2 and t.rope is None and row_bytes * shape[0] > CHUNK_BYTES:
+            rows = max(fp8.BLOCK, CHUNK_BYTES // row_bytes // fp8.BLOCK * fp8.BLOCK)
+            jobs[t.hf_name] = [
+                Job(t, (a, min(a + rows, shape[0])), q) for a in range(0, shape[0], rows)
+            ]
+        else:
+            jobs[t.hf_name] = [Job(t, None, q)]
+    return hf, entries, jobs
+
+
+def run_job(read: Read, job: Job, hints) -> tuple[np.ndarray, np.ndarray | None]:
+    """The job's rows of the HF tensor (fp8 values and their scale rows when quantizing)."""
+    t = job.t
+    if job.rows is None:
+        w = to_hf(t, read(t.leaf, t.index))
+    elif t.kind == "copy":
+        w = read(t.leaf, (*t.index, slice(*job.rows)))
+    else:
+        w = transpose(read(t.leaf, (*t.index, slice(None), slice(*job.rows))))
+    if not job.quantize:
+        return w, None
+    hint = hints(t.hf_name)
+    if hint is not None and job.rows is not None:
+        hint = hint[job.rows[0] // fp8.BLOCK : -(-job.rows[1] // fp8.BLOCK)]
+    return fp8.quantize(w, hint)
+
+
+def shard_blocks(
+    read: Read,
+    entries: list[safetensors_io.Entry],
+    jobs: dict[str, list[Job]],
+    hints,
+    pool: ThreadPoolExecutor,
+    on_block: Callable[[int], None],
+    ahead: int,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, rows) of one shard in file order; `ahead` blocks are computed in advance."""
+    work = [job for name, _, _ in entries if name in jobs for job in jobs[name]]
+    futures = [pool.submit(run_job, read, job, hints) for job in work[:ahead]]
+    scales: list[np.ndarray] = []
+    for k, job in enumerate(work):
+        w, s = futures[k].result()
+        futures[k] = None  # release the block once written
+        if k + ahead < len(work):
+            futures.append(pool.submit(run_job, read, work[k + ahead], hints))
+        yield job.t.hf_name, w
+        on_block(w.nbytes)
+        if s is not None:
+            scales.append(s)
+            last = k + 1 == len(work) or work[k + 1].t.hf_name != job.t.hf_name
+            if last:
+                yield fp8.scale_name(job.t.hf_name), np.concatenate(scales)
+                scales = []
+
+
+def write_shards(
+    out_dir: Path,
+    read: Read,
+    entries: list[safetensors_io.Entry],
+    jobs: dict[str, list[Job]],
+    *,
+    max_shard_bytes: int,
+    hints=lambda name: None,
+    on_block: Callable[[int], None] = lambda n: None,
+    on_shard: Callable[[str], None] = lambda fname: None,
+    workers: int = 2,
+) -> tuple[list[str], int]:
+    """Write every shard not already complete; (files, shards skipped as already written)."""
+    shards = safetensors_io.plan_shards(entries, max_shard_bytes)
+    skipped = 0
+    with ThreadPoolExecutor(workers, thread_name_prefix="to-hf") as pool:
+        for fname, shard in shards:
+            if (out_dir / fname).is_file():
+                skipped += 1
+                continue
+            blocks = shard_blocks(read, shard, jobs, hints, pool, on_block, ahead=workers + 1)
+            safetensors_io.write_file(out_dir / fname, shard, blocks)
+            on_shard(fname)
+    files = [fname for fname, _ in shards]
+    if len(shards) > 1:
+        safetensors_io.write_index(out_dir, shards)
+        files.append(safetensors_io.INDEX_FILE)
+    return files, skipped
