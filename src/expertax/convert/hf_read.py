@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -78,7 +78,9 @@ def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None
 
 
 def _fused_targets(c: Config, name: str) -> tuple[int, str, tuple[int, ...]]:
-    layer, which = _FUSED.match(name).groups()
+    match = _FUSED.match(name)
+    assert match is not None, name  # callers pass fused names only
+    layer, which = match.groups()
     i = int(layer) - c.num_dense_layers
     if i < 0:
         raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
@@ -232,7 +234,7 @@ def run(
     p: Plan,
     write: Write,
     *,
-    done: set[str] = frozenset(),
+    done: Collection[str] = frozenset(),
     on_done: Callable[[Unit], None] = lambda u: None,
     workers: int = 2,
 ) -> int:
@@ -250,10 +252,10 @@ def run(
         try:
             while True:
                 while len(pending) < 2 * workers:
-                    u = next(queue, None)
-                    if u is None:
+                    nxt = next(queue, None)
+                    if nxt is None:
                         break
-                    pending[pool.submit(run_unit, reader, p, u, write)] = u
+                    pending[pool.submit(run_unit, reader, p, nxt, write)] = nxt
                 if not pending:
                     break
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,9 @@ def plan(
         dtype = fp8.FP8 if q else dtypes[t.leaf]
         entries.append((t.hf_name, shape, dtype))
         if q:
-            entries.append((fp8.scale_name(t.hf_name), fp8.scale_shape(shape), np.float32))
+            entries.append(
+                (fp8.scale_name(t.hf_name), fp8.scale_shape(shape), np.dtype(np.float32))
+            )
         slice_ndim = len(shapes[t.leaf]) - len(t.index)
         row_bytes = shape[-1] * np.dtype(dtypes[t.leaf]).itemsize
         if slice_ndim == 2 and t.rope is None and row_bytes * shape[0] > CHUNK_BYTES:
@@ -98,7 +101,7 @@ def shard_blocks(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(name, rows) of one shard in file order; `ahead` blocks are computed in advance."""
     work = [job for name, _, _ in entries if name in jobs for job in jobs[name]]
-    futures = [pool.submit(run_job, read, job, hints) for job in work[:ahead]]
+    futures: list[Any] = [pool.submit(run_job, read, job, hints) for job in work[:ahead]]
     scales: list[np.ndarray] = []
     for k, job in enumerate(work):
         w, s = futures[k].result()

@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 STATE_DIR = ".convert"
 # Test hook: exit (status 75) right after this many units were journaled in this process.
@@ -29,7 +30,7 @@ class Journal:
         self.dir = Path(out_dir) / STATE_DIR
         self.state = state
         self.done: set[str] = set()
-        self._file = None
+        self._file: Any = None
         self._added = 0
         self._exit_after = int(os.environ.get(EXIT_AFTER_ENV, "0") or 0)
 

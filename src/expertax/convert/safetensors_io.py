@@ -34,7 +34,7 @@ SETTLE_BYTES = 64 * 2**20  # write_file settles (syncs and uncaches) its bytes t
 # (bfloat16 it finds through ml_dtypes' registration). Give it ml_dtypes' type, the same object
 # that jax uses, so fp8 tensors read as ml_dtypes.float8_e4m3fn arrays.
 if not hasattr(np, "float8_e4m3fn"):
-    np.float8_e4m3fn = ml_dtypes.float8_e4m3fn
+    np.float8_e4m3fn = ml_dtypes.float8_e4m3fn  # type: ignore[attr-defined]
 
 _DTYPE_NAMES = {
     np.dtype(np.float32): "F32",
@@ -110,7 +110,7 @@ class Reader:
             offset += rows[0] * row_bytes
             shape = (rows[1] - rows[0], *shape[1:])
         out = np.empty(shape, dtype)
-        buf = memoryview(out.reshape(-1).view(np.uint8))
+        buf = memoryview(out.reshape(-1).view(np.uint8).data)
         fd, done = self._fds[fname], 0
         while done < len(buf):  # pread returns at most ~2 GiB at a time
             n = os.preadv(fd, [buf[done:]], offset + done)
@@ -219,7 +219,7 @@ def write_file(
             data = np.ascontiguousarray(block)
             if written[name] + data.nbytes > expected[name]:
                 raise ValueError(f"tensor {name}: more bytes than its shape holds")
-            f.write(memoryview(data.reshape(-1).view(np.uint8)))
+            f.write(memoryview(data.reshape(-1).view(np.uint8).data))
             written[name] += data.nbytes
             if f.tell() - settled >= SETTLE_BYTES:
                 f.flush()

@@ -158,7 +158,7 @@ class ParamsWriter:
         tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view, done = memoryview(value.reshape(-1).view(np.uint8)), 0
+            view, done = memoryview(value.reshape(-1).view(np.uint8).data), 0
             while done < len(view):
                 done += os.write(fd, view[done:])
             settle(fd)
@@ -232,7 +232,7 @@ def read_region(ckpt_dir: str | Path, array: ts.TensorStore, leaf: str, where: t
     """`array[where]` of leaf `leaf` (from `open_leaves`), its chunk files then dropped from the
     page cache (a converter reads each once; see `settle`)."""
     value = array[where].read().result()
-    chunks = tuple(array.chunk_layout.read_chunk.shape)
+    chunks = tuple(array.chunk_layout.read_chunk.shape or ())
     for key in chunk_keys(tuple(array.shape), chunks, where):
         fd = os.open(Path(ckpt_dir) / PARAMS_DIR / leaf / key, os.O_RDONLY)
         try:
