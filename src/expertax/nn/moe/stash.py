@@ -49,7 +49,7 @@ class Stash:
     values' width (`dtype`): a copy, never arithmetic, and no backend widens integers (XLA:CPU
     converts a bfloat16 buffer to float32 whole). offset: int32 [1], the first free row.
     fits: bool [1], false once a row of the current layer did not fit (write mode).
-    rows: int32 [1], the rows the current layer needed, fitting or not (for the report).
+    rows: int32 [1], the rows the stack's layers so far needed, fitting or not (the factor report).
     """
 
     bufs: dict[str, jax.Array]
