@@ -35,6 +35,7 @@ def _check_rows(rows, tol, ref_scale, n):
             "tp",
             "data",
             "stash",
+            "sharding_rules",
             "final_loss",
             "perplexity",
             "tokens_per_s_per_device",
@@ -44,10 +45,14 @@ def _check_rows(rows, tol, ref_scale, n):
         assert r["tokens_per_s_per_device"] > 0
 
 
-def test_parity_cli_deepseek3_tiny(tmp_path, capsys):
+def test_parity_cli_deepseek3_tiny(tmp_path, capfd):
+    """Four layouts through the CLI; `capfd` also holds XLA's own (C++) warnings: no layout's
+    compile may fall back to replicating a tensor ("involuntary full rematerialization", which the
+    embedding lookup caused at ep2-tp2-data2 before its table was gathered over `embed`)."""
     path = tmp_path / "parity.json"
     layouts = (
-        "sparse-padded-ep8,sparse-ring-ep4-fsdp2,dense-ep2-tp2-data2,sparse-padded-ep4-fsdp2-stash"
+        "sparse-padded-ep8,sparse-ring-ep2-fsdp2-tp2-eptp,dense-ep2-tp2-data2,"
+        "sparse-padded-ep4-fsdp2-stash"
     )
     rc = cli.main(
         [
@@ -72,13 +77,16 @@ def test_parity_cli_deepseek3_tiny(tmp_path, capsys):
         for r in out["rows"]
     ] == [
         ("sparse", False, 8, 1, 1, 1, False),
-        ("sparse", True, 4, 2, 1, 1, False),
+        ("sparse", True, 2, 2, 2, 1, False),
         ("dense", False, 2, 1, 2, 2, False),
         ("sparse", False, 4, 2, 1, 1, True),
     ]
-    printed = capsys.readouterr().out
-    assert "| sparse | False | padded | 8 | 1 | 1 | 1 | no |" in printed
-    assert "| sparse | False | padded | 4 | 2 | 1 | 1 | yes |" in printed
+    assert [r["sharding_rules"] for r in out["rows"]] == ["default", "ep-tp", "default", "default"]
+    printed, err = capfd.readouterr()
+    assert "Involuntary full rematerialization" not in printed + err
+    assert "| sparse | False | padded | 8 | 1 | 1 | 1 | no | default |" in printed
+    assert "| sparse | True | - | 2 | 2 | 2 | 1 | no | ep-tp |" in printed
+    assert "| sparse | False | padded | 4 | 2 | 1 | 1 | yes | default |" in printed
 
 
 def _swap_expert_shards(ep: int):
@@ -144,8 +152,8 @@ def test_parity_cli_exit_status_on_failure(monkeypatch, capsys):
 
 def test_layout_matrix_and_parsing():
     rows = parity.layouts(8, "cpu")
-    assert len(rows) == 14 and all(r.a2a_impl != "ragged" for r in rows)
-    assert len(parity.layouts(8, "gpu")) == 19
+    assert len(rows) == 18 and all(r.a2a_impl != "ragged" for r in rows)
+    assert len(parity.layouts(8, "gpu")) == 25
     stashed = [r.name for r in rows if r.stash]
     assert stashed == ["sparse-padded-ep4-fsdp2-stash", "sparse-ring-ep4-fsdp2-stash"]
     assert [r.name for r in parity.layouts(4, "cpu") if r.stash] == [
@@ -157,7 +165,22 @@ def test_layout_matrix_and_parsing():
         (1, 8, 1, 1),
         (4, 2, 1, 1),
         (2, 1, 2, 2),
+        (2, 2, 2, 1),
     }
+    eptp = [r.name for r in rows if r.rules == "ep-tp"]
+    assert eptp == [
+        "sparse-padded-ep2-fsdp2-tp2-eptp",
+        "sparse-ring-ep2-fsdp2-tp2-eptp",
+        "sparse-padded-ep2-tp2-data2-eptp",
+        "sparse-ring-ep2-tp2-data2-eptp",
+    ]
+    assert (
+        parity.parse_layout("sparse-ring-ep2-tp2-data2-eptp").overrides(8)["sharding_rules"]
+        == "ep-tp"
+    )
+    assert parity.parse_layout("sparse-ring-ep2-tp2-data2").overrides(8)["sharding_rules"] == (
+        "default"
+    )
     assert parity.parse_layout("sparse-ring-ep2-tp2-data2") == parity.Layout(
         "sparse", True, "-", ep=2, tp=2, data=2
     )
@@ -196,8 +219,8 @@ def test_stash_layout_config_keeps_moe_names():
     [("deepseek3-tiny", ["base_num_decoder_layers=2"]), ("mixtral-tiny", [])],
 )
 def test_parity_full_matrix(model, extra, tmp_path):
-    """The whole layout matrix (14 layouts on 8 devices, 2 with the paged stash); CI runs it
-    after the default suite."""
+    """The whole layout matrix (18 layouts on 8 devices, 2 with the paged stash, 4 with
+    expert-as-TP rules); CI runs it after the default suite."""
     path = tmp_path / "parity.json"
     rc = cli.main(
         [
@@ -213,7 +236,7 @@ def test_parity_full_matrix(model, extra, tmp_path):
     )
     assert rc == 0
     report = json.loads(path.read_text())
-    _check_rows(report["rows"], report["tolerance"], 10.0, 14)
+    _check_rows(report["rows"], report["tolerance"], 10.0, 18)
     layouts = {
         (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"], r["stash"])
         for r in report["rows"]
@@ -221,6 +244,12 @@ def test_parity_full_matrix(model, extra, tmp_path):
     assert ("sparse", True, 4, 2, 1, 1, False) in layouts
     assert ("dense", False, 2, 1, 2, 2, False) in layouts
     assert {("sparse", True, 4, 2, 1, 1, True), ("sparse", False, 4, 2, 1, 1, True)} <= layouts
+    eptp = {
+        (r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"])
+        for r in report["rows"]
+        if r["sharding_rules"] == "ep-tp"
+    }
+    assert eptp == {(ring, 2, f, 2, d) for ring in (False, True) for f, d in ((2, 1), (1, 2))}
 
 
 def _fake_run(base, layout, *, steps, global_batch, corrupt=None):
@@ -239,7 +268,10 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     argv = ["parity", *MIXTRAL, "--layouts", "sparse-padded-ep2,sparse-padded-ep3"]
     assert cli.main([*argv, "--json", str(path)]) == 1
     out, err = capsys.readouterr()
-    assert "| sparse | False | padded | 3 | 1 | 1 | 1 | no | - | - | - | - | NO (refused: " in out
+    assert (
+        "| sparse | False | padded | 3 | 1 | 1 | 1 | no | default | - | - | - | - | NO (refused: "
+        in out
+    )
     assert "num_experts=8 is not divisible by the expert axis (3" in out
     assert "1 refused" in err
     saved = json.loads(path.read_text())
@@ -249,7 +281,7 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     assert cli.main([*argv, "--skip-refused", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| - | skipped (refused: num_experts=8 is not divisible" in out
-    assert "| sparse | False | padded | 2 | 1 | 1 | 1 | no | 1.500000 |" in out
+    assert "| sparse | False | padded | 2 | 1 | 1 | 1 | no | default | 1.500000 |" in out
     saved = json.loads(path.read_text())
     assert saved["ok"] is True and saved["skip_refused"] is True
 

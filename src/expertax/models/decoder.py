@@ -142,8 +142,16 @@ def forward_embedded(params: Decoder, x_BTD: jax.Array, c: Config, **kwargs):
 
 
 def embed_tokens(params: Decoder, inputs_BT: jax.Array, c: Config) -> jax.Array:
-    """The token embeddings [B, T, D] in `dtype`."""
-    return embed.lookup(params.embed, inputs_BT, jnp.dtype(c.dtype), use_iota=c.use_iota_embed)
+    """The token embeddings [B, T, D] in `dtype`.
+
+    The table is gathered over its `embed` (model-dim) shards first, as FSDP gathers any weight
+    before use: a lookup from a D-sharded table yields rows sharded on D over mesh axes that the
+    activations shard on B (e.g. `expert`), a move the SPMD partitioner can only make by
+    replicating the whole [B, T, D] activation ("involuntary full rematerialization").
+    """
+    table_VD = constrain(params.embed, ("vocab", None))
+    x_BTD = embed.lookup(table_VD, inputs_BT, jnp.dtype(c.dtype), use_iota=c.use_iota_embed)
+    return constrain(x_BTD, ACT_BTD)
 
 
 def hidden_states(

@@ -46,11 +46,17 @@ MESHES_8 = (
 )
 # The 8-device meshes whose sparse layouts also run with the paged stash.
 STASH_MESHES_8 = ({"expert": 4, "fsdp": 2},)
+# The 8-device meshes whose sparse layouts also run with expert-as-TP rules (`-eptp`,
+# `sharding_rules=ep-tp`): together they shard over fsdp, data and tensor besides expert.
+EPTP_MESHES_8 = ({"expert": 2, "fsdp": 2, "tensor": 2}, {"expert": 2, "tensor": 2, "data": 2})
+# Layout name part -> rules preset (configs/parallel/); the default preset has no part.
+RULES_PARTS = {"eptp": "ep-tp"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One row of the table: the dispatch, the mesh and whether the MoE stack is stashed."""
+    """One row of the table: the dispatch, the mesh, the rules preset and whether the MoE stack
+    is stashed."""
 
     mode: str  # "sparse" | "dense"
     ring: bool
@@ -60,6 +66,7 @@ class Layout:
     tp: int = 1
     data: int = 1
     stash: bool = False  # moe_paged_stash (sparse layouts only)
+    rules: str = "default"  # sharding_rules preset
 
     @property
     def num_devices(self) -> int:
@@ -75,6 +82,7 @@ class Layout:
             parts.append(self.a2a_impl)
         sizes = (("ep", self.ep), ("fsdp", self.fsdp), ("tp", self.tp), ("data", self.data))
         parts += [f"{k}{v}" for k, v in sizes if v != 1]
+        parts += [part for part, preset in RULES_PARTS.items() if preset == self.rules]
         if self.stash:
             parts.append("stash")
         return "-".join(parts)
@@ -92,6 +100,7 @@ class Layout:
             "ici_pipeline_parallelism": 1,
             "per_device_batch_size": global_batch / self.num_devices,
             "moe_paged_stash": self.stash,
+            "sharding_rules": self.rules,
         }
 
 
@@ -132,7 +141,8 @@ def _sizes(mesh: dict) -> dict:
 
 def layouts(num_devices: int, backend: str) -> list[Layout]:
     """The default matrix: every mesh with each sparse dispatch and the dense one, then the
-    sparse layouts of `STASH_MESHES_8` with the paged stash."""
+    sparse layouts of `STASH_MESHES_8` with the paged stash and of `EPTP_MESHES_8` with
+    expert-as-TP rules."""
     rows = []
     for mesh in meshes_for(num_devices):
         sizes = _sizes(mesh)
@@ -145,18 +155,28 @@ def layouts(num_devices: int, backend: str) -> list[Layout]:
         for impl in a2a_impls(backend):
             rows.append(Layout("sparse", False, impl, **sizes, stash=True))
         rows.append(Layout("sparse", True, "-", **sizes, stash=True))
+    for mesh in meshes_for(num_devices, EPTP_MESHES_8):
+        if mesh.get("expert", 1) == 1:
+            continue  # scaled down to no expert axis: expert-as-TP is the default layout
+        sizes = _sizes(mesh)
+        for impl in a2a_impls(backend):
+            rows.append(Layout("sparse", False, impl, **sizes, rules="ep-tp"))
+        rows.append(Layout("sparse", True, "-", **sizes, rules="ep-tp"))
     return rows
 
 
 def parse_layout(name: str) -> Layout:
-    """`sparse-padded-ep8`, `sparse-ring-ep4-fsdp2-stash`, `dense-ep2-tp2-data2`, ... -> Layout."""
+    """`sparse-padded-ep8`, `sparse-ring-ep4-fsdp2-stash`, `sparse-ring-ep2-tp2-data2-eptp`,
+    `dense-ep2-tp2-data2`, ... -> Layout."""
     mode, *parts = name.split("-")
     sizes: dict[str, int] = {}
-    ring, impl, stash = False, "-", False
+    ring, impl, stash, rules = False, "-", False, "default"
     for part in parts:
         key = part.rstrip("0123456789")
         if part == "stash":
             stash = True
+        elif part in RULES_PARTS:
+            rules = RULES_PARTS[part]
         elif part in ("ring", "ragged", "padded"):
             ring, impl = (True, "-") if part == "ring" else (False, part)
         elif key in ("ep", "fsdp", "tp", "data") and part[len(key) :].isdigit():
@@ -169,7 +189,7 @@ def parse_layout(name: str) -> Layout:
         raise ConfigError(f"--layouts {name!r}: the paged stash needs sparse dispatch (sparse-...)")
     if mode == "sparse" and not ring and impl == "-":
         impl = "padded" if jax.default_backend() == "cpu" else "ragged"
-    return Layout(mode, ring, impl, **sizes, stash=stash)
+    return Layout(mode, ring, impl, **sizes, stash=stash, rules=rules)
 
 
 def reference_layout() -> Layout:
@@ -243,6 +263,7 @@ def make_row(layout: Layout, run: dict, ref_losses: list[float]) -> dict:
         "tp": layout.tp,
         "data": layout.data,
         "stash": layout.stash,
+        "sharding_rules": layout.rules,
         "final_loss": final,
         "perplexity": float(np.exp(min(final, 80.0))),
         "tokens_per_s_per_device": run["tokens_per_s_per_device"],
@@ -318,6 +339,7 @@ HEADER = (
     "TP",
     "data",
     "stash",
+    "rules",
     "final loss",
     "perplexity",
     "tok/s/dev",
@@ -337,6 +359,7 @@ def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
         r["tp"],
         r["data"],
         "yes" if r.get("stash") else "no",
+        r.get("sharding_rules", "default"),
         f"{r['final_loss']:.6f}",
         f"{r['perplexity']:.3f}",
         f"{r['tokens_per_s_per_device']:,.0f}",
@@ -350,7 +373,7 @@ def format_refused_row(refused: dict, skipped: bool) -> str:
     """A refused layout's row: its name in the first cells, the reason in the last."""
     layout = parse_layout(refused["layout"])
     cells = [layout.mode, str(layout.ring), layout.a2a_impl, layout.ep, layout.fsdp, layout.tp]
-    cells += [layout.data, "yes" if layout.stash else "no", "-", "-", "-", "-"]
+    cells += [layout.data, "yes" if layout.stash else "no", layout.rules, "-", "-", "-", "-"]
     verdict = "skipped" if skipped else "NO"
     cells.append(f"{verdict} (refused: {refused['reason'].replace('|', '/')})")
     return "| " + " | ".join(str(x) for x in cells) + " |"

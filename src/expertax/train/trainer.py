@@ -22,6 +22,7 @@ from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
 from expertax.models import decoder, init_params
 from expertax.nn import param
+from expertax.nn.moe import strategy
 from expertax.parallel import remat
 from expertax.sharding import logical_to_spec, make_mesh, use_rules
 from expertax.train import optimizer
@@ -122,6 +123,8 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     """Mesh, rules, optimizer and shardings for `c`; raises ConfigError before any compilation."""
     mesh = make_mesh(c, devices)
     rules = config_rules(c)
+    if c.is_moe and c.sparse_matmul:
+        strategy.moe_specs(rules)  # a rules table the MoE layer cannot compute: ConfigError
     spec_tree = decoder.spec(c)
     tx = optimizer.make(c, spec_tree)
     param_sh = param.shardings(spec_tree, mesh, rules)

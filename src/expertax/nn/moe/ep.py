@@ -38,11 +38,9 @@ from expertax.nn.moe import chunks, dispatch, router
 from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.gmm import varying_over
 from expertax.nn.moe.stash import Stash
-from expertax.nn.moe.strategy import EXPERT, resolve_a2a_impl, token_axes
+from expertax.nn.moe.strategy import EXPERT, moe_specs, resolve_a2a_impl
 from expertax.nn.param import params_dataclass
 from expertax.sharding.rules import current_rules
-
-TENSOR = "tensor"
 
 
 def mesh_size() -> int:
@@ -327,8 +325,9 @@ def _chunk(x_ND, stash, router_p, w, *, c, dtype, impl, split):
     return out_ND, (routing.counts_E, routing.prob_sum_E, dropped), stash
 
 
-def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, stash, *, c, dtype, impl, split):
-    """One shard. `split`: the tokens are sharded over `expert` (else replicated over it).
+def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, stash, *, c, dtype, impl, specs):
+    """One shard. The tokens are sharded over `specs.tokens`; when those do not include `expert`
+    (expert-as-TP rules) they are replicated over it.
 
     The shard's tokens go through `_chunk` `num_moe_token_chunks` at a time (chunks.py).
     """
@@ -336,7 +335,8 @@ def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, stash, *, c, 
     x_ND = x_BTD_local.reshape(b * t, d)
     w = (wi_0_local, wi_1_local, wo_local)
     ring = c.use_ring_of_experts
-    stat_axes = token_axes(current_rules())
+    split = EXPERT in specs.tokens
+    stat_axes = specs.tokens
     if not split and not ring:  # replicated tokens: each expert shard routes and sends 1/EP
         stat_axes = (*stat_axes, EXPERT)
         n = x_ND.shape[0] // jax.lax.axis_size(EXPERT)
@@ -350,7 +350,8 @@ def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, stash, *, c, 
     )
     if not split and not ring:
         out_ND = jax.lax.all_gather(out_ND, EXPERT, tiled=True, to="invarying")
-    out_ND = jax.lax.psum(out_ND, TENSOR)  # partial sums over the F shards
+    if specs.mlp:
+        out_ND = jax.lax.psum(out_ND, specs.mlp)  # partial sums over the F shards
     stats = global_stats(counts_E, prob_sum_E, routed_tokens, dropped, c, stat_axes)
     return out_ND.reshape(b, t, d), stats, stash
 
@@ -370,12 +371,12 @@ def apply(
     Global shapes in, global shapes out. Per device: x [B/(data*fsdp*expert), T, D] (or
     [B/(data*fsdp), T, D] under expert-as-TP rules, where `batch` does not use `expert`),
     weights [E/expert, D, F/tensor]; weights stored over `fsdp` are all-gathered by the in_specs.
+    The in/out specs come from the rules table (`strategy.moe_specs`: `batch`, `act_exp`,
+    `exp_mlp`), so a rules preset and the layer cannot disagree silently.
     A paged stash (stash.py) holds one buffer per device, split over every mesh axis.
     """
     impl = resolve_a2a_impl(c)
-    axes = token_axes(current_rules())
-    w_spec = P(EXPERT, None, TENSOR)
-    wo_spec = P(EXPERT, TENSOR, None)
+    specs = moe_specs(current_rules())
     router_spec = jax.tree.map(lambda _: P(), router_p)
 
     # A stash in write mode comes back filled; one in read mode is only read (returns None).
@@ -383,7 +384,7 @@ def apply(
 
     def body(x, rp, wi_0, wi_1, wo, stash):
         out, stats, stash = _body(
-            x, rp, wi_0, wi_1, wo, stash, c=c, dtype=dtype, impl=impl, split=EXPERT in axes
+            x, rp, wi_0, wi_1, wo, stash, c=c, dtype=dtype, impl=impl, specs=specs
         )
         return out, stats, stash if writes else None
 
@@ -391,7 +392,7 @@ def apply(
     stash_spec = stash_mod.specs(stash, jax.sharding.get_abstract_mesh().axis_names)
     fn = jax.shard_map(
         body,
-        in_specs=(P(axes), router_spec, w_spec, w_spec, wo_spec, stash_spec),
-        out_specs=(P(axes), stats_spec, stash_spec if writes else None),
+        in_specs=(specs.x, router_spec, specs.wi, specs.wi, specs.wo, stash_spec),
+        out_specs=(specs.x, stats_spec, stash_spec if writes else None),
     )
     return fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, stash)

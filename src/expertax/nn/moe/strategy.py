@@ -10,11 +10,14 @@ the `shard_map`, the exchange over the `expert` axis is the ring of experts or t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
 import jax
+from jax.sharding import PartitionSpec
 
+from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
 from expertax.sharding.rules import Rules
 
@@ -29,8 +32,62 @@ def uses_shard_map(c: Config, mesh_size: int) -> bool:
 
 def token_axes(rules: Rules | None) -> tuple[str, ...]:
     """Mesh axes the MoE input tokens are sharded over: the rules' `batch` entry (batch axes)."""
-    axes = tuple(rules["batch"]) if rules is not None and "batch" in rules else BATCH_AXES
-    return tuple(a for a in axes if a in BATCH_AXES)
+    return moe_specs(rules).tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpecs:
+    """The MoE `shard_map`'s layout, read from the rules table (`ep.apply`'s in/out specs).
+
+    tokens: mesh axes of the token rows (rule `batch`); expert: the mesh axis of the expert dim
+    E while the layer computes (rule `act_exp`: the exchange's collectives run over it); mlp: mesh
+    axes of the expert MLP dim F (rule `exp_mlp`), whose partial outputs are psum-reduced. Weights
+    stored otherwise (`exp_embed` over fsdp, `shard_exp_on_fsdp`'s `exp`) are resharded to this
+    layout at the `shard_map` boundary.
+    """
+
+    tokens: tuple[str, ...]
+    expert: str
+    mlp: tuple[str, ...]
+
+    @property
+    def x(self) -> PartitionSpec:  # [B, T, D]
+        return PartitionSpec(self.tokens)
+
+    @property
+    def wi(self) -> PartitionSpec:  # [E, D, F]
+        return PartitionSpec(self.expert, None, self.mlp or None)
+
+    @property
+    def wo(self) -> PartitionSpec:  # [E, F, D]
+        return PartitionSpec(self.expert, self.mlp or None, None)
+
+
+def moe_specs(rules: Rules | None) -> MoESpecs:
+    """The layer's layout from `rules` (defaults without a table); ConfigError when the table
+    asks for a layout the layer cannot compute (named key, value and what is valid)."""
+    rules = rules or {}
+    tokens = tuple(rules.get("batch", BATCH_AXES))
+    expert = tuple(rules.get("act_exp", (EXPERT,)))
+    mlp = tuple(rules.get("exp_mlp", ("tensor",)))
+    bad = [a for a in tokens if a not in BATCH_AXES]
+    if bad:
+        raise ConfigError(
+            f"sharding_rules: batch -> {list(tokens)}: the MoE layer shards tokens only over "
+            f"batch axes; valid: a subset of {list(BATCH_AXES)} ({bad} is not)"
+        )
+    if expert != (EXPERT,):
+        raise ConfigError(
+            f"sharding_rules: act_exp -> {list(expert)}: the MoE layer's expert-parallel "
+            f"exchange runs over the {EXPERT!r} mesh axis; valid: [{EXPERT}]"
+        )
+    clash = [a for a in mlp if a in tokens or a == EXPERT]
+    if clash:
+        raise ConfigError(
+            f"sharding_rules: exp_mlp -> {list(mlp)}: {clash} already shard the tokens or the "
+            f"experts; valid: mesh axes outside batch and act_exp, e.g. [tensor]"
+        )
+    return MoESpecs(tokens=tokens, expert=EXPERT, mlp=mlp)
 
 
 def resolve_a2a_impl(c: Config, backend: str | None = None) -> str:

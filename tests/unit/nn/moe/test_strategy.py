@@ -3,8 +3,9 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from expertax.config import config_rules, load_config
+from expertax.config import ConfigError, config_rules, load_config
 from expertax.nn import param
 from expertax.nn.moe import dispatch, ep, layer, strategy
 from expertax.sharding import make_mesh, use_rules
@@ -100,3 +101,30 @@ def test_layer_runs_the_shard_map_exactly_when_described(monkeypatch, devices, u
     line = describe(c, dict(m.shape), backend="cpu")
     assert calls == (["ep"] if uses else ["sorted"])
     assert ("shard_map" in line) == uses
+
+
+def test_moe_specs_come_from_the_rules():
+    """The `shard_map` specs follow the rules table; a table the layer cannot compute is refused
+    with the key, its value and what is valid (before anything compiles: build_trainer)."""
+    rules = config_rules(cfg())
+    specs = strategy.moe_specs(rules)
+    assert specs.x == P(("data", "fsdp", "expert"))
+    assert specs.wi == P("expert", None, "tensor") and specs.wo == P("expert", "tensor", None)
+    tp = strategy.moe_specs(config_rules(cfg(sharding_rules="ep-tp")))
+    assert tp.tokens == ("data", "fsdp") and tp.mlp == ("tensor",)
+    assert strategy.moe_specs({**rules, "exp_mlp": ()}).wi == P("expert", None, None)
+    with pytest.raises(ConfigError, match=r"batch -> \['data', 'tensor'\].*valid: a subset"):
+        strategy.moe_specs({**rules, "batch": ("data", "tensor")})
+    with pytest.raises(ConfigError, match=r"act_exp -> \['fsdp'\].*valid: \[expert\]"):
+        strategy.moe_specs({**rules, "act_exp": ("fsdp",)})
+    with pytest.raises(ConfigError, match=r"exp_mlp -> \['fsdp'\]: \['fsdp'\] already shard"):
+        strategy.moe_specs({**rules, "exp_mlp": ("fsdp",)})
+
+
+def test_build_trainer_refuses_rules_the_moe_layer_cannot_compute(monkeypatch):
+    from expertax.train import trainer
+
+    bad = {**config_rules(cfg()), "act_exp": ("tensor",)}
+    monkeypatch.setattr(trainer, "config_rules", lambda c: bad)
+    with pytest.raises(ConfigError, match="act_exp"):
+        trainer.build_trainer(cfg(ici_expert_parallelism=2), devices=jax.devices()[:2])
