@@ -15,11 +15,13 @@ from expertax.nn import param
 
 
 def schedule(c: Config) -> optax.Schedule:
-    warmup = int(c.steps * c.warmup_steps_fraction)
+    """Linear warmup then cosine decay over `steps`; at least one warmup step and one decay
+    step, so short runs (`steps=1`) get a valid schedule too."""
+    warmup = max(int(c.steps * c.warmup_steps_fraction), 1)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=c.learning_rate,
-        warmup_steps=max(warmup, 1),
+        warmup_steps=warmup,
         decay_steps=max(c.steps, warmup + 1),
         end_value=c.learning_rate * c.cosine_learning_rate_final_fraction,
     )

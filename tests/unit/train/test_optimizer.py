@@ -127,3 +127,17 @@ def test_second_moment_stored_in_bfloat16_follows_the_float32_update():
         for a, b in zip(jax.tree.leaves(results["exact"][0]), jax.tree.leaves(results["lowp"][0]))
     ]
     assert max(diffs) > 0
+
+
+@pytest.mark.parametrize("steps", [1, 2, 9, 40])
+def test_schedule_is_valid_for_short_runs(steps):
+    """`steps=1` used to raise inside optax (a cosine decay of zero steps); every run length
+    gets a warmup of at least one step and a decay that ends at the final fraction."""
+    from expertax.train import optimizer
+
+    c = load_config(overrides={"model_name": "llama-tiny", "steps": steps})
+    lr = optimizer.schedule(c)
+    assert float(lr(0)) == 0.0
+    assert float(lr(10_000)) == pytest.approx(
+        c.learning_rate * c.cosine_learning_rate_final_fraction
+    )
