@@ -10,8 +10,9 @@ Backends (`backend=`, the `gmm_impl` config key):
   over all experts, so its cost grows with the number of experts, not with the routed rows.
 - `tiled`: pure JAX, every backend. A `while_loop` over (group, row chunk) work items whose count is
   known only at run time, so the cost is proportional to routed rows + experts x tile. Its own VJP
-  runs the same loop for the input gradient (weights used transposed) and accumulates the weight
-  gradient group by group; the backward pass costs what the forward costs, twice.
+  runs the same loop for the input gradient (weights used transposed) and, for the weight
+  gradient, adds every item's partial product into its group's slice of one `[E, D, F]` buffer
+  in place; the backward pass costs what the forward costs, twice.
 - `auto`: picked per `jax.default_backend()` from `MEASURED` below (see docs/design/gmm.md).
 
 `given=` (the paged stash, `moe/stash.py`): the output is already known (restored from the
@@ -139,8 +140,8 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
     Local group g with rows [s_g, s_g + n_g) yields n_g // big items of `big = tiles[0]` rows,
     then, if r_g = n_g % big > 0, one item for the remainder in the list of the smallest of
     `tiles[1:]` holding it. One list per tile size (no `lax.switch` over tile sizes: XLA copies
-    the loop carry through a conditional, measured 30x slower). Items are ordered by group and
-    `lo_E, hi_E` delimit each group's items. Rows are clipped to [0, n).
+    the loop carry through a conditional, measured 30x slower). Items are ordered by group.
+    Rows are clipped to [0, n).
     """
     big, rest_tiles = tiles[0], tiles[1:]
     ends_E = jnp.minimum(jnp.cumsum(group_sizes_E), n)
@@ -169,8 +170,6 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
                 row0=row0,
                 row1=jnp.minimum(row0 + tile, ends[g]),
                 count=cum[-1],
-                lo_E=cum - count,
-                hi_E=cum,
                 tile=tile,
             )
         )
@@ -232,28 +231,32 @@ def _loop_rows(x_MI, w_EIZ, items, out_MZ, *, contract_w: int):
 def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
     """dw[g] = sum over g's items of x[rows]^T @ dy[rows], float32, as `[E_local, D, F]`.
 
-    A scan over the local groups emits each group's gradient once: no separate zero fill of the
-    whole gradient and no read-modify-write of it (each a pass over E x D x F).
+    One loop per tile list, like the forward: each item adds its `[D, F]` partial product into
+    its group's slice of one `[E_local, D, F]` loop carry, updated in place (a fused
+    dynamic-slice + add + dynamic-update-slice; HLO has no copy of the carry). Groups without
+    items keep the initial exact zeros. This replaced a `scan` over groups with a `[D, F]`
+    accumulator whose stacked output XLA zero-filled anyway and then copied every group's
+    accumulator into: per group two more `[D, F]` passes and a loop nest per group
+    (docs/design/gmm.md, "Where the time went").
     """
     n, d, f = x_MD.shape[0], x_MD.shape[1], dy_MF.shape[1]
+    dw_EDF = varying_like(jnp.zeros((e_local, d, f), jnp.float32), x_MD, dy_MF, items[0]["g"])
+    for item in items:
 
-    def step(i, acc, item):
-        tile = item["tile"]
-        start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
-        x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_MD, start, tile), 0)
-        dy = jax.lax.dynamic_slice_in_dim(dy_MF, start, tile)
-        return acc + jax.lax.dot_general(
-            x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        def body(i, dw_EDF, item=item):
+            tile = item["tile"]
+            start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
+            x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_MD, start, tile), 0)
+            dy = jax.lax.dynamic_slice_in_dim(dy_MF, start, tile)
+            part_DF = jax.lax.dot_general(
+                x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            g = item["g"][i]
+            old_1DF = jax.lax.dynamic_index_in_dim(dw_EDF, g, keepdims=True)
+            return jax.lax.dynamic_update_slice_in_dim(dw_EDF, old_1DF + part_DF[None], g, 0)
 
-    def group(_, g):
-        acc = varying_like(jnp.zeros((d, f), jnp.float32), x_MD, dy_MF, items[0]["g"], g)
-        for item in items:
-            body = functools.partial(step, item=item)
-            acc = jax.lax.fori_loop(item["lo_E"][g], item["hi_E"][g], body, acc)
-        return None, acc
-
-    return jax.lax.scan(group, None, jnp.arange(e_local, dtype=jnp.int32))[1]
+        dw_EDF = jax.lax.fori_loop(0, item["count"], body, dw_EDF)
+    return dw_EDF
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

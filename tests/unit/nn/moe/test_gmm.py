@@ -22,6 +22,10 @@ CASES = {
     "empty_groups": ([0, 30, 0, 0, 33, 0, 7, 0], 8, None),
     "one_group_all_rows": ([0, 0, N, 0], 4, None),
     "not_tile_multiple": ([17, 1, 33, 19], 4, None),
+    # sizes 0, 1, tile - 1, tile, tile + 1 (sum <= N = 70): a group's weight gradient summed over
+    # items of several tile lists (full chunks + remainder) into the same [D, F] slice
+    "tile_edges": ([0, 1, 15, 16, 17, 3, 0, 17], 8, None),
+    "tile_edges_offset": ([2, 0, 1, 15, 16, 17, 17, 2], 5, 2),
     "rows_beyond_sum": ([5, 0, 12, 9], 4, None),
     "offset_middle": ([9, 3, 17, 0, 22, 11, 5, 3], 3, 2),
     "offset_first": ([20, 15, 0, 35], 2, 0),
@@ -189,6 +193,25 @@ def test_tiled_temp_memory_independent_of_experts():
     # Negative control: ragged_dot's expansion on CPU grows with E (by > 60 x N x F floats).
     if jax.default_backend() == "cpu":
         assert temp_bytes(64, "ragged_dot") - temp_bytes(4, "ragged_dot") > 60 * n * f * 4
+
+
+def test_tiled_weight_grad_updates_one_buffer_in_place():
+    """The weight gradient is one `[E, D, F]` loop carry: zero-filled once, updated in place.
+
+    Guards against a second `[E, D, F]` buffer (as the former `scan` over groups stacked its
+    per-group accumulators into) and against a copy of the carry, which XLA:CPU inserts when
+    it cannot update a while-loop carry in place.
+    """
+    e, n, d, f = 6, 96, 40, 56
+    args = (jnp.zeros((n, d)), jnp.zeros((e, d, f)), jnp.zeros((e,), jnp.int32))
+    loss = lambda x, w, s: jnp.sum(gmm(x, w, s, backend="tiled", **TILES) ** 2)
+    hlo = jax.jit(jax.grad(loss, argnums=1)).lower(*args).compile().as_text()
+    edf = rf"%[\w.-]+ = f32\[{e},{d},{f}\]{{[\d,]*}}"
+    assert not re.search(rf"{edf} copy\(", hlo), "copy of the [E, D, F] gradient"
+    fills = re.findall(rf"{edf} fusion\(%constant[.\d]*\), kind=kLoop", hlo)
+    assert len(fills) == 1, fills
+    updates = re.findall(rf"%[\w.-]*dynamic-update-slice_fusion[.\d]* = f32\[{e},{d},{f}\]", hlo)
+    assert updates, "no in-place update of the gradient carry"
 
 
 def test_invalid_arguments():
