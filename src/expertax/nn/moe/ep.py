@@ -334,7 +334,9 @@ def select_local(experts_NK, weights_NK, first_expert, num_local: int) -> LocalR
     token = jnp.arange(n * k, dtype=jnp.int32) // k
     return LocalRows(
         token_R=jnp.zeros((r,), jnp.int32).at[dest].set(token, mode="drop"),
-        weight_R=jnp.zeros((r,), weights_NK.dtype).at[dest].set(weights_NK.reshape(-1), mode="drop"),
+        weight_R=jnp.zeros((r,), weights_NK.dtype)
+        .at[dest]
+        .set(weights_NK.reshape(-1), mode="drop"),
         sizes_X=sizes_X,
         count=jnp.sum(sizes_X),
     )

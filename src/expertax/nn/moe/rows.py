@@ -62,7 +62,9 @@ def _gather_loop(x_ND, idx_R, count, chunk):
         ids = jax.lax.dynamic_slice_in_dim(idx_R, start, chunk)
         got = jnp.take(x_ND, ids, axis=0, mode="clip")
         old = jax.lax.dynamic_slice_in_dim(out, start, chunk)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask[:, None], got, old), start, 0)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jnp.where(mask[:, None], got, old), start, 0
+        )
 
     return jax.lax.fori_loop(0, _trips(count, chunk), body, out)
 
