@@ -10,8 +10,20 @@ all-to-all 2*k*D*bytes per token each way (forward; twice that with the backward
 (EP-1)*N*D*bytes per all-gather and per reduce-scatter (forward; twice with the backward).
 Baseline in the same run: the single-device sparse path without a mesh.
 
-Run: python benchmarks/moe_layer.py [--iters 5]   (sets 8 host devices when on CPU)
-Prints one JSON line per case, then a Markdown table.
+Time shares (`--profile`, on by default): for balanced routing at EP = 1 and EP = 8, both
+strategies, a few more steps run under `jax.profiler` (the XLA:CPU runtime records one event per
+executed HLO instruction, loop bodies' instructions included, on every device's thread). Each
+event is attributed to its instruction in the compiled HLO: `sort` (a sort, or a fusion whose
+computation sorts), `gather` (a gather or scatter, or a fusion holding one: the permutes, the
+row gathers and the scatter-back), or other; control flow (while, conditional, call) is left
+out, its body's instructions are counted instead. Shares are of the summed event time of all
+devices; collectives (`collective`, their own share) include their waiting time.
+
+Run: python benchmarks/moe_layer.py [--iters 5] [--json PATH] [--routing balanced] [--ep 1 8]
+(sets 8 host devices when on CPU). Prints one JSON line per case, then a Markdown table;
+`--json PATH` also writes {"shape": ..., "rows": [{routing, strategy, ep, us_per_routed_token,
+max_load_ratio, dispatch_bytes, ideal_bytes, allreduce_bytes, sort_share, gather_share,
+collective_share}]} (shares null where not profiled).
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import json
 import os
 import re
 import time
+from collections import Counter
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -88,6 +101,77 @@ def collective_bytes(hlo: str) -> dict[str, int]:
     return out
 
 
+CONTROL_FLOW = ("while", "conditional", "call")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\s([a-z][\w\-]*)\((.*)$")
+
+
+def hlo_categories(hlo: str) -> dict[str, str]:
+    """Instruction name -> `sort` | `gather` | `other` | `control` in compiled HLO text; a
+    fusion takes the category of what its computation (and the ones it calls) contains."""
+    comps: dict[str, list[tuple[str, str, list[str]]]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line.rstrip().endswith("{") and " = " not in line:
+            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            comps[current] = []
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            called = re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", m.group(3))
+            comps[current].append((m.group(1), m.group(2), called))
+
+    def contains(comp: str, seen=()) -> str:
+        kinds = set()
+        for _, op, called in comps.get(comp, []):
+            kinds.add(_kind(op))
+            for c in called:
+                if c not in seen:
+                    kinds.add(contains(c, (*seen, comp)))
+        return "sort" if "sort" in kinds else "gather" if "gather" in kinds else "other"
+
+    out = {}
+    for instrs in comps.values():
+        for name, op, called in instrs:
+            if op in CONTROL_FLOW:
+                out[name] = "control"
+            elif op == "fusion":
+                out[name] = contains(called[0]) if called else "other"
+            else:
+                out[name] = _kind(op)
+    return out
+
+
+COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+
+
+def _kind(op: str) -> str:
+    if op == "sort":
+        return "sort"
+    if op.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
+        return "collective"
+    return "gather" if op in ("gather", "scatter") else "other"
+
+
+def profile_shares(compiled, args, iters: int) -> dict[str, float]:
+    """Shares of the profiled instruction time per category (see the module docstring)."""
+    from jax._src.lib import _profiler
+
+    cats = hlo_categories(compiled.as_text())
+    session = _profiler.ProfilerSession()
+    for _ in range(iters):
+        jax.block_until_ready(compiled(*args))
+    data = session.stop_and_get_profile_data()
+    time_ns: Counter[str] = Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            for ev in line.events:
+                cat = cats.get(ev.name)
+                if cat is not None and cat != "control":
+                    time_ns[cat] += ev.duration_ns
+    total = sum(time_ns.values()) or 1.0
+    return {f"{k}_share": time_ns[k] / total for k in ("sort", "gather", "collective")}
+
+
 def make_case(skewed: bool):
     s = SHAPE
     c = load_config(
@@ -121,7 +205,7 @@ def loss(p, x, c):
     return jnp.sum(y * y), st.load_E
 
 
-def time_case(c, p, x, mesh, iters):
+def time_case(c, p, x, mesh, iters, profile=False):
     # Gradients for the weights and the input, as inside a model (the input's gradient needs
     # the transposed forward all-to-all / all-gather).
     f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
@@ -141,7 +225,8 @@ def time_case(c, p, x, mesh, iters):
     jax.block_until_ready(out)
     dt = (time.perf_counter() - t0) / iters
     load = np.asarray(out[0][1])
-    return dt, collective_bytes(compiled.as_text()), float(load.max() / load.mean())
+    shares = profile_shares(compiled, args, iters) if profile else {}
+    return dt, collective_bytes(compiled.as_text()), float(load.max() / load.mean()), shares
 
 
 def ideal_bytes(strategy: str, epn: int) -> int:
@@ -157,13 +242,18 @@ def ideal_bytes(strategy: str, epn: int) -> int:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--json", help="also write the rows (and profile shares) to this file")
+    ap.add_argument("--routing", nargs="+", default=["balanced", "skewed"])
+    ap.add_argument("--ep", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--strategy", nargs="+", default=["a2a", "ring"])
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
     args = ap.parse_args()
     impl = ep.resolve_a2a_impl(load_config(overrides={"model_name": "mixtral-tiny"}))
     routed = SHAPE["batch"] * SHAPE["length"] * SHAPE["k"]
     rows = []
-    for skewed in (False, True):
+    for skewed in [r == "skewed" for r in args.routing]:
         c0, p, x = make_case(skewed)
-        dt, _, ratio = time_case(c0, p, x, None, args.iters)
+        dt, _, ratio, _ = time_case(c0, p, x, None, args.iters)
         rows.append(
             dict(
                 routing="skewed" if skewed else "balanced",
@@ -174,11 +264,14 @@ def main():
                 dispatch_bytes=0,
                 ideal_bytes=0,
                 allreduce_bytes=0,
+                sort_share=None,
+                gather_share=None,
+                collective_share=None,
             )
         )
         print(json.dumps(rows[-1]), flush=True)
-        for epn in (1, 2, 4, 8):
-            for strategy in ("a2a", "ring"):
+        for epn in args.ep:
+            for strategy in args.strategy:
                 c = c0.model_copy(
                     update={
                         "ici_expert_parallelism": epn,
@@ -187,7 +280,8 @@ def main():
                         "use_ring_of_experts": strategy == "ring",
                     }
                 )
-                dt, coll, ratio = time_case(c, p, x, make_mesh(c), args.iters)
+                prof = args.profile and not skewed and epn in (1, 8)
+                dt, coll, ratio, shares = time_case(c, p, x, make_mesh(c), args.iters, prof)
                 rows.append(
                     dict(
                         routing="skewed" if skewed else "balanced",
@@ -198,22 +292,33 @@ def main():
                         dispatch_bytes=sum(coll.get(k, 0) for k in DISPATCH_OPS),
                         ideal_bytes=ideal_bytes(strategy, epn),
                         allreduce_bytes=coll.get("all-reduce", 0),
+                        sort_share=shares.get("sort_share"),
+                        gather_share=shares.get("gather_share"),
+                        collective_share=shares.get("collective_share"),
                     )
                 )
                 print(json.dumps(rows[-1]), flush=True)
     print(f"\nshape {SHAPE}, float32, fwd+bwd of one MoE layer; bytes per device per layer")
     print(
         "| routing | strategy | EP | us / routed token | max load / mean | dispatch bytes "
-        "(HLO) | ideal bytes | ratio | all-reduce bytes |"
+        "(HLO) | ideal bytes | ratio | all-reduce bytes | sort | gather | collectives |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["dispatch_bytes"] / r["ideal_bytes"] if r["ideal_bytes"] else float("nan")
         print(
             f"| {r['routing']} | {r['strategy']} | {r['ep']} | {r['us_per_routed_token']:.3f} "
             f"| {r['max_load_ratio']:.2f} | {r['dispatch_bytes']:,} | {r['ideal_bytes']:,} "
-            f"| {ratio:.2f} | {r['allreduce_bytes']:,} |"
+            f"| {ratio:.2f} | {r['allreduce_bytes']:,} | {_pct(r['sort_share'])} "
+            f"| {_pct(r['gather_share'])} | {_pct(r['collective_share'])} |"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": SHAPE, "rows": rows}, f, indent=1)
+
+
+def _pct(share) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 if __name__ == "__main__":

@@ -105,8 +105,7 @@ def _plan_roundtrip(experts_PNK, buffer_factor=-1.0, num_experts=16):
     def body(x, experts):
         x, experts = x[0], experts[0]
         recv, plan, order = ep.sort_and_send(x, experts, c, "padded")
-        local_order, sizes = ep.sort_by_local_expert(recv, plan.recv_counts_PX)
-        sorted_rows = jnp.take(recv, local_order, axis=0)
+        sorted_rows, local_order, sizes = ep.sort_by_local_expert(recv, plan.recv_counts_PX)
         block = ep.padded_block_rows(c, n, EP, recv.shape[0])
         back = ep.unsort_and_return(sorted_rows, local_order, plan, order.shape[0], "padded", block)
         rows, _, _ = ep.dispatch.permute(x, experts, c.num_experts)

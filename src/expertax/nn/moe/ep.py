@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
-from expertax.nn.moe import chunks, dispatch, router
+from expertax.nn.moe import chunks, dispatch, router, rows
 from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.gmm import varying_over
 from expertax.nn.moe.stash import Stash
@@ -191,18 +191,54 @@ def sort_and_send(x_ND, experts_NK, c: Config, impl: str):
     return recv_MD, plan, send_order_M
 
 
-def sort_by_local_expert(recv_MD, recv_counts_PX):
-    """Order of the received rows by local expert, and the local group sizes [X].
+@params_dataclass
+class LocalOrder:
+    """The receive buffer's rows in local-expert order, as two inverse index lists over the
+    first `total` rows (the rows received; they fill the buffer's head, packed by source).
 
-    The buffer holds, per source, that source's rows sorted by expert; empty rows sort last.
+    `src_M[r]`: buffer row of sorted row r; `dst_M[b]`: sorted row of buffer row b.
     """
-    m = recv_MD.shape[0]
-    x = recv_counts_PX.shape[1]
-    ends = jnp.cumsum(recv_counts_PX.reshape(-1))
-    segment = jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right")
-    local_expert = jnp.where(segment < ends.shape[0], segment % x, x)
-    order_M = jnp.argsort(local_expert, stable=True)
-    return order_M, recv_counts_PX.sum(0)
+
+    src_M: jax.Array  # [M] int32
+    dst_M: jax.Array  # [M] int32
+    total: jax.Array  # scalar int32
+
+
+def _segment_map(sizes_S, starts_S, m: int):
+    """For positions 0..m-1 laid out as consecutive segments of `sizes_S`: the position
+    `starts_S[segment] + offset in segment` (positions past the last segment map to 0)."""
+    ends = jnp.cumsum(sizes_S)
+    pos = jnp.arange(m, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(ends, pos, side="right"), sizes_S.shape[0] - 1)
+    mapped = starts_S[seg] + pos - (ends[seg] - sizes_S[seg])
+    return jnp.where(pos < ends[-1], mapped, 0).astype(jnp.int32)
+
+
+def local_expert_order(recv_counts_PX, m: int) -> tuple[LocalOrder, jax.Array]:
+    """Where each received row goes when sorted by local expert, and the group sizes [X].
+
+    Index work only (O(M) int32 over P*X segments, no argsort): the buffer holds segments
+    (source i, local expert x) in that order; the sorted rows hold them in (x, i) order.
+    """
+    counts_PX = recv_counts_PX.astype(jnp.int32)
+    p, x = counts_PX.shape
+    by_src = counts_PX.reshape(-1)  # buffer order (i, x)
+    by_exp = counts_PX.T.reshape(-1)  # sorted order (x, i)
+    buf_start_PX = _exclusive_cumsum(by_src, 0).reshape(p, x)
+    sorted_start_PX = _exclusive_cumsum(by_exp, 0).reshape(x, p).T
+    order = LocalOrder(
+        src_M=_segment_map(by_exp, buf_start_PX.T.reshape(-1), m),
+        dst_M=_segment_map(by_src, sorted_start_PX.reshape(-1), m),
+        total=jnp.sum(by_src),
+    )
+    return order, counts_PX.sum(0)
+
+
+def sort_by_local_expert(recv_MD, recv_counts_PX):
+    """The received rows sorted by local expert (rows past the received ones are zero), the
+    order (for `unsort_and_return`) and the local group sizes [X]; O(rows received x D)."""
+    order, sizes_X = local_expert_order(recv_counts_PX, recv_MD.shape[0])
+    return rows.gather_rows(recv_MD, order.src_M, order.total), order, sizes_X
 
 
 def local_expert_ffn(
@@ -222,13 +258,14 @@ def padded_block_rows(c: Config, num_tokens: int, ep: int, buffer: int) -> int:
 
 
 def unsort_and_return(
-    y_sorted_MD, order_M, plan: ExchangePlan, num_rows: int, impl: str, block_rows: int
+    y_sorted_MD, order: LocalOrder, plan: ExchangePlan, num_rows: int, impl: str, block_rows: int
 ):
-    """Undo the local sort and send each row back to its source shard (reverse all-to-all).
+    """Undo the local sort (a gather of the received rows only) and send each row back to its
+    source shard (reverse all-to-all).
 
     Returns [N*K, D] rows in this shard's expert-sorted order; rows that were dropped are zero.
     """
-    y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
+    y_MD = rows.gather_rows(y_sorted_MD, order.dst_M, order.total)
     block = min(block_rows, num_rows)
     return all_to_all(
         impl,
@@ -246,14 +283,12 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, 
     """The all-to-all strategy on one shard: (partial output [N, D], dropped rows, stash)."""
     wi_0, wi_1, wo = w
     recv_MD, plan, send_order_M = sort_and_send(x_ND, routing.experts_NK, c, impl)
-    recv_order_M, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_PX)
-    y_sorted, stash = local_expert_ffn(
-        jnp.take(recv_MD, recv_order_M, axis=0), wi_0, wi_1, wo, sizes_X, c, dtype, stash
-    )
+    sorted_MD, recv_order, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_PX)
+    y_sorted, stash = local_expert_ffn(sorted_MD, wi_0, wi_1, wo, sizes_X, c, dtype, stash)
     n = x_ND.shape[0]
     ep = jax.lax.axis_size(EXPERT)
     block = padded_block_rows(c, n, ep, recv_MD.shape[0])
-    back_MD = unsort_and_return(y_sorted, recv_order_M, plan, send_order_M.shape[0], impl, block)
+    back_MD = unsort_and_return(y_sorted, recv_order, plan, send_order_M.shape[0], impl, block)
     out_ND = dispatch.unpermute_combine(back_MD, send_order_M, routing.weights_NK, c, dtype)
     return out_ND, plan.dropped, stash
 
@@ -262,12 +297,59 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, 
 # The ring-of-experts strategy.
 
 
+@params_dataclass
+class LocalRows:
+    """The assignments of this shard's local experts, compacted in local-expert order.
+
+    Rows `[0, count)` of the [R]-sized lists are real (R: the worst case, every token's
+    min(K, X) assignments local); `sizes_X` are the local experts' group sizes.
+    """
+
+    token_R: jax.Array  # [R] int32: the row's token
+    weight_R: jax.Array  # [R]: its routing weight (zero past count)
+    sizes_X: jax.Array  # [X] int32
+    count: jax.Array  # scalar int32
+
+
+def select_local(experts_NK, weights_NK, first_expert, num_local: int) -> LocalRows:
+    """A counting sort of the N*K assignments onto the local experts: no argsort, no row data.
+
+    Each local assignment's row is its expert's start (exclusive prefix sum of the local group
+    sizes) plus its rank among that expert's assignments (an inclusive prefix sum over a one-hot
+    [N*K, X] key, int32); token ids and weights are scattered to those rows, the others are
+    dropped. Stable: within an expert, rows keep the (token, slot) order `permute` gives them,
+    so the grouped matmuls see the same rows in the same order as the argsort path.
+    """
+    n, k = experts_NK.shape
+    key = experts_NK.reshape(-1).astype(jnp.int32) - first_expert  # [N*K]
+    local = (key >= 0) & (key < num_local)
+    onehot = (key[:, None] == jnp.arange(num_local, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+    sizes_X = jnp.sum(onehot, axis=0)
+    starts_X = _exclusive_cumsum(sizes_X, 0)
+    r = n * min(k, num_local)
+    dest = jnp.where(local, starts_X[jnp.clip(key, 0, num_local - 1)] + rank, r)
+    token = jnp.arange(n * k, dtype=jnp.int32) // k
+    return LocalRows(
+        token_R=jnp.zeros((r,), jnp.int32).at[dest].set(token, mode="drop"),
+        weight_R=jnp.zeros((r,), weights_NK.dtype)
+        .at[dest]
+        .set(weights_NK.reshape(-1), mode="drop"),
+        sizes_X=sizes_X,
+        count=jnp.sum(sizes_X),
+    )
+
+
 def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, gathered: bool):
     """All-gather over `expert`, local experts only, combine, reduce-scatter: (out [N, D], 0,
     stash).
 
     `gathered`: the tokens are already replicated over `expert` (expert-as-TP rules, `ep-tp`):
     no all-gather, and a psum instead of the reduce-scatter.
+
+    After the all-gather only the local experts' assignments are touched: `select_local` (index
+    work over the P*N*K assignments), then the row gather, the grouped matmuls and the weighted
+    scatter-back over those `count` rows only (rows.py), forward and backward.
     """
     wi_0, wi_1, wo = w
     x_local = wi_0.shape[0]
@@ -276,12 +358,14 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, 
         x_ND = jax.lax.all_gather(x_ND, EXPERT, tiled=True)  # [P*N, D]
         experts_NK = jax.lax.all_gather(experts_NK, EXPERT, tiled=True)
         weights_NK = jax.lax.all_gather(weights_NK, EXPERT, tiled=True)
-    rows, order, sizes_E = dispatch.permute(x_ND, experts_NK, c.num_experts)
-    offset = jax.lax.axis_index(EXPERT) * x_local
+    sel = select_local(experts_NK, weights_NK, jax.lax.axis_index(EXPERT) * x_local, x_local)
+    rows_RD = rows.gather_rows(x_ND, sel.token_R, sel.count)
     y, stash = dispatch.expert_ffn_sorted(
-        rows, wi_0, wi_1, wo, sizes_E, c, dtype, group_offset=offset, stash=stash
+        rows_RD, wi_0, wi_1, wo, sel.sizes_X, c, dtype, stash=stash
     )
-    out_all = dispatch.unpermute_combine(y, order, weights_NK, c, dtype)  # local experts' part
+    acc = jnp.float32 if c.float32_weight_sum else dtype
+    out_all = rows.scatter_rows(y, sel.token_R, sel.weight_R.astype(acc), sel.count, x_ND.shape[0])
+    out_all = out_all.astype(dtype)  # the local experts' part of every token's output
     if gathered:
         return jax.lax.psum(out_all, EXPERT), jnp.int32(0), stash
     out_ND = jax.lax.psum_scatter(out_all, EXPERT, scatter_dimension=0, tiled=True)
