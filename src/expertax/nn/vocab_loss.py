@@ -14,10 +14,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from expertax.nn.linear import project
+
 
 def _tile_nll_sum(x_BSD, head_DV, targets_BS, weights_BS):
     """Sum over the tile of weight x (log-sum-exp - target logit), in float32."""
-    logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV, preferred_element_type=jnp.float32)
+    logits_BSV = project(x_BSD, head_DV, preferred_element_type=jnp.float32)
     lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
     target_BS = jnp.take_along_axis(logits_BSV, targets_BS[..., None], axis=-1)[..., 0]
     return jnp.sum((lse_BS - target_BS) * weights_BS)
