@@ -14,6 +14,7 @@ from expertax.config.schema import Config
 from expertax.models import stashed_stack
 from expertax.nn import embed, mlp, norm
 from expertax.nn.attention import gqa, mla
+from expertax.nn.linear import project
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe.router import MoEStats
 from expertax.nn.param import Param, ParamSpec, params_dataclass, projection, stack
@@ -185,7 +186,5 @@ def output_head(params: Decoder, c: Config) -> jax.Array:
 
 def logits(params: Decoder, x_BTD: jax.Array, c: Config) -> jax.Array:
     """Float32 logits [B, T, V] of final-normed hidden states."""
-    out_BTV = jnp.einsum(
-        "btd,dv->btv", x_BTD, output_head(params, c), preferred_element_type=jnp.float32
-    )
+    out_BTV = project(x_BTD, output_head(params, c), preferred_element_type=jnp.float32)
     return constrain(out_BTV, ("batch", "length", "act_vocab"))

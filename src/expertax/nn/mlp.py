@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
+from expertax.nn.linear import project
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
@@ -26,8 +26,8 @@ def spec(d: int, f: int) -> MLP:
 
 
 def apply(p: MLP, x_BTD: jax.Array, dtype) -> jax.Array:
-    gate = remat.tag(jnp.einsum("btd,df->btf", x_BTD, p.wi_0.astype(dtype)), remat.MLPWI_0)
-    up = remat.tag(jnp.einsum("btd,df->btf", x_BTD, p.wi_1.astype(dtype)), remat.MLPWI_1)
+    gate = remat.tag(project(x_BTD, p.wi_0.astype(dtype)), remat.MLPWI_0)
+    up = remat.tag(project(x_BTD, p.wi_1.astype(dtype)), remat.MLPWI_1)
     h_BTF = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-    out = jnp.einsum("btf,fd->btd", h_BTF, p.wo.astype(dtype))
+    out = project(h_BTF, p.wo.astype(dtype))
     return remat.tag(out, remat.MLPWO)

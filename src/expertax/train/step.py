@@ -33,9 +33,7 @@ def loss_fn(params, batch: dict, c: Config):
         )
     else:
         logits_BTV, stats = decoder.forward(params, batch["inputs"], c, **kwargs)
-        logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
-        nll_BT = -jnp.take_along_axis(logp_BTV, batch["targets"][..., None], axis=-1)[..., 0]
-        nll_sum = jnp.sum(nll_BT * w_BT)
+        nll_sum = vocab_loss.nll_sum(logits_BTV, batch["targets"], w_BT)
     ce = nll_sum / jnp.maximum(jnp.sum(w_BT), 1.0)
     lb = jnp.mean(stats.lb_loss) if stats is not None else jnp.float32(0)
     total = ce + c.load_balance_loss_weight * lb

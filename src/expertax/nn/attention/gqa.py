@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import rope
 from expertax.nn.attention.kernel import attend
+from expertax.nn.linear import project
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
@@ -32,9 +32,9 @@ def spec(c: Config) -> GQA:
 
 
 def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.Array:
-    q = remat.tag(jnp.einsum("btd,dhq->bthq", x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
-    k = remat.tag(jnp.einsum("btd,dgq->btgq", x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
-    v = remat.tag(jnp.einsum("btd,dgo->btgo", x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
+    q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
+    k = remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
+    v = remat.tag(project(x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     q = constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))
@@ -42,4 +42,4 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.
         q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT, impl=c.attention_impl
     )
     out = remat.tag(out, remat.ATTENTION_OUT)
-    return remat.tag(jnp.einsum("btho,hod->btd", out, p.wo.astype(dtype)), remat.OUT_PROJ)
+    return remat.tag(project(out, p.wo.astype(dtype), 2), remat.OUT_PROJ)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from expertax.config.schema import Config
 from expertax.nn import norm, rope
 from expertax.nn.attention.kernel import attend
+from expertax.nn.linear import project
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
@@ -51,20 +52,20 @@ def spec(c: Config) -> MLA:
 
 def _queries(p: MLA, x_BTD, c: Config, dtype) -> jax.Array:
     if p.wq is not None:
-        return jnp.einsum("btd,dhq->bthq", x_BTD, p.wq.astype(dtype))
-    low_BTR = remat.tag(jnp.einsum("btd,dr->btr", x_BTD, p.wq_a.astype(dtype)), remat.QUERY_WA_PROJ)
+        return project(x_BTD, p.wq.astype(dtype))
+    low_BTR = remat.tag(project(x_BTD, p.wq_a.astype(dtype)), remat.QUERY_WA_PROJ)
     low_BTR = norm.rms_norm(p.q_norm, low_BTR, c.normalization_layer_epsilon)
-    return jnp.einsum("btr,rhq->bthq", low_BTR, p.wq_b.astype(dtype))
+    return project(low_BTR, p.wq_b.astype(dtype))
 
 
 def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.Array:
     nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
     q_BTHQ = remat.tag(_queries(p, x_BTD, c, dtype), remat.MLA_Q)
-    kv_a = remat.tag(jnp.einsum("btd,dz->btz", x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
+    kv_a = remat.tag(project(x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
     latent_BTR, k_rope_BTQ = kv_a[..., : c.kv_lora_rank], kv_a[..., c.kv_lora_rank :]
     latent_BTR = norm.rms_norm(p.kv_norm, latent_BTR, c.normalization_layer_epsilon)
     kv_BTHZ = remat.tag(  # Z = Qn+O: no-RoPE keys, then values
-        jnp.einsum("btr,rhz->bthz", latent_BTR, p.wkv_b.astype(dtype)), remat.MLA_KV
+        project(latent_BTR, p.wkv_b.astype(dtype)), remat.MLA_KV
     )
     k_nope, v_BTHO = kv_BTHZ[..., :nope], kv_BTHZ[..., nope:]
 
@@ -82,4 +83,4 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.
         q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT, impl=c.attention_impl
     )
     out = remat.tag(out, remat.ATTENTION_OUT)
-    return remat.tag(jnp.einsum("btho,hod->btd", out, p.wo.astype(dtype)), remat.OUT_PROJ)
+    return remat.tag(project(out, p.wo.astype(dtype), 2), remat.OUT_PROJ)

@@ -1,0 +1,347 @@
+"""One train step (forward + backward + AdamW), expertax against torch + transformers, on CPU.
+
+The question a user choosing a trainer asks: on the same CPU, same model dims, same token batch,
+float32, AdamW with the same settings, how long does a step take? Both sides run in this one
+process, one after the other, with the same thread count (torch.set_num_threads = cores; XLA:CPU
+uses every core by default), on one CPU device. expertax keeps every activation with
+remat_policy=none, as torch does; `--remat full` is for information.
+
+Models (D, layers, heads / kv heads of 64, vocab, MLP from the issue; --dims picks the sizes):
+- llama: LlamaForCausalLM against model_name=llama-tiny, dense SwiGLU MLP.
+- mixtral: MixtralForCausalLM against model_name=mixtral-tiny, 8 experts, top-2 softmax routing.
+
+`--profile` traces a few expertax steps (jax.profiler) and prints the step's top XLA ops (mostly
+fusions) with their total time per step and the jax source ops they were fused from (the HLO
+metadata op_name of the fusion's instructions).
+
+Run: python benchmarks/step_vs_torch.py [--dims mid|small] [--models llama,mixtral]
+     [--remat none|full] [--iters 5] [--profile] [--json PATH] [--set key=value ...]
+Prints one JSON line per (model, framework) and a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from expertax.config import load_config
+from expertax.train.trainer import build_trainer
+
+DIMS = {
+    # D, layers, query heads, kv heads, head dim, vocab, T, batch, dense MLP, expert MLP
+    "mid": dict(d=512, layers=4, heads=8, kv=4, hd=64, vocab=8192, t=512, batch=2, mlp=1536),
+    "small": dict(d=256, layers=4, heads=4, kv=2, hd=64, vocab=8192, t=256, batch=4, mlp=1024),
+}
+EXPERTS, TOPK, LR, B1, B2, EPS, WD, CLIP = 8, 2, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0
+
+
+def expert_mlp(dims: dict) -> int:
+    return dims["mlp"] // 2  # mid: 8 experts of 768
+
+
+def expertax_config(model: str, dims: dict, remat: str, extra: dict):
+    common = dict(
+        base_emb_dim=dims["d"],
+        base_num_decoder_layers=dims["layers"],
+        base_num_query_heads=dims["heads"],
+        base_num_kv_heads=dims["kv"],
+        head_dim=dims["hd"],
+        vocab_size=dims["vocab"],
+        max_target_length=dims["t"],
+        per_device_batch_size=dims["batch"],
+        remat_policy=remat,
+        dtype="float32",
+        weight_dtype="float32",
+        learning_rate=LR,
+        adam_b1=B1,
+        adam_b2=B2,
+        adam_eps=EPS,
+        adam_weight_decay=WD,
+        gradient_clipping_threshold=CLIP,
+        steps=1000,
+    )
+    if model == "llama":
+        over = dict(model_name="llama-tiny", base_mlp_dim=dims["mlp"])
+    else:
+        over = dict(
+            model_name="mixtral-tiny",
+            base_moe_mlp_dim=expert_mlp(dims),
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOPK,
+        )
+    return load_config(overrides={**common, **over, **extra})
+
+
+def synthetic_batch(dims: dict, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    b, t = dims["batch"], dims["t"]
+    tokens = rng.integers(0, dims["vocab"], size=(b, t + 1), dtype=np.int32)
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "segment_ids": np.ones((b, t), np.int32),
+        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+        "weights": np.ones((b, t), np.float32),
+    }
+
+
+def _block(tree):
+    jax.block_until_ready(tree)
+
+
+def run_expertax(model, dims, remat, extra, iters, warmup, profile_dir=None):
+    c = expertax_config(model, dims, remat, extra)
+    tr = build_trainer(c, devices=jax.devices()[:1])
+    with tr.context():
+        state = tr.init_state()
+        batch = tr.put_batch(synthetic_batch(dims))
+        t0 = time.perf_counter()
+        compiled = tr.jitted_step().lower(state, batch).compile()
+        compile_s = time.perf_counter() - t0
+        for _ in range(warmup):
+            state, metrics = compiled(state, batch)
+        _block(state)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            _block((state, metrics))
+            times.append((time.perf_counter() - t0) * 1e3)
+        loss = float(metrics["loss"])
+        profile = None
+        if profile_dir is not None:
+            n = 3
+            with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+                for _ in range(n):
+                    state, metrics = compiled(state, batch)
+                    _block((state, metrics))
+            profile = top_ops(profile_dir, compiled.as_text(), n)
+    return dict(times=times, compile_s=compile_s, loss=loss, profile=profile)
+
+
+def _hlo_sources(hlo_text: str) -> dict[str, list[str]]:
+    """Fusion/computation name -> the distinct jax op_names of its instructions (HLO metadata)."""
+    # Each fused computation's body lists its instructions with metadata; the fusion
+    # instruction names its computation in calls=%fused_computation...
+    comp_ops: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$", line)
+        if m:
+            current = m.group(1)
+            comp_ops.setdefault(current, [])
+            continue
+        if current is None:
+            continue
+        for op in re.findall(r'op_name="([^"]+)"', line):
+            short = _short_op(op)
+            if short not in comp_ops[current]:
+                comp_ops[current].append(short)
+    out: dict[str, list[str]] = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*calls=%?([\w.\-]+)", line)
+        if m:
+            out[m.group(1)] = comp_ops.get(m.group(2), [])
+        else:
+            m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*op_name=\"([^\"]+)\"", line)
+            if m and m.group(1) not in out:
+                out[m.group(1)] = [_short_op(m.group(2))]
+    return out
+
+
+def _short_op(op_name: str) -> str:
+    # jit(train_step)/jvp(...)/transpose(jvp(silu))/mul -> keep the last three path parts
+    parts = op_name.split("/")
+    return "/".join(parts[-3:])
+
+
+def top_ops(profile_dir: str, hlo_text: str, steps: int, k: int = 10) -> list[dict]:
+    """The k XLA ops with the most time per step in the trace, with their jax source ops."""
+    files = glob.glob(os.path.join(profile_dir, "**", "*.trace.json.gz"), recursive=True)
+    files += glob.glob(os.path.join(profile_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        return []
+    with gzip.open(sorted(files, key=os.path.getmtime)[-1]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    sources = _hlo_sources(hlo_text)
+    total: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        name = e.get("name", "")
+        # a while/call/conditional's span contains its body's ops: count the ops only
+        if name in sources and not name.startswith(("while", "call", "conditional")):
+            total[name] += e["dur"] / 1e3
+    rows = []
+    step_ms = sum(total.values()) / steps
+    for name, ms in total.most_common(k):
+        rows.append(dict(op=name, ms=round(ms / steps, 2), sources=sources.get(name, [])[:4]))
+    return [dict(op="(all traced XLA ops)", ms=round(step_ms, 1), sources=[]), *rows]
+
+
+def torch_model(model: str, dims: dict):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    common = dict(
+        vocab_size=dims["vocab"],
+        hidden_size=dims["d"],
+        num_hidden_layers=dims["layers"],
+        num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv"],
+        head_dim=dims["hd"],
+        max_position_embeddings=dims["t"],
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    if model == "llama":
+        return LlamaForCausalLM(LlamaConfig(intermediate_size=dims["mlp"], **common))
+    cfg = MixtralConfig(
+        intermediate_size=expert_mlp(dims),
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        router_aux_loss_coef=0.0,
+        **common,
+    )
+    return MixtralForCausalLM(cfg)
+
+
+def run_torch(model, dims, iters, warmup):
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    m = torch_model(model, dims).float().train()
+    decay = [p for p in m.parameters() if p.ndim >= 2]
+    no_decay = [p for p in m.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [dict(params=decay, weight_decay=WD), dict(params=no_decay, weight_decay=0.0)],
+        lr=LR,
+        betas=(B1, B2),
+        eps=EPS,
+    )
+    b = synthetic_batch(dims)
+    inputs = torch.from_numpy(b["inputs"]).long()
+    targets = torch.from_numpy(b["targets"]).long()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = m(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+        opt.step()
+        return loss.item()
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return dict(times=times, loss=loss, threads=torch.get_num_threads())
+
+
+def _parse_sets(sets: list[str]) -> dict:
+    out = {}
+    for s in sets:
+        k, v = s.split("=", 1)
+        out[k] = {"true": True, "false": False}.get(v.lower(), v)
+        try:
+            out[k] = int(v)
+        except ValueError:
+            pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dims", choices=sorted(DIMS), default="mid")
+    ap.add_argument("--models", default="llama,mixtral")
+    ap.add_argument("--remat", default="none")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="top XLA ops of the expertax step")
+    ap.add_argument("--no-torch", action="store_true", help="time expertax only")
+    ap.add_argument("--json", help="also append the JSON lines to this file")
+    ap.add_argument(
+        "--set", action="append", default=[], help="extra expertax config key=value (repeatable)"
+    )
+    args = ap.parse_args()
+    dims = DIMS[args.dims]
+    extra = _parse_sets(args.set)
+    rows = []
+    for model in args.models.split(","):
+        with tempfile.TemporaryDirectory() as prof:
+            ex = run_expertax(
+                model,
+                dims,
+                args.remat,
+                extra,
+                args.iters,
+                args.warmup,
+                prof if args.profile else None,
+            )
+        tc = None if args.no_torch else run_torch(model, dims, args.iters, args.warmup)
+        ex_ms = statistics.median(ex["times"])
+        rec = dict(
+            model=model,
+            dims=args.dims,
+            remat=args.remat,
+            set=extra,
+            cores=os.cpu_count(),
+            expertax_ms=round(ex_ms, 1),
+            expertax_times=[round(t, 1) for t in ex["times"]],
+            expertax_compile_s=round(ex["compile_s"], 2),
+            expertax_loss=round(ex["loss"], 4),
+        )
+        if tc is not None:
+            tc_ms = statistics.median(tc["times"])
+            rec.update(
+                torch_ms=round(tc_ms, 1),
+                torch_times=[round(t, 1) for t in tc["times"]],
+                torch_loss=round(tc["loss"], 4),
+                torch_threads=tc["threads"],
+                ratio=round(ex_ms / tc_ms, 2),
+            )
+        if ex["profile"] is not None:
+            rec["profile"] = ex["profile"]
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(line + "\n")
+        rows.append(rec)
+    head = f"model ({args.dims}, remat={args.remat})"
+    print(f"\n| {head} | expertax ms | torch ms | ratio | compile s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['expertax_ms']} | {r.get('torch_ms', '-')} | "
+            f"{r.get('ratio', '-')} | {r['expertax_compile_s']} |"
+        )
+    for r in rows:
+        if "profile" in r:
+            print(f"\nexpertax {r['model']}: top XLA ops, ms per step")
+            for p in r["profile"]:
+                print(f"  {p['ms']:8.2f}  {p['op']:<40} {'; '.join(p['sources'])}")
+
+
+if __name__ == "__main__":
+    jnp.zeros(())  # initialise the backend before torch takes its threads
+    main()
