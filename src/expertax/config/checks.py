@@ -127,9 +127,48 @@ def check_routing_bias(c: Config) -> None:
 
 
 def check_pipeline(c: Config) -> None:
-    for key in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism"):
-        if getattr(c, key) != 1:
-            raise ConfigError(f"{key}={getattr(c, key)}: pipeline parallelism is reserved; use 1")
+    """Pipeline keys that the config alone can refute (the batch is checked by the trainer)."""
+    m, r, s = c.num_pipeline_microbatches, c.num_pipeline_repeats, c.pipeline_stages
+    if m == 0 or m < -1:
+        raise ConfigError(
+            f"num_pipeline_microbatches={m}: use a positive count or -1 (= the stages, {s})"
+        )
+    n = c.pipeline_parallel_layers
+    stack = c.num_moe_layers if c.is_moe else c.num_dense_layers
+    name = "MoE" if c.is_moe else "dense"
+    if n == 0 or n < -1 or n > stack:
+        raise ConfigError(
+            f"pipeline_parallel_layers={n}: use -1 (the whole {name} stack, {stack} layers) or "
+            f"1..{stack}"
+        )
+    if s == 1:
+        if r != 1:
+            raise ConfigError(
+                f"num_pipeline_repeats={r} needs pipeline stages; set ici_pipeline_parallelism > 1 "
+                "or num_pipeline_repeats=1"
+            )
+        return
+    layers = c.pipelined_layers
+    if layers % (s * r):
+        raise ConfigError(
+            f"pipeline_parallel_layers: the {layers} pipelined {name} layers do not divide into "
+            f"{s} stages x num_pipeline_repeats={r}; valid repeats divide {layers // s} "
+            f"(with {s} stages), or change the stages"
+            if layers % s == 0
+            else f"ici_pipeline_parallelism x dcn_pipeline_parallelism = {s} stages: the {layers} "
+            f"pipelined {name} layers do not divide into {s} stages x {r} repeats"
+        )
+    if r > 1 and c.pipeline_microbatches % s:
+        raise ConfigError(
+            f"num_pipeline_microbatches={c.pipeline_microbatches} with num_pipeline_repeats={r}: "
+            f"the circular schedule needs a multiple of the {s} stages"
+        )
+    if c.moe_paged_stash:
+        raise ConfigError(
+            "moe_paged_stash=true with pipeline stages: the paged stash runs the MoE stack as one "
+            "custom-VJP scan, not as pipeline stages; set moe_paged_stash=false or "
+            "ici_pipeline_parallelism=1"
+        )
 
 
 def check_parallelism_values(c: Config) -> None:

@@ -247,7 +247,11 @@ class MoESection(_Section):
 
 class ParallelSection(_Section):
     ici_pipeline_parallelism: int = _key(
-        LAYOUT, 1, description="Reserved: pipeline axis, must be 1."
+        LAYOUT,
+        1,
+        gt=0,
+        description="Pipeline stages (the `pipeline` mesh axis); > 1 pipelines the layer stack "
+        "chosen by pipeline_parallel_layers (models/pipeline.py).",
     )
     ici_data_parallelism: int = _key(
         LAYOUT, 1, description="Data-parallel axis size (-1: the rest)."
@@ -260,7 +264,34 @@ class ParallelSection(_Section):
         LAYOUT, 1, description="Tensor-parallel axis size (-1: the rest)."
     )
     dcn_pipeline_parallelism: int = _key(
-        LAYOUT, 1, description="Reserved: across hosts, must be 1."
+        LAYOUT, 1, gt=0, description="Pipeline stages across hosts/slices (times the ici size)."
+    )
+    num_pipeline_microbatches: int = _key(
+        LAYOUT,
+        -1,
+        description="Microbatches per step in the pipeline; -1 = the number of stages. The global "
+        "batch must divide by it; with num_pipeline_repeats > 1 it must be a multiple of the "
+        "stages.",
+    )
+    num_pipeline_repeats: int = _key(
+        LAYOUT,
+        1,
+        gt=0,
+        description="Circular pipeline: each stage holds this many non-contiguous groups of "
+        "layers (layer groups visit stages 0..S-1 this many times).",
+    )
+    pipeline_parallel_layers: int = _key(
+        LAYOUT,
+        -1,
+        description="Layers pipelined: -1 = the MoE stack of an MoE model (the first dense "
+        "layers run outside, as DeepSeek-V3), every layer of a dense model; n > 0 = the first n "
+        "layers of that stack (the rest run after the pipeline, unpipelined).",
+    )
+    pipeline_shift: Literal["roll", "ppermute"] = _key(
+        LAYOUT,
+        "roll",
+        description="Stage-to-stage shift of the pipeline state: `roll` (a slice+concat the "
+        "partitioner turns into one collective-permute) or `ppermute` (explicit, in shard_map).",
     )
     dcn_data_parallelism: int = _key(LAYOUT, 1, description="Data-parallel across hosts/slices.")
     dcn_fsdp_parallelism: int = _key(LAYOUT, 1, description="FSDP across hosts/slices.")
@@ -531,6 +562,36 @@ class Config(
     @property
     def is_moe(self) -> bool:
         return self.num_moe_layers > 0
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages S: the `pipeline` mesh axis (ici x dcn)."""
+        return self.ici_pipeline_parallelism * self.dcn_pipeline_parallelism
+
+    @property
+    def pipelined_stack(self) -> str:
+        """The layer stack the pipeline runs: "moe" for an MoE model, else "dense"."""
+        return "moe" if self.is_moe else "dense"
+
+    @property
+    def pipelined_layers(self) -> int:
+        """Layers run by the pipeline (the first ones of `pipelined_stack`); 0 without one."""
+        if self.pipeline_stages == 1:
+            return 0
+        stack = self.num_moe_layers if self.is_moe else self.num_dense_layers
+        return stack if self.pipeline_parallel_layers == -1 else self.pipeline_parallel_layers
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Microbatches M per step (num_pipeline_microbatches, -1 = the stages)."""
+        m = self.num_pipeline_microbatches
+        return self.pipeline_stages if m == -1 else m
+
+    @property
+    def pipeline_bubble_fraction(self) -> float:
+        """Idle share of the pipelined layers' time: (S - 1) / (M * R + S - 1)."""
+        s = self.pipeline_stages
+        return (s - 1) / (self.pipeline_microbatches * self.num_pipeline_repeats + s - 1)
 
     @property
     def uses_routing_groups(self) -> bool:

@@ -85,8 +85,13 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, block: BlockFn)
             return vjp((dy_BTD, dstat))
 
         def body(dy_BTD, inp):
-            p, x_BTD, start, fit, d_load, d_lb = inp
-            dstat = MoEStats(load_E=d_load, lb_loss=d_lb, dropped=np.zeros((), jax.dtypes.float0))
+            p, x_BTD, start, fit, d_load, d_lb, d_prob = inp
+            dstat = MoEStats(
+                load_E=d_load,
+                lb_loss=d_lb,
+                dropped=np.zeros((), jax.dtypes.float0),
+                prob_sum_E=d_prob,
+            )
             dp, dx = jax.lax.cond(
                 fit,
                 lambda: layer_vjp(p, x_BTD, read.with_fields(offset=start), dy_BTD, dstat),
@@ -94,7 +99,7 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, block: BlockFn)
             )
             return dx, dp
 
-        inputs = (stacked, xs, starts, fits, dstats.load_E, dstats.lb_loss)
+        inputs = (stacked, xs, starts, fits, dstats.load_E, dstats.lb_loss, dstats.prob_sum_E)
         dx_BTD, dstacked = jax.lax.scan(body, dy_BTD, inputs, reverse=True)
         return dstacked, dx_BTD, None, None
 

@@ -80,7 +80,27 @@ INVALID = [
     ({"capacity_factor": 1.25}, ["capacity_factor", "sparse"]),
     ({"capacity_factor": 0, "sparse_matmul": False}, ["capacity_factor=0"]),
     ({"routed_bias": True, "routed_score_func": "softmax"}, ["routed_bias", "sigmoid"]),
-    ({"ici_pipeline_parallelism": 2}, ["pipeline", "reserved"]),
+    ({"ici_pipeline_parallelism": 3}, ["3 stages", "2 pipelined MoE layers"]),
+    ({"num_pipeline_repeats": 2}, ["num_pipeline_repeats=2", "needs pipeline stages"]),
+    (
+        {"ici_pipeline_parallelism": 2, "num_pipeline_repeats": 2},
+        ["2 pipelined MoE layers", "num_pipeline_repeats=2", "2 stages"],
+    ),
+    (
+        {
+            "ici_pipeline_parallelism": 2,
+            "num_pipeline_repeats": 2,
+            "num_pipeline_microbatches": 3,
+            "base_num_decoder_layers": 5,
+        },
+        ["num_pipeline_microbatches=3", "multiple of the 2 stages"],
+    ),
+    ({"pipeline_parallel_layers": 9}, ["pipeline_parallel_layers=9", "1..2"]),
+    ({"num_pipeline_microbatches": 0}, ["num_pipeline_microbatches=0"]),
+    (
+        {"ici_pipeline_parallelism": 2, "moe_paged_stash": True},
+        ["moe_paged_stash=true", "pipeline"],
+    ),
     ({"per_device_batch_size": 0.3}, ["per_device_batch_size", "whole"]),
     (
         {"model_name": "llama-tiny", "base_num_kv_heads": 3},

@@ -472,7 +472,7 @@ def apply(
         )
         return out, stats, stash if writes else None
 
-    stats_spec = router.MoEStats(load_E=P(), lb_loss=P(), dropped=P())
+    stats_spec = router.MoEStats(load_E=P(), lb_loss=P(), dropped=P(), prob_sum_E=P())
     stash_spec = stash_mod.specs(stash, jax.sharding.get_abstract_mesh().axis_names)
     fn = jax.shard_map(
         body,

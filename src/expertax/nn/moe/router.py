@@ -38,6 +38,9 @@ class MoEStats:
     load_E: Leaf  # float32 assignments per expert, over all shards
     lb_loss: Leaf  # scalar Switch-style load-balance loss
     dropped: Leaf  # int32 scalar: dropped (token, expert) assignments, all shards
+    # float32 [E]: sum over tokens of the normalized scores (with load_E, what lb_loss is made
+    # of: a pipeline sums both over microbatches and recomputes lb_loss, models/pipeline.py)
+    prob_sum_E: Leaf = None
     # paged stash only (models/stashed_stack.py), else None: int32 1 if the layer's rows did not
     # fit (it is recomputed), and the capacity factor the stack's rows needed so far (float32)
     stash_overflow: Leaf = None
@@ -96,7 +99,12 @@ def balance_stats(counts_E, prob_sum_E, num_tokens, c: Config, dropped) -> MoESt
     f_E = counts_E / (num_tokens * c.num_experts_per_tok)
     p_E = prob_sum_E / num_tokens
     lb = c.num_experts * jnp.sum(f_E * p_E)
-    return MoEStats(load_E=counts_E, lb_loss=lb, dropped=jnp.asarray(dropped, jnp.int32))
+    return MoEStats(
+        load_E=counts_E,
+        lb_loss=lb,
+        dropped=jnp.asarray(dropped, jnp.int32),
+        prob_sum_E=prob_sum_E,
+    )
 
 
 def updated_bias(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:
