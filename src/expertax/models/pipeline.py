@@ -25,7 +25,9 @@ hoisted into the loop); both are kept so that `expertax memory` can compare them
 Remat per iteration: with a `remat_policy` other than `none`, one iteration's stage computation
 is a `jax.checkpoint` whose only residual is its input (the `pipeline_iteration_input`); the
 layers inside keep their own policy, but their residuals live only while that iteration's
-backward runs, so a layer input is never saved twice across iterations.
+backward runs, so a layer input is never saved twice across iterations. With `none` every
+activation is kept, except the stage's weights indexed per iteration
+(`pipeline_stage_weights`), which would otherwise be saved once per iteration.
 
 Statistics: each MoE layer's balancing sums (assignments and normalized scores per expert, and
 dropped assignments) are summed over the microbatches (bubbles excluded) and the load-balance loss
@@ -48,11 +50,12 @@ import jax.numpy as jnp
 from expertax.config.schema import Config
 from expertax.nn.moe import router
 from expertax.nn.moe.router import MoEStats
+from expertax.parallel import remat
 from expertax.sharding import constrain, logical_to_spec
 from expertax.sharding.rules import current_rules
 
 PIPELINE = "pipeline"
-ITERATION_INPUT = "pipeline_iteration_input"
+ITERATION_INPUT = remat.PIPELINE_ITERATION_INPUT
 STATE_AXES = ("stage", "batch", "length", "act_embed")
 
 # stack_fn(stacked [n, ...], x [b, T, D], positions [b, T], segment_ids [b, T] | None)
@@ -94,8 +97,11 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, stack_fn: Stack
     stage_ids = jnp.arange(s_n, dtype=jnp.int32)
 
     def stage(w_s, r, x, pos, seg):
-        w_layers = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, False), w_s)
-        return stack_fn(w_layers, x, pos, seg)
+        def index(a):
+            a = a[0] if r_n == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False)
+            return remat.tag(a, remat.PIPELINE_STAGE_WEIGHTS)
+
+        return stack_fn(jax.tree.map(index, w_s), x, pos, seg)
 
     def all_stages(w, r_S, x_SBTD, pos_SBT, seg_SBT):
         x_SBTD = _name(x_SBTD)
@@ -104,9 +110,12 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, stack_fn: Stack
         return fn(w, r_S, x_SBTD, pos_SBT, seg_SBT)
 
     if c.remat_policy != "none":
-        all_stages = jax.checkpoint(
-            all_stages, policy=jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
+        policy = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
+    else:  # keep every activation, but not a per-iteration copy of the stage's weights
+        policy = jax.checkpoint_policies.save_anything_except_these_names(
+            remat.PIPELINE_STAGE_WEIGHTS
         )
+    all_stages = jax.checkpoint(all_stages, policy=policy)
 
     def body(carry, it):
         state_SBTD, out_MBTD, acc = carry
@@ -160,9 +169,7 @@ def _spmd_axis():
 
 
 def _name(x):
-    from jax.ad_checkpoint import checkpoint_name
-
-    return checkpoint_name(x, ITERATION_INPUT)
+    return remat.tag(x, ITERATION_INPUT)
 
 
 def _zero_stats(stage, w, x_MBTD, pos_MBT, seg_MBT, r_n: int, s_n: int):

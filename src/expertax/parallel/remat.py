@@ -19,6 +19,11 @@ Where each name is produced (docs/design/remat.md has the table with shapes):
   path (dense einsum, sparse grouped matmul, expert-parallel paths reusing expert_ffn_sorted).
 - query_wa_proj, kv_wa_proj: MLA's low-rank down projections (x @ wq_a, x @ wkv_a).
 - mla_q, mla_kv: MLA's per-head queries (before RoPE) and the up-projected keys/values.
+
+Two more names belong to the pipeline (models/pipeline.py) and are not user placements:
+pipeline_iteration_input (all stages' inputs of one pipeline iteration, the only residual an
+iteration keeps under any policy but `none`) and pipeline_stage_weights (a stage's layer group,
+indexed from the stacked weights each iteration: never saved, always indexed again).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ QUERY_WA_PROJ = "query_wa_proj"
 KV_WA_PROJ = "kv_wa_proj"
 MLA_Q = "mla_q"
 MLA_KV = "mla_kv"
+PIPELINE_ITERATION_INPUT = "pipeline_iteration_input"
+PIPELINE_STAGE_WEIGHTS = "pipeline_stage_weights"
 
 ALL_NAMES = (
     DECODER_LAYER_INPUT,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -142,7 +143,7 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
     batch_spec = logical_to_spec(("batch", "length"), rules, mesh)
     global_batch = int(c.per_device_batch_size * mesh.devices.size)
-    check_pipeline_batch(c, global_batch)
+    check_pipeline_batch(c, global_batch, _spec_size(batch_spec, mesh))
     host_sh = host_offloaded_shardings(c, state_sh, mesh)
     return Trainer(
         c,
@@ -156,14 +157,31 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     )
 
 
-def check_pipeline_batch(c: Config, global_batch: int) -> None:
-    """With pipeline stages, the global batch must split into whole microbatches."""
+def _spec_size(spec: PartitionSpec, mesh) -> int:
+    """Shards of a PartitionSpec's first dimension."""
+    first = spec[0] if len(spec) else None
+    names = () if first is None else (first,) if isinstance(first, str) else first
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def check_pipeline_batch(c: Config, global_batch: int, batch_shards: int) -> None:
+    """With pipeline stages, the global batch must split into whole microbatches, each of which
+    still splits over the batch shards (data x fsdp x expert under the default rules)."""
     m = c.pipeline_microbatches
-    if c.pipeline_stages > 1 and global_batch % m:
+    if c.pipeline_stages == 1:
+        return
+    key = f"num_pipeline_microbatches={c.num_pipeline_microbatches}"
+    batch = f"{global_batch} sequences (per_device_batch_size={c.per_device_batch_size} x devices)"
+    if global_batch % m:
         raise ConfigError(
-            f"num_pipeline_microbatches={c.num_pipeline_microbatches}: the global batch of "
-            f"{global_batch} sequences (per_device_batch_size={c.per_device_batch_size} x "
-            f"devices) does not split into {m} microbatches; use a divisor of {global_batch}"
+            f"{key}: the global batch of {batch} does not split into {m} microbatches; use a "
+            f"divisor of {global_batch}"
+        )
+    if (global_batch // m) % batch_shards:
+        valid = [k for k in range(1, global_batch + 1) if global_batch % (k * batch_shards) == 0]
+        raise ConfigError(
+            f"{key}: microbatches of {global_batch // m} sequences (global batch: {batch}) do "
+            f"not split over the {batch_shards} batch shards; use one of {valid} or a larger batch"
         )
 
 

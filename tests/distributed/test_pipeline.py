@@ -1,0 +1,222 @@
+"""Pipeline parallelism (models/pipeline.py) trains the same model as no pipeline.
+
+On 8 simulated CPU devices: losses over 5 steps, the MoE statistics and the gradients of a
+pipelined layout equal the one without stages (same global batch, float32 tolerance), for
+pp = 2 and 4, with and without circular repeats, with expert parallelism and FSDP inside the
+stages, both shift methods, both models; a checkpoint saved under pp=2 restores bitwise under
+pp=1 and back; the batch check refuses a batch that does not split into microbatches; a broken
+shift fails the comparison (negative control).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from expertax.config import ConfigError, load_config
+from expertax.data.synthetic import SyntheticData
+from expertax.models import pipeline
+from expertax.train import step as step_mod
+from expertax.train.checkpoint import Checkpointer
+from expertax.train.trainer import build_trainer
+from tests.tolerances import tol
+
+GLOBAL_BATCH = 16
+STEPS = 5
+
+
+def _config(model: str, **over):
+    base = dict(
+        model_name=model,
+        per_device_batch_size=GLOBAL_BATCH / 8,
+        dtype="float32",
+        weight_dtype="float32",
+        steps=20,
+    )
+    return load_config(overrides={**base, **over})
+
+
+def _trainer(c):
+    return build_trainer(c, devices=jax.devices()[:8])
+
+
+def _batches(c, n):
+    data = SyntheticData(
+        vocab_size=c.vocab_size,
+        seq_len=c.max_target_length,
+        global_batch=GLOBAL_BATCH,
+        seed=c.data_shuffle_seed,
+    )
+    return [data.batch_at(i) for i in range(n)]
+
+
+def _train(c, steps=STEPS, compiled_out=None):
+    """Per-step (loss, lb_loss, grad_norm, expert_load) and the final state; with a list
+    `compiled_out`, the trainer and compiled step are appended to it."""
+    tr = _trainer(c)
+    state = tr.init_state()
+    fn = tr.compile()
+    if compiled_out is not None:
+        compiled_out += [tr, fn]
+    rows = []
+    with tr.context():
+        for batch in _batches(c, steps):
+            state, m = fn(state, tr.put_batch(batch))
+            load = np.asarray(m["expert_load"]) if "expert_load" in m else None
+            rows.append((float(m["loss"]), float(m["lb_loss"]), float(m["grad_norm"]), load))
+    return rows, state
+
+
+def _grads(c):
+    """Loss gradients at the initial parameters for the first batch (host arrays)."""
+    tr = _trainer(c)
+    state = tr.init_state()
+    with tr.context():
+        batch = tr.put_batch(_batches(c, 1)[0])
+        fn = jax.jit(jax.grad(lambda p, b: step_mod.loss_fn(p, b, c)[0]))
+        return jax.device_get(fn(state.params, batch))
+
+
+def _assert_same_training(got, want):
+    t = tol("float32")
+    for (loss, lb, gn, load), (loss0, lb0, gn0, load0) in zip(got, want, strict=True):
+        np.testing.assert_allclose(loss, loss0, rtol=t["rtol"], atol=t["atol"])
+        np.testing.assert_allclose(lb, lb0, rtol=t["rtol"], atol=t["atol"])
+        np.testing.assert_allclose(gn, gn0, rtol=t["rtol"], atol=t["atol"])
+        if load0 is not None:
+            np.testing.assert_array_equal(load, load0)  # assignment counts: exact
+
+
+# (model, overrides of the pipelined layout); the reference is the same model with pp=1.
+CASES = {
+    "mixtral-pp2-ep2-fsdp2": (
+        "mixtral-tiny",
+        dict(ici_pipeline_parallelism=2, ici_expert_parallelism=2),
+    ),
+    "deepseek3-pp2-mb4-ring-ep2": (
+        "deepseek3-tiny",
+        dict(
+            ici_pipeline_parallelism=2,
+            num_pipeline_microbatches=4,
+            ici_expert_parallelism=2,
+            use_ring_of_experts=True,
+        ),
+    ),
+    "mixtral-l4-pp4": ("mixtral-tiny", dict(base_num_decoder_layers=4, ici_pipeline_parallelism=4)),
+    "mixtral-l4-pp2-r2-ppermute": (
+        "mixtral-tiny",
+        dict(
+            base_num_decoder_layers=4,
+            ici_pipeline_parallelism=2,
+            num_pipeline_repeats=2,
+            num_pipeline_microbatches=4,
+            pipeline_shift="ppermute",
+        ),
+    ),
+    "deepseek3-l5-pp2-r2-ep2": (
+        "deepseek3-tiny",
+        dict(
+            base_num_decoder_layers=5,
+            ici_pipeline_parallelism=2,
+            num_pipeline_repeats=2,
+            ici_expert_parallelism=2,
+        ),
+    ),
+    "deepseek3-l5-pp4-fsdp2": (
+        "deepseek3-tiny",
+        dict(base_num_decoder_layers=5, ici_pipeline_parallelism=4),
+    ),
+    "mixtral-l4-partial2-pp2": (
+        "mixtral-tiny",
+        dict(base_num_decoder_layers=4, ici_pipeline_parallelism=2, pipeline_parallel_layers=2),
+    ),
+    "llama-pp2": ("llama-tiny", dict(ici_pipeline_parallelism=2)),
+}
+DEFAULT = ("mixtral-pp2-ep2-fsdp2",)
+
+
+def _reference_overrides(over: dict) -> dict:
+    keep = ("base_num_decoder_layers", "use_ring_of_experts")
+    return {k: v for k, v in over.items() if k in keep}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.extended) for n in CASES],
+)
+def test_pipeline_trains_like_no_pipeline(name):
+    model, over = CASES[name]
+    want, _ = _train(_config(model, **_reference_overrides(over)))
+    compiled: list = []
+    got, _ = _train(_config(model, **over), compiled_out=compiled)
+    _assert_same_training(got, want)
+    # the stacked weights are split over the stages, and stages pass activations on
+    tr, fn = compiled
+    stack = tr.state_shardings.params.moe_layers or tr.state_shardings.params.dense_layers
+    whole = tr.c.num_moe_layers if tr.c.is_moe else tr.c.num_dense_layers
+    if tr.c.pipelined_layers == whole:  # a partly pipelined stack stays replicated over stages
+        assert stack.attn_norm.spec[0] == "pipeline"
+    assert "collective-permute" in fn.as_text()
+
+
+@pytest.mark.extended
+def test_pipeline_gradients_equal_no_pipeline():
+    model, over = CASES["deepseek3-l5-pp2-r2-ep2"]
+    want = _grads(_config(model, **_reference_overrides(over)))
+    got = _grads(_config(model, **over))
+    t = tol("float32")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=t["rtol"], atol=t["atol"] * 10)
+
+
+@pytest.mark.extended
+def test_broken_shift_fails_the_comparison(monkeypatch):
+    """Negative control: a shift that leaves every stage its own output trains another model."""
+    model, over = CASES["mixtral-pp2-ep2-fsdp2"]
+    want, _ = _train(_config(model), steps=2)
+    monkeypatch.setattr(pipeline, "_shift", lambda y, c: y)
+    got, _ = _train(_config(model, **over), steps=2)
+    with pytest.raises(AssertionError):
+        _assert_same_training(got, want)
+
+
+@pytest.mark.extended
+def test_checkpoint_moves_between_pp2_and_pp1_bitwise(tmp_path):
+    model, over = CASES["mixtral-pp2-ep2-fsdp2"]
+    configs = {"pp2": _config(model, **over), "pp1": _config(model)}
+    for src, dst in (("pp2", "pp1"), ("pp1", "pp2")):
+        _, state = _train(configs[src], steps=2)
+        directory = tmp_path / f"{src}-to-{dst}"
+        with Checkpointer(directory, period_steps=1, max_to_keep=1) as ckpt:
+            ckpt.maybe_save(2, state, {"step": 2}, force=True)
+            ckpt.wait()
+        target = _trainer(configs[dst])
+        with Checkpointer(directory, period_steps=1, max_to_keep=1) as ckpt:
+            restored, _ = ckpt.restore(2, target.abstract_state())
+        saved = jax.device_get(state.params)
+        for a, b in zip(
+            jax.tree.leaves(saved), jax.tree.leaves(jax.device_get(restored.params)), strict=True
+        ):
+            np.testing.assert_array_equal(a, b)
+        shardings = jax.tree.leaves(target.state_shardings.params)
+        for arr, sh in zip(jax.tree.leaves(restored.params), shardings, strict=True):
+            assert arr.sharding.is_equivalent_to(sh, arr.ndim)
+
+
+def test_batch_that_does_not_split_into_microbatches_is_refused():
+    c = _config("mixtral-tiny", ici_pipeline_parallelism=2, num_pipeline_microbatches=3)
+    with pytest.raises(ConfigError, match=r"num_pipeline_microbatches=3.*16 sequences"):
+        _trainer(c)
+
+
+def test_bubble_fraction_formula():
+    c = _config(
+        "mixtral-tiny",
+        base_num_decoder_layers=4,
+        ici_pipeline_parallelism=2,
+        num_pipeline_repeats=2,
+        num_pipeline_microbatches=4,
+    )
+    assert c.pipeline_bubble_fraction == pytest.approx(1 / (4 * 2 + 1))
+    assert _config("mixtral-tiny").pipeline_bubble_fraction == 0.0
