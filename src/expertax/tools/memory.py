@@ -12,6 +12,9 @@ compiled for the configured mesh; nothing is placed on a device. The report has 
 - with `moe_paged_stash`, the stash (`stash_report`): the MoE stack keeps per layer only its
   input, plus the shared buffers of the stashed names; the report gives the buffers' bytes, the
   bytes of the real rows they are sized for, and what the same names cost without the stash;
+- with pipeline stages, the schedule (stages, microbatches, repeats, layers per stage, bubble
+  fraction) and what one stage holds per device (`memory_pipeline.py`); the pipelined stack's
+  residuals count the layers of one stage;
 - the peak estimate (arguments + outputs - aliased + temporaries) against an HBM budget;
 - attribution: the largest buffers alive at the peak of XLA's buffer assignment (read from its
   text dumps, `xla_dump.py`), each with its HLO instruction, the file:line of our code that
@@ -45,7 +48,7 @@ from expertax.models import decoder, stashed_stack
 from expertax.nn import param
 from expertax.nn.moe import stash as stash_mod
 from expertax.parallel import remat
-from expertax.tools import xla_dump
+from expertax.tools import memory_pipeline, xla_dump
 from expertax.train.trainer import build_trainer
 
 GIB = 1024**3
@@ -158,7 +161,8 @@ def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]
 
     Offloaded names are traced as if kept on device (a device_put to host loses the name) and
     reported with placement "host". The layer input, when its own name is rematerialized, is the
-    argument `x` of the layer and is reported as decoder_layer_input.
+    argument `x` of the layer and is reported as decoder_layer_input. `layers` is the layers of
+    the stack one device runs (with pipeline stages, one stage's share of the pipelined ones).
     """
     place = remat.config_placements(c)
     host = {n for n, p in place.items() if p == remat.OFFLOAD}
@@ -176,7 +180,7 @@ def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]
         return jnp.sum(y.astype(jnp.float32)) + lb
 
     stack = "moe" if moe else "dense"
-    layers = c.num_moe_layers if moe else c.num_dense_layers
+    layers = memory_pipeline.stack_layers_per_device(c, moe=moe)
     x_index = len(jax.tree.leaves(block))  # the flat position of `x` among the inputs
     out = []
     for src in residual_sources(loss, block, x, ids, ids):
@@ -539,6 +543,7 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top:
         "ideal_parameter_bytes": -(-_shard_bytes(_unsharded(state.params)) // trainer.num_devices),
         "optimizer_state_bytes": _shard_bytes(state.opt_state),
         "gradient_bytes": _shard_bytes(state.params, c.grad_dtype),
+        "pipeline": memory_pipeline.pipeline_report(c, state),
         "parameter_memory_host_offload": c.parameter_memory_host_offload,
         "optimizer_memory_host_offload": c.optimizer_memory_host_offload,
         "residuals": [r.as_json() for r in residuals],
@@ -604,8 +609,10 @@ def format_report(r: dict) -> str:
         f"  optimizer state  {_fmt(r['optimizer_state_bytes']):>12}"
         + ("  (pinned host)" if r["optimizer_memory_host_offload"] else ""),
         f"  gradients        {_fmt(r['gradient_bytes']):>12}",
-        "saved residuals per layer (name, shape, bytes, placement, x layers = total):",
     ]
+    if r.get("pipeline"):
+        lines += memory_pipeline.format_pipeline(r["pipeline"], _fmt)
+    lines.append("saved residuals per layer (name, shape, bytes, placement, x layers = total):")
     for res in r["residuals"]:
         shape = "x".join(map(str, res["shape"])) or "scalar"
         lines.append(
