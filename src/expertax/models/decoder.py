@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.models import stashed_stack
+from expertax.models import pipeline, stashed_stack
 from expertax.nn import embed, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.linear import project
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe.router import MoEStats
-from expertax.nn.param import Param, ParamSpec, params_dataclass, projection, stack
+from expertax.nn.param import Param, ParamSpec, logical_axes, params_dataclass, projection, stack
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
@@ -53,14 +53,25 @@ def block_spec(c: Config, *, moe: bool) -> Block:
     )
 
 
+def _layer_axis(c: Config, *, moe: bool) -> str:
+    """`stage_layers` (sharded over `pipeline`) for a stack the pipeline runs whole, else
+    `layers`. A partly pipelined stack (pipeline_parallel_layers < its size) keeps `layers`: its
+    weights are replicated over the pipeline axis and each stage uses its own slice."""
+    n = c.num_moe_layers if moe else c.num_dense_layers
+    pipelined = c.pipelined_layers if c.pipelined_stack == ("moe" if moe else "dense") else 0
+    return "stage_layers" if pipelined and pipelined == n else "layers"
+
+
 def spec(c: Config) -> Decoder:
     """The parameter declaration tree of the whole model."""
     d, v = c.base_emb_dim, c.vocab_size
     dense_n, moe_n = c.num_dense_layers, c.num_moe_layers
+    dense = stack(block_spec(c, moe=False), dense_n, _layer_axis(c, moe=False)) if dense_n else None
+    moe = stack(block_spec(c, moe=True), moe_n, _layer_axis(c, moe=True)) if moe_n else None
     return Decoder(
         embed=ParamSpec((v, d), ("vocab", "embed"), "normal", 1.0),
-        dense_layers=stack(block_spec(c, moe=False), dense_n) if dense_n else None,
-        moe_layers=stack(block_spec(c, moe=True), moe_n) if moe_n else None,
+        dense_layers=dense,
+        moe_layers=moe,
         final_norm=norm.spec(d),
         lm_head=None if c.logits_via_embedding else projection((d, v), ("embed", "vocab"), d),
     )
@@ -91,7 +102,32 @@ def block_apply_stashed(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT
 def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype):
     """Run a layer stack; returns (x, per-layer stats stacked along a leading axis or None).
 
-    The MoE stack with `moe_paged_stash` runs as models/stashed_stack.py (always scanned)."""
+    The stack `c.pipelined_stack` runs its first `c.pipelined_layers` layers as a pipeline
+    (models/pipeline.py), the rest after it. The MoE stack with `moe_paged_stash` runs as
+    models/stashed_stack.py (always scanned)."""
+    moe = stacked.moe is not None
+    pipelined = c.pipelined_layers if c.pipelined_stack == ("moe" if moe else "dense") else 0
+    if not pipelined:
+        return _run_layers(stacked, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+
+    def stack_fn(w, x, positions, segment_ids):
+        return _run_layers(w, x, c, positions, segment_ids, dtype)
+
+    head = jax.tree.map(lambda a: a[:pipelined], stacked)
+    axes = logical_axes(block_spec(c, moe=moe))
+    x_BTD, stats = pipeline.run(head, x_BTD, positions_BT, segment_ids_BT, c, stack_fn, axes)
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    if pipelined == n:
+        return x_BTD, stats
+    rest = jax.tree.map(lambda a: a[pipelined:], stacked)
+    x_BTD, more = _run_layers(rest, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+    if stats is None:
+        return x_BTD, None
+    return x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, more)
+
+
+def _run_layers(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype):
+    """`run_stack` without a pipeline: one scan (or unrolled loop) over the layers."""
     if stacked.moe is not None and c.moe_paged_stash:
 
         def block(p, x, positions_BT, segment_ids_BT, stash):

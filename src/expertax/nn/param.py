@@ -68,11 +68,10 @@ def _map(fn: Callable[[ParamSpec], Any], tree):
     return jax.tree.map(fn, tree, is_leaf=is_spec)
 
 
-def stack(tree, n: int):
-    """Prepend a `layers` axis of size n to every spec."""
-    return _map(
-        lambda s: dataclasses.replace(s, shape=(n, *s.shape), axes=("layers", *s.axes)), tree
-    )
+def stack(tree, n: int, axis: str = "layers"):
+    """Prepend a layer axis of size n, named `axis` (`stage_layers` for a pipelined stack), to
+    every spec."""
+    return _map(lambda s: dataclasses.replace(s, shape=(n, *s.shape), axes=(axis, *s.axes)), tree)
 
 
 def abstract(tree, dtype) -> Any:

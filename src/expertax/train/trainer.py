@@ -142,6 +142,7 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
     batch_spec = logical_to_spec(("batch", "length"), rules, mesh)
     global_batch = int(c.per_device_batch_size * mesh.devices.size)
+    check_pipeline_batch(c, global_batch)
     host_sh = host_offloaded_shardings(c, state_sh, mesh)
     return Trainer(
         c,
@@ -153,6 +154,17 @@ def build_trainer(c: Config, devices=None) -> Trainer:
         global_batch,
         device_state_shardings=state_sh if host_sh is not None else None,
     )
+
+
+def check_pipeline_batch(c: Config, global_batch: int) -> None:
+    """With pipeline stages, the global batch must split into whole microbatches."""
+    m = c.pipeline_microbatches
+    if c.pipeline_stages > 1 and global_batch % m:
+        raise ConfigError(
+            f"num_pipeline_microbatches={c.num_pipeline_microbatches}: the global batch of "
+            f"{global_batch} sequences (per_device_batch_size={c.per_device_batch_size} x "
+            f"devices) does not split into {m} microbatches; use a divisor of {global_batch}"
+        )
 
 
 def host_offloaded_shardings(c: Config, state_sh: TrainState, mesh) -> TrainState | None:

@@ -478,5 +478,6 @@ def apply(
         body,
         in_specs=(specs.x, router_spec, specs.wi, specs.wi, specs.wo, stash_spec),
         out_specs=(specs.x, stats_spec, stash_spec if writes else None),
+        check_vma=c.pipeline_stages == 1,
     )
     return fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, stash)
