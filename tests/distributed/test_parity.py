@@ -17,6 +17,7 @@ from expertax import cli
 from expertax.config import ConfigError, load_config
 from expertax.parallel import remat
 from expertax.tools import parity
+from expertax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -146,6 +147,10 @@ def test_parity_pipeline_with_negative_control():
     c = load_config(overrides=["model_name=mixtral-tiny", *SMALL])
     good = parity.parse_layout("sparse-ring-pp2-ep2-fsdp2")
     bad = parity.parse_layout("dense-pp2-fsdp4")
+    # The layouts really pipeline: the stack's layer axis is split over the stages.
+    trainer = build_trainer(parity.layout_config(c, good, 8))
+    layer_shardings = jax.tree.leaves(trainer.state_shardings.params.moe_layers)
+    assert all(sh.spec[0] == "pipeline" for sh in layer_shardings)
     result = parity.parity_table(
         c, steps=3, layout_list=[good, bad], corrupt={bad: _swap_layers}, echo=lambda *_: None
     )

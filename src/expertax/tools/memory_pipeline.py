@@ -10,8 +10,12 @@ groups of L / (S R) layers (models/pipeline.py). The report gives:
 - per stage and device, from the shardings of the abstract train state: the parameters and
   optimizer state sharded over the `pipeline` mesh axis (one stage's share of the pipelined
   layers) apart from those every stage holds whole (embeddings, output head, the layers outside
-  the pipeline, optimizer counters). XLA's compiled figures are per device already, and under
-  SPMD every device of a stage runs the same program: they are one stage's.
+  the pipeline, optimizer counters; a partly pipelined stack, whose weights the decoder keeps
+  replicated over `pipeline`). XLA's compiled figures are per device already, and under SPMD
+  every device of a stage runs the same program: they are one stage's;
+- the activations: the pipeline's scan runs M R + S - 1 iterations (bubbles included) and, with a
+  remat policy, saves each iteration's stage input ([microbatch rows, T, D] per device); one
+  iteration's layer residuals are recomputed in its backward (memory.stack_residuals).
 """
 
 from __future__ import annotations
@@ -52,19 +56,38 @@ def stage_split(tree, axis: str = PIPELINE_AXIS) -> tuple[int, int]:
     return staged, shared
 
 
-def stack_layers_per_device(c: Config, *, moe: bool) -> int:
-    """Layers of the MoE (`moe`) or dense stack one device runs: the pipelined stack's pipelined
-    layers divided over the stages, plus the stack's layers after the pipeline."""
+def pipelined_layers(c: Config, *, moe: bool) -> int:
+    """Layers of the MoE (`moe`) or dense stack that the pipeline runs (0: none)."""
+    return c.pipelined_layers if c.pipelined_stack == ("moe" if moe else "dense") else 0
+
+
+def layers_outside(c: Config, *, moe: bool) -> int:
+    """Layers of the MoE (`moe`) or dense stack that run outside the pipeline."""
     stack = c.num_moe_layers if moe else c.num_dense_layers
-    if c.pipeline_stages == 1 or c.pipelined_stack != ("moe" if moe else "dense"):
-        return stack
-    return c.pipelined_layers // c.pipeline_stages + stack - c.pipelined_layers
+    return stack - pipelined_layers(c, moe=moe)
 
 
-def pipeline_report(c: Config, state) -> dict | None:
-    """The schedule and per-stage state bytes of `c`'s pipeline (None without stages).
+def iterations(c: Config) -> int:
+    """Iterations of the pipeline's scan: M R + S - 1 (models/pipeline.py)."""
+    return c.pipeline_microbatches * c.num_pipeline_repeats + c.pipeline_stages - 1
+
+
+def microbatch_rows(c: Config, global_batch: int, batch_shards: int) -> int:
+    """Sequences of one microbatch per device: the global batch / M, split over the batch axes
+    (`batch_shards`, the stage axis aside); rounded up."""
+    return -(-global_batch // (c.pipeline_microbatches * batch_shards))
+
+
+def pipeline_report(
+    c: Config, state, microbatch_rows: int, iteration_residual_bytes: int | None
+) -> dict | None:
+    """The schedule, per-stage state bytes and activation sizes of `c`'s pipeline (None without
+    stages).
 
     `state`: the abstract train state (leaves carry their shardings; `Trainer.abstract_state`).
+    `microbatch_rows`: sequences of one microbatch per device (`microbatch_rows`).
+    `iteration_residual_bytes`: what one iteration's stage recomputes in its backward
+    (memory.iteration_residual_bytes; None with remat_policy=none).
     """
     s = c.pipeline_stages
     if s == 1:
@@ -84,6 +107,13 @@ def pipeline_report(c: Config, state) -> dict | None:
         "layers_per_stage_per_repeat": layers // (s * repeats),
         "bubble_fraction": c.pipeline_bubble_fraction,
         "shift": c.pipeline_shift,
+        "iterations": iterations(c),
+        "microbatch_rows_per_device": microbatch_rows,
+        "iteration_input_bytes": microbatch_rows
+        * c.max_target_length
+        * c.base_emb_dim
+        * jnp.dtype(c.dtype).itemsize,
+        "iteration_residual_bytes": iteration_residual_bytes,
         "stage_parameter_bytes": params_staged,
         "stage_optimizer_state_bytes": opt_staged,
         "shared_parameter_bytes": params_shared,
@@ -115,9 +145,23 @@ def format_pipeline(p: dict, fmt) -> list[str]:
         f"{fmt(p['stage_optimizer_state_bytes'] + p['shared_optimizer_state_bytes'])} "
         f"({fmt(p['stage_optimizer_state_bytes'])} + {fmt(p['shared_optimizer_state_bytes'])})",
     ]
-    if not p["sharded_over_stages"]:
+    if p["iteration_residual_bytes"] is not None:
         lines.append(
-            "  note: no parameter is sharded over the pipeline axis: every stage holds all the "
-            "pipelined layers (check the sharding rules)"
+            f"  activations: {p['iterations']} iterations (M R + S - 1) each save their stage "
+            f"input ({p['microbatch_rows_per_device']} rows per device, "
+            f"{fmt(p['iteration_input_bytes'])}); one iteration's layers recompute "
+            f"{fmt(p['iteration_residual_bytes'])} of residuals in its backward"
         )
+    if p["sharded_over_stages"]:
+        return lines
+    why = (
+        "the stack is partly pipelined (pipeline_parallel_layers): its weights are replicated "
+        "over the stages, each using its slice"
+        if p["unpipelined_layers"]
+        else "check the sharding rules (stage_layers)"
+    )
+    lines.append(
+        f"  note: no parameter is sharded over the pipeline axis, every stage holds all the "
+        f"pipelined layers: {why}"
+    )
     return lines
