@@ -227,7 +227,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     par.add_argument(
         "--layouts",
         default=None,
-        help="comma-separated subset, e.g. sparse-ring-ep8,dense-ep2-tp2-data2",
+        help="comma-separated subset, e.g. sparse-ring-ep8,dense-ep2-tp2-data2,"
+        "sparse-ring-pp2-ep2-fsdp2 (ppN stages, mbM microbatches, rR repeats)",
     )
     par.add_argument(
         "--skip-refused",

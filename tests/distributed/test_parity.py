@@ -17,6 +17,7 @@ from expertax import cli
 from expertax.config import ConfigError, load_config
 from expertax.parallel import remat
 from expertax.tools import parity
+from expertax.train.trainer import build_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -30,6 +31,9 @@ def _check_rows(rows, tol, ref_scale, n):
             "mode",
             "ring",
             "a2a_impl",
+            "pp",
+            "microbatches",
+            "repeats",
             "ep",
             "fsdp",
             "tp",
@@ -84,9 +88,9 @@ def test_parity_cli_deepseek3_tiny(tmp_path, capfd):
     assert [r["sharding_rules"] for r in out["rows"]] == ["default", "ep-tp", "default", "default"]
     printed, err = capfd.readouterr()
     assert "Involuntary full rematerialization" not in printed + err
-    assert "| sparse | False | padded | 8 | 1 | 1 | 1 | no | default |" in printed
-    assert "| sparse | True | - | 2 | 2 | 2 | 1 | no | ep-tp |" in printed
-    assert "| sparse | False | padded | 4 | 2 | 1 | 1 | yes | default |" in printed
+    assert "| sparse | False | padded | 1 | 8 | 1 | 1 | 1 | no | default |" in printed
+    assert "| sparse | True | - | 1 | 2 | 2 | 2 | 1 | no | ep-tp |" in printed
+    assert "| sparse | False | padded | 1 | 4 | 2 | 1 | 1 | yes | default |" in printed
 
 
 def _swap_expert_shards(ep: int):
@@ -129,6 +133,35 @@ def test_parity_mixtral_tiny_with_negative_control():
     assert not result["ok"]  # the mis-sharded layout fails the table
 
 
+def _swap_layers(state, trainer):
+    """Test hook: the MoE stack's layers in the opposite order (a pipeline that ran its stages
+    out of order)."""
+    flip = lambda w: jax.device_put(jnp.flip(w, axis=0), w.sharding)
+    layers = jax.tree.map(flip, state.params.moe_layers)
+    return dataclasses.replace(state, params=dataclasses.replace(state.params, moe_layers=layers))
+
+
+def test_parity_pipeline_with_negative_control():
+    """mixtral-tiny's 2 layers over 2 stages with EP x FSDP inside them give the reference's
+    losses; the same pipeline with its stages' layers swapped does not."""
+    c = load_config(overrides=["model_name=mixtral-tiny", *SMALL])
+    good = parity.parse_layout("sparse-ring-pp2-ep2-fsdp2")
+    bad = parity.parse_layout("dense-pp2-fsdp4")
+    # The layouts really pipeline: the stack's layer axis is split over the stages.
+    trainer = build_trainer(parity.layout_config(c, good, 8))
+    layer_shardings = jax.tree.leaves(trainer.state_shardings.params.moe_layers)
+    assert all(sh.spec[0] == "pipeline" for sh in layer_shardings)
+    result = parity.parity_table(
+        c, steps=3, layout_list=[good, bad], corrupt={bad: _swap_layers}, echo=lambda *_: None
+    )
+    assert result["refused"] == []
+    scale = max(abs(x) for x in result["reference_losses"])
+    _check_rows(result["rows"][:1], result["tolerance"], scale, 1)
+    assert (result["rows"][0]["pp"], result["rows"][0]["microbatches"]) == (2, 2)
+    assert result["rows"][1]["max_abs_loss_diff"] > 100 * result["tolerance"] * scale
+    assert not result["ok"]
+
+
 def test_parity_cli_exit_status_on_failure(monkeypatch, capsys):
     row = {
         "mode": "sparse",
@@ -152,15 +185,15 @@ def test_parity_cli_exit_status_on_failure(monkeypatch, capsys):
 
 def test_layout_matrix_and_parsing():
     rows = parity.layouts(8, "cpu")
-    assert len(rows) == 18 and all(r.a2a_impl != "ragged" for r in rows)
-    assert len(parity.layouts(8, "gpu")) == 25
+    assert len(rows) == 24 and all(r.a2a_impl != "ragged" for r in rows)
+    assert len(parity.layouts(8, "gpu")) == 33
     stashed = [r.name for r in rows if r.stash]
     assert stashed == ["sparse-padded-ep4-fsdp2-stash", "sparse-ring-ep4-fsdp2-stash"]
     assert [r.name for r in parity.layouts(4, "cpu") if r.stash] == [
         "sparse-padded-ep2-fsdp2-stash",
         "sparse-ring-ep2-fsdp2-stash",
     ]
-    assert {(r.ep, r.fsdp, r.tp, r.data) for r in rows} == {
+    assert {(r.ep, r.fsdp, r.tp, r.data) for r in rows if r.pp == 1} == {
         (8, 1, 1, 1),
         (1, 8, 1, 1),
         (4, 2, 1, 1),
@@ -184,8 +217,8 @@ def test_layout_matrix_and_parsing():
     assert parity.parse_layout("sparse-ring-ep2-tp2-data2") == parity.Layout(
         "sparse", True, "-", ep=2, tp=2, data=2
     )
-    with pytest.raises(ConfigError, match="unknown part"):
-        parity.parse_layout("sparse-ep8-pp2")
+    with pytest.raises(ConfigError, match="unknown part 'cp2'.*ppN"):
+        parity.parse_layout("sparse-ep4-cp2")
     with pytest.raises(ConfigError, match="dense"):
         parity.parse_layout("dense-ring-ep8")
     assert parity.parse_layout("sparse-ring-ep4-fsdp2-stash") == parity.Layout(
@@ -216,11 +249,14 @@ def test_stash_layout_config_keeps_moe_names():
 @pytest.mark.extended
 @pytest.mark.parametrize(
     "model,extra",
-    [("deepseek3-tiny", ["base_num_decoder_layers=2"]), ("mixtral-tiny", [])],
+    [("deepseek3-tiny", []), ("mixtral-tiny", [])],
 )
 def test_parity_full_matrix(model, extra, tmp_path):
-    """The whole layout matrix (18 layouts on 8 devices, 2 with the paged stash, 4 with
-    expert-as-TP rules); CI runs it after the default suite."""
+    """The whole layout matrix (24 layouts on 8 devices, 2 with the paged stash, 4 with
+    expert-as-TP rules, 6 pipelined); CI runs it after the default suite. Both models have 2
+    pipelined (MoE) layers: the 3 two-stage pipelines run, the 4-stage and circular ones are
+    skipped (deepseek3-tiny keeps its 3 layers so that its dense layer runs outside the
+    pipeline)."""
     path = tmp_path / "parity.json"
     rc = cli.main(
         [
@@ -236,7 +272,10 @@ def test_parity_full_matrix(model, extra, tmp_path):
     )
     assert rc == 0
     report = json.loads(path.read_text())
-    _check_rows(report["rows"], report["tolerance"], 10.0, 18)
+    _check_rows(report["rows"], report["tolerance"], 10.0, 21)
+    assert len(report["skipped"]) == 3 and report["refused"] == []
+    staged = {(r["mode"], r["ring"], r["pp"], r["ep"], r["fsdp"]) for r in report["rows"]}
+    assert {("sparse", True, 2, 2, 2), ("dense", False, 2, 1, 4)} <= staged
     layouts = {
         (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"], r["stash"])
         for r in report["rows"]
@@ -269,8 +308,8 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     assert cli.main([*argv, "--json", str(path)]) == 1
     out, err = capsys.readouterr()
     assert (
-        "| sparse | False | padded | 3 | 1 | 1 | 1 | no | default | - | - | - | - | NO (refused: "
-        in out
+        "| sparse | False | padded | 1 | 3 | 1 | 1 | 1 | no | default | - | - | - | - | "
+        "NO (refused: " in out
     )
     assert "num_experts=8 is not divisible by the expert axis (3" in out
     assert "1 refused" in err
@@ -281,7 +320,7 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     assert cli.main([*argv, "--skip-refused", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| - | skipped (refused: num_experts=8 is not divisible" in out
-    assert "| sparse | False | padded | 2 | 1 | 1 | 1 | no | default | 1.500000 |" in out
+    assert "| sparse | False | padded | 1 | 2 | 1 | 1 | 1 | no | default | 1.500000 |" in out
     saved = json.loads(path.read_text())
     assert saved["ok"] is True and saved["skip_refused"] is True
 
@@ -309,3 +348,127 @@ def test_every_layout_refused_fails_even_when_skipped(monkeypatch, capsys):
 def test_layout_names_round_trip():
     for layout in [*parity.layouts(8, "cpu"), *parity.layouts(8, "gpu")]:
         assert parity.parse_layout(layout.name) == layout, layout.name
+
+
+def test_pipeline_layouts_in_the_matrix():
+    """The pipelined rows: 2 stages with EP x FSDP inside (every sparse dispatch), 4 stages with EP,
+    the dense dispatch over 2 stages x FSDP, a circular ring; scaled down, a mesh left with one
+    stage is not a pipeline row, and no scaled mesh appears twice."""
+    staged = [r.name for r in parity.layouts(8, "cpu") if r.pp > 1]
+    assert staged == [
+        "sparse-padded-pp2-ep2-fsdp2",
+        "sparse-ring-pp2-ep2-fsdp2",
+        "sparse-padded-pp4-ep2",
+        "sparse-ring-pp4-ep2",
+        "dense-pp2-fsdp4",
+        "sparse-ring-pp2-r2-ep2-fsdp2",
+    ]
+    assert all(r.num_devices == 8 for r in parity.layouts(8, "cpu"))
+    assert [r.name for r in parity.layouts(4, "gpu") if r.pp > 1] == [
+        "sparse-ragged-pp2-fsdp2",  # the pipeline is halved last among equal axes
+        "sparse-padded-pp2-fsdp2",
+        "sparse-ring-pp2-fsdp2",
+        "sparse-ragged-pp2-ep2",
+        "sparse-padded-pp2-ep2",
+        "sparse-ring-pp2-ep2",
+        "dense-pp2-fsdp2",
+        "sparse-ring-pp2-r2-fsdp2",
+    ]
+    two = [r.name for r in parity.layouts(2, "cpu")]
+    assert len(two) == len(set(two))
+    assert [n for n in two if "pp" in n] == [
+        "sparse-padded-pp2",
+        "sparse-ring-pp2",
+        "dense-pp2",
+        "sparse-ring-pp2-r2",
+    ]
+    assert not [r for r in parity.layouts(1, "cpu") if r.pp > 1]
+
+
+def test_pipeline_layout_names():
+    layout = parity.parse_layout("sparse-ring-pp2-ep2-fsdp2")
+    assert layout == parity.Layout("sparse", True, "-", pp=2, ep=2, fsdp=2)
+    assert layout.num_devices == 8 and layout.pipeline_microbatches == 2
+    o = layout.overrides(8)
+    assert (o["ici_pipeline_parallelism"], o["num_pipeline_microbatches"]) == (2, -1)
+    assert (o["num_pipeline_repeats"], o["per_device_batch_size"]) == (1, 1.0)
+    # Parts in any order; the name puts the schedule after the dispatch.
+    layout = parity.parse_layout("dense-fsdp2-r2-mb4-pp2")
+    assert layout == parity.Layout("dense", False, "-", pp=2, fsdp=2, microbatches=4, repeats=2)
+    assert layout.name == "dense-pp2-mb4-r2-fsdp2"
+    assert layout.pipeline_microbatches == 4 and layout.num_devices == 4
+    o = layout.overrides(8)
+    assert (o["num_pipeline_microbatches"], o["num_pipeline_repeats"]) == (4, 2)
+    assert parity.parse_layout("sparse-padded-ep8").overrides(8)["ici_pipeline_parallelism"] == 1
+    for name in ("sparse-ring-pp2-mb4-ep2", "dense-pp4-r2", "sparse-padded-pp2-ep2-fsdp2"):
+        assert parity.parse_layout(name).name == name
+    with pytest.raises(ConfigError, match="'sparse-ring-mb4-ep2': mbM .*add ppN"):
+        parity.parse_layout("sparse-ring-mb4-ep2")
+    with pytest.raises(ConfigError, match="rR .*add ppN"):
+        parity.parse_layout("sparse-ring-pp1-r2-ep2")
+    with pytest.raises(ConfigError, match="'pp0' must be a positive pp size"):
+        parity.parse_layout("sparse-ring-pp0-ep2")
+    with pytest.raises(ConfigError, match="unknown part 'ppx'"):
+        parity.parse_layout("sparse-ring-ppx")
+
+
+def test_pipeline_misfit_per_model():
+    """A layout's stages x repeats must divide the model's pipelined layers: mixtral-tiny (2
+    layers) and deepseek3-tiny (2 MoE layers after its dense one) take 2 stages only."""
+    mixtral = load_config(overrides=["model_name=mixtral-tiny", *SMALL])
+    deepseek = load_config(overrides=["model_name=deepseek3-tiny", *SMALL])
+    one_moe = load_config(overrides=["model_name=deepseek3-tiny", "base_num_decoder_layers=2"])
+    four = load_config(overrides=["model_name=mixtral-tiny", "base_num_decoder_layers=4"])
+    pp2, pp4 = parity.parse_layout("sparse-ring-pp2-ep2"), parity.parse_layout("sparse-ring-pp4")
+    circular = parity.parse_layout("sparse-ring-pp2-r2-ep2")
+    for c in (mixtral, deepseek):
+        assert parity.pipeline_misfit(c, pp2) is None
+        assert parity.pipeline_misfit(c, parity.parse_layout("sparse-ring-ep8")) is None
+        assert "2 pipelined MoE layers do not divide into 4 stages x 1" in str(
+            parity.pipeline_misfit(c, pp4)
+        )
+        assert "into 2 stages x 2 repeats" in str(parity.pipeline_misfit(c, circular))
+    assert "1 pipelined MoE layers" in str(parity.pipeline_misfit(one_moe, pp2))
+    assert [parity.pipeline_misfit(four, x) for x in (pp2, pp4, circular)] == [None] * 3
+    llama = load_config(overrides=["model_name=llama-tiny", "base_num_decoder_layers=3"])
+    assert "3 pipelined dense layers" in str(parity.pipeline_misfit(llama, pp2))
+
+
+def test_default_matrix_skips_pipelines_the_model_cannot_take(monkeypatch, tmp_path, capsys):
+    """The default matrix lists a pipeline layout whose stages do not divide the model's layers
+    as skipped, without failing the table or building it; named in --layouts, the same layout is
+    refused by the config checks (training is faked: only the bookkeeping is under test)."""
+    monkeypatch.setattr(parity, "run_layout", _fake_run)
+    matrix = [parity.parse_layout(n) for n in ("sparse-padded-ep2", "sparse-ring-pp4-ep2")]
+    monkeypatch.setattr(parity, "layouts", lambda n, backend: matrix)
+    path = tmp_path / "parity.json"
+    assert cli.main(["parity", *MIXTRAL, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped sparse-ring-pp4-ep2: this model's 1 pipelined MoE layers" in out
+    assert (
+        "| sparse | True | - | 4 | 2 | 1 | 1 | 1 | no | default | - | - | - | - | skipped (model:"
+        in out
+    )
+    saved = json.loads(path.read_text())
+    assert saved["ok"] is True and saved["refused"] == []
+    assert [r["layout"] for r in saved["skipped"]] == ["sparse-ring-pp4-ep2"]
+    assert [(r["pp"], r["microbatches"], r["repeats"]) for r in saved["rows"]] == [(1, 1, 1)]
+    # Negative control: asked for by name, the same layout is refused and fails the table.
+    assert cli.main(["parity", *MIXTRAL, "--layouts", "sparse-ring-pp4-ep2"]) == 1
+    out = capsys.readouterr().out
+    assert "NO (refused: ici_pipeline_parallelism x dcn_pipeline_parallelism = 4 stages" in out
+
+
+def test_pipeline_row_fields_and_pp_column():
+    layout = parity.parse_layout("sparse-ring-pp2-mb4-r2-ep2-fsdp2")
+    row = parity.make_row(layout, {"losses": [2.0, 1.5], "tokens_per_s_per_device": 3.0}, [2, 2])
+    assert (row["pp"], row["microbatches"], row["repeats"]) == (2, 4, 2)
+    assert parity.format_row(row, 1e-5, [2.0, 1.5]).startswith(
+        "| sparse | True | - | 2 mb4 r2 | 2 | 2 | 1 | 1 | no | default | 1.500000 |"
+    )
+    run = {"losses": [2.0, 1.5], "tokens_per_s_per_device": 3.0}
+    plain = parity.make_row(parity.parse_layout("dense-pp2-fsdp4"), run, [2.0, 1.5])
+    assert (plain["pp"], plain["microbatches"], plain["repeats"]) == (2, 2, 1)
+    assert "| dense | False | - | 2 | 1 | 4 |" in parity.format_row(plain, 1e-5, [2.0, 1.5])
+    old = {k: v for k, v in row.items() if k not in ("pp", "microbatches", "repeats")}
+    assert parity.format_row(old, 1e-5, [2.0, 1.5]).startswith("| sparse | True | - | 1 | 2 |")

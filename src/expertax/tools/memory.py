@@ -12,6 +12,9 @@ compiled for the configured mesh; nothing is placed on a device. The report has 
 - with `moe_paged_stash`, the stash (`stash_report`): the MoE stack keeps per layer only its
   input, plus the shared buffers of the stashed names; the report gives the buffers' bytes, the
   bytes of the real rows they are sized for, and what the same names cost without the stash;
+- with pipeline stages, the schedule (stages, microbatches, repeats, layers per stage, bubble
+  fraction) and what one stage holds per device (`memory_pipeline.py`); the pipelined layers'
+  residuals are what the pipeline's scan saves (`stack_residuals`);
 - the peak estimate (arguments + outputs - aliased + temporaries) against an HBM budget;
 - attribution: the largest buffers alive at the peak of XLA's buffer assignment (read from its
   text dumps, `xla_dump.py`), each with its HLO instruction, the file:line of our code that
@@ -41,11 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax.config.schema import Config
-from expertax.models import decoder, stashed_stack
+from expertax.models import decoder, pipeline, stashed_stack
 from expertax.nn import param
 from expertax.nn.moe import stash as stash_mod
 from expertax.parallel import remat
-from expertax.tools import xla_dump
+from expertax.tools import memory_pipeline, xla_dump
 from expertax.train.trainer import build_trainer
 
 GIB = 1024**3
@@ -153,12 +156,15 @@ def _source(kind: str, var, **fields) -> ResidualSource:
     return ResidualSource(kind, struct, host=host, **fields)
 
 
-def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]:
+def layer_residuals(
+    c: Config, *, moe: bool, batch_local: int, layers: int | None = None
+) -> list[Residual]:
     """The residuals one layer of a stack saves, per device, by name.
 
     Offloaded names are traced as if kept on device (a device_put to host loses the name) and
     reported with placement "host". The layer input, when its own name is rematerialized, is the
-    argument `x` of the layer and is reported as decoder_layer_input.
+    argument `x` of the layer and is reported as decoder_layer_input. `layers`: the count each
+    entry is multiplied by (default: the layers of the stack).
     """
     place = remat.config_placements(c)
     host = {n for n, p in place.items() if p == remat.OFFLOAD}
@@ -176,7 +182,8 @@ def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]
         return jnp.sum(y.astype(jnp.float32)) + lb
 
     stack = "moe" if moe else "dense"
-    layers = c.num_moe_layers if moe else c.num_dense_layers
+    if layers is None:
+        layers = c.num_moe_layers if moe else c.num_dense_layers
     x_index = len(jax.tree.leaves(block))  # the flat position of `x` among the inputs
     out = []
     for src in residual_sources(loss, block, x, ids, ids):
@@ -194,6 +201,49 @@ def layer_residuals(c: Config, *, moe: bool, batch_local: int) -> list[Residual]
         shape, dtype_name = tuple(src.aval.shape), str(src.aval.dtype)
         out.append(Residual(name, shape, dtype_name, placement, stack, layers))
     return out
+
+
+def stack_residuals(
+    c: Config, *, moe: bool, batch_local: int, microbatch_rows: int
+) -> list[Residual]:
+    """The residuals of the MoE (`moe`) or dense stack per device.
+
+    Its layers outside a pipeline save `layer_residuals` at the per-device batch. Its pipelined
+    layers (models/pipeline.py) save what the pipeline's scan keeps for each of its M R + S - 1
+    iterations, bubbles included: with a remat policy, only the stage input of the iteration
+    (`pipeline_iteration_input`, [microbatch rows, T, D] per device: the stage axis is sharded
+    over `pipeline`); with remat_policy=none, the residuals of a stage's layers of one visit at
+    the microbatch size.
+    """
+    outside = memory_pipeline.layers_outside(c, moe=moe)
+    out = layer_residuals(c, moe=moe, batch_local=batch_local, layers=outside) if outside else []
+    inside = memory_pipeline.pipelined_layers(c, moe=moe)
+    if not inside:
+        return out
+    iterations = memory_pipeline.iterations(c)
+    if c.remat_policy == "none":
+        per_visit = inside // (c.pipeline_stages * c.num_pipeline_repeats)
+        copies = iterations * per_visit
+        return out + layer_residuals(c, moe=moe, batch_local=microbatch_rows, layers=copies)
+    shape = (microbatch_rows, c.max_target_length, c.base_emb_dim)
+    stack = "moe" if moe else "dense"
+    dtype_name = str(jnp.dtype(c.dtype))
+    return [
+        *out,
+        Residual(pipeline.ITERATION_INPUT, shape, dtype_name, "device", stack, iterations),
+    ]
+
+
+def iteration_residual_bytes(c: Config, microbatch_rows: int) -> int | None:
+    """Device bytes of the residuals one pipeline iteration's stage recomputes in its backward
+    (its layers of one visit at the microbatch size; alive while that iteration's backward
+    runs), or None without stages or with remat_policy=none (then they are all saved)."""
+    if c.pipeline_stages == 1 or c.remat_policy == "none":
+        return None
+    moe = c.pipelined_stack == "moe"
+    per_visit = c.pipelined_layers // (c.pipeline_stages * c.num_pipeline_repeats)
+    one = layer_residuals(c, moe=moe, batch_local=microbatch_rows, layers=per_visit)
+    return _residual_total(one, "device")
 
 
 def _named_shapes(jaxpr, names: set[str], mult: int = 1) -> dict[str, int]:
@@ -509,15 +559,16 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top:
     remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
     state = trainer.abstract_state()
     local_batch = trainer.global_batch // batch_shards(trainer.mesh)
+    mb_rows = memory_pipeline.microbatch_rows(c, trainer.global_batch, batch_shards(trainer.mesh))
     residuals = []
     if c.num_dense_layers:
-        residuals += layer_residuals(c, moe=False, batch_local=local_batch)
+        residuals += stack_residuals(c, moe=False, batch_local=local_batch, microbatch_rows=mb_rows)
     stash = None
     if c.num_moe_layers and c.moe_paged_stash:
         stash, moe_residuals = stash_report(c, trainer, local_batch)
         residuals += moe_residuals
     elif c.num_moe_layers:
-        residuals += layer_residuals(c, moe=True, batch_local=local_batch)
+        residuals += stack_residuals(c, moe=True, batch_local=local_batch, microbatch_rows=mb_rows)
     place = remat.config_placements(c)
     host_names = {n for n, p in place.items() if p == remat.OFFLOAD}
     host_names |= {"state.params"} if c.parameter_memory_host_offload else set()
@@ -539,6 +590,9 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top:
         "ideal_parameter_bytes": -(-_shard_bytes(_unsharded(state.params)) // trainer.num_devices),
         "optimizer_state_bytes": _shard_bytes(state.opt_state),
         "gradient_bytes": _shard_bytes(state.params, c.grad_dtype),
+        "pipeline": memory_pipeline.pipeline_report(
+            c, state, mb_rows, iteration_residual_bytes(c, mb_rows)
+        ),
         "parameter_memory_host_offload": c.parameter_memory_host_offload,
         "optimizer_memory_host_offload": c.optimizer_memory_host_offload,
         "residuals": [r.as_json() for r in residuals],
@@ -604,8 +658,10 @@ def format_report(r: dict) -> str:
         f"  optimizer state  {_fmt(r['optimizer_state_bytes']):>12}"
         + ("  (pinned host)" if r["optimizer_memory_host_offload"] else ""),
         f"  gradients        {_fmt(r['gradient_bytes']):>12}",
-        "saved residuals per layer (name, shape, bytes, placement, x layers = total):",
     ]
+    if r.get("pipeline"):
+        lines += memory_pipeline.format_pipeline(r["pipeline"], _fmt)
+    lines.append("saved residuals per layer (name, shape, bytes, placement, x layers = total):")
     for res in r["residuals"]:
         shape = "x".join(map(str, res["shape"])) or "scalar"
         lines.append(

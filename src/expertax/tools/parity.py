@@ -9,6 +9,13 @@ refuse (an expert axis that does not divide num_experts, more devices than visib
 the table too, with its reason in its row, unless refusals are asked to be skipped
 (`expertax parity --skip-refused`): then it is listed as skipped and not counted.
 
+A layout may pipeline the layer stack (`-ppN`, `ici_pipeline_parallelism`; `-mbM` for
+`num_pipeline_microbatches`, default the stages; `-rR` for `num_pipeline_repeats`, circular): the
+stages, with EP/FSDP/TP/data inside each, must give the reference's losses too. The default matrix
+pipelines only the models whose pipelined layers divide into its stages x repeats; for the others
+those layouts are listed as skipped (a fact of the model, not a failure of the layout), whereas a
+pipeline layout named in `--layouts` that the model cannot take is refused like any other.
+
 A layout may run its MoE stack with the paged stash (`-stash` in its name, `moe_paged_stash`,
 nn/moe/stash.py): its losses must equal the reference's like any other layout's. A stash layout
 keeps the routed experts' grouped-matmul outputs (a remat policy change, which moves the loss by
@@ -49,14 +56,22 @@ STASH_MESHES_8 = ({"expert": 4, "fsdp": 2},)
 # The 8-device meshes whose sparse layouts also run with expert-as-TP rules (`-eptp`,
 # `sharding_rules=ep-tp`): together they shard over fsdp, data and tensor besides expert.
 EPTP_MESHES_8 = ({"expert": 2, "fsdp": 2, "tensor": 2}, {"expert": 2, "tensor": 2, "data": 2})
+# The 8-device meshes pipelined over 2 or 4 stages with EP and FSDP inside the stages: sparse
+# layouts run on `PIPELINE_MESHES_8`, the dense dispatch on `PIPELINE_DENSE_MESHES_8`, and the
+# circular schedule (`-r2`, 2 repeats; a ring layout) on `CIRCULAR_MESHES_8`. A model pipelines
+# only where its layers divide into stages x repeats (mixtral-tiny's 2 and deepseek3-tiny's 2 MoE
+# layers: the 2-stage, non-circular ones).
+PIPELINE_MESHES_8 = ({"pipeline": 2, "expert": 2, "fsdp": 2}, {"pipeline": 4, "expert": 2})
+PIPELINE_DENSE_MESHES_8 = ({"pipeline": 2, "fsdp": 4},)
+CIRCULAR_MESHES_8 = ({"pipeline": 2, "expert": 2, "fsdp": 2},)
 # Layout name part -> rules preset (configs/parallel/); the default preset has no part.
 RULES_PARTS = {"eptp": "ep-tp"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One row of the table: the dispatch, the mesh, the rules preset and whether the MoE stack
-    is stashed."""
+    """One row of the table: the dispatch, the mesh, the pipeline schedule, the rules preset and
+    whether the MoE stack is stashed."""
 
     mode: str  # "sparse" | "dense"
     ring: bool
@@ -67,10 +82,27 @@ class Layout:
     data: int = 1
     stash: bool = False  # moe_paged_stash (sparse layouts only)
     rules: str = "default"  # sharding_rules preset
+    pp: int = 1  # pipeline stages (ici_pipeline_parallelism)
+    microbatches: int = -1  # num_pipeline_microbatches (-1: the stages)
+    repeats: int = 1  # num_pipeline_repeats (circular schedule)
 
     @property
     def num_devices(self) -> int:
-        return self.ep * self.fsdp * self.tp * self.data
+        return self.pp * self.ep * self.fsdp * self.tp * self.data
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Microbatches per step as the config resolves them (-1 -> the stages)."""
+        return self.pp if self.microbatches == -1 else self.microbatches
+
+    @property
+    def pipeline_parts(self) -> list[str]:
+        """The name parts of the pipeline: `ppN`, then `mbM` and `rR` when not the defaults."""
+        if self.pp == 1:
+            return []
+        parts = [f"pp{self.pp}"]
+        parts += [f"mb{self.microbatches}"] if self.microbatches != -1 else []
+        return parts + ([f"r{self.repeats}"] if self.repeats != 1 else [])
 
     @property
     def name(self) -> str:
@@ -80,6 +112,7 @@ class Layout:
             parts.append("ring")
         elif self.a2a_impl != "-":
             parts.append(self.a2a_impl)
+        parts += self.pipeline_parts
         sizes = (("ep", self.ep), ("fsdp", self.fsdp), ("tp", self.tp), ("data", self.data))
         parts += [f"{k}{v}" for k, v in sizes if v != 1]
         parts += [part for part, preset in RULES_PARTS.items() if preset == self.rules]
@@ -97,7 +130,9 @@ class Layout:
             "ici_fsdp_parallelism": self.fsdp,
             "ici_tensor_parallelism": self.tp,
             "ici_data_parallelism": self.data,
-            "ici_pipeline_parallelism": 1,
+            "ici_pipeline_parallelism": self.pp,
+            "num_pipeline_microbatches": self.microbatches,
+            "num_pipeline_repeats": self.repeats,
             "per_device_batch_size": global_batch / self.num_devices,
             "moe_paged_stash": self.stash,
             "sharding_rules": self.rules,
@@ -118,13 +153,15 @@ def a2a_impls(backend: str) -> tuple[str, ...]:
 
 
 def meshes_for(num_devices: int, meshes_8=MESHES_8) -> list[dict]:
-    """The 8-device meshes scaled down (halving the largest axis) to fit `num_devices`."""
+    """The 8-device meshes scaled down (halving the largest axis, the pipeline last among equals)
+    to fit `num_devices`, without axes of size one and without repeats."""
     out = []
     for mesh in meshes_8:
         mesh = dict(mesh)
         while math.prod(mesh.values()) > num_devices:
-            big = max(mesh, key=lambda axis: mesh[axis])
+            big = max(mesh, key=lambda axis: (mesh[axis], axis != "pipeline"))
             mesh[big] //= 2
+        mesh = {axis: size for axis, size in mesh.items() if size > 1}
         if mesh not in out:
             out.append(mesh)
     return out
@@ -132,6 +169,7 @@ def meshes_for(num_devices: int, meshes_8=MESHES_8) -> list[dict]:
 
 def _sizes(mesh: dict) -> dict:
     return {
+        "pp": mesh.get("pipeline", 1),
         "ep": mesh.get("expert", 1),
         "fsdp": mesh.get("fsdp", 1),
         "tp": mesh.get("tensor", 1),
@@ -142,7 +180,7 @@ def _sizes(mesh: dict) -> dict:
 def layouts(num_devices: int, backend: str) -> list[Layout]:
     """The default matrix: every mesh with each sparse dispatch and the dense one, then the
     sparse layouts of `STASH_MESHES_8` with the paged stash and of `EPTP_MESHES_8` with
-    expert-as-TP rules."""
+    expert-as-TP rules, then the pipelined ones (`pipeline_layouts`)."""
     rows = []
     for mesh in meshes_for(num_devices):
         sizes = _sizes(mesh)
@@ -162,12 +200,41 @@ def layouts(num_devices: int, backend: str) -> list[Layout]:
         for impl in a2a_impls(backend):
             rows.append(Layout("sparse", False, impl, **sizes, rules="ep-tp"))
         rows.append(Layout("sparse", True, "-", **sizes, rules="ep-tp"))
+    return rows + pipeline_layouts(num_devices, backend)
+
+
+def pipeline_layouts(num_devices: int, backend: str) -> list[Layout]:
+    """Every sparse dispatch on `PIPELINE_MESHES_8`, the dense one on `PIPELINE_DENSE_MESHES_8`
+    and a circular ring layout (2 repeats) on `CIRCULAR_MESHES_8`; meshes scaled down to one
+    stage are left out (they are the unpipelined layouts)."""
+    staged = lambda meshes: [m for m in meshes_for(num_devices, meshes) if m.get("pipeline", 1) > 1]
+    rows = []
+    for mesh in staged(PIPELINE_MESHES_8):
+        for impl in a2a_impls(backend):
+            rows.append(Layout("sparse", False, impl, **_sizes(mesh)))
+        rows.append(Layout("sparse", True, "-", **_sizes(mesh)))
+    for mesh in staged(PIPELINE_DENSE_MESHES_8):
+        rows.append(Layout("dense", False, "-", **_sizes(mesh)))
+    for mesh in staged(CIRCULAR_MESHES_8):
+        rows.append(Layout("sparse", True, "-", **_sizes(mesh), repeats=2))
     return rows
+
+
+# Layout name part (letters before the number) -> Layout field.
+SIZE_PARTS = {
+    "pp": "pp",
+    "mb": "microbatches",
+    "r": "repeats",
+    "ep": "ep",
+    "fsdp": "fsdp",
+    "tp": "tp",
+    "data": "data",
+}
 
 
 def parse_layout(name: str) -> Layout:
     """`sparse-padded-ep8`, `sparse-ring-ep4-fsdp2-stash`, `sparse-ring-ep2-tp2-data2-eptp`,
-    `dense-ep2-tp2-data2`, ... -> Layout."""
+    `dense-ep2-tp2-data2`, `sparse-ring-pp2-ep2-fsdp2`, `dense-pp2-mb4-r2-fsdp4`, ... -> Layout."""
     mode, *parts = name.split("-")
     sizes: dict[str, int] = {}
     ring, impl, stash, rules = False, "-", False, "default"
@@ -179,14 +246,24 @@ def parse_layout(name: str) -> Layout:
             rules = RULES_PARTS[part]
         elif part in ("ring", "ragged", "padded"):
             ring, impl = (True, "-") if part == "ring" else (False, part)
-        elif key in ("ep", "fsdp", "tp", "data") and part[len(key) :].isdigit():
-            sizes[key] = int(part[len(key) :])
+        elif key in SIZE_PARTS and part[len(key) :].isdigit():
+            if int(part[len(key) :]) < 1:
+                raise ConfigError(f"--layouts {name!r}: {part!r} must be a positive {key} size")
+            sizes[SIZE_PARTS[key]] = int(part[len(key) :])
         else:
-            raise ConfigError(f"--layouts {name!r}: unknown part {part!r} (e.g. sparse-ring-ep8)")
+            raise ConfigError(
+                f"--layouts {name!r}: unknown part {part!r} (e.g. sparse-ring-ep8; sizes "
+                f"{', '.join(k + 'N' for k in SIZE_PARTS)}; {', '.join(RULES_PARTS)}, stash)"
+            )
     if mode not in ("sparse", "dense") or (mode == "dense" and (ring or impl != "-")):
         raise ConfigError(f"--layouts {name!r}: use sparse-[ring|ragged|padded]-... or dense-...")
     if mode == "dense" and stash:
         raise ConfigError(f"--layouts {name!r}: the paged stash needs sparse dispatch (sparse-...)")
+    if sizes.get("pp", 1) == 1 and ({"microbatches", "repeats"} & set(sizes)):
+        raise ConfigError(
+            f"--layouts {name!r}: mbM (microbatches) and rR (repeats) set the pipeline schedule; "
+            "add ppN with N > 1 stages (e.g. sparse-ring-pp2-mb4-ep2)"
+        )
     if mode == "sparse" and not ring and impl == "-":
         impl = "padded" if jax.default_backend() == "cpu" else "ragged"
     return Layout(mode, ring, impl, **sizes, stash=stash, rules=rules)
@@ -200,6 +277,22 @@ def layout_config(base: Config, layout: Layout, global_batch: int) -> Config:
     """`base` under `layout`; raises ConfigError when the config checks refuse the layout."""
     extra = stash_overrides(base) if layout.stash else {}
     return build_config({**base.model_dump(), **layout.overrides(global_batch), **extra})
+
+
+def pipeline_misfit(base: Config, layout: Layout) -> str | None:
+    """Why `base`'s pipelined layers do not divide into `layout`'s stages x repeats, or None
+    (the default matrix skips such a layout for this model rather than failing it)."""
+    if layout.pp == 1:
+        return None
+    staged = base.model_copy(update={"ici_pipeline_parallelism": layout.pp})
+    layers, stages = staged.pipelined_layers, staged.pipeline_stages
+    if layers % (stages * layout.repeats) == 0:
+        return None
+    stack = "MoE" if staged.pipelined_stack == "moe" else "dense"
+    return (
+        f"this model's {layers} pipelined {stack} layers do not divide into "
+        f"{stages} stages x {layout.repeats} repeats"
+    )
 
 
 def refusal(base: Config, layout: Layout, global_batch: int) -> str | None:
@@ -258,6 +351,9 @@ def make_row(layout: Layout, run: dict, ref_losses: list[float]) -> dict:
         "mode": layout.mode,
         "ring": layout.ring,
         "a2a_impl": layout.a2a_impl,
+        "pp": layout.pp,
+        "microbatches": layout.pipeline_microbatches,
+        "repeats": layout.repeats,
         "ep": layout.ep,
         "fsdp": layout.fsdp,
         "tp": layout.tp,
@@ -282,14 +378,25 @@ def parity_table(
 ) -> dict:
     """Run the reference and every layout.
 
-    Returns {"rows", "refused", "skip_refused", "tolerance", "reference_losses", "ok"}: `rows`
-    for the layouts that trained, `refused` ({"layout", "reason"}) for those the config checks
-    refused. `ok` needs every row within tolerance and, unless `skip_refused`, no refusal.
+    Returns {"rows", "refused", "skipped", "skip_refused", "tolerance", "reference_losses",
+    "ok"}: `rows` for the layouts that trained, `refused` ({"layout", "reason"}) for those the
+    config checks refused, `skipped` (the same fields) for the default matrix's pipeline layouts
+    that `base`'s layers do not divide into (`pipeline_misfit`; never counted against `ok`).
+    `ok` needs every row within tolerance and, unless `skip_refused`, no refusal.
     A table where no layout trained is not ok (it compared nothing).
     `corrupt` maps a Layout to a `corrupt(state, trainer)` hook (tests only).
     """
     n = len(jax.devices())
-    layout_list = layouts(n, jax.default_backend()) if layout_list is None else layout_list
+    skipped = []
+    if layout_list is None:
+        layout_list = []
+        for layout in layouts(n, jax.default_backend()):
+            misfit = pipeline_misfit(base, layout)
+            if misfit is None:
+                layout_list.append(layout)
+            else:
+                skipped.append({"layout": layout.name, "reason": misfit})
+                echo(f"skipped {layout.name}: {misfit}")
     global_batch = int(base.per_device_batch_size * n)
     tol = TOLERANCE[base.dtype]
     refused, runnable = [], []
@@ -323,6 +430,7 @@ def parity_table(
     return {
         "rows": rows,
         "refused": refused,
+        "skipped": skipped,
         "skip_refused": skip_refused,
         "tolerance": tol,
         "reference_losses": ref_losses,
@@ -334,6 +442,7 @@ HEADER = (
     "mode",
     "ring",
     "a2a",
+    "PP",
     "EP",
     "FSDP",
     "TP",
@@ -348,12 +457,22 @@ HEADER = (
 )
 
 
+def pp_cell(pp: int, microbatches: int, repeats: int) -> str:
+    """The PP column: the stages, with the microbatches and repeats when not the defaults."""
+    extra = ([f"mb{microbatches}"] if microbatches != pp else []) + (
+        [f"r{repeats}"] if repeats != 1 else []
+    )
+    return " ".join([str(pp), *extra])
+
+
 def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
     ok = r["max_abs_loss_diff"] <= tol * max(abs(x) for x in ref_losses)
+    pp = r.get("pp", 1)  # rows written before pipeline layouts have no pp
     cells = (
         r["mode"],
         str(r["ring"]),
         r["a2a_impl"],
+        pp_cell(pp, r.get("microbatches", pp), r.get("repeats", 1)),
         r["ep"],
         r["fsdp"],
         r["tp"],
@@ -369,13 +488,15 @@ def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 
-def format_refused_row(refused: dict, skipped: bool) -> str:
-    """A refused layout's row: its name in the first cells, the reason in the last."""
+def format_refused_row(refused: dict, skipped: bool, why: str = "refused") -> str:
+    """A refused (or skipped) layout's row: its name in the first cells, the reason in the last."""
     layout = parse_layout(refused["layout"])
-    cells = [layout.mode, str(layout.ring), layout.a2a_impl, layout.ep, layout.fsdp, layout.tp]
-    cells += [layout.data, "yes" if layout.stash else "no", layout.rules, "-", "-", "-", "-"]
+    pp = pp_cell(layout.pp, layout.pipeline_microbatches, layout.repeats)
+    cells = [layout.mode, str(layout.ring), layout.a2a_impl, pp, layout.ep, layout.fsdp]
+    cells += [layout.tp, layout.data, "yes" if layout.stash else "no", layout.rules]
+    cells += ["-", "-", "-", "-"]
     verdict = "skipped" if skipped else "NO"
-    cells.append(f"{verdict} (refused: {refused['reason'].replace('|', '/')})")
+    cells.append(f"{verdict} ({why}: {refused['reason'].replace('|', '/')})")
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 
@@ -385,10 +506,12 @@ def format_table(result: dict) -> str:
         lines.append(format_row(r, result["tolerance"], result["reference_losses"]))
     for r in result.get("refused", []):
         lines.append(format_refused_row(r, result.get("skip_refused", False)))
+    for r in result.get("skipped", []):
+        lines.append(format_refused_row(r, True, why="model"))
     return "\n".join(lines)
 
 
 def write_json(result: dict, path: str) -> None:
-    keep = ("rows", "refused", "skip_refused", "tolerance", "ok")
+    keep = ("rows", "refused", "skipped", "skip_refused", "tolerance", "ok")
     with open(path, "w") as f:
         json.dump({k: result[k] for k in keep if k in result}, f, indent=1)
