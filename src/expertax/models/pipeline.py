@@ -42,6 +42,7 @@ their stage once per step (weights and gradients), not per microbatch.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import jax
@@ -52,7 +53,7 @@ from expertax.nn.moe import router
 from expertax.nn.moe.router import MoEStats
 from expertax.parallel import remat
 from expertax.sharding import constrain, logical_to_spec
-from expertax.sharding.rules import current_rules
+from expertax.sharding.rules import current_rules, use_rules
 
 PIPELINE = "pipeline"
 ITERATION_INPUT = remat.PIPELINE_ITERATION_INPUT
@@ -95,13 +96,17 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, stack_fn: Stack
     seg_MBT = None if segment_ids_BT is None else microbatches(segment_ids_BT)
 
     stage_ids = jnp.arange(s_n, dtype=jnp.int32)
+    inner_rules = _without_pipeline(current_rules())
 
     def stage(w_s, r, x, pos, seg):
         def index(a):
             a = a[0] if r_n == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False)
             return remat.tag(a, remat.PIPELINE_STAGE_WEIGHTS)
 
-        return stack_fn(jax.tree.map(index, w_s), x, pos, seg)
+        # Inside a stage `pipeline` is the vmapped stage axis: no constraint or shard_map spec
+        # in the layers may name it (outside the pipeline it is one more batch/FSDP axis).
+        with use_rules(inner_rules) if inner_rules is not None else contextlib.nullcontext():
+            return stack_fn(jax.tree.map(index, w_s), x, pos, seg)
 
     def all_stages(w, r_S, x_SBTD, pos_SBT, seg_SBT):
         x_SBTD = _name(x_SBTD)
@@ -160,6 +165,13 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, stack_fn: Stack
         load, prob, dropped
     )
     return y_BTD, stats
+
+
+def _without_pipeline(rules):
+    """`rules` with the `pipeline` mesh axis removed from every entry (None stays None)."""
+    if rules is None:
+        return None
+    return {k: tuple(a for a in v if a != PIPELINE) for k, v in rules.items()}
 
 
 def _spmd_axis():

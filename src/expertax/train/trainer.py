@@ -157,16 +157,18 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     )
 
 
-def _spec_size(spec: PartitionSpec, mesh) -> int:
-    """Shards of a PartitionSpec's first dimension."""
+def _spec_size(spec: PartitionSpec, mesh, *, skip=("pipeline",)) -> int:
+    """Shards of a PartitionSpec's first dimension over the mesh axes other than `skip` (inside
+    the pipeline the batch is not split over `pipeline`, which holds the stages)."""
     first = spec[0] if len(spec) else None
     names = () if first is None else (first,) if isinstance(first, str) else first
-    return math.prod(mesh.shape[n] for n in names)
+    return math.prod(mesh.shape[n] for n in names if n not in skip)
 
 
 def check_pipeline_batch(c: Config, global_batch: int, batch_shards: int) -> None:
     """With pipeline stages, the global batch must split into whole microbatches, each of which
-    still splits over the batch shards (data x fsdp x expert under the default rules)."""
+    still splits over the batch shards inside a stage (data x fsdp x expert under the default
+    rules)."""
     m = c.pipeline_microbatches
     if c.pipeline_stages == 1:
         return

@@ -21,7 +21,7 @@ from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
 from expertax.sharding.rules import Rules
 
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = ("data", "fsdp", "expert", "pipeline")
 EXPERT = "expert"
 
 
