@@ -108,10 +108,11 @@ def test_moe_specs_come_from_the_rules():
     with the key, its value and what is valid (before anything compiles: build_trainer)."""
     rules = config_rules(cfg())
     specs = strategy.moe_specs(rules)
-    assert specs.x == P(("data", "fsdp", "expert"))
+    # `pipeline` is a batch axis outside a pipeline's stages (inside them the rules drop it)
+    assert specs.x == P(("data", "fsdp", "expert", "pipeline"))
     assert specs.wi == P("expert", None, "tensor") and specs.wo == P("expert", "tensor", None)
     tp = strategy.moe_specs(config_rules(cfg(sharding_rules="ep-tp")))
-    assert tp.tokens == ("data", "fsdp") and tp.mlp == ("tensor",)
+    assert tp.tokens == ("data", "fsdp", "pipeline") and tp.mlp == ("tensor",)
     assert strategy.moe_specs({**rules, "exp_mlp": ()}).wi == P("expert", None, None)
     with pytest.raises(ConfigError, match=r"batch -> \['data', 'tensor'\].*valid: a subset"):
         strategy.moe_specs({**rules, "batch": ("data", "tensor")})
