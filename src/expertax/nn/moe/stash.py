@@ -38,7 +38,9 @@ from expertax.parallel import remat
 WRITE, READ = "write", "read"
 # The mesh axes over which a device's stashed rows differ: its tokens (data, fsdp, expert), its
 # experts (expert) and its slice of F (tensor). The buffers are replicated over any other axis.
-AXES = ("data", "fsdp", "expert", "tensor")
+# every mesh axis the MoE tokens or experts may vary over (`pipeline` is a batch axis outside a
+# pipeline; the stash itself is refused with pipeline stages, config/checks.py)
+AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
