@@ -182,7 +182,7 @@ def test_broken_shift_fails_the_comparison(monkeypatch):
     """Negative control: a shift that leaves every stage its own output trains another model."""
     model, over = CASES["mixtral-pp2-ep2-fsdp2"]
     want, _ = _train(_config(model), steps=2)
-    monkeypatch.setattr(pipeline, "_shift", lambda y, c: y)
+    monkeypatch.setattr(pipeline, "_shift", lambda y, c, back=False: y)
     got, _ = _train(_config(model, **over), steps=2)
     with pytest.raises(AssertionError):
         _assert_same_training(got, want)

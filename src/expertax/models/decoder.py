@@ -110,12 +110,12 @@ def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dt
     if not pipelined:
         return _run_layers(stacked, x_BTD, c, positions_BT, segment_ids_BT, dtype)
 
-    def stack_fn(w, x, positions, segment_ids):
-        return _run_layers(w, x, c, positions, segment_ids, dtype)
+    def layer(x, p, positions, segment_ids):
+        return block_apply(p, x, c, positions, segment_ids, dtype)
 
     head = jax.tree.map(lambda a: a[:pipelined], stacked)
     axes = logical_axes(block_spec(c, moe=moe))
-    x_BTD, stats = pipeline.run(head, x_BTD, positions_BT, segment_ids_BT, c, stack_fn, axes)
+    x_BTD, stats = pipeline.run(head, x_BTD, positions_BT, segment_ids_BT, c, layer, axes)
     n = jax.tree.leaves(stacked)[0].shape[0]
     if pipelined == n:
         return x_BTD, stats

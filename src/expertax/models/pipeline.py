@@ -10,7 +10,7 @@ One `lax.scan` over M * R + S - 1 iterations; its carry is the stages' inputs `[
 (sharded over `pipeline`), the last stage's outputs by microbatch `[M, mb, T, D]` (the loop-back
 buffer of the circular schedule and, at the end, the result) and the MoE statistics summed so far.
 An iteration runs every stage at once: a `vmap` over the stage axis with
-`spmd_axis_name="pipeline"` of the ordinary stacked-layer function (scan + per-layer remat, the
+`spmd_axis_name="pipeline"` of a scan over the stage's layers (the ordinary decoder layer, the
 expert-parallel MoE `shard_map` inside unchanged), so each device computes its own stage. At
 iteration t, stage s works on k = t - s (microbatch k mod M, repeat k // M) when 0 <= k < M * R;
 the other (bubble) slots compute on stale data and are masked out of the outputs and statistics.
@@ -22,12 +22,17 @@ collective-permute of local data; `ppermute` does the same explicitly in a `shar
 found MaxText's shard_map+ppermute shifts inside the scan grew temporaries (their buffers were
 hoisted into the loop); both are kept so that `expertax memory` can compare them.
 
-Remat per iteration: with a `remat_policy` other than `none`, one iteration's stage computation
-is a `jax.checkpoint` whose only residual is its input (the `pipeline_iteration_input`); the
-layers inside keep their own policy, but their residuals live only while that iteration's
-backward runs, so a layer input is never saved twice across iterations. With `none` every
-activation is kept, except the stage's weights indexed per iteration
-(`pipeline_stage_weights`), which would otherwise be saved once per iteration.
+Backward (any `remat_policy` but `none`): the scan has its own VJP (`_pipeline_vjp`). The
+forward keeps only each stage's input of each real work item (`[M * R, S, mb, T, D]`, bubble
+slots not kept). The backward is a reverse scan over the iterations whose carry holds the
+cotangents of the stage inputs and of the output buffer, and the stage weights' gradient
+`[R, S, Lps, ...]`: each stage runs its layers forward again from the saved input (keeping their
+inputs), then backward layer by layer, adding layer j's gradient into the carry at [r, s, j] in
+place. Autodiff of the plain scan kept the weight gradient twice (the scan's accumulator and each
+iteration's stacked layer gradients, ~40 MiB per device in the mid benchmark). The layers' own
+remat policy does not apply inside the pipeline: a layer's residuals live only for its own
+backward. With `none` plain autodiff runs (every activation kept) except the stage weights
+indexed per iteration (`pipeline_stage_weights`), which would otherwise be saved per iteration.
 
 Statistics: each MoE layer's balancing sums (assignments and normalized scores per expert, and
 dropped assignments) are summed over the microbatches (bubbles excluded) and the load-balance loss
@@ -58,13 +63,14 @@ from expertax.sharding.rules import current_rules, use_rules
 PIPELINE = "pipeline"
 ITERATION_INPUT = remat.PIPELINE_ITERATION_INPUT
 STATE_AXES = ("stage", "batch", "length", "act_embed")
+SAVED_AXES = (None, *STATE_AXES)
 
-# stack_fn(stacked [n, ...], x [b, T, D], positions [b, T], segment_ids [b, T] | None)
-#   -> (x, per-layer MoEStats [n, ...] or None)
-StackFn = Callable[..., tuple[jax.Array, MoEStats | None]]
+# layer(x [b, T, D], one layer's params, positions [b, T], segment_ids [b, T] | None)
+#   -> (x, MoEStats or None): one decoder layer, without remat (the pipeline places it)
+LayerFn = Callable[..., tuple[jax.Array, MoEStats | None]]
 
 
-def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, stack_fn: StackFn, layer_axes):
+def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, layer: LayerFn, layer_axes):
     """The layers `stacked` ([L, ...] leaves, L = c.pipelined_layers) as a pipeline.
 
     `layer_axes`: the logical axes of one layer's parameters (the leaves without the layer axis).
@@ -76,14 +82,14 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, stack_fn: Stack
     b, t, d = x_BTD.shape
     if b % m_n:
         raise ValueError(f"batch {b} does not divide into num_pipeline_microbatches={m_n}")
-    iterations = m_n * r_n + s_n - 1
 
     # [L, ...] -> [R, S, Lps, ...], the stage axis on `pipeline`.
-    def by_stage(a, axes):
-        a = a.reshape(r_n, s_n, per_visit, *a.shape[1:])
-        return constrain(a, (None, "stage", None, *axes))
+    def on_stages(w):
+        return jax.tree.map(
+            lambda a, axes: constrain(a, (None, "stage", None, *axes)), w, layer_axes
+        )
 
-    w = jax.tree.map(by_stage, stacked, layer_axes)
+    w = on_stages(jax.tree.map(lambda a: a.reshape(r_n, s_n, per_visit, *a.shape[1:]), stacked))
 
     # Microbatch m holds rows m, m + M, m + 2M, ...: with the batch sharded in contiguous blocks
     # whose size M divides, every microbatch is spread over all batch shards (a local reshape).
@@ -94,67 +100,20 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, stack_fn: Stack
     x_MBTD = microbatches(x_BTD)
     pos_MBT = microbatches(positions_BT)
     seg_MBT = None if segment_ids_BT is None else microbatches(segment_ids_BT)
+    sched = _Schedule(s_n, r_n, m_n)
+    stages = _Stages(layer, sched, _without_pipeline(current_rules()))
+    acc0 = stages.zero_stats(w, x_MBTD, pos_MBT, seg_MBT)
 
-    stage_ids = jnp.arange(s_n, dtype=jnp.int32)
-    inner_rules = _without_pipeline(current_rules())
-
-    def stage(w_s, r, x, pos, seg):
-        def index(a):
-            a = a[0] if r_n == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False)
-            return remat.tag(a, remat.PIPELINE_STAGE_WEIGHTS)
-
-        # Inside a stage `pipeline` is the vmapped stage axis: no constraint or shard_map spec
-        # in the layers may name it (outside the pipeline it is one more batch/FSDP axis).
-        with use_rules(inner_rules) if inner_rules is not None else contextlib.nullcontext():
-            return stack_fn(jax.tree.map(index, w_s), x, pos, seg)
-
-    def all_stages(w, r_S, x_SBTD, pos_SBT, seg_SBT):
-        x_SBTD = _name(x_SBTD)
-        in_axes = (1, 0, 0, 0, None if seg_SBT is None else 0)
-        fn = jax.vmap(stage, in_axes=in_axes, spmd_axis_name=_spmd_axis())
-        return fn(w, r_S, x_SBTD, pos_SBT, seg_SBT)
-
-    if c.remat_policy != "none":
-        policy = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
-    else:  # keep every activation, but not a per-iteration copy of the stage's weights
+    if c.remat_policy == "none":
+        # autodiff: every activation kept, except the stage weights indexed per iteration
         policy = jax.checkpoint_policies.save_anything_except_these_names(
             remat.PIPELINE_STAGE_WEIGHTS
         )
-    all_stages = jax.checkpoint(all_stages, policy=policy)
-
-    def body(carry, it):
-        state_SBTD, out_MBTD, acc = carry
-        k_S = it - stage_ids  # work item of each stage
-        valid_S = (k_S >= 0) & (k_S < m_n * r_n)
-        m_S = jnp.mod(k_S, m_n)
-        r_S = jnp.clip(k_S // m_n, 0, r_n - 1)
-        # stage 0 takes a new microbatch in the first repeat, its own last-stage output after
-        m0 = jnp.mod(it, m_n)
-        first = jax.lax.dynamic_index_in_dim(x_MBTD, m0, 0, keepdims=True)
-        again = jax.lax.dynamic_index_in_dim(out_MBTD, m0, 0, keepdims=True)
-        stage0 = jnp.where(it < m_n, first, again).astype(state_SBTD.dtype)
-        state_SBTD = constrain(jnp.concatenate([stage0, state_SBTD[1:]], 0), STATE_AXES)
-        pos_SBT = jnp.take(pos_MBT, m_S, axis=0)
-        seg_SBT = None if seg_MBT is None else jnp.take(seg_MBT, m_S, axis=0)
-        y_SBTD, stats = all_stages(w, r_S, state_SBTD, pos_SBT, seg_SBT)
-        y_SBTD = constrain(y_SBTD, STATE_AXES)
-        # the last stage's output, by microbatch
-        k_last = it - (s_n - 1)
-        last_ok = (k_last >= 0) & (k_last < m_n * r_n)
-        m_last = jnp.mod(k_last, m_n)
-        old = jax.lax.dynamic_index_in_dim(out_MBTD, m_last, 0, keepdims=True)
-        new = jnp.where(last_ok, y_SBTD[s_n - 1 :], old)
-        out_MBTD = jax.lax.dynamic_update_index_in_dim(out_MBTD, new, m_last, 0)
-        if stats is not None:
-            acc = _accumulate(acc, stats, valid_S, r_S, r_n)
-        return (_shift(y_SBTD, c), out_MBTD, acc), None
-
-    state0 = constrain(jnp.zeros((s_n, b // m_n, t, d), x_BTD.dtype), STATE_AXES)
-    out0 = jnp.zeros_like(x_MBTD)
-    acc0 = _zero_stats(stage, w, x_MBTD, pos_MBT, seg_MBT, r_n, s_n)
-    (_, out_MBTD, acc), _ = jax.lax.scan(
-        body, (state0, out0, acc0), jnp.arange(iterations, dtype=jnp.int32)
-    )
+        fwd = jax.checkpoint(stages.forward, policy=policy)
+        out_MBTD, acc = _scan(sched, c, fwd, w, x_MBTD, pos_MBT, seg_MBT, acc0)[0]
+    else:
+        args = (w, x_MBTD, pos_MBT, seg_MBT, acc0)
+        out_MBTD, acc = _pipeline_vjp(sched, c, stages, on_stages, *args)
     y_BTD = out_MBTD.swapaxes(0, 1).reshape(b, t, d)
     y_BTD = constrain(y_BTD, ("batch", "length", "act_embed"))
     if acc is None:
@@ -165,6 +124,278 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, stack_fn: Stack
         load, prob, dropped
     )
     return y_BTD, stats
+
+
+class _Schedule:
+    """Who works on what at iteration `it` (S stages, R repeats, M microbatches)."""
+
+    def __init__(self, s_n: int, r_n: int, m_n: int):
+        self.s_n, self.r_n, self.m_n = s_n, r_n, m_n
+        self.iterations = m_n * r_n + s_n - 1
+
+    def stages(self, it):
+        """(valid_S, m_S, r_S): stage s works on k = it - s (microbatch k mod M, repeat k // M)
+        when 0 <= k < M * R; the other (bubble) slots compute on stale data and are masked."""
+        k_S = it - jnp.arange(self.s_n, dtype=jnp.int32)
+        valid_S = (k_S >= 0) & (k_S < self.m_n * self.r_n)
+        return valid_S, jnp.mod(k_S, self.m_n), jnp.clip(k_S // self.m_n, 0, self.r_n - 1)
+
+    def items(self, it):
+        """The work item index k of each stage, clipped into [0, M * R) (bubbles: any item)."""
+        k_S = it - jnp.arange(self.s_n, dtype=jnp.int32)
+        return jnp.clip(k_S, 0, self.m_n * self.r_n - 1)
+
+    def last(self, it):
+        """(ok, m): whether the last stage finishes a real item at `it`, and its microbatch."""
+        k = it - (self.s_n - 1)
+        return (k >= 0) & (k < self.m_n * self.r_n), jnp.mod(k, self.m_n)
+
+
+class _Stages:
+    """All stages of one iteration at once: a `vmap` over the stage axis (spmd_axis_name
+    `pipeline`, so each device computes its own stage) of a scan over the stage's layers."""
+
+    def __init__(self, layer: LayerFn, sched: _Schedule, inner_rules):
+        self.layer, self.sched, self.inner_rules = layer, sched, inner_rules
+
+    def _rules(self):
+        # Inside a stage `pipeline` is the vmapped stage axis: no constraint or shard_map spec
+        # in the layers may name it (outside the pipeline it is one more batch/FSDP axis).
+        if self.inner_rules is None:
+            return contextlib.nullcontext()
+        return use_rules(self.inner_rules)
+
+    def _index(self, w_s, r):
+        """One stage's layers of visit r: [R, Lps, ...] -> [Lps, ...]."""
+
+        def index(a):
+            a = a[0] if self.sched.r_n == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False)
+            return remat.tag(a, remat.PIPELINE_STAGE_WEIGHTS)
+
+        return jax.tree.map(index, w_s)
+
+    def _vmap(self, fn, in_axes, out_axes=0):
+        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, spmd_axis_name=_spmd_axis())
+
+    def forward(self, w, r_S, x_SBTD, pos_SBT, seg_SBT):
+        """(y [S, mb, T, D], per-layer stats [S, Lps, ...] or None)."""
+
+        def stage(w_s, r, x, pos, seg):
+            def body(x, p):
+                return self.layer(x, p, pos, seg)
+
+            with self._rules():
+                return jax.lax.scan(body, x, self._index(w_s, r))
+
+        x_SBTD = remat.tag(x_SBTD, ITERATION_INPUT)
+        in_axes = (1, 0, 0, 0, None if seg_SBT is None else 0)
+        return self._vmap(stage, in_axes)(w, r_S, x_SBTD, pos_SBT, seg_SBT)
+
+    def backward(self, w, dw, r_S, x_SBTD, pos_SBT, seg_SBT, dy_SBTD, dsums_S):
+        """The VJP of `forward` at x: (dx [S, mb, T, D], dw + the weights' gradient).
+
+        Each stage runs its layers forward again keeping their inputs, then backward layer by
+        layer (each layer's forward once more, all of its residuals alive only for its own
+        backward), adding layer j's weight gradient into `dw[r, s, j]` in place: the stage's
+        weight gradient exists once (the caller's accumulator), not once more per iteration.
+        `dsums_S`: the cotangents of the stats sums (load_E, prob_sum_E) [S, Lps, E] or None.
+        """
+
+        def stage(w_s, dw_s, r, x, pos, seg, dy, dsums):
+            def sums(stats):
+                return None if stats is None else (stats.load_E, stats.prob_sum_E)
+
+            def layer(p, x):
+                y, stats = self.layer(x, p, pos, seg)
+                return y, sums(stats)
+
+            with self._rules():
+                p_all = self._index(w_s, r)
+                _, xs = jax.lax.scan(lambda x, p: (layer(p, x)[0], x), x, p_all)
+
+                def back(carry, j):
+                    dx, dw_s = carry
+                    p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), p_all)
+                    x_j = jax.lax.dynamic_index_in_dim(xs, j, 0, False)
+                    ds = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), dsums)
+                    _, vjp = jax.vjp(layer, p, x_j)
+                    dp, dx = vjp((dx, ds))
+                    r_ = 0 if self.sched.r_n == 1 else r
+                    dw_s = jax.tree.map(lambda acc, g: _add_at(acc, g, r_, j), dw_s, dp)
+                    return (dx, dw_s), None
+
+                layers = jnp.arange(jax.tree.leaves(p_all)[0].shape[0], dtype=jnp.int32)
+                (dx, dw_s), _ = jax.lax.scan(back, (dy, dw_s), layers, reverse=True)
+            return dx, dw_s
+
+        seg_axis = None if seg_SBT is None else 0
+        sums_axis = None if dsums_S is None else 0
+        in_axes = (1, 1, 0, 0, 0, seg_axis, 0, sums_axis)
+        fn = self._vmap(stage, in_axes, out_axes=(0, 1))
+        return fn(w, dw, r_S, x_SBTD, pos_SBT, seg_SBT, dy_SBTD, dsums_S)
+
+    def zero_stats(self, w, x_MBTD, pos_MBT, seg_MBT):
+        """Zero sums `(load [R, S, Lps, E], prob_sum [R, S, Lps, E], dropped [R, S, Lps])`, or
+        None for a stack without MoE layers (found from the shapes of the stages' statistics)."""
+        seg = None if seg_MBT is None else seg_MBT[:1]
+        r0 = jnp.zeros((self.sched.s_n,), jnp.int32)
+        x = jnp.broadcast_to(x_MBTD[:1], (self.sched.s_n, *x_MBTD.shape[1:]))
+        pos = jnp.broadcast_to(pos_MBT[:1], (self.sched.s_n, *pos_MBT.shape[1:]))
+        seg = None if seg is None else jnp.broadcast_to(seg, pos.shape)
+        _, stats = jax.eval_shape(self.forward, w, r0, x, pos, seg)
+        if stats is None:
+            return None
+        lead = (self.sched.r_n,)
+        return (
+            jnp.zeros(lead + stats.load_E.shape, jnp.float32),
+            jnp.zeros(lead + stats.prob_sum_E.shape, jnp.float32),
+            jnp.zeros(lead + stats.dropped.shape, jnp.int32),
+        )
+
+
+def _add_at(acc, g, r, j):
+    """acc[r, j] += g, in place (acc [R, Lps, ...] of one stage)."""
+    idx = (r, j) + (0,) * g.ndim
+    old = jax.lax.dynamic_slice(acc, idx, (1, 1, *g.shape))
+    return jax.lax.dynamic_update_slice(acc, old + g[None, None].astype(acc.dtype), idx)
+
+
+def _feed(sched: _Schedule, it, state_SBTD, x_MBTD, out_MBTD):
+    """The stages' inputs at `it`: stage 0 takes a new microbatch in the first repeat, its own
+    last-stage output after; the others keep what the shift brought."""
+    m0 = jnp.mod(it, sched.m_n)
+    first = jax.lax.dynamic_index_in_dim(x_MBTD, m0, 0, keepdims=True)
+    again = jax.lax.dynamic_index_in_dim(out_MBTD, m0, 0, keepdims=True)
+    stage0 = jnp.where(it < sched.m_n, first, again).astype(state_SBTD.dtype)
+    return constrain(jnp.concatenate([stage0, state_SBTD[1:]], 0), STATE_AXES)
+
+
+def _scan(sched: _Schedule, c: Config, forward, w, x_MBTD, pos_MBT, seg_MBT, acc0, keep=False):
+    """The pipeline's forward: ((out [M, mb, T, D], stats sums), saved). With `keep`, `saved` is
+    every stage's input of every real work item `[M * R, S, mb, T, D]` (item k of stage s at
+    [k, s]; bubble slots are not kept), else None."""
+    s_n = sched.s_n
+    _, b_mb, t, d = x_MBTD.shape
+    items = sched.m_n * sched.r_n
+
+    def body(carry, it):
+        state_SBTD, out_MBTD, acc, saved = carry
+        valid_S, m_S, r_S = sched.stages(it)
+        state_SBTD = _feed(sched, it, state_SBTD, x_MBTD, out_MBTD)
+        if keep:
+            saved = _per_stage(_put, saved, state_SBTD, sched.items(it), valid_S)
+        pos_SBT = jnp.take(pos_MBT, m_S, axis=0)
+        seg_SBT = None if seg_MBT is None else jnp.take(seg_MBT, m_S, axis=0)
+        y_SBTD, stats = forward(w, r_S, state_SBTD, pos_SBT, seg_SBT)
+        y_SBTD = constrain(y_SBTD, STATE_AXES)
+        # the last stage's output, by microbatch
+        last_ok, m_last = sched.last(it)
+        old = jax.lax.dynamic_index_in_dim(out_MBTD, m_last, 0, keepdims=True)
+        new = jnp.where(last_ok, y_SBTD[s_n - 1 :], old)
+        out_MBTD = jax.lax.dynamic_update_index_in_dim(out_MBTD, new, m_last, 0)
+        if stats is not None:
+            acc = _accumulate(acc, stats, valid_S, r_S, sched.r_n)
+        return (_shift(y_SBTD, c), out_MBTD, acc, saved), None
+
+    state0 = constrain(jnp.zeros((s_n, b_mb, t, d), x_MBTD.dtype), STATE_AXES)
+    out0 = jnp.zeros_like(x_MBTD)
+    saved0 = None
+    if keep:
+        saved0 = constrain(jnp.zeros((items, s_n, b_mb, t, d), x_MBTD.dtype), SAVED_AXES)
+    its = jnp.arange(sched.iterations, dtype=jnp.int32)
+    (_, out_MBTD, acc, saved), _ = jax.lax.scan(body, (state0, out0, acc0, saved0), its)
+    return (out_MBTD, acc), saved
+
+
+def _per_stage(fn, buf_KS, *args_S, out_axes=1):
+    """`fn(buf_K, *args)` for each stage (buf's axis 1 and the args' axis 0), on its device."""
+    in_axes = (1,) + (0,) * len(args_S)
+    fn = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, spmd_axis_name=_spmd_axis())
+    return fn(buf_KS, *args_S)
+
+
+def _put(buf_K, x, k, ok):
+    """buf[k] = x where `ok` (one stage)."""
+    old = jax.lax.dynamic_index_in_dim(buf_K, k, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buf_K, jnp.where(ok, x, old), k, 0)
+
+
+def _get(buf_K, k):
+    return jax.lax.dynamic_index_in_dim(buf_K, k, 0, keepdims=False)
+
+
+def _pipeline_vjp(
+    sched: _Schedule, c: Config, stages: _Stages, on_stages, w, x_MBTD, pos_MBT, seg_MBT, acc0
+):
+    """`_scan` with its own VJP: the residuals are the stage inputs of every iteration; the
+    backward is a reverse scan over the iterations whose carry holds the weight gradient,
+    added into in place layer by layer (`_Stages.backward`)."""
+    s_n, m_n = sched.s_n, sched.m_n
+
+    @jax.custom_vjp
+    def pipe(w, x_MBTD, pos_MBT, seg_MBT):
+        return _scan(sched, c, stages.forward, w, x_MBTD, pos_MBT, seg_MBT, acc0)[0]
+
+    def pipe_fwd(w, x_MBTD, pos_MBT, seg_MBT):
+        out, saved = _scan(sched, c, stages.forward, w, x_MBTD, pos_MBT, seg_MBT, acc0, keep=True)
+        return out, (w, saved, pos_MBT, seg_MBT)
+
+    def pipe_bwd(res, cts):
+        w, saved, pos_MBT, seg_MBT = res
+        dout_MBTD, dacc = cts
+        dsums = None if dacc is None else (dacc[0], dacc[1])  # [R, S, Lps, E] each
+        stage_ids = jnp.arange(s_n)
+
+        def body(carry, it):
+            dnext_SBTD, dout_MBTD, dw, dx_MBTD = carry
+            valid_S, m_S, r_S = sched.stages(it)
+            state_SBTD = constrain(_per_stage(_get, saved, sched.items(it), out_axes=0), STATE_AXES)
+            # stage s's output went to stage s + 1 of the next iteration (the last one's was
+            # overwritten by stage 0's new input) and, for the last stage, to the output buffer
+            dy_SBTD = _shift(dnext_SBTD.at[0].set(0), c, back=True)
+            last_ok, m_last = sched.last(it)
+            dlast = jax.lax.dynamic_index_in_dim(dout_MBTD, m_last, 0, keepdims=True)
+            dy_SBTD = dy_SBTD.at[s_n - 1 :].add(jnp.where(last_ok, dlast, 0))
+            dout_MBTD = jax.lax.dynamic_update_index_in_dim(
+                dout_MBTD, jnp.where(last_ok, 0, dlast), m_last, 0
+            )
+            dsums_S = None
+            if dsums is not None:
+
+                def pick(a):  # a [R, S, Lps, E] -> [S, Lps, E], zero in the bubbles
+                    v = a[r_S, stage_ids]
+                    return jnp.where(valid_S[:, None, None], v, 0)
+
+                dsums_S = jax.tree.map(pick, dsums)
+            pos_SBT = jnp.take(pos_MBT, m_S, axis=0)
+            seg_SBT = None if seg_MBT is None else jnp.take(seg_MBT, m_S, axis=0)
+            dx_SBTD, dw = stages.backward(
+                w, dw, r_S, state_SBTD, pos_SBT, seg_SBT, constrain(dy_SBTD, STATE_AXES), dsums_S
+            )
+            dx_SBTD = constrain(dx_SBTD, STATE_AXES)
+            # stage 0's input came from the microbatches (first repeat) or the output buffer
+            m0 = jnp.mod(it, m_n)
+            d0 = dx_SBTD[:1].astype(dx_MBTD.dtype)
+            first = it < m_n
+            dx_MBTD = _add_index(dx_MBTD, jnp.where(first, d0, 0), m0)
+            dout_MBTD = _add_index(dout_MBTD, jnp.where(first, 0, d0), m0)
+            return (dx_SBTD, dout_MBTD, dw, dx_MBTD), None
+
+        dw0 = on_stages(jax.tree.map(jnp.zeros_like, w))
+        dnext0 = jnp.zeros_like(saved[0])
+        its = jnp.arange(sched.iterations, dtype=jnp.int32)
+        carry0 = (dnext0, dout_MBTD, dw0, jnp.zeros_like(dout_MBTD))
+        (_, _, dw, dx_MBTD), _ = jax.lax.scan(body, carry0, its, reverse=True)
+        return dw, dx_MBTD, None, None
+
+    pipe.defvjp(pipe_fwd, pipe_bwd)
+    return pipe(w, x_MBTD, pos_MBT, seg_MBT)
+
+
+def _add_index(a, v, i):
+    """a[i] += v[0] along axis 0 (in place)."""
+    old = jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=True)
+    return jax.lax.dynamic_update_index_in_dim(a, old + v, i, 0)
 
 
 def _without_pipeline(rules):
@@ -180,26 +411,6 @@ def _spmd_axis():
     return PIPELINE if PIPELINE in getattr(mesh, "axis_names", ()) else None
 
 
-def _name(x):
-    return remat.tag(x, ITERATION_INPUT)
-
-
-def _zero_stats(stage, w, x_MBTD, pos_MBT, seg_MBT, r_n: int, s_n: int):
-    """Zero sums `(load [R, S, Lps, E], prob_sum [R, S, Lps, E], dropped [R, S, Lps])`, or None
-    for a stack without MoE layers (found from the shapes of one stage's statistics)."""
-    seg = None if seg_MBT is None else seg_MBT[0]
-    w0 = jax.tree.map(lambda a: a[:, 0], w)
-    _, stats = jax.eval_shape(stage, w0, jnp.int32(0), x_MBTD[0], pos_MBT[0], seg)
-    if stats is None:
-        return None
-    lead = (r_n, s_n)
-    return (
-        jnp.zeros(lead + stats.load_E.shape, jnp.float32),
-        jnp.zeros(lead + stats.prob_sum_E.shape, jnp.float32),
-        jnp.zeros(lead + stats.dropped.shape, jnp.int32),
-    )
-
-
 def _accumulate(acc, stats: MoEStats, valid_S, r_S, r_n: int):
     """acc[r_S[s], s] += stats[s] for the stages doing real work (`valid_S`)."""
     hit_RS = (jnp.arange(r_n)[:, None] == r_S[None, :]) & valid_S[None, :]
@@ -212,24 +423,31 @@ def _accumulate(acc, stats: MoEStats, valid_S, r_S, r_n: int):
     return (add(load, stats.load_E), add(prob, stats.prob_sum_E), add(dropped, stats.dropped))
 
 
-def _shift(y_SBTD, c: Config):
+def _shift(y_SBTD, c: Config, *, back: bool = False):
     """Stage s's output becomes stage s + 1's input (the last stage's wraps to stage 0, where it
-    is overwritten by the next microbatch or used as its next repeat's input)."""
+    is overwritten by the next microbatch or used as its next repeat's input). `back`: the
+    opposite direction (the shift's transpose, for the backward pass)."""
     if c.pipeline_shift == "ppermute" and _spmd_axis() is not None:
-        return _ppermute_shift(y_SBTD)
-    rolled = jnp.concatenate([y_SBTD[-1:], y_SBTD[:-1]], axis=0)
-    return constrain(rolled, STATE_AXES)
+        return _ppermute_shift(y_SBTD, back)
+    return constrain(_roll(y_SBTD, back), STATE_AXES)
 
 
-def _ppermute_shift(y_SBTD):
+def _roll(y_SBTD, back: bool):
+    if back:
+        return jnp.concatenate([y_SBTD[1:], y_SBTD[:1]], axis=0)
+    return jnp.concatenate([y_SBTD[-1:], y_SBTD[:-1]], axis=0)
+
+
+def _ppermute_shift(y_SBTD, back: bool):
     mesh = jax.sharding.get_abstract_mesh()
     rules = current_rules()
     spec = logical_to_spec(STATE_AXES, rules, mesh, y_SBTD.shape) if rules else None
     if spec is None or not spec or spec[0] != PIPELINE:
-        return jnp.concatenate([y_SBTD[-1:], y_SBTD[:-1]], axis=0)
+        return _roll(y_SBTD, back)
     n = mesh.shape[PIPELINE]
+    step = -1 if back else 1
 
     def shift(local):
-        return jax.lax.ppermute(local, PIPELINE, [(i, (i + 1) % n) for i in range(n)])
+        return jax.lax.ppermute(local, PIPELINE, [(i, (i + step) % n) for i in range(n)])
 
     return jax.shard_map(shift, in_specs=spec, out_specs=spec)(y_SBTD)

@@ -209,41 +209,42 @@ def stack_residuals(
     """The residuals of the MoE (`moe`) or dense stack per device.
 
     Its layers outside a pipeline save `layer_residuals` at the per-device batch. Its pipelined
-    layers (models/pipeline.py) save what the pipeline's scan keeps for each of its M R + S - 1
-    iterations, bubbles included: with a remat policy, only the stage input of the iteration
-    (`pipeline_iteration_input`, [microbatch rows, T, D] per device: the stage axis is sharded
-    over `pipeline`); with remat_policy=none, the residuals of a stage's layers of one visit at
-    the microbatch size.
+    layers (models/pipeline.py): with a remat policy, the pipeline's own VJP keeps only the
+    stage input of each of the M R real work items (`pipeline_iteration_input`, [microbatch
+    rows, T, D] per device: the stage axis is sharded over `pipeline`); with remat_policy=none,
+    the residuals of a stage's layers of one visit at the microbatch size, for each of the
+    M R + S - 1 iterations (bubbles included).
     """
     outside = memory_pipeline.layers_outside(c, moe=moe)
     out = layer_residuals(c, moe=moe, batch_local=batch_local, layers=outside) if outside else []
     inside = memory_pipeline.pipelined_layers(c, moe=moe)
     if not inside:
         return out
-    iterations = memory_pipeline.iterations(c)
     if c.remat_policy == "none":
         per_visit = inside // (c.pipeline_stages * c.num_pipeline_repeats)
-        copies = iterations * per_visit
+        copies = memory_pipeline.iterations(c) * per_visit
         return out + layer_residuals(c, moe=moe, batch_local=microbatch_rows, layers=copies)
     shape = (microbatch_rows, c.max_target_length, c.base_emb_dim)
     stack = "moe" if moe else "dense"
     dtype_name = str(jnp.dtype(c.dtype))
-    return [
-        *out,
-        Residual(pipeline.ITERATION_INPUT, shape, dtype_name, "device", stack, iterations),
-    ]
+    items = memory_pipeline.work_items(c)
+    return [*out, Residual(pipeline.ITERATION_INPUT, shape, dtype_name, "device", stack, items)]
 
 
 def iteration_residual_bytes(c: Config, microbatch_rows: int) -> int | None:
-    """Device bytes of the residuals one pipeline iteration's stage recomputes in its backward
-    (its layers of one visit at the microbatch size; alive while that iteration's backward
-    runs), or None without stages or with remat_policy=none (then they are all saved)."""
+    """Device bytes one pipeline iteration's backward holds for a stage (models/pipeline.py):
+    the inputs of its layers of one visit, recomputed, and one layer's residuals without remat
+    (alive during that layer's backward), at the microbatch size. None without stages or with
+    remat_policy=none (then everything is saved)."""
     if c.pipeline_stages == 1 or c.remat_policy == "none":
         return None
     moe = c.pipelined_stack == "moe"
     per_visit = c.pipelined_layers // (c.pipeline_stages * c.num_pipeline_repeats)
-    one = layer_residuals(c, moe=moe, batch_local=microbatch_rows, layers=per_visit)
-    return _residual_total(one, "device")
+    layer_input = microbatch_rows * c.max_target_length * c.base_emb_dim
+    inputs = per_visit * layer_input * jnp.dtype(c.dtype).itemsize
+    plain = c.model_copy(update={"remat_policy": "none"})
+    one = layer_residuals(plain, moe=moe, batch_local=microbatch_rows, layers=1)
+    return inputs + _residual_total(one, "device")
 
 
 def _named_shapes(jaxpr, names: set[str], mult: int = 1) -> dict[str, int]:

@@ -13,9 +13,10 @@ groups of L / (S R) layers (models/pipeline.py). The report gives:
   the pipeline, optimizer counters; a partly pipelined stack, whose weights the decoder keeps
   replicated over `pipeline`). XLA's compiled figures are per device already, and under SPMD
   every device of a stage runs the same program: they are one stage's;
-- the activations: the pipeline's scan runs M R + S - 1 iterations (bubbles included) and, with a
-  remat policy, saves each iteration's stage input ([microbatch rows, T, D] per device); one
-  iteration's layer residuals are recomputed in its backward (memory.stack_residuals).
+- the activations: the pipeline's scan runs M R + S - 1 iterations (bubbles included); with a
+  remat policy its own VJP saves the stage input of each of the M R real work items
+  ([microbatch rows, T, D] per device), and one iteration's backward holds its layers' inputs and
+  one layer's residuals (memory.stack_residuals, memory.iteration_residual_bytes).
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def iterations(c: Config) -> int:
     return c.pipeline_microbatches * c.num_pipeline_repeats + c.pipeline_stages - 1
 
 
+def work_items(c: Config) -> int:
+    """Work items of one stage, M R: the stage inputs the pipeline's VJP saves per device."""
+    return c.pipeline_microbatches * c.num_pipeline_repeats
+
+
 def microbatch_rows(c: Config, global_batch: int, batch_shards: int) -> int:
     """Sequences of one microbatch per device: the global batch / M, split over the batch axes
     (`batch_shards`, the stage axis aside); rounded up."""
@@ -108,6 +114,7 @@ def pipeline_report(
         "bubble_fraction": c.pipeline_bubble_fraction,
         "shift": c.pipeline_shift,
         "iterations": iterations(c),
+        "saved_inputs": work_items(c),
         "microbatch_rows_per_device": microbatch_rows,
         "iteration_input_bytes": microbatch_rows
         * c.max_target_length
@@ -147,10 +154,11 @@ def format_pipeline(p: dict, fmt) -> list[str]:
     ]
     if p["iteration_residual_bytes"] is not None:
         lines.append(
-            f"  activations: {p['iterations']} iterations (M R + S - 1) each save their stage "
-            f"input ({p['microbatch_rows_per_device']} rows per device, "
-            f"{fmt(p['iteration_input_bytes'])}); one iteration's layers recompute "
-            f"{fmt(p['iteration_residual_bytes'])} of residuals in its backward"
+            f"  activations: {p['iterations']} iterations (M R + S - 1); the {p['saved_inputs']} "
+            f"work items (M R) each save their stage input ({p['microbatch_rows_per_device']} "
+            f"rows per device, {fmt(p['iteration_input_bytes'])}); one iteration's backward "
+            f"holds {fmt(p['iteration_residual_bytes'])} (its layers' inputs and one layer's "
+            "residuals)"
         )
     if p["sharded_over_stages"]:
         return lines

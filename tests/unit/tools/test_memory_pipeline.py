@@ -90,6 +90,7 @@ def test_pipeline_report_splits_state_by_the_pipeline_axis():
         2,
     )
     assert p["unpipelined_layers"] == 0 and p["shift"] == "roll" and p["iterations"] == 5
+    assert p["saved_inputs"] == 4
     assert p["microbatch_rows_per_device"] == 3 and p["iteration_residual_bytes"] == 5000
     assert p["iteration_input_bytes"] == 3 * 16 * 128 * 4  # rows x T x D x float32
     assert p["bubble_fraction"] == pytest.approx(1 / (2 * 2 + 1))
@@ -104,10 +105,10 @@ def test_pipeline_report_splits_state_by_the_pipeline_axis():
         text
     )
     assert (
-        "5 iterations (M R + S - 1) each save their stage input (3 rows per device, 24.00 KiB)"
-        in (text)
+        "5 iterations (M R + S - 1); the 4 work items (M R) each save their stage input "
+        "(3 rows per device, 24.00 KiB)" in text
     )
-    assert "one iteration's layers recompute 4.88 KiB of residuals in its backward" in text
+    assert "one iteration's backward holds 4.88 KiB" in text
     assert "no parameter is sharded over the pipeline axis" not in text
     # Negative control: nothing over the pipeline axis is said to be so.
     flat = jax.tree.map(lambda x: _abstract(mesh, x.shape, (), x.dtype), params)
@@ -136,12 +137,16 @@ def test_memory_report_with_stages(pp_report):
     assert p["stage_parameter_bytes"] + p["shared_parameter_bytes"] == r["parameter_bytes"]
     total_opt = p["stage_optimizer_state_bytes"] + p["shared_optimizer_state_bytes"]
     assert total_opt == r["optimizer_state_bytes"]
-    # full remat: the scan keeps each of its 3 iterations' stage input, [1 row, 16, 128] per device
+    # full remat: the pipeline's VJP keeps the stage input of each of its M R = 2 work items,
+    # [1 row, 16, 128] per device (not the bubble iteration's)
     assert [(x["name"], x["shape"], x["layers"]) for x in r["residuals"]] == [
-        (pipeline.ITERATION_INPUT, [1, 16, 128], 3)
+        (pipeline.ITERATION_INPUT, [1, 16, 128], 2)
     ]
-    assert p["iteration_residual_bytes"] == sum(  # one layer's residuals at 1 row, recomputed
-        x.bytes for x in layer_residuals(c, moe=True, batch_local=1) if x.placement == "device"
+    # an iteration's backward: its one layer's input, and that layer's residuals without remat
+    plain = c.model_copy(update={"remat_policy": "none"})
+    one = layer_residuals(plain, moe=True, batch_local=1, layers=1)
+    assert p["iteration_residual_bytes"] == 1 * 16 * 128 * 4 + sum(
+        x.bytes for x in one if x.placement == "device"
     )
     text = format_report(r)
     assert (
@@ -154,7 +159,7 @@ def test_memory_report_with_stages(pp_report):
 
 def test_stack_residuals_by_policy_and_partial_pipeline():
     """Layers outside the pipeline save their residuals at the per-device batch; pipelined ones,
-    with remat, only each iteration's stage input; with remat_policy=none every layer's residuals
+    with remat, only each work item's stage input; with remat_policy=none every layer's residuals
     of every iteration (bubbles included) at the microbatch size."""
     c = _cfg(
         "base_num_decoder_layers=3", "ici_pipeline_parallelism=2", "pipeline_parallel_layers=2"
@@ -163,7 +168,7 @@ def test_stack_residuals_by_policy_and_partial_pipeline():
     plain = layer_residuals(c, moe=True, batch_local=4, layers=1)
     assert [(x.name, x.shape, x.layers) for x in res] == [
         *((x.name, x.shape, 1) for x in plain),
-        (pipeline.ITERATION_INPUT, (2, 16, 128), 3),
+        (pipeline.ITERATION_INPUT, (2, 16, 128), 2),  # M R = 2 work items
     ]
     c = _cfg("ici_pipeline_parallelism=2", "remat_policy=none", "num_pipeline_microbatches=4")
     res = stack_residuals(c, moe=True, batch_local=4, microbatch_rows=1)
