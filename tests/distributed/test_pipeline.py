@@ -137,6 +137,17 @@ CASES = {
         dict(base_num_decoder_layers=4, ici_pipeline_parallelism=2, pipeline_parallel_layers=2),
     ),
     "llama-pp2": ("llama-tiny", dict(ici_pipeline_parallelism=2)),
+    # remat_policy=none: plain autodiff of the pipeline scan instead of its own VJP
+    "mixtral-l4-pp2-r2-remat-none": (
+        "mixtral-tiny",
+        dict(
+            base_num_decoder_layers=4,
+            ici_pipeline_parallelism=2,
+            num_pipeline_repeats=2,
+            num_pipeline_microbatches=4,
+            remat_policy="none",
+        ),
+    ),
 }
 # The default run has test_parity_pipeline_with_negative_control (mixtral-tiny, pp2 x EP2 x FSDP2
 # against the reference, with a failing control); every case here is in the extended run.
@@ -168,8 +179,13 @@ def test_pipeline_trains_like_no_pipeline(name):
 
 
 @pytest.mark.extended
-def test_pipeline_gradients_equal_no_pipeline():
-    model, over = CASES["deepseek3-l5-pp2-r2-ep2"]
+@pytest.mark.parametrize(
+    "name", ["deepseek3-l5-pp2-r2-ep2", "mixtral-l4-pp4", "mixtral-l4-pp2-r2-remat-none"]
+)
+def test_pipeline_gradients_equal_no_pipeline(name):
+    """The pipeline's own VJP (with repeats and EP; four stages) and plain autodiff of its scan
+    (remat_policy=none) give the gradients of the unpipelined model."""
+    model, over = CASES[name]
     want = _grads(_config(model, **_reference_overrides(over)))
     got = _grads(_config(model, **over))
     t = tol("float32")

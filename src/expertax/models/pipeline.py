@@ -62,6 +62,7 @@ from expertax.sharding.rules import current_rules, use_rules
 
 PIPELINE = "pipeline"
 ITERATION_INPUT = remat.PIPELINE_ITERATION_INPUT
+PIPELINE_STAGE_WEIGHTS = remat.PIPELINE_STAGE_WEIGHTS
 STATE_AXES = ("stage", "batch", "length", "act_embed")
 SAVED_AXES = (None, *STATE_AXES)
 
@@ -106,9 +107,7 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, layer: LayerFn,
 
     if c.remat_policy == "none":
         # autodiff: every activation kept, except the stage weights indexed per iteration
-        policy = jax.checkpoint_policies.save_anything_except_these_names(
-            remat.PIPELINE_STAGE_WEIGHTS
-        )
+        policy = jax.checkpoint_policies.save_anything_except_these_names(PIPELINE_STAGE_WEIGHTS)
         fwd = jax.checkpoint(stages.forward, policy=policy)
         out_MBTD, acc = _scan(sched, c, fwd, w, x_MBTD, pos_MBT, seg_MBT, acc0)[0]
     else:
@@ -165,14 +164,22 @@ class _Stages:
             return contextlib.nullcontext()
         return use_rules(self.inner_rules)
 
-    def _index(self, w_s, r):
-        """One stage's layers of visit r: [R, Lps, ...] -> [Lps, ...]."""
+    def _visit(self, r):
+        """The repeat index to use: a constant 0 without repeats (no gather under the vmap)."""
+        return 0 if self.sched.r_n == 1 else r
+
+    def _layer_params(self, w_s, r, j):
+        """Layer j of a stage's visit r, [R, Lps, ...] -> [...]: one layer's slice per step, never
+        a copy of the visit's [Lps, ...] weights."""
 
         def index(a):
-            a = a[0] if self.sched.r_n == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False)
-            return remat.tag(a, remat.PIPELINE_STAGE_WEIGHTS)
+            a = jax.lax.dynamic_index_in_dim(a, self._visit(r), 0, False)
+            return remat.tag(jax.lax.dynamic_index_in_dim(a, j, 0, False), PIPELINE_STAGE_WEIGHTS)
 
         return jax.tree.map(index, w_s)
+
+    def _layers(self, w_s):
+        return jnp.arange(jax.tree.leaves(w_s)[0].shape[1], dtype=jnp.int32)
 
     def _vmap(self, fn, in_axes, out_axes=0):
         return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, spmd_axis_name=_spmd_axis())
@@ -181,11 +188,11 @@ class _Stages:
         """(y [S, mb, T, D], per-layer stats [S, Lps, ...] or None)."""
 
         def stage(w_s, r, x, pos, seg):
-            def body(x, p):
-                return self.layer(x, p, pos, seg)
+            def body(x, j):
+                return self.layer(x, self._layer_params(w_s, r, j), pos, seg)
 
             with self._rules():
-                return jax.lax.scan(body, x, self._index(w_s, r))
+                return jax.lax.scan(body, x, self._layers(w_s))
 
         x_SBTD = remat.tag(x_SBTD, ITERATION_INPUT)
         in_axes = (1, 0, 0, 0, None if seg_SBT is None else 0)
@@ -210,21 +217,22 @@ class _Stages:
                 return y, sums(stats)
 
             with self._rules():
-                p_all = self._index(w_s, r)
-                _, xs = jax.lax.scan(lambda x, p: (layer(p, x)[0], x), x, p_all)
+                layers = self._layers(w_s)
+
+                def again(x, j):
+                    return layer(self._layer_params(w_s, r, j), x)[0], x
+
+                _, xs = jax.lax.scan(again, x, layers)
 
                 def back(carry, j):
                     dx, dw_s = carry
-                    p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), p_all)
                     x_j = jax.lax.dynamic_index_in_dim(xs, j, 0, False)
                     ds = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), dsums)
-                    _, vjp = jax.vjp(layer, p, x_j)
+                    _, vjp = jax.vjp(layer, self._layer_params(w_s, r, j), x_j)
                     dp, dx = vjp((dx, ds))
-                    r_ = 0 if self.sched.r_n == 1 else r
-                    dw_s = jax.tree.map(lambda acc, g: _add_at(acc, g, r_, j), dw_s, dp)
+                    dw_s = jax.tree.map(lambda a, g: _add_at(a, g, self._visit(r), j), dw_s, dp)
                     return (dx, dw_s), None
 
-                layers = jnp.arange(jax.tree.leaves(p_all)[0].shape[0], dtype=jnp.int32)
                 (dx, dw_s), _ = jax.lax.scan(back, (dy, dw_s), layers, reverse=True)
             return dx, dw_s
 
