@@ -248,9 +248,12 @@ def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
             start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
             x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_MD, start, tile), 0)
             dy = jax.lax.dynamic_slice_in_dim(dy_MF, start, tile)
-            part_DF = jax.lax.dot_general(
-                x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
+            # XLA:CPU hands a dot to its fast library (the `__ynn_fusion`) only when the lhs
+            # contracts its last dim; `x^T @ dy` written directly contracts dim 0 and runs in
+            # the generic dot, several times slower. The barrier keeps the small transposed
+            # tile a real `[D, tile]` copy (XLA would otherwise fold the transpose back).
+            x_T = jax.lax.optimization_barrier(x.T)
+            part_DF = jnp.matmul(x_T, dy, preferred_element_type=jnp.float32)
             g = item["g"][i]
             old_1DF = jax.lax.dynamic_index_in_dim(dw_EDF, g, keepdims=True)
             return jax.lax.dynamic_update_slice_in_dim(dw_EDF, old_1DF + part_DF[None], g, 0)
