@@ -86,7 +86,8 @@ def gmm(
       tile_rows: `tiled` only; rows per work item for the full chunks of a group.
       tile_rows_min: `tiled` only; smallest tile for the remainder of a group (its last
         `size % tile_rows` rows), which takes the smallest of tile_rows_min * 2^k (< tile_rows)
-        holding it: one work item, fewer than 2x the remainder's rows (+ tile_rows_min) computed.
+        holding it (fewer than 2x the remainder's rows + tile_rows_min computed), or two such
+        tiles where that computes far fewer rows (`_remainder_tiles`).
       given: the output [M, F] when it is already known (see the module docstring).
     """
     backend = resolve_backend(backend)
@@ -134,12 +135,19 @@ def _tile_ladder(n: int, tile_rows: int, tile_rows_min: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
+# An extra work item costs a slice and a packing of its expert's `[D, F]` weights (about three
+# passes over them) on top of its dot; with the dot at ~300 GFLOP/s and those passes at 30-60 GB/s
+# (2-core VM, quiet) that is the dot of ~30-60 rows, whatever D and F. A remainder is split in two
+# items only when that saves at least this many computed rows.
+SPLIT_MIN_SAVED_ROWS = 64
+
+
 def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, ...]):
     """Lists of work items, one list per tile size; each a dict of int32 arrays and counts.
 
     Local group g with rows [s_g, s_g + n_g) yields n_g // big items of `big = tiles[0]` rows,
-    then, if r_g = n_g % big > 0, one item for the remainder in the list of the smallest of
-    `tiles[1:]` holding it. One list per tile size (no `lax.switch` over tile sizes: XLA copies
+    then its remainder r_g = n_g % big > 0 (see `_remainder_tiles`) in at most one item of each
+    list of `tiles[1:]`. One list per tile size (no `lax.switch` over tile sizes: XLA copies
     the loop carry through a conditional, measured 30x slower). Items are ordered by group.
     Rows are clipped to [0, n).
     """
@@ -150,14 +158,10 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
     ends = jax.lax.dynamic_slice_in_dim(ends_E, offset, e_local)
     sizes = jnp.maximum(ends - starts, 0)
     n_full = sizes // big
-    rem = sizes - n_full * big
-    # count of ladder tiles smaller than the remainder; written as a sum of comparisons so no
-    # constant array enters the traced function (a jax.checkpoint would save it as a residual)
-    bucket = sum((rem > t).astype(jnp.int32) for t in rest_tiles)
+    rem_start = starts + n_full * big
     specs = [(n_full, starts, n // big, big)]
-    for k, tile in enumerate(rest_tiles):
-        count = ((rem > 0) & (bucket == k)).astype(jnp.int32)
-        specs.append((count, starts + n_full * big, e_local, tile))
+    for count, first, tile in _remainder_tiles(sizes - n_full * big, rem_start, rest_tiles):
+        specs.append((count, first, e_local, tile))
     lists = []
     for count, first, cap, tile in specs:
         cum = jnp.cumsum(count)
@@ -174,6 +178,35 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
             )
         )
     return lists
+
+
+def _remainder_tiles(rem, rem_start, tiles: tuple[int, ...]):
+    """Per tile of `tiles` (ascending): (0/1 item count per group, first row), covering `rem`.
+
+    A remainder r takes the smallest tile holding it (< 2r + tiles[0] rows computed), or, when
+    that saves at least `SPLIT_MIN_SAVED_ROWS` computed rows, two items: the largest tile h <= r,
+    full, then the smallest tile holding r - h (a 300-row remainder: 256 + 64 rows, not 512).
+    The two tiles differ, so each list gets at most one item per group. Index arithmetic is
+    written as sums of comparisons so no constant array enters the traced function (a
+    jax.checkpoint would save it as a residual).
+    """
+
+    def fit(r):  # index of the smallest tile >= r
+        return sum((r > t).astype(jnp.int32) for t in tiles[:-1])
+
+    def size(k):  # tiles[k] for a traced index k
+        return sum(jnp.where(k == j, t, 0) for j, t in enumerate(tiles))
+
+    head = sum((rem >= t).astype(jnp.int32) for t in tiles) - 1  # largest tile <= r, or -1
+    head_rows = size(head)
+    tail = fit(rem - head_rows)
+    split = (head >= 0) & (rem > head_rows)
+    split &= head_rows + size(tail) + SPLIT_MIN_SAVED_ROWS <= size(fit(rem))
+    one = (rem > 0) & ~split
+    for k, tile in enumerate(tiles):
+        is_tail = split & (tail == k)
+        count = (one & (fit(rem) == k)) | (split & (head == k)) | is_tail
+        yield count.astype(jnp.int32), rem_start + jnp.where(is_tail, head_rows, 0), tile
 
 
 def varying_like(x, *refs):
@@ -248,9 +281,12 @@ def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
             start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
             x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_MD, start, tile), 0)
             dy = jax.lax.dynamic_slice_in_dim(dy_MF, start, tile)
-            part_DF = jax.lax.dot_general(
-                x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
+            # XLA:CPU hands a dot to its fast library (the `__ynn_fusion`) only when the lhs
+            # contracts its last dim; `x^T @ dy` written directly contracts dim 0 and runs in
+            # the generic dot, several times slower. The barrier keeps the small transposed
+            # tile a real `[D, tile]` copy (XLA would otherwise fold the transpose back).
+            x_T = jax.lax.optimization_barrier(x.T)
+            part_DF = jnp.matmul(x_T, dy, preferred_element_type=jnp.float32)
             g = item["g"][i]
             old_1DF = jax.lax.dynamic_index_in_dim(dw_EDF, g, keepdims=True)
             return jax.lax.dynamic_update_slice_in_dim(dw_EDF, old_1DF + part_DF[None], g, 0)

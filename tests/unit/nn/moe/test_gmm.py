@@ -214,6 +214,31 @@ def test_tiled_weight_grad_updates_one_buffer_in_place():
     assert updates, "no in-place update of the gradient carry"
 
 
+def _library_dots(hlo_text):
+    """(dots XLA:CPU hands to its dot library, all dots) in a compiled module's text."""
+    return hlo_text.count('"__ynn_fusion"'), len(re.findall(r" dot\(", hlo_text))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot library (issue #5)")
+def test_tiled_weight_grad_dots_run_in_the_dot_library():
+    """Every per-item dot of the weight gradient is a library fusion, not XLA's generic dot.
+
+    `x_tile^T @ dy_tile` written as a dot contracting dim 0 of both compiles to the generic
+    (several times slower) dot; gmm transposes the small x tile first (docs/design/gmm.md).
+    """
+    e, n, d, f = 6, 96, 40, 56
+    args = (jnp.zeros((n, d)), jnp.zeros((e, d, f)), jnp.zeros((e,), jnp.int32))
+    loss = lambda x, w, s: jnp.sum(gmm(x, w, s, backend="tiled", **TILES) ** 2)
+    library, dots = _library_dots(
+        jax.jit(jax.grad(loss, argnums=1)).lower(*args).compile().as_text()
+    )
+    assert dots > 0 and library == dots, (library, dots)
+    # Negative control: the direct formulation is a generic dot.
+    direct = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ()))))
+    hlo = direct.lower(jnp.zeros((16, d)), jnp.zeros((16, f))).compile().as_text()
+    assert _library_dots(hlo) == (0, 1)
+
+
 def test_invalid_arguments():
     lhs, rhs, _ = _inputs(2)
     sizes = jnp.asarray([1, 2], jnp.int32)
@@ -222,3 +247,40 @@ def test_invalid_arguments():
     with pytest.raises(ValueError, match="tile_rows"):
         gmm(lhs, rhs, sizes, backend="tiled", tile_rows=0)
     assert gmm_lib.resolve_backend("auto") in gmm_lib.BACKENDS[1:]
+
+
+def _computed_rows(sizes, tiles, n):
+    """Rows computed per group (sum of its items' tiles) and rows covered, from the work lists."""
+    items = gmm_lib._work_items(jnp.asarray(sizes, jnp.int32), jnp.int32(0), len(sizes), n, tiles)
+    computed, covered = np.zeros(len(sizes), int), np.zeros(len(sizes), int)
+    for item in items:
+        for i in range(int(item["count"])):
+            g = int(item["g"][i])
+            computed[g] += item["tile"]
+            covered[g] += int(item["row1"][i]) - int(item["row0"][i])
+    return computed.tolist(), covered.tolist()
+
+
+def test_tiled_splits_large_remainders():
+    """A remainder far from a ladder tile runs as two items (300 rows: 256 + 64, not 512)."""
+    sizes, n, d, f = [300, 130, 200, 17, 384, 0], 1100, 8, 12
+    tiles = gmm_lib._tile_ladder(n, 512, 8)  # 512; remainders 8, 16, ..., 256, 512
+    computed, covered = _computed_rows(sizes, tiles, n)
+    assert covered == sizes
+    # 130 -> 128 + 8; 200 stays one 256 tile (128 + 128 saves nothing); 17 -> 32 (split saves
+    # 8 rows, less than SPLIT_MIN_SAVED_ROWS); 384 -> 256 + 128.
+    assert computed == [320, 136, 256, 32, 384, 0]
+    # Negative control: without the split the same remainders take one tile each.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gmm_lib, "SPLIT_MIN_SAVED_ROWS", 10**6)
+        assert _computed_rows(sizes, tiles, n)[0] == [512, 256, 256, 32, 512, 0]
+    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+    lhs = jax.random.normal(k1, (n, d), jnp.float32)
+    rhs = jax.random.normal(k2, (len(sizes), d, f), jnp.float32)
+    cot = jax.random.normal(k3, (n, f), jnp.float32)
+    s = jnp.asarray(sizes, jnp.int32)
+    fn = jax.jit(lambda x, w, s_, o: gmm(x, w, s_, backend="tiled", tile_rows=512))
+    got = _value_and_grads(fn, lhs, rhs, s, None, cot)
+    want = _value_and_grads(oracle, lhs, rhs, s, None, cot)
+    for name, g, w in zip(("out", "d_lhs", "d_rhs"), got, want):
+        np.testing.assert_allclose(g, w, **TOL[jnp.float32], err_msg=name)
