@@ -35,9 +35,10 @@ MEASURED = {
     "cpu": (
         "tiled",
         "2-core AMD EPYC VM, jax 0.10.2, float32",
-        "2026-11-21",
-        "N=4096 D=512 F=1024 fwd vs dense, idle: tiled 0.98x at E=8, 1.3x roofline at E=64; "
-        "ragged_dot 0.12-0.14x at E=8 (expands to E dense matmuls)",
+        "2026-11-24",
+        "expertax bench gmm --backends tiled (benchmarks/results/gmm-cpu.json), idle: "
+        "fwd 0.79x dense at 512 rows/expert, 0.90x at 256; 1.66x roofline at 64, 2.37x at 16; "
+        "ragged_dot 0.12-0.14x at E=8 (2026-11-23 run: expands to E dense matmuls)",
     ),
     "gpu": (
         "tiled",
