@@ -49,6 +49,7 @@ def _check_rows(rows, tol, ref_scale, n):
         assert r["tokens_per_s_per_device"] > 0
 
 
+@pytest.mark.extended  # 95-160 s: the default run keeps the mixtral and pipeline parity tests
 def test_parity_cli_deepseek3_tiny(tmp_path, capfd):
     """Four layouts through the CLI; `capfd` also holds XLA's own (C++) warnings: no layout's
     compile may fall back to replicating a tensor ("involuntary full rematerialization", which the
