@@ -14,9 +14,14 @@ Models (D, layers, heads / kv heads of 64, vocab, MLP from the issue; --dims pic
 fusions) with their total time per step and the jax source ops they were fused from (the HLO
 metadata op_name of the fusion's instructions).
 
+The two steps are timed in turns (`interleaved`), so that a slow spell of a shared machine falls
+on both. `--hugepages on` (the default) re-executes the script with glibc's malloc on transparent
+huge pages, as the `expertax` command runs (expertax.hostmem); torch then runs with them too.
+
 Run: python benchmarks/step_vs_torch.py [--dims mid|small] [--models llama,mixtral]
-     [--remat none|full] [--iters 5] [--profile] [--json PATH] [--set key=value ...]
-Prints one JSON line per (model, framework) and a Markdown table.
+     [--remat none|full] [--iters 10] [--hugepages on|off] [--profile] [--json PATH]
+     [--set key=value ...]
+Prints one JSON line per model and a Markdown table.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import os
 import re
 import statistics
+import sys
 import tempfile
 import time
 
@@ -36,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from expertax import hostmem
 from expertax.config import load_config
 from expertax.train.trainer import build_trainer
 
@@ -101,34 +108,34 @@ def _block(tree):
     jax.block_until_ready(tree)
 
 
-def run_expertax(model, dims, remat, extra, iters, warmup, profile_dir=None):
+def prepare_expertax(model, dims, remat, extra, warmup):
+    """Compile and warm up expertax's step; returns (step() -> loss, compile seconds, trainer
+    context already entered, the compiled step's HLO text, profile(dir, n))."""
     c = expertax_config(model, dims, remat, extra)
     tr = build_trainer(c, devices=jax.devices()[:1])
-    with tr.context():
-        state = tr.init_state()
-        batch = tr.put_batch(synthetic_batch(dims))
-        t0 = time.perf_counter()
-        compiled = tr.jitted_step().lower(state, batch).compile()
-        compile_s = time.perf_counter() - t0
-        for _ in range(warmup):
-            state, metrics = compiled(state, batch)
-        _block(state)
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, batch)
-            _block((state, metrics))
-            times.append((time.perf_counter() - t0) * 1e3)
-        loss = float(metrics["loss"])
-        profile = None
-        if profile_dir is not None:
-            n = 3
-            with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-                for _ in range(n):
-                    state, metrics = compiled(state, batch)
-                    _block((state, metrics))
-            profile = top_ops(profile_dir, compiled.as_text(), n)
-    return dict(times=times, compile_s=compile_s, loss=loss, profile=profile)
+    ctx = tr.context()
+    ctx.__enter__()
+    holder = {"state": tr.init_state()}
+    batch = tr.put_batch(synthetic_batch(dims))
+    t0 = time.perf_counter()
+    compiled = tr.jitted_step().lower(holder["state"], batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    def step():
+        holder["state"], metrics = compiled(holder["state"], batch)
+        _block((holder["state"], metrics))
+        return float(metrics["loss"])
+
+    for _ in range(warmup):
+        step()
+
+    def profile(profile_dir: str, n: int = 3) -> list[dict]:
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for _ in range(n):
+                step()
+        return top_ops(profile_dir, compiled.as_text(), n)
+
+    return step, compile_s, ctx, profile
 
 
 def _hlo_sources(hlo_text: str) -> dict[str, list[str]]:
@@ -149,15 +156,17 @@ def _hlo_sources(hlo_text: str) -> dict[str, list[str]]:
             short = _short_op(op)
             if short not in comp_ops[current]:
                 comp_ops[current].append(short)
+    # every instruction (copies and other ops without metadata too), with its sources if any
     out: dict[str, list[str]] = {}
     for line in hlo_text.splitlines():
         m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*calls=%?([\w.\-]+)", line)
         if m:
             out[m.group(1)] = comp_ops.get(m.group(2), [])
-        else:
-            m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*op_name=\"([^\"]+)\"", line)
-            if m and m.group(1) not in out:
-                out[m.group(1)] = [_short_op(m.group(2))]
+            continue
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+        if m and m.group(1) not in out:
+            op = re.search(r'op_name="([^"]+)"', line)
+            out[m.group(1)] = [_short_op(op.group(1))] if op else []
     return out
 
 
@@ -221,7 +230,8 @@ def torch_model(model: str, dims: dict):
     return MixtralForCausalLM(cfg)
 
 
-def run_torch(model, dims, iters, warmup):
+def prepare_torch(model, dims, warmup):
+    """The torch + transformers step, warmed up: returns step() -> loss."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -249,12 +259,26 @@ def run_torch(model, dims, iters, warmup):
 
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return dict(times=times, loss=loss, threads=torch.get_num_threads())
+    return step
+
+
+def interleaved(steps: dict, iters: int, block: int = 2) -> dict:
+    """Time the named steps in turns: rounds of `block` timed steps of each, after one untimed
+    step that re-warms it (the other's step in between leaves the allocator and caches cold: on
+    the 2-core host an expertax step right after a torch step measured up to 1.8x slower with
+    huge pages on), the order flipped every round. A slow spell of a shared machine then falls
+    on both sides. Returns name -> (`iters` times in ms, last loss)."""
+    times: dict = {k: [] for k in steps}
+    loss: dict = {}
+    names = list(steps)
+    for r in range(-(-iters // block)):
+        for name in names if r % 2 == 0 else names[::-1]:
+            steps[name]()
+            for _ in range(min(block, iters - r * block)):
+                t0 = time.perf_counter()
+                loss[name] = steps[name]()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {k: (times[k], loss[k]) for k in steps}
 
 
 def _parse_sets(sets: list[str]) -> dict:
@@ -274,7 +298,7 @@ def main() -> None:
     ap.add_argument("--dims", choices=sorted(DIMS), default="mid")
     ap.add_argument("--models", default="llama,mixtral")
     ap.add_argument("--remat", default="none")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10, help="timed steps of each, interleaved")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="top XLA ops of the expertax step")
     ap.add_argument("--no-torch", action="store_true", help="time expertax only")
@@ -282,52 +306,67 @@ def main() -> None:
     ap.add_argument(
         "--set", action="append", default=[], help="extra expertax config key=value (repeatable)"
     )
+    ap.add_argument(
+        "--hugepages",
+        choices=("on", "off"),
+        default="on",
+        help="run both sides with glibc's malloc on transparent huge pages (expertax.hostmem;\n"
+        "on: as the expertax command runs) or without (the C library's default)",
+    )
     args = ap.parse_args()
+    hostmem.reexec_with_hugepages(
+        [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], on=args.hugepages == "on"
+    )
     dims = DIMS[args.dims]
     extra = _parse_sets(args.set)
     rows = []
     for model in args.models.split(","):
-        with tempfile.TemporaryDirectory() as prof:
-            ex = run_expertax(
-                model,
-                dims,
-                args.remat,
-                extra,
-                args.iters,
-                args.warmup,
-                prof if args.profile else None,
-            )
-        tc = None if args.no_torch else run_torch(model, dims, args.iters, args.warmup)
-        ex_ms = statistics.median(ex["times"])
+        ex_step, compile_s, ctx, profile = prepare_expertax(
+            model, dims, args.remat, extra, args.warmup
+        )
+        steps = {"expertax": ex_step}
+        if not args.no_torch:
+            steps["torch"] = prepare_torch(model, dims, args.warmup)
+        timed = interleaved(steps, args.iters)
+        ex_times, ex_loss = timed["expertax"]
+        ex_ms = statistics.median(ex_times)
         rec = dict(
             model=model,
             dims=args.dims,
             remat=args.remat,
             set=extra,
             cores=os.cpu_count(),
+            hugepages=hostmem.hugepages_active(),
+            load_average=round(os.getloadavg()[0], 2),
             expertax_ms=round(ex_ms, 1),
-            expertax_times=[round(t, 1) for t in ex["times"]],
-            expertax_compile_s=round(ex["compile_s"], 2),
-            expertax_loss=round(ex["loss"], 4),
+            expertax_times=[round(t, 1) for t in ex_times],
+            expertax_compile_s=round(compile_s, 2),
+            expertax_loss=round(ex_loss, 4),
         )
-        if tc is not None:
-            tc_ms = statistics.median(tc["times"])
+        if "torch" in timed:
+            import torch
+
+            tc_times, tc_loss = timed["torch"]
+            tc_ms = statistics.median(tc_times)
             rec.update(
                 torch_ms=round(tc_ms, 1),
-                torch_times=[round(t, 1) for t in tc["times"]],
-                torch_loss=round(tc["loss"], 4),
-                torch_threads=tc["threads"],
+                torch_times=[round(t, 1) for t in tc_times],
+                torch_loss=round(tc_loss, 4),
+                torch_threads=torch.get_num_threads(),
                 ratio=round(ex_ms / tc_ms, 2),
             )
-        if ex["profile"] is not None:
-            rec["profile"] = ex["profile"]
+        if args.profile:
+            with tempfile.TemporaryDirectory() as prof:
+                rec["profile"] = profile(prof)
+        ctx.__exit__(None, None, None)
         line = json.dumps(rec)
         print(line, flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(line + "\n")
         rows.append(rec)
-    head = f"model ({args.dims}, remat={args.remat})"
+    pages = "huge pages" if hostmem.hugepages_active() else "default pages"
+    head = f"model ({args.dims}, remat={args.remat}, {pages})"
     print(f"\n| {head} | expertax ms | torch ms | ratio | compile s |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -5,11 +5,25 @@ Public API:
     init_params(config, key=None) -> params
     logits(params, tokens, config) -> float32 [B, T, V]
     load_hf(path) -> (config, params)   a HuggingFace DeepSeek-V3 or Mixtral checkpoint
+
+The names load on first use, so that `import expertax.<module>` (the `expertax` command's
+start-up, `expertax.hostmem`) does not import JAX.
 """
 
-from expertax.config import Config, ConfigError, load_config
-from expertax.convert import load_hf
-from expertax.models import abstract_params, init_params, logits
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_MODULE_OF = {
+    "Config": "expertax.config",
+    "ConfigError": "expertax.config",
+    "load_config": "expertax.config",
+    "load_hf": "expertax.convert",
+    "abstract_params": "expertax.models",
+    "init_params": "expertax.models",
+    "logits": "expertax.models",
+}
 
 __all__ = [
     "Config",
@@ -20,3 +34,14 @@ __all__ = [
     "load_hf",
     "logits",
 ]
+
+if TYPE_CHECKING:
+    from expertax.config import Config, ConfigError, load_config
+    from expertax.convert import load_hf
+    from expertax.models import abstract_params, init_params, logits
+
+
+def __getattr__(name: str):
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(_MODULE_OF[name]), name)
+    raise AttributeError(f"module 'expertax' has no attribute {name!r}")
