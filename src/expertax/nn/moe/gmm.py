@@ -36,8 +36,9 @@ MEASURED = {
         "tiled",
         "2-core AMD EPYC VM, jax 0.10.2, float32",
         "2026-11-24",
-        "expertax bench gmm --backends tiled (benchmarks/results/gmm-cpu.json), idle: "
-        "fwd 0.79x dense at 512 rows/expert, 0.90x at 256; 1.66x roofline at 64, 2.37x at 16; "
+        "expertax bench gmm --backends tiled (benchmarks/results/gmm-cpu.json), idle, huge "
+        "pages: fwd 1.11x dense at 512 rows/expert, 0.89x at 256; 1.41x roofline at 64, 2.79x "
+        "at 16; "
         "ragged_dot 0.12-0.14x at E=8 (2026-11-23 run: expands to E dense matmuls)",
     ),
     "gpu": (
