@@ -160,3 +160,15 @@ def test_exit_status_of_the_command_line(tmp_path):
     with pytest.raises(SystemExit) as done:
         cli.main(["bench", "gmm", "--repeats", "many"])
     assert done.value.code == 2
+
+
+def test_the_roofline_target_is_2x_below_64_rows_per_expert(monkeypatch, capsys, tmp_path):
+    """The issue's targets: 1.5x the roofline from 64 rows per expert, 2x below (16 rows)."""
+    extra = ["--backends", "tiled", "--groups", "balanced", "--passes", "fwd"]
+    for experts, limit in ((8, "1.5"), (32, "2.0")):  # N=512: 64 and 16 rows per expert
+        rc, lines, _, _ = _run(
+            monkeypatch, capsys, 1.0, [*extra, "--experts", str(experts)], tmp_path
+        )
+        (r,) = lines[1:]
+        assert rc == 0 and r["experts"] == experts
+        assert r["note"].startswith(f"target ms<={limit}*roofline: ")
