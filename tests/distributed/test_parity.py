@@ -49,7 +49,7 @@ def _check_rows(rows, tol, ref_scale, n):
         assert r["tokens_per_s_per_device"] > 0
 
 
-@pytest.mark.extended  # 95-160 s: the default run keeps the mixtral and pipeline parity tests
+@pytest.mark.extended  # 95-160 s: the default run keeps the pipeline parity test
 def test_parity_cli_deepseek3_tiny(tmp_path, capfd):
     """Four layouts through the CLI; `capfd` also holds XLA's own (C++) warnings: no layout's
     compile may fall back to replicating a tensor ("involuntary full rematerialization", which the
@@ -110,6 +110,7 @@ def _swap_expert_shards(ep: int):
     return corrupt
 
 
+@pytest.mark.extended  # 150 s on 2 cores: the default run keeps the pipeline parity test
 def test_parity_mixtral_tiny_with_negative_control():
     c = load_config(overrides=["model_name=mixtral-tiny", "base_num_decoder_layers=1", *SMALL])
     names = [
