@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -108,13 +109,12 @@ def _block(tree):
     jax.block_until_ready(tree)
 
 
-def prepare_expertax(model, dims, remat, extra, warmup):
-    """Compile and warm up expertax's step; returns (step() -> loss, compile seconds, trainer
-    context already entered, the compiled step's HLO text, profile(dir, n))."""
+def prepare_expertax(model, dims, remat, extra, warmup, stack: contextlib.ExitStack):
+    """Compile and warm up expertax's step inside the trainer's context (entered on `stack`);
+    returns (step() -> loss, compile seconds, profile(dir, n) -> top ops)."""
     c = expertax_config(model, dims, remat, extra)
     tr = build_trainer(c, devices=jax.devices()[:1])
-    ctx = tr.context()
-    ctx.__enter__()
+    stack.enter_context(tr.context())
     holder = {"state": tr.init_state()}
     batch = tr.put_batch(synthetic_batch(dims))
     t0 = time.perf_counter()
@@ -135,7 +135,7 @@ def prepare_expertax(model, dims, remat, extra, warmup):
                 step()
         return top_ops(profile_dir, compiled.as_text(), n)
 
-    return step, compile_s, ctx, profile
+    return step, compile_s, profile
 
 
 def _hlo_sources(hlo_text: str) -> dict[str, list[str]]:
@@ -321,8 +321,9 @@ def main() -> None:
     extra = _parse_sets(args.set)
     rows = []
     for model in args.models.split(","):
-        ex_step, compile_s, ctx, profile = prepare_expertax(
-            model, dims, args.remat, extra, args.warmup
+        stack = contextlib.ExitStack()
+        ex_step, compile_s, profile = prepare_expertax(
+            model, dims, args.remat, extra, args.warmup, stack
         )
         steps = {"expertax": ex_step}
         if not args.no_torch:
@@ -358,7 +359,7 @@ def main() -> None:
         if args.profile:
             with tempfile.TemporaryDirectory() as prof:
                 rec["profile"] = profile(prof)
-        ctx.__exit__(None, None, None)
+        stack.close()
         line = json.dumps(rec)
         print(line, flush=True)
         if args.json:
