@@ -10,13 +10,14 @@ over the sorted rows, unsort, weighted combine. Dropless by construction. `dropp
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.moe.gmm import gmm
+from expertax.nn.moe.gmm import gmm, varying_like
 from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.parallel import remat
 
@@ -64,7 +65,7 @@ def permute(x_ND, experts_NK, num_experts):
     k = experts_NK.shape[1]
     flat = experts_NK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    rows = jnp.take(x_ND, order // k, axis=0)
+    rows = take_rows(x_ND, order, k)
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
     return rows, order, sizes
 
@@ -76,13 +77,56 @@ def unpermute_combine(y_sorted, order, weights_NK, c: Config, dtype):
     float32 (one expert slot at a time: no float32 copy of the N*K rows, forward or backward).
     """
     n, k = weights_NK.shape
-    y_NKD = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
+    y_NKD = take_rows(y_sorted, inverse_permutation(order), 1).reshape(n, k, -1)
     acc = jnp.float32 if c.float32_weight_sum else dtype
     w_NK = weights_NK.astype(acc)
     out_ND = y_NKD[:, 0].astype(acc) * w_NK[:, 0:1]
     for j in range(1, k):
         out_ND = out_ND + y_NKD[:, j].astype(acc) * w_NK[:, j : j + 1]
     return out_ND.astype(dtype)
+
+
+def inverse_permutation(order_M):
+    """`inv` with `inv[order[m]] = m` (an int scatter of M indices, no row data)."""
+    m = order_M.shape[0]
+    iota = jnp.arange(m, dtype=order_M.dtype)
+    return varying_like(jnp.zeros_like(order_M), order_M).at[order_M].set(iota)
+
+
+def take_rows(x_ND, order_M, k: int):
+    """`x[order // k]` for a permutation `order` of the N*k (row, copy) slots: [N*k, D].
+
+    Both directions are gathers: the gradient of row n is the sum of the output rows of its k
+    slots, `dy[inv].reshape(N, k, D).sum(1)` with `inv` the inverse permutation, where
+    autodiff of `jnp.take` would scatter-add (XLA:CPU expands a scatter of rows into a
+    sort-based loop: ~20 ms of a Mixtral-like step, issue 15).
+    """
+    args = tuple(varying_like(a, x_ND, order_M) for a in (x_ND, order_M.astype(jnp.int32)))
+    return _take_rows(*args, k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _take_rows(x_ND, order_M, k):
+    return jnp.take(x_ND, order_M // k, axis=0)
+
+
+def _take_rows_fwd(x_ND, order_M, k):
+    return jnp.take(x_ND, order_M // k, axis=0), order_M
+
+
+def _take_rows_bwd(k, order_M, dy_MD):
+    g_MD = jnp.take(dy_MD, inverse_permutation(order_M), axis=0)
+    if k == 1:
+        return g_MD, None
+    n, d = g_MD.shape[0] // k, g_MD.shape[1]
+    g_NKD = g_MD.reshape(n, k, d)
+    dx_ND = g_NKD[:, 0]
+    for j in range(1, k):
+        dx_ND = dx_ND + g_NKD[:, j]
+    return dx_ND, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def sparse(x_ND, routing, p, c: Config, dtype, stash: Stash | None = None):
