@@ -20,7 +20,7 @@ from expertax.models import pipeline
 from expertax.train import step as step_mod
 from expertax.train.checkpoint import Checkpointer
 from expertax.train.trainer import build_trainer
-from tests.tolerances import tol
+from tests.tolerances import AFTER_ROUTING_FLIP, tol
 
 GLOBAL_BATCH = 16
 STEPS = 5
@@ -81,11 +81,14 @@ def _grads(c):
 def _assert_same_training(got, want):
     """Losses within the float32 tolerance at every step (as `expertax parity`); at the first
     step also the load-balance loss, the gradient norm and the expert loads (exact counts).
-    Later steps' loads may differ by a token whose top-k choice is a near tie that float32
-    reordering flips (seen once in 5 steps at pp=4), and then grad_norm moves by ~1e-4."""
+    A later step's loads may differ by a token whose top-k choice is a near tie that float32
+    reordering flips (seen at pp=4, and in mixtral-l4-partial2-pp2 at step 4 of 5); from the
+    first step whose loads differ, the losses are held to `AFTER_ROUTING_FLIP` instead."""
     t = tol("float32")
-    for (loss, _, _, _), (loss0, _, _, _) in zip(got, want, strict=True):
-        np.testing.assert_allclose(loss, loss0, rtol=t["rtol"], atol=t["atol"])
+    flipped = False
+    for (loss, _, _, load), (loss0, _, _, load0) in zip(got, want, strict=True):
+        flipped = flipped or (load0 is not None and not np.array_equal(load, load0))
+        np.testing.assert_allclose(loss, loss0, **(AFTER_ROUTING_FLIP if flipped else t))
     (_, lb, gn, load), (_, lb0, gn0, load0) = got[0], want[0]
     np.testing.assert_allclose(lb, lb0, rtol=t["rtol"], atol=t["atol"])
     np.testing.assert_allclose(gn, gn0, rtol=t["rtol"], atol=t["atol"])
