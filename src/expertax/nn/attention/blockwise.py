@@ -125,8 +125,9 @@ def _backward(scale, res, d_out):
     transposed ([Q, J * bq]: K^T dS^T) and transposed once at the end. In the queries-first
     layout XLA:CPU copied P and dS into that layout for every block pair (two transposing
     passes over each float32 block, outside the fast matmul library); the five matmuls are the
-    same. Measured (2-core CPU, float32, H=16, Q=96, O=64, blocks of 512): forward+backward
-    590 -> 417 ms at T=2048, 2023 -> 1423 ms at T=4096; unchanged at T=512.
+    same. `benchmarks/attention.py` (2-core CPU, float32, H=16, Q=96, O=64, blocks of 512):
+    forward+backward 0.64-0.74x the queries-first time at T=1024-4096, within noise at T=512
+    (BENCHMARKS.md).
     """
     q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, out, lse = res
     nq, bq = q_blocks.shape[0], q_blocks.shape[4]
@@ -142,7 +143,9 @@ def _backward(scale, res, d_out):
             dq_acc, dk_BGSQ, dv_BGSO = carry
             q_blk, do_blk = q_blocks[i], d_out[i]
             seg_q_blk = None if seg_q_blocks is None else seg_q_blocks[i]
-            s, mask = _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, True)
+            s, mask = _block_scores(
+                q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, keys_first=True
+            )
             p = jnp.where(mask, jnp.exp(s - lse[i][:, :, None]), 0.0)
             dv_BGSO += jnp.einsum(
                 "bgsjt,bgjto->bgso",
@@ -175,7 +178,7 @@ def _backward(scale, res, d_out):
         dq_acc, dk, dv = jax.lax.fori_loop(first, nq, one_query_block, init)
         return dq_acc, (dk.astype(k_blk.dtype), dv.astype(v_blk.dtype))
 
-    b, g, r, qd = q_blocks.shape[1], q_blocks.shape[2], q_blocks.shape[3], q_blocks.shape[5]
+    _, b, g, r, _, qd = q_blocks.shape
     dq0 = jnp.zeros((nq, b, g, qd, r, bq), jnp.float32)  # dQ^T per query block
     dq_t, (dk, dv) = jax.lax.scan(
         one_key_block, dq0, (jnp.arange(nk), k_blocks, v_blocks, seg_k_blocks)

@@ -111,15 +111,14 @@ def _take_rows(x_ND, order_M, k):
 
 
 def _take_rows_fwd(x_ND, order_M, k):
-    return jnp.take(x_ND, order_M // k, axis=0), order_M
+    return _take_rows(x_ND, order_M, k), order_M
 
 
 def _take_rows_bwd(k, order_M, dy_MD):
     g_MD = jnp.take(dy_MD, inverse_permutation(order_M), axis=0)
-    if k == 1:
-        return g_MD, None
-    n, d = g_MD.shape[0] // k, g_MD.shape[1]
-    g_NKD = g_MD.reshape(n, k, d)
+    # Added slot by slot, not `.sum(axis=1)`: jnp.sum accumulates bfloat16 in float32, which
+    # would put float32 [N, D] rows into the bfloat16 path (tests/distributed/test_ep.py).
+    g_NKD = g_MD.reshape(-1, k, g_MD.shape[1])
     dx_ND = g_NKD[:, 0]
     for j in range(1, k):
         dx_ND = dx_ND + g_NKD[:, j]

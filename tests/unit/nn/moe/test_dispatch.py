@@ -52,13 +52,16 @@ def test_permute_and_unpermute_equal_plain_autodiff(seed):
         np.testing.assert_allclose(g, w, **tol())
 
 
-def test_a_wrong_inverse_fails_the_comparison():
-    """Negative control: the same comparison catches a backward pass that unsorts wrongly."""
+def test_a_backward_without_the_inverse_fails_the_comparison(monkeypatch):
+    """Negative control: the same comparison catches a backward pass that gathers by the
+    sort order itself instead of its inverse (the forward pass is unchanged)."""
     x, experts, _ = _inputs()
     order = jnp.argsort(experts.reshape(-1), stable=True)
     cot = jax.random.normal(jax.random.key(9), (N * K, D))
     _, vjp_want = jax.vjp(lambda a: jnp.take(a, order // K, axis=0), x)
-    _, vjp_bad = jax.vjp(lambda a: dispatch.take_rows(a, jnp.roll(order, 1), K), x)
+    monkeypatch.setattr(dispatch, "inverse_permutation", lambda o: o)
+    got, vjp_bad = jax.vjp(lambda a: dispatch.take_rows(a, order, K), x)
+    np.testing.assert_array_equal(got, jnp.take(x, order // K, axis=0))
     assert not np.allclose(vjp_bad(cot)[0], vjp_want(cot)[0], **tol())
 
 
