@@ -19,11 +19,14 @@ row gathers and the scatter-back), or other; control flow (while, conditional, c
 out, its body's instructions are counted instead. Shares are of the summed event time of all
 devices; collectives (`collective`, their own share) include their waiting time.
 
-Run: python benchmarks/moe_layer.py [--iters 5] [--json PATH] [--routing balanced] [--ep 1 8]
-(sets 8 host devices when on CPU). Prints one JSON line per case, then a Markdown table;
-`--json PATH` also writes {"shape": ..., "rows": [{routing, strategy, ep, us_per_routed_token,
-max_load_ratio, dispatch_bytes, ideal_bytes, allreduce_bytes, sort_share, gather_share,
-collective_share}]} (shares null where not profiled).
+Every case is compiled first; then all are timed together, one call each per round, `--iters`
+rounds in alternating order, and each case reports its median call.
+
+Run: python benchmarks/moe_layer.py [--iters 5] [--length 128] [--json PATH] [--routing
+balanced] [--ep 1 8] (sets 8 host devices when on CPU). Prints one JSON line per case, then a
+Markdown table; `--json PATH` also writes {"shape": ..., "rows": [{routing, strategy, ep,
+us_per_routed_token, max_load_ratio, dispatch_bytes, ideal_bytes, allreduce_bytes, sort_share,
+gather_share, collective_share}]} (shares null where not profiled).
 """
 
 from __future__ import annotations
@@ -205,28 +208,39 @@ def loss(p, x, c):
     return jnp.sum(y * y), st.load_E
 
 
-def time_case(c, p, x, mesh, iters, profile=False):
+def compile_case(c, p, x, mesh, profile_iters=0):
+    """(call() -> blocks, collective bytes, max/mean expert load, profile shares)."""
     # Gradients for the weights and the input, as inside a model (the input's gradient needs
     # the transposed forward all-to-all / all-gather).
     f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
     if mesh is None:
         compiled = f.lower(p, x, c).compile()
-        args = (p, x)
     else:
         with jax.set_mesh(mesh), use_rules(config_rules(c)):
             p = jax.device_put(p, param.shardings(layer.spec(c), mesh, config_rules(c)))
             compiled = f.lower(p, x, c).compile()
-        args = (p, x)
-    out = compiled(*args)
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = compiled(*args)
-    jax.block_until_ready(out)
-    dt = (time.perf_counter() - t0) / iters
+    args = (p, x)
+    out = jax.block_until_ready(compiled(*args))
     load = np.asarray(out[0][1])
-    shares = profile_shares(compiled, args, iters) if profile else {}
-    return dt, collective_bytes(compiled.as_text()), float(load.max() / load.mean()), shares
+    shares = profile_shares(compiled, args, profile_iters) if profile_iters else {}
+
+    def call():
+        jax.block_until_ready(compiled(*args))
+
+    return call, collective_bytes(compiled.as_text()), float(load.max() / load.mean()), shares
+
+
+def median_call_s(calls: list, iters: int) -> list[float]:
+    """Median seconds per call of each of `calls`, timed in `iters` interleaved rounds (order
+    reversed every other round) so that the machine's drift falls on all of them alike."""
+    times: list[list[float]] = [[] for _ in calls]
+    for r in range(iters):
+        order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))
+        for i in order:
+            t0 = time.perf_counter()
+            calls[i]()
+            times[i].append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in times]
 
 
 def ideal_bytes(strategy: str, epn: int) -> int:
@@ -241,25 +255,27 @@ def ideal_bytes(strategy: str, epn: int) -> int:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=5, help="timed rounds (median per case)")
+    ap.add_argument("--length", type=int, default=SHAPE["length"], help="tokens per sequence")
     ap.add_argument("--json", help="also write the rows (and profile shares) to this file")
     ap.add_argument("--routing", nargs="+", default=["balanced", "skewed"])
     ap.add_argument("--ep", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--strategy", nargs="+", default=["a2a", "ring"])
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     args = ap.parse_args()
+    SHAPE["length"] = args.length
     impl = ep.resolve_a2a_impl(load_config(overrides={"model_name": "mixtral-tiny"}))
     routed = SHAPE["batch"] * SHAPE["length"] * SHAPE["k"]
-    rows = []
+    rows, calls = [], []
     for skewed in [r == "skewed" for r in args.routing]:
         c0, p, x = make_case(skewed)
-        dt, _, ratio, _ = time_case(c0, p, x, None, args.iters)
+        call, _, ratio, _ = compile_case(c0, p, x, None)
+        calls.append(call)
         rows.append(
             dict(
                 routing="skewed" if skewed else "balanced",
                 strategy="no mesh",
                 ep=1,
-                us_per_routed_token=dt / routed * 1e6,
                 max_load_ratio=ratio,
                 dispatch_bytes=0,
                 ideal_bytes=0,
@@ -269,7 +285,6 @@ def main():
                 collective_share=None,
             )
         )
-        print(json.dumps(rows[-1]), flush=True)
         for epn in args.ep:
             for strategy in args.strategy:
                 c = c0.model_copy(
@@ -281,13 +296,15 @@ def main():
                     }
                 )
                 prof = args.profile and not skewed and epn in (1, 8)
-                dt, coll, ratio, shares = time_case(c, p, x, make_mesh(c), args.iters, prof)
+                call, coll, ratio, shares = compile_case(
+                    c, p, x, make_mesh(c), args.iters if prof else 0
+                )
+                calls.append(call)
                 rows.append(
                     dict(
                         routing="skewed" if skewed else "balanced",
                         strategy=strategy if strategy == "ring" else f"a2a-{impl}",
                         ep=epn,
-                        us_per_routed_token=dt / routed * 1e6,
                         max_load_ratio=ratio,
                         dispatch_bytes=sum(coll.get(k, 0) for k in DISPATCH_OPS),
                         ideal_bytes=ideal_bytes(strategy, epn),
@@ -297,7 +314,9 @@ def main():
                         collective_share=shares.get("collective_share"),
                     )
                 )
-                print(json.dumps(rows[-1]), flush=True)
+    for row, seconds in zip(rows, median_call_s(calls, args.iters), strict=True):
+        row["us_per_routed_token"] = seconds / routed * 1e6
+        print(json.dumps(row), flush=True)
     print(f"\nshape {SHAPE}, float32, fwd+bwd of one MoE layer; bytes per device per layer")
     print(
         "| routing | strategy | EP | us / routed token | max load / mean | dispatch bytes "
