@@ -60,30 +60,50 @@ def exchange_case(rng, rows=12, out_rows=40, empty_peer=True):
     return operand, send, in_off, out_off
 
 
+def numpy_ragged_all_to_all_vjp(ct_outputs, rows, in_off, send, out_off):
+    """The transpose of that linear map: (cotangent of each operand, of each initial output)."""
+    ct_operands = [np.zeros((rows, *ct.shape[1:]), ct.dtype) for ct in ct_outputs]
+    ct_initial = [ct.copy() for ct in ct_outputs]
+    for src in range(len(ct_outputs)):
+        for dst in range(len(ct_outputs)):
+            n, o = send[src][dst], out_off[src][dst]
+            ct_operands[src][in_off[src][dst] : in_off[src][dst] + n] = ct_outputs[dst][o : o + n]
+            ct_initial[dst][o : o + n] = 0.0  # written rows do not depend on the initial output
+    return ct_operands, ct_initial
+
+
+def _padded_exchange(block_rows):
+    def body(x, out, io, ss, oo, rs):
+        return ep.padded_all_to_all(
+            x[0], out[0], io[0], ss[0], oo[0], rs[0], axis_name="expert", block_rows=block_rows
+        )[None]
+
+    spec = P("expert")
+    return jax.shard_map(body, mesh=expert_mesh(), in_specs=(spec,) * 6, out_specs=spec)
+
+
+# Blocks of 1 and 2 rows take several rounds for the longer chunks; send.max() takes one.
+@pytest.mark.parametrize("block", [1, 2, None])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_padded_all_to_all_matches_numpy_ragged_model(seed):
+def test_padded_all_to_all_matches_numpy_ragged_model_with_gradients(seed, block):
     rng = np.random.default_rng(seed)
     operand, send, in_off, out_off = exchange_case(rng)
     out_rows = 40
     initial = np.full((EP, out_rows, 3), -7.0, np.float32)  # unwritten rows must keep this
-
-    def body(x, out, io, ss, oo, rs):
-        return ep.padded_all_to_all(
-            x[0], out[0], io[0], ss[0], oo[0], rs[0], axis_name="expert", block_rows=int(send.max())
-        )[None]
-
-    spec = P("expert")
-    fn = jax.jit(jax.shard_map(body, mesh=expert_mesh(), in_specs=(spec,) * 6, out_specs=spec))
-    got = fn(
-        operand,
-        initial,
-        in_off.astype(np.int32),
-        send.astype(np.int32),
-        out_off.astype(np.int32),
-        send.T.copy().astype(np.int32),
-    )
+    exchange = _padded_exchange(block or int(send.max()))
+    ints = [a.astype(np.int32) for a in (in_off, send, out_off, send.T.copy())]
+    got = jax.jit(exchange)(operand, initial, *ints)
     want = numpy_ragged_all_to_all(list(operand), list(initial), in_off, send, out_off, send.T)
     np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+
+    ct = rng.normal(size=initial.shape).astype(np.float32)
+    _, vjp = jax.vjp(lambda x, out: exchange(x, out, *ints), operand, initial)
+    ct_operand, ct_initial = vjp(ct)
+    want_operand, want_initial = numpy_ragged_all_to_all_vjp(
+        list(ct), operand.shape[1], in_off, send, out_off
+    )
+    np.testing.assert_array_equal(np.asarray(ct_operand), np.stack(want_operand))
+    np.testing.assert_array_equal(np.asarray(ct_initial), np.stack(want_initial))
 
 
 def _plan_roundtrip(experts_PNK, buffer_factor=-1.0, num_experts=16):
@@ -359,8 +379,9 @@ def _shapes(text, op):
 
 
 def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
-    """a2a (padded, on CPU): per-peer blocks of N*min(K, X) rows and the receive buffer of
-    M = P*N*min(K, X) rows are a quarter with 4 chunks; ring: gathered rows [P*N, D] too.
+    """a2a (padded, on CPU): per-peer blocks of one round (`ep.padded_block_rows`: twice the
+    mean a peer gets, N*K/P) and the receive buffer of M = P*N*min(K, X) rows are a quarter
+    with 4 chunks; ring: gathered rows [P*N, D] too.
     (XLA:CPU splits the all-to-all per peer, [1, block, D], and runs bfloat16 collectives in
     float32, so the collectives' shapes are compared without their dtype.)"""
     c1, _, hlo1 = _compiled_bf16([])
@@ -369,9 +390,11 @@ def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
     k_x = min(c1.num_experts_per_tok, c1.num_experts // p)
     blocks1 = {s for _, s in _shapes(hlo1, "all-to-all") if len(s) == 3}
     blocks4 = {s for _, s in _shapes(hlo4, "all-to-all") if len(s) == 3}
-    assert blocks1 == {(1, n * k_x, d)}, blocks1
-    assert blocks4 == {(1, n * k_x // 4, d)}, blocks4
     m1, m4 = p * n * k_x, p * n * k_x // 4  # receive buffer rows
+    block1, block4 = ep.padded_block_rows(c1, n, p, m1), ep.padded_block_rows(c1, n // 4, p, m4)
+    assert block1 == 2 * n * c1.num_experts_per_tok // p and block4 == block1 // 4
+    assert blocks1 == {(1, block1, d)}, blocks1
+    assert blocks4 == {(1, block4, d)}, blocks4
     assert f"bf16[{m1},{d}]" in hlo1 and f"[{m1},{d}]" not in hlo4
     assert f"bf16[{m4},{d}]" in hlo4
     _, _, ring1 = _compiled_bf16(["use_ring_of_experts=true"])
@@ -402,7 +425,8 @@ def test_rows_stay_in_bfloat16_through_dispatch_exchange_and_combine(strategy):
     d, p, n, k = c.base_emb_dim, 4, 32, c.num_experts_per_tok
     k_x = min(k, c.num_experts // p)
     if strategy == "a2a":
-        rows = {n * k, p * n * k_x, n * k_x}  # sorted rows, receive buffer, per-peer block
+        block = ep.padded_block_rows(c, n, p, p * n * k_x)
+        rows = {n * k, p * n * k_x, block}  # sorted rows, receive buffer, per-peer block
     else:
         rows = {p * n * k}  # the gathered tokens' sorted rows
     # (ring: [P*N, D] float32 is the combine accumulator over the gathered tokens; the gathered

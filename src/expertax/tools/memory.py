@@ -623,8 +623,8 @@ def plan_notes(c: Config, trainer) -> list[str]:
     if c.is_moe and c.sparse_matmul and ep > 1 and not c.use_ring_of_experts:
         notes.append(
             "the MoE all-to-all is compiled as its padded stand-in (XLA:CPU has no "
-            "ragged_all_to_all, not even to compile): per-peer blocks of the worst-case rows "
-            "that a GPU's ragged exchange does not hold"
+            "ragged_all_to_all, not even to compile): per-peer blocks of twice the mean rows "
+            "a peer gets, sent in rounds, that a GPU's ragged exchange does not hold"
         )
     if c.is_moe and jnp.dtype(c.dtype) != jnp.float32:
         notes.append(

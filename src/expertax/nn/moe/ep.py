@@ -27,6 +27,7 @@ experts, X = E/P local experts, D model dim, F MLP dim.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -36,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from expertax.config.schema import Config
 from expertax.nn.moe import chunks, dispatch, router, rows
 from expertax.nn.moe import stash as stash_mod
-from expertax.nn.moe.gmm import varying_over
+from expertax.nn.moe.gmm import varying_axes, varying_over
 from expertax.nn.moe.stash import Stash
 from expertax.nn.moe.strategy import EXPERT, moe_specs, resolve_a2a_impl
 from expertax.nn.param import params_dataclass
@@ -71,6 +72,7 @@ class ExchangePlan:
     rev_out_off: jax.Array  # [P]
     rev_recv: jax.Array  # [P]
     recv_counts_PX: jax.Array  # [P, X]
+    longest: jax.Array  # scalar int32: the most rows any shard sends any peer (either way)
     dropped: jax.Array  # scalar int32: rows of this expert group that did not fit, all shards
 
 
@@ -103,6 +105,7 @@ def make_plan(counts_PE: jax.Array, me: jax.Array, buffer_rows: int) -> Exchange
         rev_out_off=chunk_start_PP[:, me],
         rev_recv=sent_PP[me],
         recv_counts_PX=kept_PPX[:, me, :],
+        longest=jnp.max(sent_PP),
         dropped=jnp.sum(full_PPX) - jnp.sum(kept_PPX),
     )
 
@@ -120,6 +123,102 @@ def buffer_rows(c: Config, num_rows_routed: int, num_tokens: int, ep: int) -> in
 # All-to-all implementations with `jax.lax.ragged_all_to_all`'s semantics.
 
 
+# Rows per peer block in one round of the padded all-to-all, in units of the mean rows one peer
+# gets (N*K/P). A pair's chunk larger than the block goes in further rounds, so balanced routing
+# moves about this factor x the routed rows in one round, and a skewed pair costs rounds, not a
+# worst-case block for every pair. 2 never moves more than the single worst-case block did while
+# X >= K (the static block was N*min(K, X) = P x the mean).
+PADDED_ROUND_FACTOR = 2
+
+
+def _rows_mask(mask_R, like):
+    return mask_R.reshape(mask_R.shape + (1,) * (like.ndim - mask_R.ndim))
+
+
+def _exchange_rounds(
+    operand, output, in_off, send, recv_off, recv, longest, *, axis_name, block_rows
+):
+    """The padded exchange: in round q, peer j gets rows `[q*block, (q+1)*block)` of this shard's
+    chunk for it (`operand[in_off[j]:][:send[j]]`, zero-padded); the receiver writes the first
+    `recv[i]` rows of source i's chunk at `recv_off[i]` of `output` (its own offsets). Rounds run
+    until the longest chunk of any pair (`longest`, the same on every shard) has moved."""
+    n, m = operand.shape[0], output.shape[0]
+    r = jnp.arange(block_rows, dtype=jnp.int32)
+    rounds = (longest + block_rows - 1) // block_rows
+    # One spare block at the end: every source's block is written with a static-size update at
+    # its offset, never clamped while it holds a real row (recv_off[i] + start < m).
+    pad = jnp.zeros((block_rows, *output.shape[1:]), output.dtype)
+    # The loop's carry varies over every manual axis any input (and the exchange) varies over.
+    axes = {axis_name}.union(
+        *(varying_axes(a) for a in (operand, output, in_off, send, recv_off, recv))
+    )
+    out = varying_over(jnp.concatenate([output, pad]), axes)
+
+    def one_round(q, out):
+        start = q * block_rows
+        valid = start + r[None, :] < send[:, None]  # [P, block]
+        src = jnp.clip(in_off[:, None] + start + r[None, :], 0, n - 1)
+        blocks = jnp.where(_rows_mask(valid, operand[None]), jnp.take(operand, src, axis=0), 0)
+        got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [P, block, ...] by source
+        for i in range(send.shape[0]):
+            at = recv_off[i] + start
+            keep = _rows_mask(start + r < recv[i], got[i])
+            old = jax.lax.dynamic_slice_in_dim(out, at, block_rows)
+            out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, got[i], old), at, 0)
+        return out
+
+    return jax.lax.fori_loop(0, rounds, one_round, out)[:m]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _padded(operand, output, in_off, send, recv_off, recv, longest, axis_name, block_rows, n_rows):
+    return _padded_fwd(
+        operand, output, in_off, send, recv_off, recv, longest, axis_name, block_rows, n_rows
+    )[0]
+
+
+def _padded_fwd(
+    operand, output, in_off, send, recv_off, recv, longest, axis_name, block_rows, n_rows
+):
+    out = _exchange_rounds(
+        operand,
+        output,
+        in_off,
+        send,
+        recv_off,
+        recv,
+        longest,
+        axis_name=axis_name,
+        block_rows=block_rows,
+    )
+    return out, (in_off, send, recv_off, recv, longest)
+
+
+def _padded_bwd(axis_name, block_rows, n_rows, res, ct_out):
+    """The transpose is the mirrored exchange: each receiver sends the cotangents of the rows it
+    got back to their source, which puts them where they came from (its own `in_off`). Output
+    rows that were written get no cotangent through `output`."""
+    in_off, send, recv_off, recv, longest = res
+    ct_operand = _exchange_rounds(
+        ct_out,
+        jnp.zeros((n_rows, *ct_out.shape[1:]), ct_out.dtype),
+        recv_off,
+        recv,
+        in_off,
+        send,
+        longest,
+        axis_name=axis_name,
+        block_rows=block_rows,
+    )
+    pos = jnp.arange(ct_out.shape[0], dtype=jnp.int32)[None, :]
+    written = jnp.any((pos >= recv_off[:, None]) & (pos < (recv_off + recv)[:, None]), axis=0)
+    ct_output = jnp.where(_rows_mask(written, ct_out), jnp.zeros((), ct_out.dtype), ct_out)
+    return ct_operand, ct_output, None, None, None, None, None
+
+
+_padded.defvjp(_padded_fwd, _padded_bwd)
+
+
 def padded_all_to_all(
     operand,
     output,
@@ -130,35 +229,63 @@ def padded_all_to_all(
     *,
     axis_name: str,
     block_rows: int,
+    longest=None,
+    recv_offsets=None,
 ):
-    """`ragged_all_to_all` from `all_to_all` over per-peer blocks of `block_rows` rows.
+    """`ragged_all_to_all` from `all_to_all`, in rounds of per-peer blocks of `block_rows` rows.
 
-    Peer j's block holds `operand[input_offsets[j]:][:send_sizes[j]]`, zero-padded; the receiver
-    scatters the first `recv_sizes[i]` rows of source i's block at the offset source i chose
-    (`output_offsets`, sent along). Rows of `output` nobody writes keep their value. Needs
-    `send_sizes <= block_rows`. Moves P * block_rows rows per shard instead of the ragged sum.
+    Peer j's chunk is `operand[input_offsets[j]:][:send_sizes[j]]`; it travels in zero-padded
+    blocks of `block_rows` rows, one per round, for as many rounds as the longest chunk of any
+    pair needs (`longest`, known from the exchange plan; one `pmax` over the axis when not
+    given; see `PADDED_ROUND_FACTOR`); the receiver writes the first `recv_sizes[i]` rows of
+    source i's chunk at the offset source i chose (`output_offsets`, sent along, unless the
+    receiver already knows them: `recv_offsets[i]`, as the exchange plan does). Rows of
+    `output` nobody writes keep their value. Each round moves P * block_rows rows per shard.
+    Its own VJP (the mirrored exchange), since the round count is dynamic.
     """
-    n = operand.shape[0]
-    r = jnp.arange(block_rows, dtype=jnp.int32)
-    src_idx = input_offsets[:, None] + r[None, :]  # [P, block]
-    valid = r[None, :] < send_sizes[:, None]
-    blocks = jnp.take(operand, jnp.clip(src_idx, 0, n - 1), axis=0)
-    blocks = jnp.where(valid[..., None], blocks, jnp.zeros((), operand.dtype))
-    got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [P, block, D], by source
-    their_off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # [P]
-    dst = their_off[:, None] + r[None, :]
-    dst = jnp.where(r[None, :] < recv_sizes[:, None], dst, output.shape[0])  # dropped: OOB
-    return output.at[dst.reshape(-1)].set(got.reshape(-1, *got.shape[2:]), mode="drop")
+    # The rows are marked varying over every axis the exchange's result varies over, so the
+    # VJP's cotangents have their primals' types (JAX sums them over the added axes).
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    axes = {axis_name}.union(*(varying_axes(a) for a in args))
+    if longest is None:
+        longest = jax.lax.pmax(jnp.max(send_sizes), axis_name)
+    if recv_offsets is None:
+        recv_offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    return _padded(
+        varying_over(operand, axes),
+        varying_over(output, axes),
+        input_offsets,
+        send_sizes,
+        recv_offsets,
+        recv_sizes,
+        longest,
+        axis_name,
+        block_rows,
+        operand.shape[0],
+    )
 
 
-def all_to_all(impl: str, operand, output, in_off, send, out_off, recv, *, block_rows: int):
-    """Ragged all-to-all over `expert` with the chosen implementation (`ragged` | `padded`)."""
+def all_to_all(
+    impl: str,
+    operand,
+    output,
+    in_off,
+    send,
+    out_off,
+    recv,
+    *,
+    block_rows: int,
+    longest=None,
+    recv_off=None,
+):
+    """Ragged all-to-all over `expert` with the chosen implementation (`ragged` | `padded`).
+    `longest` (`ExchangePlan.longest`) and `recv_off` (where this shard puts each source's rows)
+    save the padded exchange two collectives: the plan already knows them."""
+    args = (operand, output, in_off, send, out_off, recv)
     if impl == "ragged":
-        return jax.lax.ragged_all_to_all(
-            operand, output, in_off, send, out_off, recv, axis_name=EXPERT
-        )
+        return jax.lax.ragged_all_to_all(*args, axis_name=EXPERT)
     return padded_all_to_all(
-        operand, output, in_off, send, out_off, recv, axis_name=EXPERT, block_rows=block_rows
+        *args, axis_name=EXPERT, block_rows=block_rows, longest=longest, recv_offsets=recv_off
     )
 
 
@@ -187,6 +314,8 @@ def sort_and_send(x_ND, experts_NK, c: Config, impl: str):
         plan.fwd_out_off,
         plan.fwd_recv,
         block_rows=block,
+        longest=plan.longest,
+        recv_off=plan.rev_in_off,  # where each source's rows start in this receive buffer
     )
     return recv_MD, plan, send_order_M
 
@@ -252,9 +381,14 @@ def local_expert_ffn(
 
 
 def padded_block_rows(c: Config, num_tokens: int, ep: int, buffer: int) -> int:
-    """Rows per peer block of the padded all-to-all, both ways: the most one shard can send one
-    peer (N tokens x min(K, local experts)), and never more than the receive buffer."""
-    return min(num_tokens * min(c.num_experts_per_tok, c.num_experts // ep), buffer)
+    """Rows per peer block in one round of the padded all-to-all, both ways:
+    `PADDED_ROUND_FACTOR` x the mean rows a peer gets (N*K/P), a multiple of 8, never more than
+    the most one shard can send one peer (N x min(K, X)) or the receive buffer."""
+    k = c.num_experts_per_tok
+    worst = num_tokens * min(k, c.num_experts // ep)
+    mean = -(-num_tokens * k // ep)
+    block = 8 * -(-PADDED_ROUND_FACTOR * mean // 8)
+    return max(1, min(block, worst, buffer))
 
 
 def unsort_and_return(
@@ -276,6 +410,8 @@ def unsort_and_return(
         plan.rev_out_off,
         plan.rev_recv,
         block_rows=block,
+        longest=plan.longest,
+        recv_off=plan.fwd_in_off,  # rows come home where they left
     )
 
 

@@ -224,10 +224,14 @@ def varying_like(x, *refs):
     return varying_over(x, frozenset().union(*(varying(r) for r in refs)))
 
 
+def varying_axes(x) -> frozenset:
+    """The manual (shard_map) axes `x` varies over (none outside a shard_map)."""
+    return getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
+
+
 def varying_over(x, axes):
     """`x` marked as varying over the manual (shard_map) axes `axes` it does not vary over yet."""
-    have = getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
-    missing = frozenset(axes) - have
+    missing = frozenset(axes) - varying_axes(x)
     return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
