@@ -145,6 +145,11 @@ def test_roundtrip_exact_uniform_and_skewed():
         [np.stack([rng.choice(e, k, replace=False) for _ in range(n)]) for _ in range(EP)]
     )
     skewed = np.tile(np.array([0, 1]), (EP, n, 1))  # every row to experts 0 and 1 (shard 0)
+    # The skewed pairs' chunks (n * k rows each) are longer than one round's block: two rounds.
+    c = load_config(
+        overrides={"model_name": "mixtral-tiny", "num_experts": e, "num_experts_per_tok": k}
+    )
+    assert ep.padded_block_rows(c, n, EP, EP * n * k) < n * k
     for experts in (uniform, skewed):
         back, rows, sizes, dropped = _plan_roundtrip(experts)
         np.testing.assert_array_equal(back, rows)  # bitwise: rows come home unchanged

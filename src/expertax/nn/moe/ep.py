@@ -131,8 +131,9 @@ def buffer_rows(c: Config, num_rows_routed: int, num_tokens: int, ep: int) -> in
 PADDED_ROUND_FACTOR = 2
 
 
-def _rows_mask(mask_R, like):
-    return mask_R.reshape(mask_R.shape + (1,) * (like.ndim - mask_R.ndim))
+def _rows_mask(mask, ndim: int):
+    """A mask over leading (row) dims, broadcastable against an array of `ndim` dims."""
+    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
 
 
 def _exchange_rounds(
@@ -158,11 +159,11 @@ def _exchange_rounds(
         start = q * block_rows
         valid = start + r[None, :] < send[:, None]  # [P, block]
         src = jnp.clip(in_off[:, None] + start + r[None, :], 0, n - 1)
-        blocks = jnp.where(_rows_mask(valid, operand[None]), jnp.take(operand, src, axis=0), 0)
+        blocks = jnp.where(_rows_mask(valid, operand.ndim + 1), jnp.take(operand, src, axis=0), 0)
         got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [P, block, ...] by source
         for i in range(send.shape[0]):
             at = recv_off[i] + start
-            keep = _rows_mask(start + r < recv[i], got[i])
+            keep = _rows_mask(start + r < recv[i], out.ndim)
             old = jax.lax.dynamic_slice_in_dim(out, at, block_rows)
             out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, got[i], old), at, 0)
         return out
@@ -212,7 +213,7 @@ def _padded_bwd(axis_name, block_rows, n_rows, res, ct_out):
     )
     pos = jnp.arange(ct_out.shape[0], dtype=jnp.int32)[None, :]
     written = jnp.any((pos >= recv_off[:, None]) & (pos < (recv_off + recv)[:, None]), axis=0)
-    ct_output = jnp.where(_rows_mask(written, ct_out), jnp.zeros((), ct_out.dtype), ct_out)
+    ct_output = jnp.where(_rows_mask(written, ct_out.ndim), jnp.zeros((), ct_out.dtype), ct_out)
     return ct_operand, ct_output, None, None, None, None, None
 
 
