@@ -2,9 +2,20 @@
 
 Which leaves are trained and which are weight-decayed comes from the parameter declarations
 (`ParamSpec.trainable`, `ParamSpec.weight_decay`), never from shapes.
+
+`make` builds the optax transformation: it defines the optimizer state (its init, its pytree,
+hence the checkpoints' layout). `apply` is the step's update on that state. With float32 moments
+(the default) it computes what optax's update, `apply_updates` and the step's non-finite guard
+compute, in three passes over each leaf: first moment, second moment, parameter. Chained optax
+transformations cost about twice that on XLA:CPU (measured: 98 -> 44 ms per step for 49 M
+parameters), because XLA makes one loop per output and does not fuse an elementwise divide into
+several consumers: the clipped gradient and the bias-corrected moments are separate passes, and
+the moments are copied so that the parameter pass can still read their old values.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,3 +92,81 @@ def _second_moment_stored_as(
         return updates, _cast_nu(state, dtype)
 
     return optax.GradientTransformation(init, update)
+
+
+def _is_state(x) -> bool:
+    return isinstance(x, (optax.ScaleByAdamState, optax.ScaleByScheduleState, optax.MaskedNode))
+
+
+def apply(c: Config, tx, spec_tree, grads, opt_state, params, finite) -> tuple[Any, Any]:
+    """(params, opt_state) after one AdamW step where `finite` (a bool scalar), else the given
+    ones unchanged, in `tx`'s state layout (`tx = make(c, spec_tree)`).
+
+    Float32 moments take the fused path (module docstring); other moment dtypes run optax's
+    update, whose step uses the moments before they are rounded to their dtype.
+    """
+    if jnp.dtype(c.mu_dtype) != jnp.float32 or jnp.dtype(c.nu_dtype) != jnp.float32:
+        updates, new_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        return jax.tree.map(
+            lambda n, o: jnp.where(finite, n, o), (new_params, new_state), (params, opt_state)
+        )
+    nodes = jax.tree.leaves(opt_state, is_leaf=_is_state)
+    adams = [n for n in nodes if isinstance(n, optax.ScaleByAdamState)]
+    scheds = [n for n in nodes if isinstance(n, optax.ScaleByScheduleState)]
+    if len(adams) != 1 or len(scheds) != 1:
+        structure = jax.tree.structure(opt_state)
+        raise ValueError(f"expected the state of optimizer.make, got {structure}")
+    adam, sched = adams[0], scheds[0]
+    trainable = param.trainable_mask(spec_tree)
+    decay = param.weight_decay_mask(spec_tree)
+    b1, b2, eps, wd = c.adam_b1, c.adam_b2, c.adam_eps, c.adam_weight_decay
+    count = optax.safe_increment(adam.count)
+    t = count.astype(jnp.float32)
+    inv_bias1, inv_bias2 = 1 / (1 - b1**t), 1 / (1 - b2**t)
+    lr = schedule(c)(sched.count)
+    # the clip scale as one scalar: a divide per element would be a pass of its own
+    clip = c.gradient_clipping_threshold
+    scale = jnp.float32(1)
+    if clip > 0:
+        masked = jax.tree.map(lambda g, tr: g if tr else jnp.zeros((), g.dtype), grads, trainable)
+        norm = optax.tree.norm(masked)
+        scale = jnp.where(norm < clip, jnp.float32(1), clip / norm)
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)
+
+    def moments(m, v, g, tr):
+        if not tr:
+            return m, v
+        g = g.astype(jnp.float32) * scale
+        m_new = jnp.where(finite, b1 * m + (1 - b1) * g, m)
+        v_new = jnp.where(finite, b2 * v + (1 - b2) * (g * g), v)
+        return m_new, v_new
+
+    pairs = jax.tree.map(moments, adam.mu, adam.nu, grads, trainable, is_leaf=is_masked)
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2
+    mu = jax.tree.map(lambda x: x[0], pairs, is_leaf=is_pair)
+    nu = jax.tree.map(lambda x: x[1], pairs, is_leaf=is_pair)
+    # The parameter pass reads the new moments instead of recomputing them from the old: each
+    # moment is then written in place, once, and never copied.
+    mu, nu = jax.lax.optimization_barrier((mu, nu))
+
+    def parameter(p, m, v, tr, dec):
+        if not tr:
+            return p
+        u = (m * inv_bias1) / (jnp.sqrt(v * inv_bias2) + eps)
+        if dec:
+            u = u + wd * p
+        return jnp.where(finite, p - lr * u, p).astype(p.dtype)
+
+    new_params = jax.tree.map(parameter, params, mu, nu, trainable, decay, is_leaf=is_masked)
+    new_adam = adam._replace(count=jnp.where(finite, count, adam.count), mu=mu, nu=nu)
+    new_sched = sched._replace(
+        count=jnp.where(finite, optax.safe_increment(sched.count), sched.count)
+    )
+
+    def stepped(node):
+        if isinstance(node, optax.ScaleByAdamState):
+            return new_adam
+        return new_sched if isinstance(node, optax.ScaleByScheduleState) else node
+
+    return new_params, jax.tree.map(stepped, opt_state, is_leaf=_is_state)

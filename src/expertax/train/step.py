@@ -61,16 +61,6 @@ def _debug_nan_loss_fn(params, batch: dict, c: Config, step):
     return total * poison, (ce * poison, lb, stats)
 
 
-def _keep_if_finite(finite, new: TrainState, old: TrainState) -> TrainState:
-    """`new` if `finite`, else `old` with only the step advanced (bitwise: a select per leaf)."""
-    params, opt_state = jax.tree.map(
-        lambda n, o: jnp.where(finite, n, o),
-        (new.params, new.opt_state),
-        (old.params, old.opt_state),
-    )
-    return TrainState(step=new.step, params=params, opt_state=opt_state, rng=new.rng)
-
-
 def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainState, dict]:
     """One update. A non-finite loss or gradient norm leaves params and optimizer state as they
     were (metric `nonfinite` = 1); the loop then stops or counts a skip (skip_nonfinite_steps).
@@ -86,8 +76,9 @@ def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainS
         grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(ce) & jnp.isfinite(lb) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params, opt_state = optimizer.apply(
+        c, tx, decoder.spec(c), grads, state.opt_state, state.params, finite
+    )
     metrics = {
         "loss": ce,
         "lb_loss": lb,
@@ -107,6 +98,7 @@ def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainS
             metrics["stash_capacity_factor_needed"] = jnp.max(stats.stash_factor)
         if params.moe_layers.moe.router.bias is not None:
             bias = params.moe_layers.moe.router.bias
-            params = _with_router_bias(params, updated_bias(bias, load, c.routed_bias_update_rate))
+            new_bias = updated_bias(bias, load, c.routed_bias_update_rate)
+            params = _with_router_bias(params, jnp.where(finite, new_bias, bias))
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
-    return _keep_if_finite(finite, new_state, state), metrics
+    return new_state, metrics

@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from tests.tolerances import tol
 
@@ -141,3 +142,72 @@ def test_schedule_is_valid_for_short_runs(steps):
     assert float(lr(10_000)) == pytest.approx(
         c.learning_rate * c.cosine_learning_rate_final_fraction
     )
+
+
+def _small_tree():
+    return {
+        "layers": param.stack(
+            {"scale": norm.spec(4), "w": param.projection((4, 8), ("embed", "mlp"), 4)}, 3
+        ),
+        "embed": param.projection((16, 4), ("vocab", "embed"), 4),
+        "frozen_bias": param.ParamSpec((4,), (None,), "zeros", trainable=False, weight_decay=False),
+    }
+
+
+def _optax_step(tx, grads, state, params, finite):
+    """The reference: optax's chained update, `apply_updates`, then a select per leaf."""
+    updates, new_state = tx.update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda n, o: jnp.where(finite, n, o)
+    return jax.tree.map(keep, (new_params, new_state), (params, state))
+
+
+def _five_steps(c, tree, params):
+    """(fused, optax) (params, opt_state) after five steps whose gradients grow (so that the
+    clip scale differs between steps), the third one non-finite."""
+    tx = optimizer.make(c, tree)
+    ref = got = (params, tx.init(params))
+    for i in range(5):
+        key = jax.random.key(i)
+        grads = jax.tree.map(lambda p, k=key, s=i + 1.0: s * jax.random.normal(k, p.shape), params)
+        finite = jnp.bool_(i != 2)
+        ref = _optax_step(tx, grads, ref[1], ref[0], finite)
+        got = optimizer.apply(c, tx, tree, grads, got[1], got[0], finite)
+    return got, ref
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5, 1e6], ids=["no-clip", "clipped", "under-threshold"])
+def test_fused_update_equals_the_optax_chain(clip):
+    """`optimizer.apply` (three passes per leaf) = optax's update + apply_updates + the
+    non-finite guard: parameters, both moments and both step counts, over five steps with
+    weight decay, a frozen leaf and a skipped (non-finite) step in the middle."""
+    base = dict(model_name="llama-tiny", learning_rate=0.05, adam_weight_decay=0.3, steps=10)
+    c = load_config(overrides={**base, "gradient_clipping_threshold": clip})
+    tree = _small_tree()
+    params = param.initialize(tree, jax.random.key(0), jnp.float32)
+    got, ref = _five_steps(c, tree, params)
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got[0]["frozen_bias"], params["frozen_bias"])
+    # Negative controls: the parameters moved, and the clip really acted.
+    assert not np.allclose(got[0]["layers"]["w"], params["layers"]["w"], **tol())
+    if clip == 0.5:
+        no_clip = load_config(overrides={**base, "gradient_clipping_threshold": 0.0})
+        unclipped, _ = _five_steps(no_clip, tree, params)
+        assert not np.allclose(unclipped[0]["embed"], got[0]["embed"], rtol=1e-6, atol=1e-7)
+
+
+def test_fused_update_leaves_a_non_finite_step_bitwise_unchanged():
+    c = load_config(overrides={"model_name": "llama-tiny", "learning_rate": 0.05, "steps": 10})
+    tree = _small_tree()
+    params = param.initialize(tree, jax.random.key(0), jnp.float32)
+    tx = optimizer.make(c, tree)
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+    kept = optimizer.apply(c, tx, tree, grads, state, params, jnp.bool_(False))
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves((params, state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Negative control: the same NaN gradients, let through, poison the parameters.
+    let_through = optimizer.apply(c, tx, tree, grads, state, params, jnp.bool_(True))
+    assert np.isnan(np.asarray(let_through[0]["layers"]["w"])).all()
