@@ -7,7 +7,7 @@ guard, jitted with the state donated. The two are timed in turns (one call each 
 order flipped every round) in one process; medians. The last line checks that they agree.
 
 Run: python benchmarks/optimizer.py [--models llama,mixtral] [--dims mid|small] [--iters 15]
-     [--json PATH]
+     [--json PATH] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def optax_chain(c, tx, spec_tree, grads, opt_state, params, finite):
     return jax.tree.map(keep, (new_params, new_state), (params, opt_state))
 
 
-def measure(model: str, dims: dict, iters: int) -> dict:
-    c = step_vs_torch.expertax_config(model, dims, "none", {})
+def measure(model: str, dims: dict, iters: int, extra: dict) -> dict:
+    c = step_vs_torch.expertax_config(model, dims, "none", extra)
     tr = build_trainer(c, devices=jax.devices()[:1])
     spec_tree = decoder.spec(c)
     with tr.context():
@@ -72,6 +72,7 @@ def measure(model: str, dims: dict, iters: int) -> dict:
     optax_ms, fused_ms = (statistics.median(times[k]) for k in ("optax", "fused"))
     return dict(
         model=model,
+        set=extra,
         params_millions=round(n_params / 1e6, 1),
         optax_ms=round(optax_ms, 1),
         fused_ms=round(fused_ms, 1),
@@ -89,12 +90,17 @@ def main() -> None:
     ap.add_argument("--models", default="llama,mixtral")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--json", help="also append the JSON lines to this file")
+    ap.add_argument(
+        "--set", action="append", default=[], help="extra config key=value, e.g. mu_dtype=bfloat16"
+    )
     args = ap.parse_args()
     # as the `expertax` command runs (expertax.hostmem), and as step_vs_torch.py measures
     hostmem.reexec_with_hugepages([sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
     rows = []
     for model in args.models.split(","):
-        row = measure(model, step_vs_torch.DIMS[args.dims], args.iters)
+        row = measure(
+            model, step_vs_torch.DIMS[args.dims], args.iters, step_vs_torch._parse_sets(args.set)
+        )
         print(json.dumps(row), flush=True)
         rows.append(row)
         if args.json:

@@ -176,19 +176,24 @@ def _five_steps(c, tree, params):
     return got, ref
 
 
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
 @pytest.mark.parametrize("clip", [0.0, 0.5, 1e6], ids=["no-clip", "clipped", "under-threshold"])
-def test_fused_update_equals_the_optax_chain(clip):
+def test_fused_update_equals_the_optax_chain(clip, moments):
     """`optimizer.apply` (three passes per leaf) = optax's update + apply_updates + the
     non-finite guard: parameters, both moments and both step counts, over five steps with
-    weight decay, a frozen leaf and a skipped (non-finite) step in the middle."""
+    weight decay, a frozen leaf and a skipped (non-finite) step in the middle. bfloat16
+    moments take optax's own path inside `apply`: the guard and the state layout still hold."""
     base = dict(model_name="llama-tiny", learning_rate=0.05, adam_weight_decay=0.3, steps=10)
+    base |= dict(mu_dtype=moments, nu_dtype=moments)
     c = load_config(overrides={**base, "gradient_clipping_threshold": clip})
     tree = _small_tree()
     params = param.initialize(tree, jax.random.key(0), jnp.float32)
     got, ref = _five_steps(c, tree, params)
     assert jax.tree.structure(got) == jax.tree.structure(ref)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+        assert a.dtype == b.dtype
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(got[0]["frozen_bias"], params["frozen_bias"])
     # Negative controls: the parameters moved, and the clip really acted.
     assert not np.allclose(got[0]["layers"]["w"], params["layers"]["w"], **tol())
