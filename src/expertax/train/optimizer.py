@@ -7,10 +7,11 @@ Which leaves are trained and which are weight-decayed comes from the parameter d
 hence the checkpoints' layout). `apply` is the step's update on that state. With float32 moments
 (the default) it computes what optax's update, `apply_updates` and the step's non-finite guard
 compute, in three passes over each leaf: first moment, second moment, parameter. Chained optax
-transformations cost about twice that on XLA:CPU (measured: 98 -> 44 ms per step for 49 M
-parameters), because XLA makes one loop per output and does not fuse an elementwise divide into
-several consumers: the clipped gradient and the bias-corrected moments are separate passes, and
-the moments are copied so that the parameter pass can still read their old values.
+transformations cost 2.3-3 x that on XLA:CPU (`benchmarks/optimizer.py`, 2-core VM: 80.5 -> 26.3
+ms for 49 M parameters, BENCHMARKS.md), because XLA makes one loop per output and does not fuse
+an elementwise divide into several consumers: the clipped gradient and the bias-corrected
+moments are separate passes, and the moments are copied so that the parameter pass can still
+read their old values.
 """
 
 from __future__ import annotations
