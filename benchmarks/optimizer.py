@@ -32,11 +32,8 @@ from expertax.train.trainer import build_trainer  # noqa: E402
 
 
 def optax_chain(c, tx, spec_tree, grads, opt_state, params, finite):
-    """The baseline: the update as optax chains it, then a select per leaf."""
-    updates, new_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep = lambda n, o: jnp.where(finite, n, o)
-    return jax.tree.map(keep, (new_params, new_state), (params, opt_state))
+    """The baseline: the update as optax chains it (`optimizer.optax_update`)."""
+    return optimizer.optax_update(tx, grads, opt_state, params, finite)
 
 
 def measure(model: str, dims: dict, iters: int, extra: dict) -> dict:

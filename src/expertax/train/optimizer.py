@@ -96,7 +96,16 @@ def _second_moment_stored_as(
 
 
 def _is_state(x) -> bool:
-    return isinstance(x, (optax.ScaleByAdamState, optax.ScaleByScheduleState, optax.MaskedNode))
+    return isinstance(x, (optax.ScaleByAdamState, optax.ScaleByScheduleState))
+
+
+def optax_update(tx, grads, opt_state, params, finite) -> tuple[Any, Any]:
+    """What `apply` computes, as optax chains it: `tx.update`, `apply_updates`, then a select
+    per leaf that keeps the given (params, opt_state) where not `finite`."""
+    updates, new_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda n, o: jnp.where(finite, n, o)
+    return jax.tree.map(keep, (new_params, new_state), (params, opt_state))
 
 
 def apply(c: Config, tx, spec_tree, grads, opt_state, params, finite) -> tuple[Any, Any]:
@@ -107,11 +116,7 @@ def apply(c: Config, tx, spec_tree, grads, opt_state, params, finite) -> tuple[A
     update, whose step uses the moments before they are rounded to their dtype.
     """
     if jnp.dtype(c.mu_dtype) != jnp.float32 or jnp.dtype(c.nu_dtype) != jnp.float32:
-        updates, new_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        return jax.tree.map(
-            lambda n, o: jnp.where(finite, n, o), (new_params, new_state), (params, opt_state)
-        )
+        return optax_update(tx, grads, opt_state, params, finite)
     nodes = jax.tree.leaves(opt_state, is_leaf=_is_state)
     adams = [n for n in nodes if isinstance(n, optax.ScaleByAdamState)]
     scheds = [n for n in nodes if isinstance(n, optax.ScaleByScheduleState)]

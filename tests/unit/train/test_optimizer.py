@@ -7,7 +7,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from tests.tolerances import tol
 
@@ -154,14 +153,6 @@ def _small_tree():
     }
 
 
-def _optax_step(tx, grads, state, params, finite):
-    """The reference: optax's chained update, `apply_updates`, then a select per leaf."""
-    updates, new_state = tx.update(grads, state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep = lambda n, o: jnp.where(finite, n, o)
-    return jax.tree.map(keep, (new_params, new_state), (params, state))
-
-
 def _five_steps(c, tree, params):
     """(fused, optax) (params, opt_state) after five steps whose gradients grow (so that the
     clip scale differs between steps), the third one non-finite."""
@@ -171,7 +162,7 @@ def _five_steps(c, tree, params):
         key = jax.random.key(i)
         grads = jax.tree.map(lambda p, k=key, s=i + 1.0: s * jax.random.normal(k, p.shape), params)
         finite = jnp.bool_(i != 2)
-        ref = _optax_step(tx, grads, ref[1], ref[0], finite)
+        ref = optimizer.optax_update(tx, grads, ref[1], ref[0], finite)
         got = optimizer.apply(c, tx, tree, grads, got[1], got[0], finite)
     return got, ref
 
