@@ -19,6 +19,10 @@ row gathers and the scatter-back), or other; control flow (while, conditional, c
 out, its body's instructions are counted instead. Shares are of the summed event time of all
 devices; collectives (`collective`, their own share) include their waiting time.
 
+The script re-executes itself with glibc's malloc on transparent huge pages, as the `expertax`
+command runs (`expertax.hostmem`; `--hugepages off` for the C library's default). At length 512
+huge pages halved the time per routed token on the 2-core VM (BENCHMARKS.md, seventh session).
+
 Every case is compiled first; then all are timed together, one call each per round, `--iters`
 rounds in alternating order, and each case reports its median call.
 
@@ -35,6 +39,7 @@ import argparse
 import json
 import os
 import re
+import sys
 import time
 from collections import Counter
 
@@ -47,6 +52,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from expertax import hostmem  # noqa: E402
 from expertax.config import (
     config_rules,  # noqa: E402
     load_config,  # noqa: E402
@@ -262,7 +268,11 @@ def main():
     ap.add_argument("--ep", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--strategy", nargs="+", default=["a2a", "ring"])
     ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--hugepages", choices=("on", "off"), default="on")
     args = ap.parse_args()
+    hostmem.reexec_with_hugepages(
+        [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], on=args.hugepages == "on"
+    )
     SHAPE["length"] = args.length
     impl = ep.resolve_a2a_impl(load_config(overrides={"model_name": "mixtral-tiny"}))
     routed = SHAPE["batch"] * SHAPE["length"] * SHAPE["k"]
@@ -333,7 +343,9 @@ def main():
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": SHAPE, "rows": rows}, f, indent=1)
+            json.dump(
+                {"shape": SHAPE, "hugepages": hostmem.hugepages_active(), "rows": rows}, f, indent=1
+            )
 
 
 def _pct(share) -> str:

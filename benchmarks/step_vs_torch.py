@@ -14,6 +14,10 @@ Models (D, layers, heads / kv heads of 64, vocab, MLP from the issue; --dims pic
 fusions) with their total time per step and the jax source ops they were fused from (the HLO
 metadata op_name of the fusion's instructions).
 
+The run also measures float32 matmul GFLOP/s of both libraries at the models' two main shapes
+(tokens x D x MLP and tokens x D x vocab, `matmul_gflops` in every JSON line): the ratio leans on
+the host's matmul libraries (on the 2026-11-24 Zen 5 host XLA:CPU's ran at about 2 x torch's).
+
 The two steps are timed in turns (`interleaved`), so that a slow spell of a shared machine falls
 on both. `--hugepages on` (the default) re-executes the script with glibc's malloc on transparent
 huge pages, as the `expertax` command runs (expertax.hostmem); torch then runs with them too.
@@ -281,6 +285,40 @@ def interleaved(steps: dict, iters: int, block: int = 2) -> dict:
     return {k: (times[k], loss[k]) for k in steps}
 
 
+def matmul_gflops(dims: dict, with_torch: bool, calls: int = 10) -> dict:
+    """Median float32 GFLOP/s of `a @ b` in jax and torch (same threads as the steps) at the
+    mid models' projection and head shapes: {"MxKxN": {"jax": .., "torch": ..}}."""
+    m, k = dims["batch"] * dims["t"], dims["d"]
+    out = {}
+    for n in (dims["mlp"], dims["vocab"]):
+        flop = 2 * m * k * n
+        a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+        rates = {"jax": _rate(_jax_matmul, (a, b), flop, calls)}
+        if with_torch:
+            import torch
+
+            ta, tb = torch.ones(m, k), torch.ones(k, n)
+            rates["torch"] = _rate(torch.matmul, (ta, tb), flop, calls)
+        out[f"{m}x{k}x{n}"] = rates
+    return out
+
+
+_jax_matmul = jax.jit(jnp.matmul)
+
+
+def _rate(fn, operands: tuple, flop: int, calls: int) -> float:
+    """Median GFLOP/s of `fn(*operands)` (a jax result is waited for)."""
+    times = []
+    for i in range(calls + 1):
+        t0 = time.perf_counter()
+        out = fn(*operands)
+        if hasattr(out, "block_until_ready"):
+            out.block_until_ready()
+        if i:  # the first call compiles / warms up
+            times.append(time.perf_counter() - t0)
+    return round(flop / statistics.median(times) / 1e9, 1)
+
+
 def _parse_sets(sets: list[str]) -> dict:
     out = {}
     for s in sets:
@@ -320,6 +358,11 @@ def main() -> None:
     dims = DIMS[args.dims]
     extra = _parse_sets(args.set)
     rows = []
+    if not args.no_torch:
+        import torch
+
+        torch.set_num_threads(os.cpu_count() or 1)
+    matmul = matmul_gflops(dims, with_torch=not args.no_torch)
     for model in args.models.split(","):
         stack = contextlib.ExitStack()
         ex_step, compile_s, profile = prepare_expertax(
@@ -343,6 +386,7 @@ def main() -> None:
             expertax_times=[round(t, 1) for t in ex_times],
             expertax_compile_s=round(compile_s, 2),
             expertax_loss=round(ex_loss, 4),
+            matmul_gflops=matmul,
         )
         if "torch" in timed:
             import torch
@@ -375,6 +419,9 @@ def main() -> None:
             f"| {r['model']} | {r['expertax_ms']} | {r.get('torch_ms', '-')} | "
             f"{r.get('ratio', '-')} | {r['expertax_compile_s']} |"
         )
+    print("\nfloat32 matmul GFLOP/s (median of 10 calls):")
+    for shape, rates in matmul.items():
+        print(f"  {shape}: " + ", ".join(f"{k} {v}" for k, v in rates.items()))
     for r in rows:
         if "profile" in r:
             print(f"\nexpertax {r['model']}: top XLA ops, ms per step")
