@@ -287,7 +287,7 @@ def interleaved(steps: dict, iters: int, block: int = 2) -> dict:
 
 def matmul_gflops(dims: dict, with_torch: bool, calls: int = 10) -> dict:
     """Median float32 GFLOP/s of `a @ b` in jax and torch (same threads as the steps) at the
-    mid models' projection and head shapes: {"MxKxN": {"jax": .., "torch": ..}}."""
+    models' projection and head shapes (`dims`): {"MxKxN": {"jax": .., "torch": ..}}."""
     m, k = dims["batch"] * dims["t"], dims["d"]
     out = {}
     for n in (dims["mlp"], dims["vocab"]):
