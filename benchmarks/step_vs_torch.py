@@ -285,7 +285,7 @@ def interleaved(steps: dict, iters: int, block: int = 2) -> dict:
     return {k: (times[k], loss[k]) for k in steps}
 
 
-def matmul_gflops(dims: dict, with_torch: bool, calls: int = 10) -> dict:
+def matmul_gflops(dims: dict, with_torch: bool, calls: int = 30) -> dict:
     """Median float32 GFLOP/s of `a @ b` in jax and torch (same threads as the steps) at the
     models' projection and head shapes (`dims`): {"MxKxN": {"jax": .., "torch": ..}}."""
     m, k = dims["batch"] * dims["t"], dims["d"]
@@ -297,6 +297,7 @@ def matmul_gflops(dims: dict, with_torch: bool, calls: int = 10) -> dict:
         if with_torch:
             import torch
 
+            torch.set_num_threads(os.cpu_count() or 1)  # as prepare_torch
             ta, tb = torch.ones(m, k), torch.ones(k, n)
             rates["torch"] = _rate(torch.matmul, (ta, tb), flop, calls)
         out[f"{m}x{k}x{n}"] = rates
@@ -358,10 +359,6 @@ def main() -> None:
     dims = DIMS[args.dims]
     extra = _parse_sets(args.set)
     rows = []
-    if not args.no_torch:
-        import torch
-
-        torch.set_num_threads(os.cpu_count() or 1)
     matmul = matmul_gflops(dims, with_torch=not args.no_torch)
     for model in args.models.split(","):
         stack = contextlib.ExitStack()
@@ -419,7 +416,7 @@ def main() -> None:
             f"| {r['model']} | {r['expertax_ms']} | {r.get('torch_ms', '-')} | "
             f"{r.get('ratio', '-')} | {r['expertax_compile_s']} |"
         )
-    print("\nfloat32 matmul GFLOP/s (median of 10 calls):")
+    print("\nfloat32 matmul GFLOP/s (median of 30 calls):")
     for shape, rates in matmul.items():
         print(f"  {shape}: " + ", ".join(f"{k} {v}" for k, v in rates.items()))
     for r in rows:
