@@ -2,7 +2,7 @@
 selection and chunked row loops, and the all-to-all receive side without an argsort, equal the
 argsort paths they replaced (kept here as references), outputs and gradients, including routing
 where one device receives every row and devices receive none; and the ring's program has no
-sort and moves no D-wide rows outside the chunked loops.
+sort, moves no D-wide rows and computes no SwiGLU activation outside the chunked loops.
 """
 
 from __future__ import annotations
@@ -103,6 +103,28 @@ def test_chunked_gather_and_weighted_scatter_match_dense_with_gradients(count):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("start,count", [(0, 0), (0, 40), (3, 1), (5, 22), (24, 16)])
+def test_map_rows_equals_the_masked_whole_buffer_with_gradients(start, count):
+    """The SwiGLU on rows [start, start + count) of R = 40 rows in chunks of 16 (the last chunk
+    clamped and masked): exactly the whole-buffer SwiGLU there, zero elsewhere, and the same
+    gradients (autodiff of the masked whole-buffer expression)."""
+    rng = np.random.default_rng(start * 100 + count)
+    gate, up, ct = (jnp.asarray(rng.normal(size=(40, 6)), jnp.float32) for _ in range(3))
+    live = ((np.arange(40) >= start) & (np.arange(40) < start + count))[:, None]
+
+    def new(g, u):
+        return rows.map_rows(rows.swiglu, (g, u), start, count, chunk=16)
+
+    def ref(g, u):
+        return jnp.where(live, jax.nn.silu(g) * u, 0)
+
+    def results(f):
+        return (f(gate, up), *jax.grad(lambda g, u: jnp.vdot(f(g, u), ct), (0, 1))(gate, up))
+
+    for a, b in zip(results(jax.jit(new)), results(ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ---------------------------------------------------------------------------------------------
 # The MoE layer on meshes: new paths vs the argsort references.
 
@@ -198,9 +220,16 @@ def _eqns(jaxpr):
                     yield from _eqns(inner)
 
 
-def _row_ops(layout):
-    """(primitive names, [(primitive, index rows, slice width)] of gathers and scatters) of the
-    layer's value and gradients, and (P*N*K assignments, D)."""
+# Rows per chunk in the program checks: below the ring-ep8 case's worst case (128 rows), so a
+# whole-buffer op is told from a chunked one (the default, 256, would hold the whole buffer).
+CHECK_CHUNK = 32
+
+
+def _row_ops(layout, monkeypatch):
+    """(primitive names, [(primitive, rows, row shape)] of gathers and scatters (index rows,
+    slice) and of the SwiGLU's sigmoid (operand rows)) of the layer's value and gradients, and
+    (P*N*K assignments, D), with row loops of `CHECK_CHUNK` rows."""
+    monkeypatch.setattr(rows, "ROW_CHUNK", CHECK_CHUNK)
     c, p, x = _case(layout, "random")
     mesh = make_mesh(c)
     f = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
@@ -210,6 +239,8 @@ def _row_ops(layout):
     names, moves = set(), []
     for eqn in _eqns(jaxpr):
         names.add(eqn.primitive.name)
+        if eqn.primitive.name == "logistic":  # the SwiGLU's sigmoid, on [rows, F]
+            moves.append(("logistic", eqn.invars[0].aval.shape[0], eqn.invars[0].aval.shape[1:]))
         if eqn.primitive.name in ("gather", "scatter-add", "scatter", "scatter_add"):
             operand, indices = eqn.invars[0].aval, eqn.invars[1].aval
             moves.append((eqn.primitive.name, indices.shape[0], operand.shape[1:]))
@@ -222,18 +253,37 @@ def _wide_moves(moves, d, limit):
     return [m for m in moves if m[2] == (d,) and m[1] > limit]
 
 
-def test_ring_program_has_no_sort_and_moves_rows_only_in_chunks():
-    """Every gather or scatter of D-wide rows (forward and backward) handles at most
-    `rows.ROW_CHUNK` (< P*N*K) rows; what remains over the P*N*K assignments is index work on
-    int32 ids and scalar weights (the counting sort, the weights' gradient)."""
-    names, moves, assignments, d = _row_ops("ring-ep8")
+def _activations(moves, limit):
+    return [m for m in moves if m[0] == "logistic" and m[1] > limit]
+
+
+def test_ring_program_has_no_sort_and_moves_rows_only_in_chunks(monkeypatch):
+    """Every gather or scatter of D-wide rows (forward and backward) handles at most the loops'
+    chunk (here `CHECK_CHUNK` rows, < P*N*K); what remains over the P*N*K assignments is index
+    work on int32 ids and scalar weights (the counting sort, the weights' gradient). The SwiGLU
+    between the grouped matmuls (its sigmoid, forward and in its VJP) also runs on chunks only,
+    not on the worst-case row buffer."""
+    names, moves, assignments, d = _row_ops("ring-ep8", monkeypatch)
+    limit = CHECK_CHUNK
     assert "sort" not in names
     assert any(m[2] == (d,) for m in moves)  # the row loops are there, and seen
-    assert not _wide_moves(moves, d, min(rows.ROW_CHUNK, assignments - 1)), moves
+    assert not _wide_moves(moves, d, limit), moves
+    assert any(m[0] == "logistic" for m in moves)
+    assert not _activations(moves, limit), moves
 
 
 def test_negative_control_the_argsort_ring_is_seen(monkeypatch):
     monkeypatch.setattr(ep, "ring_dispatch", argsort_ring_dispatch)
-    names, moves, assignments, d = _row_ops("ring-ep8")
+    names, moves, assignments, d = _row_ops("ring-ep8", monkeypatch)
     assert "sort" in names
     assert _wide_moves(moves, d, assignments - 1)
+
+
+def test_negative_control_a_whole_buffer_swiglu_is_seen(monkeypatch):
+    def whole_buffer(fn, args, start, count, chunk=None):
+        return fn(*args)
+
+    monkeypatch.setattr(rows, "map_rows", whole_buffer)
+    names, moves, _, d = _row_ops("ring-ep8", monkeypatch)
+    assert not _wide_moves(moves, d, CHECK_CHUNK)  # the row loops stay chunked
+    assert _activations(moves, CHECK_CHUNK)

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
+from expertax.nn.moe import rows
 from expertax.nn.moe.gmm import gmm, varying_like
-from expertax.nn.moe.stash import Stash, run_ffn
+from expertax.nn.moe.stash import Stash, run_ffn, valid_rows
 from expertax.parallel import remat
 
 
@@ -45,6 +46,8 @@ def expert_ffn_sorted(
         tile_rows_min=c.gmm_tile_rows_min,
     )
 
+    span = valid_rows(group_sizes_E, group_offset, wi_0_EDF.shape[0])
+
     def ffn(given):
         def mm(lhs, w, name):
             return remat.tag(
@@ -53,7 +56,9 @@ def expert_ffn_sorted(
 
         gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
         up = mm(rows_MD, wi_1_EDF, remat.MOE_MLPWI_1)
-        y = mm(jax.nn.silu(gate) * up, wo_EFD, remat.MOE_MLPWO)
+        # Only the local groups' rows: past them the buffers are worst-case padding (EP).
+        hidden = rows.map_rows(rows.swiglu, (gate, up), *span)
+        y = mm(hidden, wo_EFD, remat.MOE_MLPWO)
         values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
         return y, values
 
