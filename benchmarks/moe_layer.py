@@ -23,12 +23,12 @@ The script re-executes itself with glibc's malloc on transparent huge pages, as 
 command runs (`expertax.hostmem`; `--hugepages off` for the C library's default). At length 512
 huge pages halved the time per routed token on the 2-core VM (BENCHMARKS.md, seventh session).
 
-`--malloc retain` also keeps freed memory in the C library's heap (`RETAIN_TUNABLES`: no `mmap`
-for large blocks, no trimming, one arena). XLA:CPU allocates each execution's temporary buffer
-per simulated device with `malloc` and frees it after, so by default every call maps it afresh
-and the kernel clears its pages; that cost follows the worst-case buffers (larger at EP=8) and
-is an artifact of simulating devices on one host (a device allocator keeps its pool). The default
-(`--malloc default`) is how the `expertax` command runs.
+`--malloc retain` also keeps freed memory in the C library's heap (`hostmem.RETAIN_TUNABLES`:
+no `mmap` for large blocks, no trimming, one arena). XLA:CPU allocates each execution's
+temporary buffer per simulated device with `malloc` and frees it after, so by default every
+call maps it afresh and the kernel clears its pages; that cost follows the worst-case buffers
+(larger at EP=8) and is an artifact of simulating devices on one host (a device allocator keeps
+its pool). The default (`--malloc default`) is how the `expertax` command runs.
 
 Every case is compiled first; then all are timed together, one call each per round, `--iters`
 rounds in alternating order, and each case reports its median call.
@@ -266,43 +266,6 @@ def ideal_bytes(strategy: str, epn: int) -> int:
     return 2 * 2 * (epn - 1) * n_local * s["d"] * 4  # all-gather + reduce-scatter, fwd and bwd
 
 
-# glibc tunables for `--malloc retain`: large blocks from the heap, never trimmed, one arena.
-RETAIN_TUNABLES = (
-    "glibc.malloc.mmap_max=0",
-    f"glibc.malloc.trim_threshold={2**40}",
-    "glibc.malloc.arena_max=1",
-)
-
-
-def _retain_env(environ, retain: bool) -> dict[str, str] | None:
-    """`environ` with RETAIN_TUNABLES added (`retain`) or removed, or None if already so."""
-    keys = {t.split("=")[0] for t in RETAIN_TUNABLES}
-    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
-    kept = [t for t in tunables if t.split("=")[0] not in keys]
-    want = kept + list(RETAIN_TUNABLES) if retain else kept
-    if want == tunables:
-        return None
-    env = {k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}
-    if want:
-        env["GLIBC_TUNABLES"] = ":".join(want)
-    return env
-
-
-def reexec_with_allocator(args) -> None:
-    """Re-execute once with the C library's malloc set up as `--hugepages` and `--malloc` say."""
-    env = hostmem.hugepage_env(os.environ, args.hugepages == "on") or dict(os.environ)
-    env = _retain_env(env, args.malloc == "retain") or env
-    if env == dict(os.environ) or hostmem.glibc_version() is None:
-        return
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
-
-
-def malloc_retains() -> bool:
-    tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
-    return all(t in tunables for t in RETAIN_TUNABLES)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=5, help="timed rounds (median per case)")
@@ -315,7 +278,11 @@ def main():
     ap.add_argument("--hugepages", choices=("on", "off"), default="on")
     ap.add_argument("--malloc", choices=("default", "retain"), default="default")
     args = ap.parse_args()
-    reexec_with_allocator(args)
+    hostmem.reexec_with_hugepages(
+        [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
+        on=args.hugepages == "on",
+        retain=args.malloc == "retain",
+    )
     SHAPE["length"] = args.length
     impl = ep.resolve_a2a_impl(load_config(overrides={"model_name": "mixtral-tiny"}))
     routed = SHAPE["batch"] * SHAPE["length"] * SHAPE["k"]
@@ -372,7 +339,7 @@ def main():
         print(json.dumps(row), flush=True)
     print(
         f"\nshape {SHAPE}, float32, fwd+bwd of one MoE layer; bytes per device per layer; "
-        f"huge pages {hostmem.hugepages_active()}, malloc retains {malloc_retains()}"
+        f"huge pages {hostmem.hugepages_active()}, malloc retains {hostmem.retain_active()}"
     )
     print(
         "| routing | strategy | EP | us / routed token | max load / mean | dispatch bytes "
@@ -393,7 +360,7 @@ def main():
                 {
                     "shape": SHAPE,
                     "hugepages": hostmem.hugepages_active(),
-                    "malloc_retain": malloc_retains(),
+                    "malloc_retain": hostmem.retain_active(),
                     "rows": rows,
                 },
                 f,

@@ -36,8 +36,34 @@ def glibc_version() -> tuple[int, int] | None:
         return None
 
 
-def _without_tunable(tunables: str) -> list[str]:
-    return [t for t in tunables.split(":") if t and not t.startswith(TUNABLE + "=")]
+# `retain` (benchmarks only, not the command's default): large blocks from the heap instead of
+# fresh mappings, never trimmed, one arena, so freed memory is reused without the kernel clearing
+# its pages again. XLA:CPU mallocs each execution's temporaries (per simulated device) and frees
+# them after; simulated devices then pay a page clearing that follows the buffer sizes, which a
+# device allocator's pool does not (BENCHMARKS.md, MoE layer, eighth session). On one device it
+# did not help the train step.
+RETAIN_TUNABLES = (
+    "glibc.malloc.mmap_max=0",
+    f"glibc.malloc.trim_threshold={2**40}",
+    "glibc.malloc.arena_max=1",
+)
+
+
+def _key(tunable: str) -> str:
+    return tunable.split("=")[0]
+
+
+def _tunables_env(environ: Mapping[str, str], wanted: tuple[str, ...], keys: set[str]):
+    """`environ` whose `GLIBC_TUNABLES` sets exactly `wanted` among the tunables named `keys`
+    (others kept, in order), or None when it already does."""
+    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
+    if sorted(t for t in tunables if _key(t) in keys) == sorted(wanted):
+        return None
+    kept = [t for t in tunables if _key(t) not in keys] + list(wanted)
+    env = {k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}
+    if kept:
+        env["GLIBC_TUNABLES"] = ":".join(kept)
+    return env
 
 
 def hugepage_env(environ: Mapping[str, str], on: bool = True) -> dict[str, str] | None:
@@ -49,22 +75,25 @@ def hugepage_env(environ: Mapping[str, str], on: bool = True) -> dict[str, str] 
     version = glibc_version()
     if version is None or version < MIN_GLIBC:
         return None
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    current = [t for t in tunables.split(":") if t.startswith(TUNABLE + "=")]
-    if current == ([f"{TUNABLE}=1"] if on else []):
+    return _tunables_env(environ, (f"{TUNABLE}=1",) if on else (), {TUNABLE})
+
+
+def retain_env(environ: Mapping[str, str], on: bool) -> dict[str, str] | None:
+    """The environment with `RETAIN_TUNABLES` set (`on`) or removed, or None when it already is
+    that way or the C library is not glibc. Other tunables are kept."""
+    if glibc_version() is None:
         return None
-    kept = _without_tunable(tunables) + ([f"{TUNABLE}=1"] if on else [])
-    env = {k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}
-    if kept:
-        env["GLIBC_TUNABLES"] = ":".join(kept)
-    return env
+    return _tunables_env(environ, RETAIN_TUNABLES if on else (), {_key(t) for t in RETAIN_TUNABLES})
 
 
-def reexec_with_hugepages(cmd: list[str], on: bool = True) -> None:
+def reexec_with_hugepages(cmd: list[str], on: bool = True, retain: bool | None = None) -> None:
     """Replace this process by `cmd` (its argv, e.g. `[sys.executable, "-m", "expertax.cli",
-    ...]`) with huge pages turned `on` (or off), unless the environment already says so.
-    Call it before any work is done: nothing after a re-execution runs in this process."""
+    ...]`) with huge pages turned `on` (or off) and, unless `retain` is None, `RETAIN_TUNABLES`
+    set or removed, unless the environment already says so. Call it before any work is done:
+    nothing after a re-execution runs in this process."""
     env = hugepage_env(os.environ, on)
+    if retain is not None:
+        env = retain_env(env or os.environ, retain) or env
     if env is None:
         return
     sys.stdout.flush()
@@ -77,6 +106,12 @@ def hugepages_active() -> bool:
     version = glibc_version()
     tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
     return version is not None and version >= MIN_GLIBC and f"{TUNABLE}=1" in tunables
+
+
+def retain_active() -> bool:
+    """Whether this process started with `RETAIN_TUNABLES` on glibc."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
+    return glibc_version() is not None and all(t in tunables for t in RETAIN_TUNABLES)
 
 
 def command() -> int:

@@ -42,6 +42,40 @@ def test_env_off_removes_only_the_tunable(glibc):
     assert hostmem.hugepage_env({}, on=False) is None
 
 
+def test_env_unchanged_when_the_tunable_is_set_among_others(glibc):
+    assert hostmem.hugepage_env({"GLIBC_TUNABLES": f"{ON}:glibc.malloc.arena_max=2"}) is None
+
+
+def test_retain_env_sets_replaces_and_removes_only_its_tunables(glibc, monkeypatch):
+    retain = list(hostmem.RETAIN_TUNABLES)
+    env = hostmem.retain_env({"A": "1", "GLIBC_TUNABLES": ON}, True)
+    assert env["GLIBC_TUNABLES"].split(":") == [ON, *retain] and env["A"] == "1"
+    assert hostmem.retain_env(env, True) is None  # already so: no re-execution
+    # a user's own value for one of its keys is replaced, not duplicated
+    env = hostmem.retain_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, True)
+    assert env["GLIBC_TUNABLES"].split(":") == retain
+    both = ":".join([ON, *retain])
+    assert hostmem.retain_env({"GLIBC_TUNABLES": both}, False)["GLIBC_TUNABLES"] == ON
+    assert hostmem.retain_env({"B": "2"}, False) is None
+    monkeypatch.setattr(hostmem.platform, "libc_ver", lambda: ("", ""))
+    assert hostmem.retain_env({}, True) is None
+
+
+def test_reexec_sets_huge_pages_and_retain_together(glibc, monkeypatch):
+    calls = []
+    monkeypatch.setattr(hostmem.os, "execve", lambda path, argv, env: calls.append(env))
+    monkeypatch.delenv(hostmem.SWITCH, raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
+    hostmem.reexec_with_hugepages(["x"], on=True, retain=True)
+    assert calls[-1]["GLIBC_TUNABLES"].split(":") == [ON, *hostmem.RETAIN_TUNABLES]
+    monkeypatch.setenv("GLIBC_TUNABLES", ":".join([ON, *hostmem.RETAIN_TUNABLES]))
+    hostmem.reexec_with_hugepages(["x"], on=True, retain=True)  # already so
+    hostmem.reexec_with_hugepages(["x"], on=True)  # retain=None leaves the user's tunables
+    assert len(calls) == 1
+    hostmem.reexec_with_hugepages(["x"], on=True, retain=False)
+    assert calls[-1]["GLIBC_TUNABLES"] == ON
+
+
 def test_command_reexecutes_once_with_the_tunable(glibc, monkeypatch):
     calls = []
 

@@ -170,7 +170,6 @@ def map_rows(fn, args, start, count, chunk: int | None = None):
     runs `fn`'s own VJP over the same chunks, so the gradients equal autodiff's of `fn` on the
     whole buffer for those rows (zero elsewhere).
     """
-    args = tuple(args)
     *args, start, count = _same_varying(
         *args, jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32)
     )
