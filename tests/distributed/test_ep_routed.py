@@ -2,7 +2,8 @@
 selection and chunked row loops, and the all-to-all receive side without an argsort, equal the
 argsort paths they replaced (kept here as references), outputs and gradients, including routing
 where one device receives every row and devices receive none; and the ring's program has no
-sort, moves no D-wide rows and computes no SwiGLU activation outside the chunked loops.
+sort, moves no D-wide rows outside the chunked loops and computes the SwiGLU only on the grouped
+matmul's tiles.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from expertax.config import config_rules, load_config
 from expertax.nn import param
-from expertax.nn.moe import dispatch, ep, layer, router, rows
+from expertax.nn.moe import dispatch, ep, gmm, layer, router, rows
 from expertax.sharding import make_mesh, use_rules
 
 pytestmark = pytest.mark.distributed
@@ -101,28 +102,6 @@ def test_chunked_gather_and_weighted_scatter_match_dense_with_gradients(count):
     got, want = results(new), results(ref)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("start,count", [(0, 0), (0, 40), (3, 1), (5, 22), (24, 16)])
-def test_map_rows_equals_the_masked_whole_buffer_with_gradients(start, count):
-    """The SwiGLU on rows [start, start + count) of R = 40 rows in chunks of 16 (the last chunk
-    clamped and masked): exactly the whole-buffer SwiGLU there, zero elsewhere, and the same
-    gradients (autodiff of the masked whole-buffer expression)."""
-    rng = np.random.default_rng(start * 100 + count)
-    gate, up, ct = (jnp.asarray(rng.normal(size=(40, 6)), jnp.float32) for _ in range(3))
-    live = ((np.arange(40) >= start) & (np.arange(40) < start + count))[:, None]
-
-    def new(g, u):
-        return rows.map_rows(rows.swiglu, (g, u), start, count, chunk=16)
-
-    def ref(g, u):
-        return jnp.where(live, jax.nn.silu(g) * u, 0)
-
-    def results(f):
-        return (f(gate, up), *jax.grad(lambda g, u: jnp.vdot(f(g, u), ct), (0, 1))(gate, up))
-
-    for a, b in zip(results(jax.jit(new)), results(ref), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,8 +240,9 @@ def test_ring_program_has_no_sort_and_moves_rows_only_in_chunks(monkeypatch):
     """Every gather or scatter of D-wide rows (forward and backward) handles at most the loops'
     chunk (here `CHECK_CHUNK` rows, < P*N*K); what remains over the P*N*K assignments is index
     work on int32 ids and scalar weights (the counting sort, the weights' gradient). The SwiGLU
-    between the grouped matmuls (its sigmoid, forward and in its VJP) also runs on chunks only,
-    not on the worst-case row buffer."""
+    between the grouped matmuls (its sigmoid, forward and in its VJP) runs inside the second
+    one, on its work items' tiles only (`gmm_tile_rows=8` here), not on the worst-case row
+    buffer."""
     names, moves, assignments, d = _row_ops("ring-ep8", monkeypatch)
     limit = CHECK_CHUNK
     assert "sort" not in names
@@ -280,10 +260,10 @@ def test_negative_control_the_argsort_ring_is_seen(monkeypatch):
 
 
 def test_negative_control_a_whole_buffer_swiglu_is_seen(monkeypatch):
-    def whole_buffer(fn, args, start, count, chunk=None):
-        return fn(*args)
+    def whole_buffer(gate, up, wo, sizes, **kw):
+        return gmm.gmm(gmm.glu(gate, up), wo, sizes, **kw)
 
-    monkeypatch.setattr(rows, "map_rows", whole_buffer)
+    monkeypatch.setattr(dispatch, "gmm_glu", whole_buffer)
     names, moves, _, d = _row_ops("ring-ep8", monkeypatch)
     assert not _wide_moves(moves, d, CHECK_CHUNK)  # the row loops stay chunked
     assert _activations(moves, CHECK_CHUNK)

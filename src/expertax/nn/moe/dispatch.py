@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.moe import rows
-from expertax.nn.moe.gmm import gmm, varying_like
-from expertax.nn.moe.stash import Stash, run_ffn, valid_rows
+from expertax.nn.moe.gmm import gmm, gmm_glu, varying_like
+from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.parallel import remat
 
 
@@ -46,8 +45,6 @@ def expert_ffn_sorted(
         tile_rows_min=c.gmm_tile_rows_min,
     )
 
-    span = valid_rows(group_sizes_E, group_offset, wi_0_EDF.shape[0])
-
     def ffn(given):
         def mm(lhs, w, name):
             return remat.tag(
@@ -56,9 +53,11 @@ def expert_ffn_sorted(
 
         gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
         up = mm(rows_MD, wi_1_EDF, remat.MOE_MLPWI_1)
-        # Only the local groups' rows: past them the buffers are worst-case padding (EP).
-        hidden = rows.map_rows(rows.swiglu, (gate, up), *span)
-        y = mm(hidden, wo_EFD, remat.MOE_MLPWO)
+        # The SwiGLU runs inside the second matmul, on each work item's rows (gmm_glu): no
+        # [M, F] hidden buffer, and none of the worst-case padding rows of EP is touched.
+        wo = wo_EFD.astype(dtype)
+        given_y = given.get(remat.MOE_MLPWO)
+        y = remat.tag(gmm_glu(gate, up, wo, group_sizes_E, given=given_y, **kw), remat.MOE_MLPWO)
         values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
         return y, values
 

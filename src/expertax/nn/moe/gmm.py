@@ -75,6 +75,7 @@ def gmm(
     tile_rows: int = DEFAULT_TILE_ROWS,
     tile_rows_min: int = DEFAULT_TILE_ROWS_MIN,
     given=None,
+    prologue=None,
 ):
     """Grouped matmul `[M, D] x [E_local, D, F] -> [M, F]` (see the module docstring).
 
@@ -91,20 +92,26 @@ def gmm(
         holding it (fewer than 2x the remainder's rows + tile_rows_min computed), or two such
         tiles where that computes far fewer rows (`_remainder_tiles`).
       given: the output [M, F] when it is already known (see the module docstring).
+      prologue: a row-wise function (hashable); then `lhs_MD` is a tuple of `[M, ...]` arrays
+        and the rows are `prologue(*lhs_MD)`, computed per work item by `tiled` (`gmm_glu`).
     """
+    xs = tuple(lhs_MD) if prologue is not None else (lhs_MD,)
     backend = resolve_backend(backend)
-    out_dtype = jnp.dtype(preferred_element_type or lhs_MD.dtype)
+    out_dtype = jnp.dtype(preferred_element_type or xs[0].dtype)
     group_sizes_E = group_sizes_E.astype(jnp.int32)
     if backend == "tiled":
-        tiles = _tile_ladder(lhs_MD.shape[0], tile_rows, tile_rows_min)
-        offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
-        # Inside shard_map, give all operands the same varying axes outside the custom VJP so
-        # autodiff transposes the implicit broadcast (a psum) for replicated operands.
-        args = (lhs_MD, rhs_EDF, group_sizes_E, offset)
-        args = tuple(varying_like(a, *args) for a in args)
-        if given is not None:
-            return _tiled_given(*args, given.astype(out_dtype), tiles, out_dtype)
-        return _tiled(*args, tiles, out_dtype)
+        return _gmm_tiled(
+            xs,
+            prologue,
+            rhs_EDF,
+            group_sizes_E,
+            group_offset,
+            out_dtype,
+            tile_rows,
+            tile_rows_min,
+            given,
+        )
+    lhs_MD = xs[0] if prologue is None else prologue(*xs)
     if given is not None:
         fn = functools.partial(
             gmm, group_offset=group_offset, backend=backend, preferred_element_type=out_dtype
@@ -119,6 +126,39 @@ def gmm(
     rolled = jnp.roll(lhs_MD, -start, axis=0)
     out = jax.lax.ragged_dot(rolled, rhs_EDF, sizes, preferred_element_type=out_dtype)
     return jnp.roll(out, start, axis=0)
+
+
+def glu(gate, up):
+    """The SwiGLU's row-wise part, `silu(gate) * up`: the hidden activation of an expert FFN."""
+    return jax.nn.silu(gate) * up
+
+
+def gmm_glu(gate_MF, up_MF, rhs_EFD, group_sizes_E, **kw):
+    """`gmm(glu(gate, up), rhs, sizes, **kw)`: an expert FFN's second grouped matmul with its
+    SwiGLU (keyword arguments as `gmm`'s).
+
+    `tiled` applies `glu` to each work item's tile of gate and up rows right before the item's
+    dot, and its VJP turns each tile's hidden gradient into the gate's and up's at once, so
+    neither the `[M, F]` hidden activation nor its gradient is ever a buffer (the gate and up
+    are the residuals, as they are of the first matmuls) and the SwiGLU works on the routed
+    rows only. Other backends compute `glu` on all M rows, then the grouped matmul.
+    """
+    return gmm((gate_MF, up_MF), rhs_EFD, group_sizes_E, prologue=glu, **kw)
+
+
+def _gmm_tiled(xs, prologue, rhs, sizes, group_offset, out_dtype, tile_rows, tile_rows_min, given):
+    """The `tiled` backend on the rows `prologue(*xs)` (`xs[0]` when `prologue` is None)."""
+    tiles = _tile_ladder(xs[0].shape[0], tile_rows, tile_rows_min)
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    # Inside shard_map, give all operands the same varying axes outside the custom VJP so
+    # autodiff transposes the implicit broadcast (a psum) for replicated operands.
+    args = (*xs, rhs, sizes.astype(jnp.int32), offset)
+    *xs, rhs, sizes, offset = (varying_like(a, *args) for a in args)
+    if given is not None:
+        return _tiled_given(
+            tuple(xs), rhs, sizes, offset, given.astype(out_dtype), tiles, out_dtype, prologue
+        )
+    return _tiled(tuple(xs), rhs, sizes, offset, tiles, out_dtype, prologue)
 
 
 def _tile_ladder(n: int, tile_rows: int, tile_rows_min: int) -> tuple[int, ...]:
@@ -242,33 +282,74 @@ def _tile_rows_mask(row0, row1, tile: int, n: int):
     return start, ((r >= row0) & (r < row1))[:, None]
 
 
-def _loop_rows(x_MI, w_EIZ, items, out_MZ, *, contract_w: int):
-    """out[rows of item] = x[rows] @ w[g] (contracting w's dim `contract_w`) for every item.
-
-    I: the contracted width, Z: the output width (D -> F forward, F -> D for the input
-    gradient, where `contract_w=1` and w is laid out [E, Z, I]).
-    """
-    n = x_MI.shape[0]
+def _for_items(items, n: int, step, carry):
+    """`carry = step(group, start, mask, tile, carry)` for every work item, one loop per tile
+    list (`start`: the tile's clamped first row, `mask`: [tile, 1], its rows of the item)."""
     for item in items:
 
-        def body(i, out, item=item):
-            w = jax.lax.dynamic_index_in_dim(w_EIZ, item["g"][i], keepdims=False)
-
+        def body(i, carry, item=item):
             tile = item["tile"]
             start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
-            x = jax.lax.dynamic_slice_in_dim(x_MI, start, tile)
-            y = jax.lax.dot_general(
-                x, w, (((1,), (contract_w,)), ((), ())), preferred_element_type=jnp.float32
-            ).astype(out.dtype)
-            old = jax.lax.dynamic_slice_in_dim(out, start, tile)
-            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, y, old), start, 0)
+            return step(item["g"][i], start, mask, tile, carry)
 
-        out_MZ = jax.lax.fori_loop(0, item["count"], body, out_MZ)
-    return out_MZ
+        carry = jax.lax.fori_loop(0, item["count"], body, carry)
+    return carry
 
 
-def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
-    """dw[g] = sum over g's items of x[rows]^T @ dy[rows], float32, as `[E_local, D, F]`.
+def _tile_of(xs, start, tile: int):
+    return tuple(jax.lax.dynamic_slice_in_dim(a, start, tile) for a in xs)
+
+
+def _put(out, new, start, mask):
+    """`out` with the masked rows of the tile at `start` replaced by `new` (in place)."""
+    old = jax.lax.dynamic_slice_in_dim(out, start, new.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, new, old), start, 0)
+
+
+def _rows_of(xs, prologue):
+    return xs[0] if prologue is None else prologue(*xs)
+
+
+def _loop_rows(xs, w_EIZ, items, out_MZ, *, prologue=None):
+    """out[rows of item] = prologue(*xs)[rows] @ w[g] for every item (`xs[0]` without a
+    prologue; the prologue runs on the item's tile only). I: the contracted width, Z: the
+    output width (D -> F, or F -> D for the FFN's second matmul)."""
+
+    def step(g, start, mask, tile, out):
+        x = _rows_of(_tile_of(xs, start, tile), prologue)
+        w = jax.lax.dynamic_index_in_dim(w_EIZ, g, keepdims=False)
+        y = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return _put(out, y.astype(out.dtype), start, mask)
+
+    return _for_items(items, xs[0].shape[0], step, out_MZ)
+
+
+def _loop_input_grad(xs, dy_MZ, w_EIZ, items, prologue):
+    """The cotangents of `xs`: per item, the rows' gradient `dy[rows] @ w[g]^T`, pulled back
+    through the prologue on the same tile (its VJP), each written to its rows of zeroed
+    buffers shaped like `xs`."""
+    zeros = tuple(varying_like(jnp.zeros_like(a), dy_MZ, w_EIZ, *xs) for a in xs)
+
+    def step(g, start, mask, tile, outs):
+        w = jax.lax.dynamic_index_in_dim(w_EIZ, g, keepdims=False)
+        dy = jax.lax.dynamic_slice_in_dim(dy_MZ, start, tile)
+        dx = jax.lax.dot_general(
+            dy, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        if prologue is None:
+            news = (dx.astype(xs[0].dtype),)
+        else:
+            tiles = _tile_of(xs, start, tile)
+            hidden, pull = jax.vjp(prologue, *tiles)
+            news = pull(dx.astype(hidden.dtype))
+        return tuple(_put(o, n, start, mask) for o, n in zip(outs, news, strict=True))
+
+    return _for_items(items, xs[0].shape[0], step, zeros)
+
+
+def _loop_weight_grad(xs, dy_MF, items, e_local: int, prologue=None):
+    """dw[g] = sum over g's items of x[rows]^T @ dy[rows], float32, as `[E_local, D, F]`, with
+    x = `prologue(*xs)` computed on each item's tile (`xs[0]` without a prologue).
 
     One loop per tile list, like the forward: each item adds its `[D, F]` partial product into
     its group's slice of one `[E_local, D, F]` loop carry, updated in place (a fused
@@ -278,69 +359,62 @@ def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
     accumulator into: per group two more `[D, F]` passes and a loop nest per group
     (docs/design/gmm.md, "Where the time went").
     """
-    n, d, f = x_MD.shape[0], x_MD.shape[1], dy_MF.shape[1]
-    dw_EDF = varying_like(jnp.zeros((e_local, d, f), jnp.float32), x_MD, dy_MF, items[0]["g"])
-    for item in items:
+    d = jax.eval_shape(lambda *a: _rows_of(a, prologue), *xs).shape[1]
+    f = dy_MF.shape[1]
+    dw_EDF = varying_like(jnp.zeros((e_local, d, f), jnp.float32), *xs, dy_MF, items[0]["g"])
 
-        def body(i, dw_EDF, item=item):
-            tile = item["tile"]
-            start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
-            x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_MD, start, tile), 0)
-            dy = jax.lax.dynamic_slice_in_dim(dy_MF, start, tile)
-            # XLA:CPU hands a dot to its fast library (the `__ynn_fusion`) only when the lhs
-            # contracts its last dim; `x^T @ dy` written directly contracts dim 0 and runs in
-            # the generic dot, several times slower. The barrier keeps the small transposed
-            # tile a real `[D, tile]` copy (XLA would otherwise fold the transpose back).
-            x_T = jax.lax.optimization_barrier(x.T)
-            part_DF = jnp.matmul(x_T, dy, preferred_element_type=jnp.float32)
-            g = item["g"][i]
-            old_1DF = jax.lax.dynamic_index_in_dim(dw_EDF, g, keepdims=True)
-            return jax.lax.dynamic_update_slice_in_dim(dw_EDF, old_1DF + part_DF[None], g, 0)
+    def step(g, start, mask, tile, dw_EDF):
+        x = jnp.where(mask, _rows_of(_tile_of(xs, start, tile), prologue), 0)
+        dy = jax.lax.dynamic_slice_in_dim(dy_MF, start, tile)
+        # XLA:CPU hands a dot to its fast library (the `__ynn_fusion`) only when the lhs
+        # contracts its last dim; `x^T @ dy` written directly contracts dim 0 and runs in
+        # the generic dot, several times slower. The barrier keeps the small transposed
+        # tile a real `[D, tile]` copy (XLA would otherwise fold the transpose back).
+        x_T = jax.lax.optimization_barrier(x.T)
+        part_DF = jnp.matmul(x_T, dy, preferred_element_type=jnp.float32)
+        old_1DF = jax.lax.dynamic_index_in_dim(dw_EDF, g, keepdims=True)
+        return jax.lax.dynamic_update_slice_in_dim(dw_EDF, old_1DF + part_DF[None], g, 0)
 
-        dw_EDF = jax.lax.fori_loop(0, item["count"], body, dw_EDF)
-    return dw_EDF
+    return _for_items(items, xs[0].shape[0], step, dw_EDF)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _tiled(lhs_MD, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
-    return _tiled_fwd(lhs_MD, rhs_EDF, group_sizes_E, offset, tiles, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _tiled(xs, rhs_EDF, group_sizes_E, offset, tiles, out_dtype, prologue):
+    return _tiled_fwd(xs, rhs_EDF, group_sizes_E, offset, tiles, out_dtype, prologue)[0]
 
 
-def _tiled_fwd(lhs_MD, rhs_EDF, group_sizes_E, offset, tiles, out_dtype):
-    n, e_local, f = lhs_MD.shape[0], rhs_EDF.shape[0], rhs_EDF.shape[2]
+def _tiled_fwd(xs, rhs_EDF, group_sizes_E, offset, tiles, out_dtype, prologue):
+    n, e_local, f = xs[0].shape[0], rhs_EDF.shape[0], rhs_EDF.shape[2]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    zeros_MF = varying_like(jnp.zeros((n, f), out_dtype), lhs_MD, rhs_EDF, group_sizes_E, offset)
-    out_MF = _loop_rows(lhs_MD, rhs_EDF, items, zeros_MF, contract_w=0)
-    return out_MF, (lhs_MD, rhs_EDF, group_sizes_E, offset)
+    zeros_MF = varying_like(jnp.zeros((n, f), out_dtype), *xs, rhs_EDF, group_sizes_E, offset)
+    out_MF = _loop_rows(xs, rhs_EDF, items, zeros_MF, prologue=prologue)
+    return out_MF, (xs, rhs_EDF, group_sizes_E, offset)
 
 
-def _tiled_bwd(tiles, out_dtype, res, dout_MF):
-    lhs_MD, rhs_EDF, group_sizes_E, offset = res
-    n, e_local = lhs_MD.shape[0], rhs_EDF.shape[0]
+def _tiled_bwd(tiles, out_dtype, prologue, res, dout_MF):
+    xs, rhs_EDF, group_sizes_E, offset = res
+    n, e_local = xs[0].shape[0], rhs_EDF.shape[0]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    zeros_MD = varying_like(
-        jnp.zeros(lhs_MD.shape, lhs_MD.dtype), dout_MF, rhs_EDF, group_sizes_E, offset
-    )
-    dlhs_MD = _loop_rows(dout_MF, rhs_EDF, items, zeros_MD, contract_w=1)
-    dw_EDF = _loop_weight_grad(lhs_MD, dout_MF, items, e_local)
-    return dlhs_MD, dw_EDF.astype(rhs_EDF.dtype), None, None
+    dxs = _loop_input_grad(xs, dout_MF, rhs_EDF, items, prologue)
+    dw_EDF = _loop_weight_grad(xs, dout_MF, items, e_local, prologue)
+    return dxs, dw_EDF.astype(rhs_EDF.dtype), None, None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _tiled_given(lhs_MD, rhs_EDF, group_sizes_E, offset, given_MF, tiles, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _tiled_given(xs, rhs_EDF, group_sizes_E, offset, given_MF, tiles, out_dtype, prologue):
     """`_tiled` whose output `given_MF` is known: the value is `given_MF`, the VJP `_tiled`'s."""
     return given_MF
 
 
-def _tiled_given_fwd(lhs_MD, rhs_EDF, group_sizes_E, offset, given_MF, tiles, out_dtype):
-    return given_MF, (lhs_MD, rhs_EDF, group_sizes_E, offset)
+def _tiled_given_fwd(xs, rhs_EDF, group_sizes_E, offset, given_MF, tiles, out_dtype, prologue):
+    return given_MF, (xs, rhs_EDF, group_sizes_E, offset)
 
 
-def _tiled_given_bwd(tiles, out_dtype, res, dout_MF):
-    return (*_tiled_bwd(tiles, out_dtype, res, dout_MF), None)
+def _tiled_given_bwd(tiles, out_dtype, prologue, res, dout_MF):
+    return (*_tiled_bwd(tiles, out_dtype, prologue, res, dout_MF), None)
 
 
 _tiled_given.defvjp(_tiled_given_fwd, _tiled_given_bwd)

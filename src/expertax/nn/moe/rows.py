@@ -11,9 +11,8 @@ scatter-add over the same `count` rows, the gradient of a weighted scatter-add i
 The last chunk is clamped to end at row R (no padding of the buffers to a multiple of `chunk`)
 and masked to the rows `[i * chunk, count)`, so rows are never written (or added) twice.
 Rows `>= count` of a gathered buffer are zero; indices of rows `>= count` are never read.
-
-`map_rows` applies a row-wise function (the SwiGLU between the grouped matmuls) to the rows
-`[start, start + count)` of worst-case-sized buffers only, forward and backward, the same way.
+(The SwiGLU between the grouped matmuls runs inside the second one, on its work items' rows:
+`gmm.gmm_glu`.)
 """
 
 from __future__ import annotations
@@ -36,13 +35,13 @@ def _trips(count, chunk: int):
     return (count + chunk - 1) // chunk
 
 
-def _rows(i, count, chunk: int, r: int, first=0):
-    """Start of chunk i of the rows `[first, first + count)` (clamped so that it ends inside R)
+def _rows(i, count, chunk: int, r: int):
+    """Start of chunk i of the rows `[0, count)` (clamped so that it ends inside R)
     and the mask of its own rows."""
-    row0 = first + i * chunk
+    row0 = i * chunk
     start = jnp.minimum(row0, r - chunk)
     rows = start + jnp.arange(chunk, dtype=jnp.int32)
-    return start, (rows >= row0) & (rows < first + count)
+    return start, (rows >= row0) & (rows < count)
 
 
 def _same_varying(*args):
@@ -159,69 +158,3 @@ def _scatter_bwd(n, chunk, res, dout_ND):
 
 
 _scatter.defvjp(_scatter_fwd, _scatter_bwd)
-
-
-def map_rows(fn, args, start, count, chunk: int | None = None):
-    """`fn(*args)` on rows `[start, start + count)` of the `[R, ...]` arrays `args`, zero on the
-    other rows, in O(count) work forward and backward.
-
-    `fn` must act on each row alone (elementwise, like `silu(gate) * up`) and be hashable (a
-    module-level function); it may return a pytree of `[rows, ...]` arrays. The backward pass
-    runs `fn`'s own VJP over the same chunks, so the gradients equal autodiff's of `fn` on the
-    whole buffer for those rows (zero elsewhere).
-    """
-    *args, start, count = _same_varying(
-        *args, jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32)
-    )
-    return _map(fn, _chunk(args[0].shape[0], chunk), tuple(args), start, count)
-
-
-def _map_loop(fn, chunk: int, args, start, count):
-    r = args[0].shape[0]
-    shapes = jax.eval_shape(fn, *(a[:chunk] for a in args))
-    outs = jax.tree.map(
-        lambda s: varying_like(jnp.zeros((r, *s.shape[1:]), s.dtype), *args, start, count), shapes
-    )
-
-    def body(i, outs):
-        at, mask = _rows(i, count, chunk, r, start)
-        got = fn(*(jax.lax.dynamic_slice_in_dim(a, at, chunk) for a in args))
-
-        def put(out, new):
-            old = jax.lax.dynamic_slice_in_dim(out, at, chunk)
-            keep = mask.reshape((chunk,) + (1,) * (out.ndim - 1))
-            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, new, old), at, 0)
-
-        return jax.tree.map(put, outs, got)
-
-    return jax.lax.fori_loop(0, _trips(count, chunk), body, outs)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _map(fn, chunk, args, start, count):
-    return _map_loop(fn, chunk, args, start, count)
-
-
-def _map_fwd(fn, chunk, args, start, count):
-    return _map_loop(fn, chunk, args, start, count), (args, start, count)
-
-
-def _map_bwd(fn, chunk, res, dout):
-    args, start, count = res
-    n = len(args)
-
-    def pull(*a):  # fn's VJP on one chunk: (*args, dout) -> cotangents of args
-        return jax.vjp(fn, *a[:n])[1](jax.tree.unflatten(tree, a[n:]))
-
-    flat, tree = jax.tree.flatten(dout)
-    flat = [varying_like(d, *args) for d in flat]
-    grads = _map_loop(pull, chunk, (*args, *flat), start, count)
-    return tuple(grads), None, None
-
-
-_map.defvjp(_map_fwd, _map_bwd)
-
-
-def swiglu(gate, up):
-    """The SwiGLU's row-wise part, `silu(gate) * up` (`map_rows`' function for the MoE FFN)."""
-    return jax.nn.silu(gate) * up
