@@ -324,32 +324,37 @@ def _loop_rows(xs, w_EIZ, items, out_MZ, *, prologue=None):
     return _for_items(items, xs[0].shape[0], step, out_MZ)
 
 
-def _loop_input_grad(xs, dy_MZ, w_EIZ, items, prologue):
-    """The cotangents of `xs`: per item, the rows' gradient `dy[rows] @ w[g]^T`, pulled back
-    through the prologue on the same tile (its VJP), each written to its rows of zeroed
-    buffers shaped like `xs`."""
-    zeros = tuple(varying_like(jnp.zeros_like(a), dy_MZ, w_EIZ, *xs) for a in xs)
+def _loop_input_grad(x_MI, dy_MZ, w_EIZ, items):
+    """dx[rows of item] = dy[rows] @ w[g]^T for every item (the weights contracted on Z)."""
+    zeros = varying_like(jnp.zeros_like(x_MI), dy_MZ, w_EIZ, x_MI)
 
-    def step(g, start, mask, tile, outs):
+    def step(g, start, mask, tile, dx):
         w = jax.lax.dynamic_index_in_dim(w_EIZ, g, keepdims=False)
         dy = jax.lax.dynamic_slice_in_dim(dy_MZ, start, tile)
-        dx = jax.lax.dot_general(
-            dy, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        if prologue is None:
-            news = (dx.astype(xs[0].dtype),)
-        else:
-            tiles = _tile_of(xs, start, tile)
-            hidden, pull = jax.vjp(prologue, *tiles)
-            news = pull(dx.astype(hidden.dtype))
-        return tuple(_put(o, n, start, mask) for o, n in zip(outs, news, strict=True))
+        d = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return _put(dx, d.astype(dx.dtype), start, mask)
 
-    return _for_items(items, xs[0].shape[0], step, zeros)
+    return _for_items(items, x_MI.shape[0], step, zeros)
 
 
-def _loop_weight_grad(xs, dy_MF, items, e_local: int, prologue=None):
-    """dw[g] = sum over g's items of x[rows]^T @ dy[rows], float32, as `[E_local, D, F]`, with
-    x = `prologue(*xs)` computed on each item's tile (`xs[0]` without a prologue).
+def _add_weight_grad(dw_EDF, g, x, dy):
+    """dw[g] += x^T @ dy (float32), in place in the `[E_local, D, F]` loop carry."""
+    # XLA:CPU hands a dot to its fast library (the `__ynn_fusion`) only when the lhs contracts
+    # its last dim; `x^T @ dy` written directly contracts dim 0 and runs in the generic dot,
+    # several times slower. The barrier keeps the small transposed tile a real `[D, tile]`
+    # copy (XLA would otherwise fold the transpose back).
+    x_T = jax.lax.optimization_barrier(x.T)
+    part_DF = jnp.matmul(x_T, dy, preferred_element_type=jnp.float32)
+    old_1DF = jax.lax.dynamic_index_in_dim(dw_EDF, g, keepdims=True)
+    return jax.lax.dynamic_update_slice_in_dim(dw_EDF, old_1DF + part_DF[None], g, 0)
+
+
+def _zero_weight_grad(e_local: int, d: int, dy_MF, *refs):
+    return varying_like(jnp.zeros((e_local, d, dy_MF.shape[1]), jnp.float32), dy_MF, *refs)
+
+
+def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
+    """dw[g] = sum over g's items of x[rows]^T @ dy[rows], float32, as `[E_local, D, F]`.
 
     One loop per tile list, like the forward: each item adds its `[D, F]` partial product into
     its group's slice of one `[E_local, D, F]` loop carry, updated in place (a fused
@@ -359,23 +364,37 @@ def _loop_weight_grad(xs, dy_MF, items, e_local: int, prologue=None):
     accumulator into: per group two more `[D, F]` passes and a loop nest per group
     (docs/design/gmm.md, "Where the time went").
     """
-    d = jax.eval_shape(lambda *a: _rows_of(a, prologue), *xs).shape[1]
-    f = dy_MF.shape[1]
-    dw_EDF = varying_like(jnp.zeros((e_local, d, f), jnp.float32), *xs, dy_MF, items[0]["g"])
+    dw_EDF = _zero_weight_grad(e_local, x_MD.shape[1], dy_MF, x_MD, items[0]["g"])
 
     def step(g, start, mask, tile, dw_EDF):
-        x = jnp.where(mask, _rows_of(_tile_of(xs, start, tile), prologue), 0)
-        dy = jax.lax.dynamic_slice_in_dim(dy_MF, start, tile)
-        # XLA:CPU hands a dot to its fast library (the `__ynn_fusion`) only when the lhs
-        # contracts its last dim; `x^T @ dy` written directly contracts dim 0 and runs in
-        # the generic dot, several times slower. The barrier keeps the small transposed
-        # tile a real `[D, tile]` copy (XLA would otherwise fold the transpose back).
-        x_T = jax.lax.optimization_barrier(x.T)
-        part_DF = jnp.matmul(x_T, dy, preferred_element_type=jnp.float32)
-        old_1DF = jax.lax.dynamic_index_in_dim(dw_EDF, g, keepdims=True)
-        return jax.lax.dynamic_update_slice_in_dim(dw_EDF, old_1DF + part_DF[None], g, 0)
+        x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_MD, start, tile), 0)
+        return _add_weight_grad(dw_EDF, g, x, jax.lax.dynamic_slice_in_dim(dy_MF, start, tile))
 
-    return _for_items(items, xs[0].shape[0], step, dw_EDF)
+    return _for_items(items, x_MD.shape[0], step, dw_EDF)
+
+
+def _loop_prologue_grads(xs, dy_MZ, w_EIZ, items, prologue):
+    """Both gradients of a gmm with a prologue in one loop: per item, one evaluation of the
+    prologue on the tile gives its rows x (for `dw[g] += x^T dy`) and its VJP, which turns the
+    rows' gradient `dy @ w[g]^T` into the cotangents of `xs` (written to their rows)."""
+    e_local = w_EIZ.shape[0]
+    dxs = tuple(varying_like(jnp.zeros_like(a), dy_MZ, w_EIZ, *xs) for a in xs)
+    width = jax.eval_shape(prologue, *xs).shape[1]
+    dw = _zero_weight_grad(e_local, width, dy_MZ, w_EIZ, *xs, items[0]["g"])
+
+    def step(g, start, mask, tile, carry):
+        dxs, dw = carry
+        w = jax.lax.dynamic_index_in_dim(w_EIZ, g, keepdims=False)
+        dy = jax.lax.dynamic_slice_in_dim(dy_MZ, start, tile)
+        x, pull = jax.vjp(prologue, *_tile_of(xs, start, tile))
+        dx = jax.lax.dot_general(
+            dy, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        news = pull(dx.astype(x.dtype))
+        dxs = tuple(_put(o, n, start, mask) for o, n in zip(dxs, news, strict=True))
+        return dxs, _add_weight_grad(dw, g, jnp.where(mask, x, 0), dy)
+
+    return _for_items(items, xs[0].shape[0], step, (dxs, dw))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -395,8 +414,11 @@ def _tiled_bwd(tiles, out_dtype, prologue, res, dout_MF):
     xs, rhs_EDF, group_sizes_E, offset = res
     n, e_local = xs[0].shape[0], rhs_EDF.shape[0]
     items = _work_items(group_sizes_E, offset, e_local, n, tiles)
-    dxs = _loop_input_grad(xs, dout_MF, rhs_EDF, items, prologue)
-    dw_EDF = _loop_weight_grad(xs, dout_MF, items, e_local, prologue)
+    if prologue is None:
+        dxs = (_loop_input_grad(xs[0], dout_MF, rhs_EDF, items),)
+        dw_EDF = _loop_weight_grad(xs[0], dout_MF, items, e_local)
+    else:
+        dxs, dw_EDF = _loop_prologue_grads(xs, dout_MF, rhs_EDF, items, prologue)
     return dxs, dw_EDF.astype(rhs_EDF.dtype), None, None
 
 
