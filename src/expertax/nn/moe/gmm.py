@@ -15,6 +15,10 @@ Backends (`backend=`, the `gmm_impl` config key):
   in place; the backward pass costs what the forward costs, twice.
 - `auto`: picked per `jax.default_backend()` from `MEASURED` below (see docs/design/gmm.md).
 
+`gmm_glu(gate, up, wo, sizes)` = `gmm(glu(gate, up), wo, sizes)`, the expert FFN's second matmul
+with its SwiGLU: `tiled` computes the SwiGLU per work item (a row-wise `prologue` of the loop) and
+its VJP is one loop for both gradients, so the `[M, F]` hidden activation is never a buffer.
+
 `given=` (the paged stash, `moe/stash.py`): the output is already known (restored from the
 stash); `gmm` returns it as its value and its VJP is the grouped matmul's own, so the backward
 pass is exact without running the matmul again.
