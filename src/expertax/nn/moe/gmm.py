@@ -156,7 +156,7 @@ def _gmm_tiled(xs, prologue, rhs, sizes, group_offset, out_dtype, tile_rows, til
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
     # Inside shard_map, give all operands the same varying axes outside the custom VJP so
     # autodiff transposes the implicit broadcast (a psum) for replicated operands.
-    args = (*xs, rhs, sizes.astype(jnp.int32), offset)
+    args = (*xs, rhs, sizes, offset)
     *xs, rhs, sizes, offset = (varying_like(a, *args) for a in args)
     if given is not None:
         return _tiled_given(
