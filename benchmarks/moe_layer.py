@@ -33,16 +33,23 @@ its pool). The default (`--malloc default`) is how the `expertax` command runs.
 Every case is compiled first; then all are timed together, one call each per round, `--iters`
 rounds in alternating order, and each case reports its median call.
 
+`--ffn fused separate` times each mesh case with the fused routed FFN (`moe_fused_routed_ffn`,
+nn/moe/routed.py, the default) and with the separate row loops and grouped matmuls, in the same
+interleaved rounds; `temp_mib` is each program's temporaries per device (XLA's
+`memory_analysis`).
+
 Run: python benchmarks/moe_layer.py [--iters 5] [--length 128] [--json PATH] [--routing
-balanced] [--ep 1 8] (sets 8 host devices when on CPU). Prints one JSON line per case, then a
-Markdown table; `--json PATH` also writes {"shape": ..., "rows": [{routing, strategy, ep,
-us_per_routed_token, max_load_ratio, dispatch_bytes, ideal_bytes, allreduce_bytes, sort_share,
-gather_share, collective_share}]} (shares null where not profiled).
+balanced] [--ep 1 8] [--ffn fused separate] (sets 8 host devices when on CPU). Prints one JSON
+line per case, then a Markdown table; `--json PATH` also writes {"shape": ..., "rows":
+[{routing, strategy, routed_ffn, ep, temp_mib, us_per_routed_token, max_load_ratio,
+dispatch_bytes, ideal_bytes, allreduce_bytes, sort_share, gather_share, collective_share}]}
+(shares null where not profiled).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -222,7 +229,8 @@ def loss(p, x, c):
 
 
 def compile_case(c, p, x, mesh, profile_iters=0):
-    """(call() -> blocks, collective bytes, max/mean expert load, profile shares)."""
+    """(call() -> blocks, collective bytes, max/mean expert load, profile shares, temporary
+    bytes per device)."""
     # Gradients for the weights and the input, as inside a model (the input's gradient needs
     # the transposed forward all-to-all / all-gather).
     f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
@@ -240,7 +248,8 @@ def compile_case(c, p, x, mesh, profile_iters=0):
     def call():
         jax.block_until_ready(compiled(*args))
 
-    return call, collective_bytes(compiled.as_text()), float(load.max() / load.mean()), shares
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    return call, collective_bytes(compiled.as_text()), float(load.max() / load.mean()), shares, temp
 
 
 def median_call_s(calls: list, iters: int) -> list[float]:
@@ -274,6 +283,14 @@ def main():
     ap.add_argument("--routing", nargs="+", default=["balanced", "skewed"])
     ap.add_argument("--ep", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--strategy", nargs="+", default=["a2a", "ring"])
+    ap.add_argument(
+        "--ffn",
+        nargs="+",
+        choices=("fused", "separate"),
+        default=["fused"],
+        help="moe_fused_routed_ffn on (fused, the default) or off (separate); both: an A/B "
+        "in one interleaved run",
+    )
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--hugepages", choices=("on", "off"), default="on")
     ap.add_argument("--malloc", choices=("default", "retain"), default="default")
@@ -289,13 +306,15 @@ def main():
     rows, calls = [], []
     for skewed in [r == "skewed" for r in args.routing]:
         c0, p, x = make_case(skewed)
-        call, _, ratio, _ = compile_case(c0, p, x, None)
+        call, _, ratio, _, temp = compile_case(c0, p, x, None)
         calls.append(call)
         rows.append(
             dict(
                 routing="skewed" if skewed else "balanced",
                 strategy="no mesh",
+                routed_ffn="-",
                 ep=1,
+                temp_mib=temp / 2**20,
                 max_load_ratio=ratio,
                 dispatch_bytes=0,
                 ideal_bytes=0,
@@ -305,35 +324,37 @@ def main():
                 collective_share=None,
             )
         )
-        for epn in args.ep:
-            for strategy in args.strategy:
-                c = c0.model_copy(
-                    update={
-                        "ici_expert_parallelism": epn,
-                        "ici_data_parallelism": 8 // epn,
-                        "ici_fsdp_parallelism": 1,
-                        "use_ring_of_experts": strategy == "ring",
-                    }
+        for epn, strategy, ffn in itertools.product(args.ep, args.strategy, args.ffn):
+            c = c0.model_copy(
+                update={
+                    "ici_expert_parallelism": epn,
+                    "ici_data_parallelism": 8 // epn,
+                    "ici_fsdp_parallelism": 1,
+                    "use_ring_of_experts": strategy == "ring",
+                    "moe_fused_routed_ffn": ffn == "fused",
+                }
+            )
+            prof = args.profile and not skewed and epn in (1, 8)
+            call, coll, ratio, shares, temp = compile_case(
+                c, p, x, make_mesh(c), args.iters if prof else 0
+            )
+            calls.append(call)
+            rows.append(
+                dict(
+                    routing="skewed" if skewed else "balanced",
+                    strategy=strategy if strategy == "ring" else f"a2a-{impl}",
+                    routed_ffn=ffn,
+                    ep=epn,
+                    temp_mib=temp / 2**20,
+                    max_load_ratio=ratio,
+                    dispatch_bytes=sum(coll.get(k, 0) for k in DISPATCH_OPS),
+                    ideal_bytes=ideal_bytes(strategy, epn),
+                    allreduce_bytes=coll.get("all-reduce", 0),
+                    sort_share=shares.get("sort_share"),
+                    gather_share=shares.get("gather_share"),
+                    collective_share=shares.get("collective_share"),
                 )
-                prof = args.profile and not skewed and epn in (1, 8)
-                call, coll, ratio, shares = compile_case(
-                    c, p, x, make_mesh(c), args.iters if prof else 0
-                )
-                calls.append(call)
-                rows.append(
-                    dict(
-                        routing="skewed" if skewed else "balanced",
-                        strategy=strategy if strategy == "ring" else f"a2a-{impl}",
-                        ep=epn,
-                        max_load_ratio=ratio,
-                        dispatch_bytes=sum(coll.get(k, 0) for k in DISPATCH_OPS),
-                        ideal_bytes=ideal_bytes(strategy, epn),
-                        allreduce_bytes=coll.get("all-reduce", 0),
-                        sort_share=shares.get("sort_share"),
-                        gather_share=shares.get("gather_share"),
-                        collective_share=shares.get("collective_share"),
-                    )
-                )
+            )
     for row, seconds in zip(rows, median_call_s(calls, args.iters), strict=True):
         row["us_per_routed_token"] = seconds / routed * 1e6
         print(json.dumps(row), flush=True)
@@ -342,15 +363,17 @@ def main():
         f"huge pages {hostmem.hugepages_active()}, malloc retains {hostmem.retain_active()}"
     )
     print(
-        "| routing | strategy | EP | us / routed token | max load / mean | dispatch bytes "
-        "(HLO) | ideal bytes | ratio | all-reduce bytes | sort | gather | collectives |"
+        "| routing | strategy | routed FFN | EP | us / routed token | temp MiB | max load / mean "
+        "| dispatch bytes (HLO) | ideal bytes | ratio | all-reduce bytes | sort | gather "
+        "| collectives |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["dispatch_bytes"] / r["ideal_bytes"] if r["ideal_bytes"] else float("nan")
         print(
-            f"| {r['routing']} | {r['strategy']} | {r['ep']} | {r['us_per_routed_token']:.3f} "
-            f"| {r['max_load_ratio']:.2f} | {r['dispatch_bytes']:,} | {r['ideal_bytes']:,} "
+            f"| {r['routing']} | {r['strategy']} | {r['routed_ffn']} | {r['ep']} "
+            f"| {r['us_per_routed_token']:.3f} | {r['temp_mib']:.1f} | {r['max_load_ratio']:.2f} "
+            f"| {r['dispatch_bytes']:,} | {r['ideal_bytes']:,} "
             f"| {ratio:.2f} | {r['allreduce_bytes']:,} | {_pct(r['sort_share'])} "
             f"| {_pct(r['gather_share'])} | {_pct(r['collective_share'])} |"
         )

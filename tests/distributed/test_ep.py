@@ -107,7 +107,8 @@ def test_padded_all_to_all_matches_numpy_ragged_model_with_gradients(seed, block
 
 
 def _plan_roundtrip(experts_PNK, buffer_factor=-1.0, num_experts=16):
-    """Rank-coded rows through sort_and_send and unsort_and_return with an identity FFN."""
+    """Rank-coded rows through sort_and_send, the local sort, its undoing and send_back with an
+    identity FFN."""
     n, k = experts_PNK.shape[1:]
     c = load_config(
         overrides={
@@ -127,7 +128,8 @@ def _plan_roundtrip(experts_PNK, buffer_factor=-1.0, num_experts=16):
         recv, plan, order = ep.sort_and_send(x, experts, c, "padded")
         sorted_rows, local_order, sizes = ep.sort_by_local_expert(recv, plan.recv_counts_PX)
         block = ep.padded_block_rows(c, n, EP, recv.shape[0])
-        back = ep.unsort_and_return(sorted_rows, local_order, plan, order.shape[0], "padded", block)
+        unsorted = ep.rows.gather_rows(sorted_rows, local_order.dst_M, local_order.total)
+        back = ep.send_back(unsorted, plan, order.shape[0], "padded", block)
         rows, _, _ = ep.dispatch.permute(x, experts, c.num_experts)
         return back[None], rows[None], sizes[None], plan.dropped[None]
 
@@ -386,7 +388,7 @@ def _shapes(text, op):
 def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
     """a2a (padded, on CPU): per-peer blocks of one round (`ep.padded_block_rows`: twice the
     mean a peer gets, N*K/P) and the receive buffer of M = P*N*min(K, X) rows are a quarter
-    with 4 chunks; ring: gathered rows [P*N, D] too.
+    with 4 chunks; ring: gathered tokens [P*N, D] and the routed rows' [M, F] too.
     (XLA:CPU splits the all-to-all per peer, [1, block, D], and runs bfloat16 collectives in
     float32, so the collectives' shapes are compared without their dtype.)"""
     c1, _, hlo1 = _compiled_bf16([])
@@ -409,8 +411,9 @@ def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
     assert (p * n, d) in gathered1 and (p * n, d) not in gathered4
     assert (p * n // 4, d) in gathered4
     rows1, rows4 = p * n * c1.num_experts_per_tok, p * n * c1.num_experts_per_tok // 4
-    assert f"bf16[{rows1},{d}]" in ring1 and f"[{rows1},{d}]" not in ring4  # gathered sorted
-    assert f"bf16[{rows4},{d}]" in ring4
+    f = c1.base_moe_mlp_dim  # the routed rows' gate and up (routed.py: no [rows, D] buffer)
+    assert f"bf16[{rows1},{f}]" in ring1 and f"[{rows1},{f}]" not in ring4
+    assert f"bf16[{rows4},{f}]" in ring4
 
 
 def _f32_row_arrays(stablehlo: str, d: int, rows: set[int]) -> list[str]:
@@ -439,7 +442,11 @@ def test_rows_stay_in_bfloat16_through_dispatch_exchange_and_combine(strategy):
     assert not _f32_row_arrays(text, d, rows)
     gathers = [line for line in text.splitlines() if "all_gather" in line]
     assert not [g for g in gathers if re.search(rf"x{d}xf32>", g)]
-    assert f"tensor<{p * n * k_x if strategy == 'a2a' else p * n * k}x{d}xbf16>" in text
+    if strategy == "a2a":
+        assert f"tensor<{p * n * k_x}x{d}xbf16>" in text
+    else:  # the routed rows exist only as their gate and up (routed.py), in bfloat16
+        assert f"tensor<{p * n * k}x{c.base_moe_mlp_dim}xbf16>" in text
+        assert not _f32_row_arrays(text, c.base_moe_mlp_dim, rows)
 
 
 def test_negative_control_float32_rows_are_seen():

@@ -126,7 +126,7 @@ ROUTINGS = {
 DEFAULT = {("ring-ep8", "all-to-experts-0-3")}
 
 
-def _case(layout, routing):
+def _case(layout, routing, *extra):
     c = load_config(
         overrides=[
             "model_name=deepseek3-tiny",
@@ -136,6 +136,7 @@ def _case(layout, routing):
             f"use_ring_of_experts={layout.startswith('ring')}",
             "gmm_tile_rows=8",
             *LAYOUTS[layout],
+            *extra,
         ]
     )
     p = param.initialize(layer.spec(c), jax.random.key(0), jnp.float32)
@@ -163,13 +164,17 @@ def _run(c, p, x):
 def _cases():
     for layout in LAYOUTS:
         for routing in ROUTINGS:
-            marks = () if (layout, routing) in DEFAULT else (pytest.mark.extended,)
-            yield pytest.param(layout, routing, marks=marks, id=f"{layout}-{routing}")
+            for fused in (True, False):
+                marks = () if (layout, routing) in DEFAULT else (pytest.mark.extended,)
+                name = f"{layout}-{routing}" + ("" if fused else "-unfused")
+                yield pytest.param(layout, routing, fused, marks=marks, id=name)
 
 
-@pytest.mark.parametrize("layout, routing", list(_cases()))
-def test_routed_paths_equal_the_argsort_paths(layout, routing, monkeypatch):
-    c, p, x = _case(layout, routing)
+@pytest.mark.parametrize("layout, routing, fused", list(_cases()))
+def test_routed_paths_equal_the_argsort_paths(layout, routing, fused, monkeypatch):
+    """Both the fused routed FFN (routed.py, the default) and the separate row loops and
+    grouped matmuls (`moe_fused_routed_ffn=false`)."""
+    c, p, x = _case(layout, routing, f"moe_fused_routed_ffn={fused}")
     got = _run(c, p, x)
     monkeypatch.setattr(ep, "ring_dispatch", argsort_ring_dispatch)
     monkeypatch.setattr(ep, "a2a_dispatch", argsort_a2a_dispatch)
@@ -204,12 +209,12 @@ def _eqns(jaxpr):
 CHECK_CHUNK = 32
 
 
-def _row_ops(layout, monkeypatch):
+def _row_ops(layout, monkeypatch, fused=True):
     """(primitive names, [(primitive, rows, row shape)] of gathers and scatters (index rows,
     slice) and of the SwiGLU's sigmoid (operand rows)) of the layer's value and gradients, and
     (P*N*K assignments, D), with row loops of `CHECK_CHUNK` rows."""
     monkeypatch.setattr(rows, "ROW_CHUNK", CHECK_CHUNK)
-    c, p, x = _case(layout, "random")
+    c, p, x = _case(layout, "random", f"moe_fused_routed_ffn={fused}")
     mesh = make_mesh(c)
     f = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
     with jax.set_mesh(mesh), use_rules(config_rules(c)):
@@ -236,14 +241,15 @@ def _activations(moves, limit):
     return [m for m in moves if m[0] == "logistic" and m[1] > limit]
 
 
-def test_ring_program_has_no_sort_and_moves_rows_only_in_chunks(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_ring_program_has_no_sort_and_moves_rows_only_in_chunks(fused, monkeypatch):
     """Every gather or scatter of D-wide rows (forward and backward) handles at most the loops'
     chunk (here `CHECK_CHUNK` rows, < P*N*K); what remains over the P*N*K assignments is index
     work on int32 ids and scalar weights (the counting sort, the weights' gradient). The SwiGLU
     between the grouped matmuls (its sigmoid, forward and in its VJP) runs inside the second
     one, on its work items' tiles only (`gmm_tile_rows=8` here), not on the worst-case row
     buffer."""
-    names, moves, assignments, d = _row_ops("ring-ep8", monkeypatch)
+    names, moves, assignments, d = _row_ops("ring-ep8", monkeypatch, fused)
     limit = CHECK_CHUNK
     assert "sort" not in names
     assert any(m[2] == (d,) for m in moves)  # the row loops are there, and seen
@@ -264,6 +270,38 @@ def test_negative_control_a_whole_buffer_swiglu_is_seen(monkeypatch):
         return gmm.gmm(gmm.glu(gate, up), wo, sizes, **kw)
 
     monkeypatch.setattr(dispatch, "gmm_glu", whole_buffer)
-    names, moves, _, d = _row_ops("ring-ep8", monkeypatch)
+    names, moves, _, d = _row_ops("ring-ep8", monkeypatch, fused=False)
     assert not _wide_moves(moves, d, CHECK_CHUNK)  # the row loops stay chunked
     assert _activations(moves, CHECK_CHUNK)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused routed FFN: no buffer of the worst-case routed rows that is D wide.
+
+
+def _buffer_shapes(layout, fused):
+    """Shapes of every array the layer's value-and-gradient program makes (loop bodies
+    included), the worst-case routed rows M = P*N*min(K, X) of the ring, and D."""
+    c, p, x = _case(layout, "random", f"moe_fused_routed_ffn={fused}")
+    mesh = make_mesh(c)
+    f = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
+    with jax.set_mesh(mesh), use_rules(config_rules(c)):
+        p = jax.device_put(p, param.shardings(layer.spec(c), mesh, config_rules(c)))
+        jaxpr = jax.make_jaxpr(f, static_argnums=2)(p, x, c).jaxpr
+    shapes = {
+        tuple(v.aval.shape) for e in _eqns(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")
+    }
+    p_ep = mesh.shape["expert"]
+    n_local = x.size // x.shape[-1] // mesh.size
+    k, x_local = c.num_experts_per_tok, c.num_experts // p_ep
+    return shapes, p_ep * n_local * min(k, x_local), c.base_emb_dim
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "negative-control-unfused"])
+def test_fused_ring_makes_no_routed_rows_buffer(fused):
+    """With the fused routed FFN the gathered rows, the expert outputs and their gradients
+    ([M, D] each, M the worst case) are never arrays: only tiles are. The separate path has
+    them (the negative control)."""
+    shapes, m, d = _buffer_shapes("ring-ep8", fused)
+    assert any(s[:1] == (m,) for s in shapes)  # the [M] index lists and [M, F] gate/up are
+    assert ((m, d) in shapes) == (not fused), sorted(s for s in shapes if s[:1] == (m,))

@@ -277,7 +277,9 @@ def _named_shapes(jaxpr, names: set[str], mult: int = 1) -> dict[str, int]:
 def worst_case_stash_rows(c: Config, trainer) -> dict[str, int]:
     """Stashed name -> elements one MoE layer saves per device without the stash: its grouped
     matmul outputs at their worst-case row count (the all-to-all receive buffer, the ring's
-    gathered rows; per token chunk, times the chunks), traced on the trainer's mesh."""
+    gathered rows; per token chunk, times the chunks), traced on the trainer's mesh. With the
+    fused routed FFN (`moe_fused_routed_ffn`, nn/moe/routed.py) there is no expert output to
+    save: moe_mlpwo counts zero."""
     dtype = jnp.dtype(c.dtype)
     plain = c.model_copy(update={"moe_paged_stash": False})
     block = param.abstract(decoder.block_spec(plain, moe=True), jnp.dtype(c.weight_dtype))

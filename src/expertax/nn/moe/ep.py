@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
-from expertax.nn.moe import chunks, dispatch, router, rows
+from expertax.nn.moe import chunks, dispatch, routed, router, rows
 from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.gmm import varying_axes, varying_over
 from expertax.nn.moe.stash import Stash
@@ -366,7 +366,7 @@ def local_expert_order(recv_counts_PX, m: int) -> tuple[LocalOrder, jax.Array]:
 
 def sort_by_local_expert(recv_MD, recv_counts_PX):
     """The received rows sorted by local expert (rows past the received ones are zero), the
-    order (for `unsort_and_return`) and the local group sizes [X]; O(rows received x D)."""
+    order (its `dst_M` undoes the sort) and the local group sizes [X]; O(rows received x D)."""
     order, sizes_X = local_expert_order(recv_counts_PX, recv_MD.shape[0])
     return rows.gather_rows(recv_MD, order.src_M, order.total), order, sizes_X
 
@@ -392,15 +392,12 @@ def padded_block_rows(c: Config, num_tokens: int, ep: int, buffer: int) -> int:
     return max(1, min(block, worst, buffer))
 
 
-def unsort_and_return(
-    y_sorted_MD, order: LocalOrder, plan: ExchangePlan, num_rows: int, impl: str, block_rows: int
-):
-    """Undo the local sort (a gather of the received rows only) and send each row back to its
-    source shard (reverse all-to-all).
+def send_back(y_MD, plan: ExchangePlan, num_rows: int, impl: str, block_rows: int):
+    """Send each received row's output (`y_MD`, in receive-buffer order) back to its source
+    shard (reverse all-to-all).
 
     Returns [N*K, D] rows in this shard's expert-sorted order; rows that were dropped are zero.
     """
-    y_MD = rows.gather_rows(y_sorted_MD, order.dst_M, order.total)
     block = min(block_rows, num_rows)
     return all_to_all(
         impl,
@@ -420,12 +417,19 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, 
     """The all-to-all strategy on one shard: (partial output [N, D], dropped rows, stash)."""
     wi_0, wi_1, wo = w
     recv_MD, plan, send_order_M = sort_and_send(x_ND, routing.experts_NK, c, impl)
-    sorted_MD, recv_order, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_PX)
-    y_sorted, stash = local_expert_ffn(sorted_MD, wi_0, wi_1, wo, sizes_X, c, dtype, stash)
+    m = recv_MD.shape[0]
+    if routed.use_fused(c, stash):
+        # sorted row r is received row src[r] and goes back there: gather and unsort by src
+        order, sizes_X = local_expert_order(plan.recv_counts_PX, m)
+        y_MD = routed.routed_ffn(recv_MD, order.src_M, None, *w, sizes_X, c, dtype, n=m)
+    else:
+        sorted_MD, recv_order, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_PX)
+        y_sorted, stash = local_expert_ffn(sorted_MD, wi_0, wi_1, wo, sizes_X, c, dtype, stash)
+        y_MD = rows.gather_rows(y_sorted, recv_order.dst_M, recv_order.total)
     n = x_ND.shape[0]
     ep = jax.lax.axis_size(EXPERT)
-    block = padded_block_rows(c, n, ep, recv_MD.shape[0])
-    back_MD = unsort_and_return(y_sorted, recv_order, plan, send_order_M.shape[0], impl, block)
+    block = padded_block_rows(c, n, ep, m)
+    back_MD = send_back(y_MD, plan, send_order_M.shape[0], impl, block)
     out_ND = dispatch.unpermute_combine(back_MD, send_order_M, routing.weights_NK, c, dtype)
     return out_ND, plan.dropped, stash
 
@@ -496,12 +500,18 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, 
         experts_NK = jax.lax.all_gather(experts_NK, EXPERT, tiled=True)
         weights_NK = jax.lax.all_gather(weights_NK, EXPERT, tiled=True)
     sel = select_local(experts_NK, weights_NK, jax.lax.axis_index(EXPERT) * x_local, x_local)
-    rows_RD = rows.gather_rows(x_ND, sel.token_R, sel.count)
-    y, stash = dispatch.expert_ffn_sorted(
-        rows_RD, wi_0, wi_1, wo, sel.sizes_X, c, dtype, stash=stash
-    )
-    acc = jnp.float32 if c.float32_weight_sum else dtype
-    out_all = rows.scatter_rows(y, sel.token_R, sel.weight_R.astype(acc), sel.count, x_ND.shape[0])
+    n_all = x_ND.shape[0]
+    if routed.use_fused(c, stash):  # gather, FFN and weighted scatter in the grouped loops
+        out_all = routed.routed_ffn(
+            x_ND, sel.token_R, sel.weight_R, *w, sel.sizes_X, c, dtype, n=n_all
+        )
+    else:
+        rows_RD = rows.gather_rows(x_ND, sel.token_R, sel.count)
+        y, stash = dispatch.expert_ffn_sorted(
+            rows_RD, wi_0, wi_1, wo, sel.sizes_X, c, dtype, stash=stash
+        )
+        acc = jnp.float32 if c.float32_weight_sum else dtype
+        out_all = rows.scatter_rows(y, sel.token_R, sel.weight_R.astype(acc), sel.count, n_all)
     out_all = out_all.astype(dtype)  # the local experts' part of every token's output
     if gathered:
         return jax.lax.psum(out_all, EXPERT), jnp.int32(0), stash

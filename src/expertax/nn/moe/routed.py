@@ -1,0 +1,199 @@
+"""The routed expert FFN in grouped loops: gather, SwiGLU FFN and weighted scatter-add per tile.
+
+`routed_ffn(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X)` computes, for the M routed rows of
+the local experts (sorted by expert, `sizes_X` rows each; rows past `sum(sizes_X)` are not
+routed), `out[idx[m]] += weight[m] * ffn_x(x[idx[m]])` with
+`ffn_x(v) = glu(v @ wi_0[x], v @ wi_1[x]) @ wo[x]`. It is what the row gather (`rows.py`), the
+three grouped matmuls (`gmm.py`) and the weighted scatter-back compute one after the other, in
+two loops over the tiled gmm's work items instead of five, and without their `[M, D]` buffers:
+
+- `gate_up` (forward): each item gathers its tile of rows from `x_ND` by `idx` and writes both
+  projections to the `[M, F]` gate and up buffers, the residuals the backward pass needs (the
+  remat names `moe_mlpwi_0` and `moe_mlpwi_1`: a policy keeps, offloads or recomputes them).
+- `down_scatter`: each item computes the SwiGLU and the down projection of its tile and adds the
+  weighted rows into the `[N, D]` output by `idx`. Its VJP is one loop too: per item the output
+  gradient of the tile's rows is gathered by `idx`, turned into the hidden gradient, then the
+  gate's and up's, the three weight gradients, the routing weights' gradient and the input
+  rows' gradient, which is scatter-added into `[N, D]`. Neither the `[M, D]` expert outputs nor
+  the `[M, F]` hidden or gate/up gradients are ever buffers.
+
+The weight gradient is exact without the expert output y: `d weight[m] = <dout[idx[m]], y[m]>`
+= `<dout[idx[m]] @ wo[x]^T, h[m]>`, and `dout[idx[m]] @ wo[x]^T` is computed anyway.
+
+In the ring (`ep.ring_dispatch`) `x_ND` is the all-gathered tokens and `idx` each routed row's
+token; in the all-to-all (`ep.a2a_dispatch`) `x_ND` is the receive buffer, `idx` each sorted row's
+place in it and `weight` None (the rows go back unweighted; their home shard combines them), so
+the output is the buffer of rows to send back, unsorted already. Per item there are as many
+dots as in the separate path (three forward, six backward), and the cost of the gathers and
+scatter-adds follows the routed rows, as the tiled gmm's does. Tiled backend only; a paged stash
+(stash.py), which stores the expert outputs, uses the separate path (`use_fused`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.nn.moe import gmm as gmm_mod
+from expertax.nn.moe.gmm import glu, varying_like
+from expertax.parallel import remat
+
+
+def use_fused(c: Config, stash) -> bool:
+    """Whether the dispatch runs `routed_ffn` (`moe_fused_routed_ffn`, the tiled gmm, no stash)."""
+    return (
+        c.moe_fused_routed_ffn and stash is None and gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
+    )
+
+
+def routed_ffn(x_ND, idx_M, weight_M, wi_0_XDF, wi_1_XDF, wo_XFD, sizes_X, c: Config, dtype, *, n):
+    """`out[idx[m]] += weight[m] * ffn(x[idx[m]])` over the routed rows: `[n, D]`.
+
+    The output is in float32 when `weight_M` is given and `float32_weight_sum` is set (the
+    combine's accumulator, as `rows.scatter_rows`), else in `dtype`. `weight_M` None: weight 1
+    (an unweighted scatter; for a permutation `idx`, the rows unsorted).
+    """
+    acc = jnp.float32 if (weight_M is not None and c.float32_weight_sum) else jnp.dtype(dtype)
+    m = idx_M.shape[0]
+    tiles = gmm_mod._tile_ladder(m, c.gmm_tile_rows, c.gmm_tile_rows_min)
+    ws = (wi_0_XDF.astype(dtype), wi_1_XDF.astype(dtype), wo_XFD.astype(dtype))
+    weight = jnp.ones((m,), acc) if weight_M is None else weight_M.astype(acc)
+    args = (x_ND.astype(dtype), idx_M.astype(jnp.int32), weight, *ws, sizes_X.astype(jnp.int32))
+    x, idx, weight, wi_0, wi_1, wo, sizes = (varying_like(a, *args) for a in args)
+    # gate and up: values only (their gradients are computed by down_scatter's VJP, which
+    # takes x and the weights as its own inputs), tagged so that remat policies see them.
+    gate, up = _gate_up(*(jax.lax.stop_gradient(a) for a in (x, idx, wi_0, wi_1, sizes)), tiles)
+    gate = remat.tag(gate, remat.MOE_MLPWI_0)
+    up = remat.tag(up, remat.MOE_MLPWI_1)
+    return _down_scatter(
+        x, idx, weight, gate, up, wi_0, wi_1, wo, sizes, n, tiles, weight_M is None
+    )
+
+
+def _items(sizes_X, m: int, tiles):
+    return gmm_mod._work_items(sizes_X, jnp.int32(0), sizes_X.shape[0], m, tiles)
+
+
+def _dot(a, b, contract_b: int):
+    """`a @ b` (contract_b=0) or `a @ b^T` (contract_b=1), float32 accumulation."""
+    return jax.lax.dot_general(
+        a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
+def _tile(idx_M, start, tile: int):
+    return jax.lax.dynamic_slice_in_dim(idx_M, start, tile)
+
+
+def _gate_up(x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X, tiles):
+    """Both input projections of every routed row, `[M, F]` each (zero past the routed rows)."""
+    m, f = idx_M.shape[0], wi_0_XDF.shape[2]
+    refs = (x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X)
+    zeros = varying_like(jnp.zeros((m, f), x_ND.dtype), *refs)
+
+    def step(g, start, mask, tile, carry):
+        gate, up = carry
+        v = jnp.take(x_ND, _tile(idx_M, start, tile), axis=0, mode="clip")
+        w0 = jax.lax.dynamic_index_in_dim(wi_0_XDF, g, keepdims=False)
+        w1 = jax.lax.dynamic_index_in_dim(wi_1_XDF, g, keepdims=False)
+        gate = gmm_mod._put(gate, _dot(v, w0, 0).astype(gate.dtype), start, mask)
+        up = gmm_mod._put(up, _dot(v, w1, 0).astype(up.dtype), start, mask)
+        return gate, up
+
+    return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, (zeros, zeros))
+
+
+def _down_loop(idx_M, weight_M, gate_MF, up_MF, wo_XFD, sizes_X, n: int, tiles, acc):
+    m, d = idx_M.shape[0], wo_XFD.shape[2]
+    out = varying_like(jnp.zeros((n, d), acc), idx_M, weight_M, gate_MF, up_MF, wo_XFD, sizes_X)
+
+    def step(g, start, mask, tile, out):
+        h = glu(*gmm_mod._tile_of((gate_MF, up_MF), start, tile))
+        w = jax.lax.dynamic_index_in_dim(wo_XFD, g, keepdims=False)
+        # y rounded to the compute dtype first, as the separate path stores it
+        y = _dot(h, w, 0).astype(gate_MF.dtype).astype(acc)
+        y = y * jax.lax.dynamic_slice_in_dim(weight_M, start, tile)[:, None]
+        y = jnp.where(mask, y, jnp.zeros((), acc))
+        return out.at[_tile(idx_M, start, tile)].add(y, mode="drop")
+
+    return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _down_scatter(x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit):
+    """The SwiGLU, down projection and weighted scatter-add of every routed row: `[n, D]`.
+
+    `x_ND`, `wi_0` and `wi_1` are not used by the value: they are here for the VJP, which
+    returns their gradients (and none for gate and up, whose gradients it uses itself).
+    `unit`: the weights are all one (no routing-weight gradient is computed).
+    """
+    del x_ND, wi_0, wi_1, unit
+    return _down_loop(idx_M, weight_M, gate_MF, up_MF, wo, sizes_X, n, tiles, weight_M.dtype)
+
+
+def _down_scatter_fwd(
+    x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit
+):
+    out = _down_loop(idx_M, weight_M, gate_MF, up_MF, wo, sizes_X, n, tiles, weight_M.dtype)
+    return out, (x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X)
+
+
+def _down_scatter_bwd(n, tiles, unit, res, dout_ND):
+    x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X = res
+    m, x_local = idx_M.shape[0], wo.shape[0]
+    d, f = x_ND.shape[1], gate_MF.shape[1]
+    refs = (*res, dout_ND)
+    dx = varying_like(jnp.zeros_like(x_ND), *refs)
+    dweight = varying_like(jnp.zeros_like(weight_M), *refs)
+    dw_in = varying_like(jnp.zeros((x_local, d, f), jnp.float32), *refs)
+    dw_out = varying_like(jnp.zeros((x_local, f, d), jnp.float32), *refs)
+    dtype = gate_MF.dtype
+
+    def step(g, start, mask, tile, carry):
+        dx, dweight, dw0, dw1, dwo = carry
+        ids = _tile(idx_M, start, tile)
+        gout = jnp.take(dout_ND, ids, axis=0, mode="clip")  # [tile, D], acc dtype
+        gate, up = gmm_mod._tile_of((gate_MF, up_MF), start, tile)
+        h, pull = jax.vjp(glu, gate, up)
+        w_o = jax.lax.dynamic_index_in_dim(wo, g, keepdims=False)
+        # the unweighted hidden gradient dout[idx] @ wo^T gives the routing weight's gradient
+        # <dout[idx], h @ wo> = <dout[idx] @ wo^T, h> without the expert output
+        gh = _dot(gout.astype(dtype), w_o, 1)  # [tile, F] float32
+        wt = jax.lax.dynamic_slice_in_dim(weight_M, start, tile)[:, None]
+        if not unit:
+            dwt = jnp.sum(gh * h.astype(jnp.float32), axis=-1)
+            old = jax.lax.dynamic_slice_in_dim(dweight, start, tile)
+            new = jnp.where(mask[:, 0], dwt.astype(dweight.dtype), old)
+            dweight = jax.lax.dynamic_update_slice_in_dim(dweight, new, start, 0)
+        dy = jnp.where(mask, (gout * wt).astype(dtype), 0)  # the expert output's gradient
+        dwo = gmm_mod._add_weight_grad(dwo, g, jnp.where(mask, h, 0), dy)
+        dgate, dup = pull((gh * wt.astype(jnp.float32)).astype(dtype))
+        v = jnp.where(mask, jnp.take(x_ND, ids, axis=0, mode="clip"), 0)
+        dw0 = gmm_mod._add_weight_grad(dw0, g, v, dgate)
+        dw1 = gmm_mod._add_weight_grad(dw1, g, v, dup)
+        w0 = jax.lax.dynamic_index_in_dim(wi_0, g, keepdims=False)
+        w1 = jax.lax.dynamic_index_in_dim(wi_1, g, keepdims=False)
+        dv = _dot(dgate, w0, 1) + _dot(dup, w1, 1)
+        dx = dx.at[ids].add(jnp.where(mask, dv, 0).astype(dx.dtype), mode="drop")
+        return dx, dweight, dw0, dw1, dwo
+
+    carry = (dx, dweight, dw_in, dw_in, dw_out)
+    dx, dweight, dw0, dw1, dwo = gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, carry)
+    cast = wi_0.dtype
+    return (
+        dx,
+        None,
+        None if unit else dweight,
+        None,
+        None,
+        dw0.astype(cast),
+        dw1.astype(cast),
+        dwo.astype(wo.dtype),
+        None,
+    )
+
+
+_down_scatter.defvjp(_down_scatter_fwd, _down_scatter_bwd)

@@ -1,0 +1,155 @@
+"""The fused routed FFN (nn/moe/routed.py): gather, grouped SwiGLU FFN and weighted scatter-add in
+the tiled gmm's loops equal a loop over experts on gathered rows, value and every gradient (the
+input, the routing weights, the three weight stacks), with empty groups, remainder tiles, no
+routed rows at all, and rows past the routed ones that point anywhere."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from expertax.config import load_config
+from expertax.nn.moe import routed
+from expertax.nn.moe.gmm import glu
+from tests.tolerances import tol
+
+N, D, F, X = 11, 6, 10, 3
+
+
+def _config(**kw):
+    over = {"model_name": "mixtral-tiny", "gmm_tile_rows": 8, "gmm_tile_rows_min": 2, **kw}
+    return load_config(overrides=over)
+
+
+def _inputs(sizes, m, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), dtype)
+
+    routed_rows = int(sum(sizes))
+    idx = rng.integers(0, N, size=m)  # rows past the routed ones: any index (never read)
+    return dict(
+        x=normal(N, D),
+        idx=jnp.asarray(idx, jnp.int32),
+        weight=jnp.asarray(np.where(np.arange(m) < routed_rows, rng.random(m), 7.0), jnp.float32),
+        wi_0=normal(X, D, F) * 0.3,
+        wi_1=normal(X, D, F) * 0.3,
+        wo=normal(X, F, D) * 0.3,
+        sizes=jnp.asarray(sizes, jnp.int32),
+    )
+
+
+def _reference(x, weight, wi_0, wi_1, wo, idx, sizes, dtype, acc):
+    """Loop over experts: each group's rows gathered, its FFN, weighted, scatter-added."""
+    out = jnp.zeros((N, D), acc)
+    start = 0
+    for e, size in enumerate(np.asarray(sizes)):
+        ids = idx[start : start + size]
+        v = x[ids].astype(dtype)
+        h = glu(v @ wi_0[e].astype(dtype), v @ wi_1[e].astype(dtype))
+        y = (h @ wo[e].astype(dtype)).astype(acc)
+        w = jnp.ones((size,), acc) if weight is None else weight[start : start + size].astype(acc)
+        out = out.at[ids].add(y * w[:, None])
+        start += size
+    return out
+
+
+def _value_and_grads(fn, a, weighted):
+    def loss(x, weight, wi_0, wi_1, wo):
+        out = fn(x, weight if weighted else None, wi_0, wi_1, wo)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
+
+    argnums = (0, 1, 2, 3, 4) if weighted else (0, 2, 3, 4)
+    (_, out), grads = jax.value_and_grad(loss, argnums, has_aux=True)(
+        a["x"], a["weight"], a["wi_0"], a["wi_1"], a["wo"]
+    )
+    return (out, *grads)
+
+
+@pytest.mark.parametrize(
+    "sizes, m",
+    [
+        ((5, 0, 13), 24),  # an empty group, a full tile plus a remainder, padding rows
+        ((0, 0, 0), 16),  # nothing routed: zero output, zero gradients
+        ((1, 1, 1), 3),  # one row per group, no padding
+        ((17, 9, 6), 32),  # every row routed; clamped remainder tiles overlap full ones
+    ],
+)
+@pytest.mark.parametrize("weighted", [True, False])
+def test_routed_ffn_equals_a_loop_over_experts(sizes, m, weighted):
+    c = _config()
+    a = _inputs(sizes, m, jnp.float32)
+
+    def fused(x, weight, wi_0, wi_1, wo):
+        return routed.routed_ffn(
+            x, a["idx"], weight, wi_0, wi_1, wo, a["sizes"], c, jnp.float32, n=N
+        )
+
+    def ref(x, weight, wi_0, wi_1, wo):
+        return _reference(x, weight, wi_0, wi_1, wo, a["idx"], sizes, jnp.float32, jnp.float32)
+
+    got = _value_and_grads(fused, a, weighted)
+    want = _value_and_grads(ref, a, weighted)
+    assert got[0].dtype == want[0].dtype
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **tol(jnp.float32))
+    if sum(sizes) == 0:
+        assert not np.any(np.asarray(got[0])) and not np.any(np.asarray(got[1]))
+
+
+def test_routed_ffn_bfloat16_accumulates_the_combine_in_float32():
+    """bfloat16 compute, float32 combine (`float32_weight_sum`) as in the separate path."""
+    sizes, m = (6, 3, 9), 20
+    a = _inputs(sizes, m, jnp.bfloat16, seed=3)
+    for f32_sum, acc in ((True, jnp.float32), (False, jnp.bfloat16)):
+        c = _config(float32_weight_sum=f32_sum)
+
+        def fused(x, weight, wi_0, wi_1, wo, c=c):
+            return routed.routed_ffn(
+                x, a["idx"], weight, wi_0, wi_1, wo, a["sizes"], c, jnp.bfloat16, n=N
+            )
+
+        def ref(x, weight, wi_0, wi_1, wo, acc=acc):
+            return _reference(x, weight, wi_0, wi_1, wo, a["idx"], sizes, jnp.bfloat16, acc)
+
+        got = _value_and_grads(fused, a, True)
+        want = _value_and_grads(ref, a, True)
+        assert got[0].dtype == acc
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype
+            np.testing.assert_allclose(
+                np.asarray(g, np.float32), np.asarray(w, np.float32), **tol(jnp.bfloat16)
+            )
+
+
+def test_negative_control_a_wrong_group_is_seen():
+    """The comparison catches rows sent to the wrong expert (group sizes off by one row)."""
+    c = _config()
+    sizes, m = (5, 0, 13), 24
+    a = _inputs(sizes, m, jnp.float32)
+    shifted = jnp.asarray((6, 0, 12), jnp.int32)
+    got = routed.routed_ffn(
+        a["x"], a["idx"], a["weight"], a["wi_0"], a["wi_1"], a["wo"], shifted, c, jnp.float32, n=N
+    )
+    want = _reference(
+        a["x"],
+        a["weight"],
+        a["wi_0"],
+        a["wi_1"],
+        a["wo"],
+        a["idx"],
+        sizes,
+        jnp.float32,
+        jnp.float32,
+    )
+    assert not np.allclose(np.asarray(got), np.asarray(want), **tol(jnp.float32))
+
+
+def test_use_fused_needs_the_tiled_gmm_and_no_stash():
+    assert routed.use_fused(_config(), None)
+    assert not routed.use_fused(_config(), stash=object())
+    assert not routed.use_fused(_config(gmm_impl="ragged_dot"), None)
+    assert not routed.use_fused(_config(moe_fused_routed_ffn=False), None)
