@@ -192,9 +192,9 @@ class MoESection(_Section):
     moe_fused_routed_ffn: bool = _key(
         LAYOUT,
         True,
-        description="Expert-parallel sparse path with the tiled gmm: gather the routed rows, "
-        "run the expert FFN and scatter-add its weighted outputs inside the grouped loops "
-        "(nn/moe/routed.py: no [rows, D] buffers, no hidden-gradient buffers); false: a "
+        description="Sparse path (one device, all-to-all, ring) with the tiled gmm: gather the "
+        "routed rows, run the expert FFN and scatter-add its weighted outputs inside the grouped "
+        "loops (nn/moe/routed.py: no [rows, D] buffers, no hidden-gradient buffers); false: a "
         "separate row gather, grouped matmuls and scatter. Not with moe_paged_stash.",
     )
     # Expert parallelism (docs/design/ep.md): the sparse path inside one shard_map.

@@ -37,10 +37,15 @@ GQA_EXPECTED = {
     "save_dot_except_mlp": {DLI, Q, K, V, OUT},
     "save_out_proj": {DLI, OUT},
 }
-# The routed experts' output feeds the weighted combine, so `minimal` keeps it in MoE layers.
+# The routed experts' output feeds the weighted combine, so `minimal` keeps it in MoE layers of
+# the separate sparse path; the fused routed FFN (the default) never makes it (SEPARATE below).
 MOE_EXTRA = {"minimal": {MOE_WO}}
 
 SHORT = ["max_target_length=16"]
+# The fused routed FFN (nn/moe/routed.py, the sparse path's default) never makes the expert
+# output y (moe_mlpwo): its backward pass does not need it. The einsum dispatch and the
+# separate sparse path (moe_fused_routed_ffn=false, or with a paged stash) do.
+SEPARATE = "moe_fused_routed_ffn=false"
 
 
 def _names(c, moe):
@@ -62,19 +67,29 @@ def test_every_name_is_a_config_key_and_every_key_a_name():
 
 @pytest.mark.parametrize("preset", sorted(remat.PRESETS))
 @pytest.mark.parametrize(
-    "model, expected",
+    "model, expected, fused",
     [
-        ("deepseek3-tiny", MLA_EXPECTED),
-        ("mixtral-tiny", GQA_EXPECTED),
-        ("llama-tiny", GQA_EXPECTED),
+        ("deepseek3-tiny", MLA_EXPECTED, True),
+        ("deepseek3-tiny", MLA_EXPECTED, False),
+        ("mixtral-tiny", GQA_EXPECTED, True),
+        ("mixtral-tiny", GQA_EXPECTED, False),
+        ("llama-tiny", GQA_EXPECTED, True),  # no MoE layer: the flag changes nothing
     ],
 )
-def test_preset_saves_exactly_its_names(model, expected, preset):
-    c = load_config(overrides=[f"model_name={model}", f"remat_policy={preset}", *SHORT])
+def test_preset_saves_exactly_its_names(model, expected, preset, fused):
+    c = load_config(
+        overrides=[
+            f"model_name={model}",
+            f"remat_policy={preset}",
+            f"moe_fused_routed_ffn={fused}",
+            *SHORT,
+        ]
+    )
     stacks = [m for m, n in ((False, c.num_dense_layers), (True, c.num_moe_layers)) if n]
     for moe in stacks:
         names = _names(c, moe)
-        want = expected[preset] | (MOE_EXTRA.get(preset, set()) if moe else set())
+        extra = MOE_EXTRA.get(preset, set()) if moe and not fused else set()
+        want = expected[preset] | extra
         assert len(names) == len(set(names)), names  # one residual per name
         assert set(names) == want, (model, preset, moe)
 
@@ -94,6 +109,7 @@ def test_custom_placements_are_reported_by_name():
             "moe_mlpwo=offload",
             "query_wa_proj=device",
             "kv_wa_proj=offload",
+            SEPARATE,
             *SHORT,
         ]
     )
@@ -115,16 +131,21 @@ def test_custom_layer_input_remat_is_still_kept_as_the_layer_argument():
     assert _names(c, False) == [DLI]
 
 
-def test_offloaded_residuals_really_live_on_the_host():
-    """The real policy (not the report's trace) moves exactly the offloaded names to host."""
+@pytest.mark.parametrize(
+    "offloaded, path", [("moe_mlpwo", SEPARATE), ("moe_mlpwi_0", "moe_fused_routed_ffn=true")]
+)
+def test_offloaded_residuals_really_live_on_the_host(offloaded, path):
+    """The real policy (not the report's trace) moves exactly the offloaded names to host: the
+    expert output of the separate path, the gate of the fused routed FFN."""
     from jax._src.ad_checkpoint import saved_residuals
 
     c = load_config(
         overrides=[
             "model_name=deepseek3-tiny",
             "remat_policy=custom",
-            "moe_mlpwo=offload",
+            f"{offloaded}=offload",
             "query_wa_proj=device",
+            path,
             *SHORT,
         ]
     )
@@ -140,7 +161,8 @@ def test_offloaded_residuals_really_live_on_the_host():
     res = saved_residuals(f, block, x, pos)
     host = [a for a, _ in res if "<host>" in a.str_short()]
     rows = 2 * 16 * c.num_experts_per_tok
-    assert [tuple(a.shape) for a in host] == [(rows, c.base_emb_dim)]
+    width = c.base_emb_dim if offloaded == "moe_mlpwo" else c.base_moe_mlp_dim
+    assert [tuple(a.shape) for a in host] == [(rows, width)]
     named = sorted(src.split("'")[1] for _, src in res if "named '" in src)
     assert named == [DLI, QA]
 
@@ -186,12 +208,13 @@ MLA_TAGS = {
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["model_name=deepseek3-tiny"], MLA_TAGS),
+        (["model_name=deepseek3-tiny"], MLA_TAGS - {MOE_WO}),
+        (["model_name=deepseek3-tiny", SEPARATE], MLA_TAGS),
         (["model_name=deepseek3-tiny", "sparse_matmul=false"], MLA_TAGS),
-        (["model_name=deepseek3-tiny", "q_lora_rank=0"], MLA_TAGS - {QA}),
+        (["model_name=deepseek3-tiny", "q_lora_rank=0"], MLA_TAGS - {QA, MOE_WO}),
         (
             ["model_name=mixtral-tiny"],
-            {DLI, Q, K, V, ATT, OUT, remat.MOE_MLPWI_0, remat.MOE_MLPWI_1, MOE_WO},
+            {DLI, Q, K, V, ATT, OUT, remat.MOE_MLPWI_0, remat.MOE_MLPWI_1},
         ),
         (
             ["model_name=llama-tiny"],
@@ -206,7 +229,7 @@ def test_tags_are_produced_where_expected(overrides, expected):
 
 def test_every_name_but_qkv_proj_is_produced_somewhere():
     """qkv_proj is reserved for a fused projection; no model here computes one."""
-    c = load_config(overrides=["model_name=deepseek3-tiny", *SHORT])
+    c = load_config(overrides=["model_name=deepseek3-tiny", SEPARATE, *SHORT])
     assert _produced_names(c) | {remat.QKV_PROJ} == set(remat.ALL_NAMES)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
+from expertax.nn.moe import routed
 from expertax.nn.moe.gmm import glu, gmm, gmm_glu, varying_like
 from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.parallel import remat
@@ -133,7 +134,21 @@ _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def sparse(x_ND, routing, p, c: Config, dtype, stash: Stash | None = None):
-    """The one-device sorted path: (out [N, D], dropped = 0, stash)."""
+    """The one-device sorted path: (out [N, D], dropped = 0, stash).
+
+    With the fused routed FFN (routed.py) the sorted rows are never a buffer: the grouped loops
+    gather each tile's tokens by `order // K` and scatter-add their weighted outputs.
+    """
+    if routed.use_fused(c, stash):
+        n, k = routing.weights_NK.shape
+        flat = routing.experts_NK.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.zeros((c.num_experts,), jnp.int32).at[flat].add(1)
+        weight_M = take_rows(routing.weights_NK.reshape(-1, 1), order, 1)[:, 0]
+        out = routed.routed_ffn(
+            x_ND, order // k, weight_M, p.wi_0, p.wi_1, p.wo, sizes, c, dtype, n=n
+        )
+        return out.astype(dtype), jnp.int32(0), None
     rows, order, sizes = permute(x_ND, routing.experts_NK, c.num_experts)
     y, stash = expert_ffn_sorted(rows, p.wi_0, p.wi_1, p.wo, sizes, c, dtype, stash=stash)
     return unpermute_combine(y, order, routing.weights_NK, c, dtype), jnp.int32(0), stash

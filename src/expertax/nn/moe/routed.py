@@ -17,16 +17,18 @@ two loops over the tiled gmm's work items instead of five, and without their `[M
   rows' gradient, which is scatter-added into `[N, D]`. Neither the `[M, D]` expert outputs nor
   the `[M, F]` hidden or gate/up gradients are ever buffers.
 
-The weight gradient is exact without the expert output y: `d weight[m] = <dout[idx[m]], y[m]>`
+The routing weight's gradient needs no expert output y: `d weight[m] = <dout[idx[m]], y[m]>`
 = `<dout[idx[m]] @ wo[x]^T, h[m]>`, and `dout[idx[m]] @ wo[x]^T` is computed anyway.
 
-In the ring (`ep.ring_dispatch`) `x_ND` is the all-gathered tokens and `idx` each routed row's
-token; in the all-to-all (`ep.a2a_dispatch`) `x_ND` is the receive buffer, `idx` each sorted row's
-place in it and `weight` None (the rows go back unweighted; their home shard combines them), so
-the output is the buffer of rows to send back, unsorted already. Per item there are as many
-dots as in the separate path (three forward, six backward), and the cost of the gathers and
-scatter-adds follows the routed rows, as the tiled gmm's does. Tiled backend only; a paged stash
-(stash.py), which stores the expert outputs, uses the separate path (`use_fused`).
+On one device (`dispatch.sparse`) `x_ND` is the tokens and `idx` each sorted assignment's token
+(`order // K`); in the ring (`ep.ring_dispatch`) `x_ND` is the all-gathered tokens and `idx`
+each routed row's token; in the all-to-all (`ep.a2a_dispatch`) `x_ND` is the receive buffer,
+`idx` each sorted row's place in it and `weight` None (the rows go back unweighted; their home
+shard combines them), so the output is the buffer of rows to send back, unsorted already.
+Per item there are as many dots as in the separate path (three forward, six backward), and the
+cost of the gathers and scatter-adds follows the routed rows, as the tiled gmm's does. Tiled
+backend only; a paged stash (stash.py), which stores the expert outputs, uses the separate path
+(`use_fused`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from expertax.parallel import remat
 
 
 def use_fused(c: Config, stash) -> bool:
-    """Whether the dispatch runs `routed_ffn` (`moe_fused_routed_ffn`, the tiled gmm, no stash)."""
+    """Whether the sparse path runs `routed_ffn` (`moe_fused_routed_ffn`, the tiled gmm, no
+    paged stash)."""
     return (
         c.moe_fused_routed_ffn and stash is None and gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
     )

@@ -98,8 +98,8 @@ def test_lb_loss_is_global_not_a_mean_of_chunk_losses():
     assert abs(mean_lb - float(global_lb)) > 0.05 * float(global_lb), (mean_lb, global_lb)
 
 
-def _saved_residuals(c, p, x, preset):
-    policy = remat.checkpoint_policy(remat.placements(preset))
+def _saved_residuals(c, p, x, placements):
+    policy = remat.checkpoint_policy(placements)
     f = jax.checkpoint(lambda p, x: jnp.sum(layer.apply(p, x, c, jnp.float32)[0]), policy=policy)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -107,17 +107,28 @@ def _saved_residuals(c, p, x, preset):
     return [line for line in out.getvalue().splitlines() if "from the argument" not in line]
 
 
-def test_checkpoint_names_work_inside_the_chunk_loop():
-    """`minimal` saves moe_mlpwo: one [M, D] per chunk (M = N/chunks * K rows), stacked by the
-    scan; `full` saves nothing but the arguments. Gradients under both equal the plain ones."""
-    c, p, x = setup("mixtral", CHUNKS, base_moe_mlp_dim=96)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_checkpoint_names_work_inside_the_chunk_loop(fused):
+    """A kept name is saved once per chunk (M = N/chunks * K rows), stacked by the scan: the
+    gate [M, F] (moe_mlpwi_0) of the fused routed FFN, the expert output [M, D] (moe_mlpwo, in
+    `minimal`) of the separate path, which the fused one never makes; `full` saves nothing but
+    the arguments. Gradients under each equal the plain ones."""
+    c, p, x = setup("mixtral", CHUNKS, base_moe_mlp_dim=96, moe_fused_routed_ffn=fused)
     m = 2 * 16 // CHUNKS * c.num_experts_per_tok
-    saved = _saved_residuals(c, p, x, "minimal")
-    assert len(saved) == 1 and saved[0].startswith(f"f32[{CHUNKS},{m},{c.base_emb_dim}]"), saved
-    assert _saved_residuals(c, p, x, "full") == []
+    kept = (
+        remat.placements("custom", {remat.MOE_MLPWI_0: remat.DEVICE})
+        if fused
+        else remat.placements("minimal")
+    )
+    width = c.base_moe_mlp_dim if fused else c.base_emb_dim
+    saved = _saved_residuals(c, p, x, kept)
+    assert len(saved) == 1 and saved[0].startswith(f"f32[{CHUNKS},{m},{width}]"), saved
+    assert _saved_residuals(c, p, x, remat.placements("full")) == []
+    if fused:
+        assert _saved_residuals(c, p, x, remat.placements("minimal")) == []
     plain = jax.grad(lambda p: jnp.sum(jnp.sin(layer.apply(p, x, c, jnp.float32)[0])))(p)
-    for preset in ("minimal", "full"):
-        policy = remat.checkpoint_policy(remat.placements(preset))
+    for placements in (kept, remat.placements("full")):
+        policy = remat.checkpoint_policy(placements)
         f = jax.checkpoint(
             lambda p: jnp.sum(jnp.sin(layer.apply(p, x, c, jnp.float32)[0])), policy=policy
         )
