@@ -306,24 +306,26 @@ def main():
     rows, calls = [], []
     for skewed in [r == "skewed" for r in args.routing]:
         c0, p, x = make_case(skewed)
-        call, _, ratio, _, temp = compile_case(c0, p, x, None)
-        calls.append(call)
-        rows.append(
-            dict(
-                routing="skewed" if skewed else "balanced",
-                strategy="no mesh",
-                routed_ffn="-",
-                ep=1,
-                temp_mib=temp / 2**20,
-                max_load_ratio=ratio,
-                dispatch_bytes=0,
-                ideal_bytes=0,
-                allreduce_bytes=0,
-                sort_share=None,
-                gather_share=None,
-                collective_share=None,
+        for ffn in args.ffn:
+            c1 = c0.model_copy(update={"moe_fused_routed_ffn": ffn == "fused"})
+            call, _, ratio, _, temp = compile_case(c1, p, x, None)
+            calls.append(call)
+            rows.append(
+                dict(
+                    routing="skewed" if skewed else "balanced",
+                    strategy="no mesh",
+                    routed_ffn=ffn,
+                    ep=1,
+                    temp_mib=temp / 2**20,
+                    max_load_ratio=ratio,
+                    dispatch_bytes=0,
+                    ideal_bytes=0,
+                    allreduce_bytes=0,
+                    sort_share=None,
+                    gather_share=None,
+                    collective_share=None,
+                )
             )
-        )
         for epn, strategy, ffn in itertools.product(args.ep, args.strategy, args.ffn):
             c = c0.model_copy(
                 update={
