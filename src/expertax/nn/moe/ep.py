@@ -421,7 +421,7 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, 
     if routed.use_fused(c, stash):
         # sorted row r is received row src[r] and goes back there: gather and unsort by src
         order, sizes_X = local_expert_order(plan.recv_counts_PX, m)
-        y_MD = routed.routed_ffn(recv_MD, order.src_M, None, *w, sizes_X, c, dtype, n=m)
+        y_MD = routed.routed_ffn(recv_MD, order.src_M, None, wi_0, wi_1, wo, sizes_X, c, dtype, n=m)
     else:
         sorted_MD, recv_order, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_PX)
         y_sorted, stash = local_expert_ffn(sorted_MD, wi_0, wi_1, wo, sizes_X, c, dtype, stash)
@@ -503,7 +503,7 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, 
     n_all = x_ND.shape[0]
     if routed.use_fused(c, stash):  # gather, FFN and weighted scatter in the grouped loops
         out_all = routed.routed_ffn(
-            x_ND, sel.token_R, sel.weight_R, *w, sel.sizes_X, c, dtype, n=n_all
+            x_ND, sel.token_R, sel.weight_R, wi_0, wi_1, wo, sel.sizes_X, c, dtype, n=n_all
         )
     else:
         rows_RD = rows.gather_rows(x_ND, sel.token_R, sel.count)

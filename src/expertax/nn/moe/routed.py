@@ -68,7 +68,8 @@ def routed_ffn(x_ND, idx_M, weight_M, wi_0_XDF, wi_1_XDF, wo_XFD, sizes_X, c: Co
     x, idx, weight, wi_0, wi_1, wo, sizes = (varying_like(a, *args) for a in args)
     # gate and up: values only (their gradients are computed by down_scatter's VJP, which
     # takes x and the weights as its own inputs), tagged so that remat policies see them.
-    gate, up = _gate_up(*(jax.lax.stop_gradient(a) for a in (x, idx, wi_0, wi_1, sizes)), tiles)
+    sg = jax.lax.stop_gradient
+    gate, up = _gate_up(sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(sizes), tiles)
     gate = remat.tag(gate, remat.MOE_MLPWI_0)
     up = remat.tag(up, remat.MOE_MLPWI_1)
     return _down_scatter(
