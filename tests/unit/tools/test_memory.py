@@ -25,9 +25,10 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def report():
-    c = load_config(
-        overrides=[*SMALL, "remat_policy=custom", "moe_mlpwo=offload", "query_wa_proj=device"]
-    )
+    # the separate sparse path, which makes the expert output moe_mlpwo (the fused routed FFN
+    # never does; its offloaded gate is checked in tests/unit/parallel/test_remat.py)
+    overrides = ["remat_policy=custom", "moe_mlpwo=offload", "query_wa_proj=device"]
+    c = load_config(overrides=[*SMALL, *overrides, "moe_fused_routed_ffn=false"])
     return c, memory_report(c, hbm_gib=1.0)
 
 

@@ -175,7 +175,7 @@ def test_e_document_mask_blocks_other_documents():
 
 
 # (f) and (h) -------------------------------------------------------------------------------
-def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple]:
+def _expert_output_casts(float32_weight_sum: bool, sparse: bool, *extra: str) -> list[tuple]:
     """(input dtype, output dtype, input shape) of each cast of a bfloat16 tensor of expert
     outputs (last dim D, at least the [N, D] of 32 tokens), in one MoE layer of mixtral-tiny."""
     c = load_config(
@@ -184,6 +184,7 @@ def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple]:
             "dtype=bfloat16",
             f"float32_weight_sum={float32_weight_sum}",
             f"sparse_matmul={sparse}",
+            *extra,
         ]
     )
     p = param.abstract(moe_spec(c), jnp.float32)
@@ -215,17 +216,31 @@ def _expert_output_casts(float32_weight_sum: bool, sparse: bool) -> list[tuple]:
     ]
 
 
-@pytest.mark.parametrize("sparse", [True, False])
-def test_f_no_casts_of_expert_outputs_without_float32_weight_sum(sparse):
-    assert _expert_output_casts(False, sparse) == []
-    # (h) The float32 combine never upcasts all K outputs at once: the sparse path casts one
-    # [N, D] slot at a time into its float32 accumulator (negative control: casts are seen), the
-    # einsum path accumulates in float32 inside its dot_general (no cast of the outputs at all).
-    casts = _expert_output_casts(True, sparse)
-    if sparse:
+@pytest.mark.parametrize(
+    "sparse, extra",
+    [
+        (True, ("moe_fused_routed_ffn=false",)),
+        (True, ("moe_fused_routed_ffn=true", "gmm_tile_rows=16")),
+        (False, ()),
+    ],
+    ids=["sparse-separate", "sparse-fused", "einsum"],
+)
+def test_f_no_casts_of_expert_outputs_without_float32_weight_sum(sparse, extra):
+    assert _expert_output_casts(False, sparse, *extra) == []
+    # (h) The float32 combine never upcasts all K outputs at once: the separate sparse path casts
+    # one [N, D] slot at a time into its float32 accumulator (negative control: casts are seen),
+    # the fused routed FFN one work item's tile of rows (gmm_tile_rows=16 here, fewer than the
+    # N = 32 rows counted: none is seen; with the default tile, one tile holds all N*K = 64 rows
+    # and that cast is seen), the einsum path accumulates in float32 inside its dot_general (no
+    # cast of the outputs at all).
+    casts = _expert_output_casts(True, sparse, *extra)
+    if "moe_fused_routed_ffn=false" in extra:
         assert casts == [("bfloat16", "float32", (32, 128))] * 2  # K = 2 slots
     else:
         assert casts == []
+    if "gmm_tile_rows=16" in extra:  # negative control: a tile of all 64 rows is counted
+        wide = _expert_output_casts(True, sparse, "moe_fused_routed_ffn=true")
+        assert ("bfloat16", "float32", (64, 128)) in wide
 
 
 def test_h_float32_weight_sum_cost_is_the_float32_accumulator():
