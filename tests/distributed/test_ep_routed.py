@@ -209,17 +209,23 @@ def _eqns(jaxpr):
 CHECK_CHUNK = 32
 
 
-def _row_ops(layout, monkeypatch, fused=True):
-    """(primitive names, [(primitive, rows, row shape)] of gathers and scatters (index rows,
-    slice) and of the SwiGLU's sigmoid (operand rows)) of the layer's value and gradients, and
-    (P*N*K assignments, D), with row loops of `CHECK_CHUNK` rows."""
-    monkeypatch.setattr(rows, "ROW_CHUNK", CHECK_CHUNK)
+def _layer_jaxpr(layout, fused):
+    """(config, input, mesh, jaxpr of the value and gradients) of the random-routing case."""
     c, p, x = _case(layout, "random", f"moe_fused_routed_ffn={fused}")
     mesh = make_mesh(c)
     f = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
     with jax.set_mesh(mesh), use_rules(config_rules(c)):
         p = jax.device_put(p, param.shardings(layer.spec(c), mesh, config_rules(c)))
         jaxpr = jax.make_jaxpr(f, static_argnums=2)(p, x, c).jaxpr
+    return c, x, mesh, jaxpr
+
+
+def _row_ops(layout, monkeypatch, fused=True):
+    """(primitive names, [(primitive, rows, row shape)] of gathers and scatters (index rows,
+    slice) and of the SwiGLU's sigmoid (operand rows)) of the layer's value and gradients, and
+    (P*N*K assignments, D), with row loops of `CHECK_CHUNK` rows."""
+    monkeypatch.setattr(rows, "ROW_CHUNK", CHECK_CHUNK)
+    c, x, mesh, jaxpr = _layer_jaxpr(layout, fused)
     names, moves = set(), []
     for eqn in _eqns(jaxpr):
         names.add(eqn.primitive.name)
@@ -282,12 +288,7 @@ def test_negative_control_a_whole_buffer_swiglu_is_seen(monkeypatch):
 def _buffer_shapes(layout, fused):
     """Shapes of every array the layer's value-and-gradient program makes (loop bodies
     included), the worst-case routed rows M = P*N*min(K, X) of the ring, and D."""
-    c, p, x = _case(layout, "random", f"moe_fused_routed_ffn={fused}")
-    mesh = make_mesh(c)
-    f = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
-    with jax.set_mesh(mesh), use_rules(config_rules(c)):
-        p = jax.device_put(p, param.shardings(layer.spec(c), mesh, config_rules(c)))
-        jaxpr = jax.make_jaxpr(f, static_argnums=2)(p, x, c).jaxpr
+    c, x, mesh, jaxpr = _layer_jaxpr(layout, fused)
     shapes = {
         tuple(v.aval.shape) for e in _eqns(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")
     }
