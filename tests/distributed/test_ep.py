@@ -82,13 +82,16 @@ def _padded_exchange(block_rows):
     return jax.shard_map(body, mesh=expert_mesh(), in_specs=(spec,) * 6, out_specs=spec)
 
 
-# Blocks of 1 and 2 rows take several rounds for the longer chunks; send.max() takes one.
-@pytest.mark.parametrize("block", [1, 2, None])
+# Blocks of 1, 2 and 3 rows take several rounds for the longer chunks; send.max() takes one; 20
+# rows are more than a tight receive buffer holds. "tight": the buffer has exactly the rows the
+# busiest receiver gets, so blocks near its end are written shifted (ep._exchange_rounds).
+@pytest.mark.parametrize("block", [1, 2, 3, None, 20])
+@pytest.mark.parametrize("buffer", ["roomy", "tight"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_padded_all_to_all_matches_numpy_ragged_model_with_gradients(seed, block):
+def test_padded_all_to_all_matches_numpy_ragged_model_with_gradients(seed, buffer, block):
     rng = np.random.default_rng(seed)
     operand, send, in_off, out_off = exchange_case(rng)
-    out_rows = 40
+    out_rows = 40 if buffer == "roomy" else int(send.sum(0).max())
     initial = np.full((EP, out_rows, 3), -7.0, np.float32)  # unwritten rows must keep this
     exchange = _padded_exchange(block or int(send.max()))
     ints = [a.astype(np.int32) for a in (in_off, send, out_off, send.T.copy())]
@@ -388,7 +391,8 @@ def _shapes(text, op):
 def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
     """a2a (padded, on CPU): per-peer blocks of one round (`ep.padded_block_rows`: twice the
     mean a peer gets, N*K/P) and the receive buffer of M = P*N*min(K, X) rows are a quarter
-    with 4 chunks; ring: gathered tokens [P*N, D] and the routed rows' [M, F] too.
+    with 4 chunks; ring: gathered tokens [P*N, D], the routed rows' ids [M] and, when kept,
+    their gate and up [M, F] too.
     (XLA:CPU splits the all-to-all per peer, [1, block, D], and runs bfloat16 collectives in
     float32, so the collectives' shapes are compared without their dtype.)"""
     c1, _, hlo1 = _compiled_bf16([])
@@ -411,9 +415,18 @@ def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
     assert (p * n, d) in gathered1 and (p * n, d) not in gathered4
     assert (p * n // 4, d) in gathered4
     rows1, rows4 = p * n * c1.num_experts_per_tok, p * n * c1.num_experts_per_tok // 4
-    f = c1.base_moe_mlp_dim  # the routed rows' gate and up (routed.py: no [rows, D] buffer)
-    assert f"bf16[{rows1},{f}]" in ring1 and f"[{rows1},{f}]" not in ring4
-    assert f"bf16[{rows4},{f}]" in ring4
+    # the routed rows' token ids (ep.select_local; routed.py makes no [rows, D] buffer, and no
+    # [rows, F] one when gate and up are recomputed, the default remat policy)
+    assert f"s32[{rows1}]" in ring1 and f"s32[{rows1}]" not in ring4
+    assert f"s32[{rows4}]" in ring4
+    # with gate and up kept (remat_policy=none), their [rows, F] residuals are chunked too
+    f = c1.base_moe_mlp_dim
+    _, _, kept1 = _compiled_bf16(["use_ring_of_experts=true", "remat_policy=none"])
+    _, _, kept4 = _compiled_bf16(
+        ["use_ring_of_experts=true", "num_moe_token_chunks=4", "remat_policy=none"]
+    )
+    assert f"bf16[{rows1},{f}]" in kept1 and f"[{rows1},{f}]" not in kept4
+    assert f"bf16[{rows4},{f}]" in kept4
 
 
 def _f32_row_arrays(stablehlo: str, d: int, rows: set[int]) -> list[str]:
@@ -424,12 +437,14 @@ def _f32_row_arrays(stablehlo: str, d: int, rows: set[int]) -> list[str]:
     )
 
 
-@pytest.mark.parametrize("strategy", ["a2a", "ring"])
+@pytest.mark.parametrize("strategy", ["a2a", "ring", "ring-kept"])
 def test_rows_stay_in_bfloat16_through_dispatch_exchange_and_combine(strategy):
     """The program we emit (StableHLO, forward and backward) has no float32 array of a row
     buffer's shape: sorted N*K rows, receive buffer, per-peer blocks, gathered rows. float32
-    only in the [N, D] combine accumulator (float32_weight_sum=true) and gmm's tile products."""
-    c, text, _ = _compiled_bf16([f"use_ring_of_experts={strategy == 'ring'}"])
+    only in the [N, D] combine accumulator (float32_weight_sum=true) and gmm's tile products.
+    `ring-kept`: gate and up kept as residuals (remat_policy=none), in bfloat16."""
+    kept = ["remat_policy=none"] if strategy == "ring-kept" else []
+    c, text, _ = _compiled_bf16([f"use_ring_of_experts={strategy != 'a2a'}", *kept])
     d, p, n, k = c.base_emb_dim, 4, 32, c.num_experts_per_tok
     k_x = min(k, c.num_experts // p)
     if strategy == "a2a":
@@ -444,9 +459,10 @@ def test_rows_stay_in_bfloat16_through_dispatch_exchange_and_combine(strategy):
     assert not [g for g in gathers if re.search(rf"x{d}xf32>", g)]
     if strategy == "a2a":
         assert f"tensor<{p * n * k_x}x{d}xbf16>" in text
-    else:  # the routed rows exist only as their gate and up (routed.py), in bfloat16
-        assert f"tensor<{p * n * k}x{c.base_moe_mlp_dim}xbf16>" in text
-        assert not _f32_row_arrays(text, c.base_moe_mlp_dim, rows)
+    else:  # the routed rows exist only as tiles (routed.py), or as their kept gate and up
+        gate_up = f"tensor<{p * n * k}x{c.base_moe_mlp_dim}x"
+        assert (gate_up + "bf16>" in text) == bool(kept)
+        assert gate_up + "f32>" not in text
 
 
 def test_negative_control_float32_rows_are_seen():

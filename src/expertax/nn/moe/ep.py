@@ -146,14 +146,20 @@ def _exchange_rounds(
     n, m = operand.shape[0], output.shape[0]
     r = jnp.arange(block_rows, dtype=jnp.int32)
     rounds = (longest + block_rows - 1) // block_rows
-    # One spare block at the end: every source's block is written with a static-size update at
-    # its offset, never clamped while it holds a real row (recv_off[i] + start < m).
-    pad = jnp.zeros((block_rows, *output.shape[1:]), output.dtype)
     # The loop's carry varies over every manual axis any input (and the exchange) varies over.
     axes = {axis_name}.union(
         *(varying_axes(a) for a in (operand, output, in_off, send, recv_off, recv))
     )
-    out = varying_over(jnp.concatenate([output, pad]), axes)
+    # Each source's block is written in place with a static-size update. A block that would
+    # run past the buffer's end is written at `m - block` instead, its rows shifted down by the
+    # difference (a gather of the block), so the buffer needs no spare rows (and no copy into
+    # a larger one): only a buffer smaller than one block is padded.
+    spare = max(0, block_rows - m)
+    out = output
+    if spare:
+        out = jnp.concatenate([output, jnp.zeros((spare, *output.shape[1:]), output.dtype)])
+    out = varying_over(out, axes)
+    last = out.shape[0] - block_rows
 
     def one_round(q, out):
         start = q * block_rows
@@ -163,12 +169,16 @@ def _exchange_rounds(
         got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [P, block, ...] by source
         for i in range(send.shape[0]):
             at = recv_off[i] + start
-            keep = _rows_mask(start + r < recv[i], out.ndim)
-            old = jax.lax.dynamic_slice_in_dim(out, at, block_rows)
-            out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, got[i], old), at, 0)
+            at_c = jnp.minimum(at, last)
+            shift = at - at_c  # > 0 only for a block that reaches the buffer's end
+            rows = jnp.take(got[i], jnp.clip(r - shift, 0, block_rows - 1), axis=0)
+            keep = _rows_mask((r >= shift) & (start + r - shift < recv[i]), out.ndim)
+            old = jax.lax.dynamic_slice_in_dim(out, at_c, block_rows)
+            out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, rows, old), at_c, 0)
         return out
 
-    return jax.lax.fori_loop(0, rounds, one_round, out)[:m]
+    out = jax.lax.fori_loop(0, rounds, one_round, out)
+    return out[:m] if spare else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
