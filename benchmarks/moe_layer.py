@@ -33,8 +33,10 @@ its pool). The default (`--malloc default`) is how the `expertax` command runs.
 Every case is compiled first; then all are timed together, one call each per round, `--iters`
 rounds in alternating order, and each case reports its median call.
 
-`--ffn fused separate` times each mesh case with the fused routed FFN (`moe_fused_routed_ffn`,
-nn/moe/routed.py, the default) and with the separate row loops and grouped matmuls, in the same
+`--ffn fused fused-kept separate` times each case with the fused routed FFN
+(`moe_fused_routed_ffn`, nn/moe/routed.py, the default; under the config's remat_policy=full its
+gate and up are recomputed in the backward loop), the fused FFN keeping gate and up as
+residuals (remat_policy=none) and the separate row loops and grouped matmuls, in the same
 interleaved rounds; `temp_mib` is each program's temporaries per device (XLA's
 `memory_analysis`).
 
@@ -76,6 +78,13 @@ from expertax.nn.moe import ep, layer, router  # noqa: E402
 from expertax.sharding import make_mesh, use_rules  # noqa: E402
 
 SHAPE = dict(batch=8, length=128, d=128, f=256, e=16, k=4)
+# --ffn variant -> config overrides (the layer runs alone, without jax.checkpoint; the remat
+# policy only decides whether the fused path keeps gate and up or recomputes them)
+FFN = {
+    "fused": {"moe_fused_routed_ffn": True},
+    "fused-kept": {"moe_fused_routed_ffn": True, "remat_policy": "none"},
+    "separate": {"moe_fused_routed_ffn": False},
+}
 DISPATCH_OPS = ("all-to-all", "all-gather", "reduce-scatter", "collective-permute")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
 
@@ -286,10 +295,12 @@ def main():
     ap.add_argument(
         "--ffn",
         nargs="+",
-        choices=("fused", "separate"),
+        choices=tuple(FFN),
         default=["fused"],
-        help="moe_fused_routed_ffn on (fused, the default) or off (separate); both: an A/B "
-        "in one interleaved run",
+        help="fused: moe_fused_routed_ffn (the default; with the config's remat_policy=full its "
+        "gate and up are recomputed per tile in the backward loop); fused-kept: the same with "
+        "gate and up kept as [M, F] residuals (remat_policy=none); separate: "
+        "moe_fused_routed_ffn=false. Several: an A/B in one interleaved run",
     )
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--hugepages", choices=("on", "off"), default="on")
@@ -307,7 +318,7 @@ def main():
     for skewed in [r == "skewed" for r in args.routing]:
         c0, p, x = make_case(skewed)
         for ffn in args.ffn:
-            c1 = c0.model_copy(update={"moe_fused_routed_ffn": ffn == "fused"})
+            c1 = c0.model_copy(update=FFN[ffn])
             call, _, ratio, _, temp = compile_case(c1, p, x, None)
             calls.append(call)
             rows.append(
@@ -333,7 +344,7 @@ def main():
                     "ici_data_parallelism": 8 // epn,
                     "ici_fsdp_parallelism": 1,
                     "use_ring_of_experts": strategy == "ring",
-                    "moe_fused_routed_ffn": ffn == "fused",
+                    **FFN[ffn],
                 }
             )
             prof = args.profile and not skewed and epn in (1, 8)

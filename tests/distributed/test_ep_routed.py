@@ -161,20 +161,30 @@ def _run(c, p, x):
         return f(jax.device_put(p, param.shardings(layer.spec(c), mesh, config_rules(c))), x, c)
 
 
+# routed FFN variant -> overrides: fused (the default; gate and up recomputed under the
+# default remat policy), fused with gate and up kept as residuals, separate
+VARIANTS = {
+    "": ("moe_fused_routed_ffn=true",),
+    "-kept": ("moe_fused_routed_ffn=true", "remat_policy=none"),
+    "-unfused": ("moe_fused_routed_ffn=false",),
+}
+
+
 def _cases():
     for layout in LAYOUTS:
         for routing in ROUTINGS:
-            for fused in (True, False):
+            for variant, keys in VARIANTS.items():
                 marks = () if (layout, routing) in DEFAULT else (pytest.mark.extended,)
-                name = f"{layout}-{routing}" + ("" if fused else "-unfused")
-                yield pytest.param(layout, routing, fused, marks=marks, id=name)
+                yield pytest.param(
+                    layout, routing, keys, marks=marks, id=f"{layout}-{routing}{variant}"
+                )
 
 
-@pytest.mark.parametrize("layout, routing, fused", list(_cases()))
-def test_routed_paths_equal_the_argsort_paths(layout, routing, fused, monkeypatch):
-    """Both the fused routed FFN (routed.py, the default) and the separate row loops and
-    grouped matmuls (`moe_fused_routed_ffn=false`)."""
-    c, p, x = _case(layout, routing, f"moe_fused_routed_ffn={fused}")
+@pytest.mark.parametrize("layout, routing, keys", list(_cases()))
+def test_routed_paths_equal_the_argsort_paths(layout, routing, keys, monkeypatch):
+    """The fused routed FFN (routed.py, the default) with gate and up recomputed and kept, and
+    the separate row loops and grouped matmuls (`moe_fused_routed_ffn=false`)."""
+    c, p, x = _case(layout, routing, *keys)
     got = _run(c, p, x)
     monkeypatch.setattr(ep, "ring_dispatch", argsort_ring_dispatch)
     monkeypatch.setattr(ep, "a2a_dispatch", argsort_a2a_dispatch)

@@ -194,8 +194,10 @@ class MoESection(_Section):
         True,
         description="Sparse path (one device, all-to-all, ring) with the tiled gmm: gather the "
         "routed rows, run the expert FFN and scatter-add its weighted outputs inside the grouped "
-        "loops (nn/moe/routed.py: no [rows, D] buffers, no hidden-gradient buffers); false: a "
-        "separate row gather, grouped matmuls and scatter. Not with moe_paged_stash.",
+        "loops (nn/moe/routed.py: no [rows, D] buffers, no hidden-gradient buffers; when the remat "
+        "policy recomputes moe_mlpwi_0 and moe_mlpwi_1, no [rows, F] gate/up either: the "
+        "backward loop projects each tile again); false: a separate row gather, grouped "
+        "matmuls and scatter. Not with moe_paged_stash.",
     )
     # Expert parallelism (docs/design/ep.md): the sparse path inside one shard_map.
     use_ring_of_experts: bool = _key(

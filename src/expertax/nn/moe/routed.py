@@ -17,6 +17,12 @@ two loops over the tiled gmm's work items instead of five, and without their `[M
   rows' gradient, which is scatter-added into `[N, D]`. Neither the `[M, D]` expert outputs nor
   the `[M, F]` hidden or gate/up gradients are ever buffers.
 
+When the remat policy recomputes both gate and up (`recomputes_gate_up`: every preset but
+`none`), the two loops are one and nothing `[M, F]` is stored: `ffn_scatter`'s forward loop
+projects, applies the SwiGLU and the down projection and scatter-adds per tile, and its VJP's
+loop projects each tile's gathered rows again (two more dots per tile, the recomputation the
+policy asks for, without the `[M, F]` buffers a replayed `gate_up` loop would fill).
+
 The routing weight's gradient needs no expert output y: `d weight[m] = <dout[idx[m]], y[m]>`
 = `<dout[idx[m]] @ wo[x]^T, h[m]>`, and `dout[idx[m]] @ wo[x]^T` is computed anyway.
 
@@ -25,10 +31,10 @@ On one device (`dispatch.sparse`) `x_ND` is the tokens and `idx` each sorted ass
 each routed row's token; in the all-to-all (`ep.a2a_dispatch`) `x_ND` is the receive buffer,
 `idx` each sorted row's place in it and `weight` None (the rows go back unweighted; their home
 shard combines them), so the output is the buffer of rows to send back, unsorted already.
-Per item there are as many dots as in the separate path (three forward, six backward), and the
-cost of the gathers and scatter-adds follows the routed rows, as the tiled gmm's does. Tiled
-backend only; a paged stash (stash.py), which stores the expert outputs, uses the separate path
-(`use_fused`).
+Per item there are as many dots as in the separate path (three forward, six backward; eight
+with gate and up recomputed), and the cost of the gathers and scatter-adds follows the routed
+rows, as the tiled gmm's does. Tiled backend only; a paged stash (stash.py), which stores the
+expert outputs, uses the separate path (`use_fused`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,14 @@ def use_fused(c: Config, stash) -> bool:
     )
 
 
+def recomputes_gate_up(c: Config) -> bool:
+    """Whether the routed rows' gate and up are recomputed per tile in the backward loop (the
+    remat policy places both `moe_mlpwi_0` and `moe_mlpwi_1` on `remat`: every preset but
+    `none`) rather than kept as `[M, F]` residuals."""
+    place = remat.config_placements(c)
+    return place[remat.MOE_MLPWI_0] == remat.REMAT and place[remat.MOE_MLPWI_1] == remat.REMAT
+
+
 def routed_ffn(x_ND, idx_M, weight_M, wi_0_XDF, wi_1_XDF, wo_XFD, sizes_X, c: Config, dtype, *, n):
     """`out[idx[m]] += weight[m] * ffn(x[idx[m]])` over the routed rows: `[n, D]`.
 
@@ -66,15 +80,16 @@ def routed_ffn(x_ND, idx_M, weight_M, wi_0_XDF, wi_1_XDF, wo_XFD, sizes_X, c: Co
     weight = jnp.ones((m,), acc) if weight_M is None else weight_M.astype(acc)
     args = (x_ND.astype(dtype), idx_M.astype(jnp.int32), weight, *ws, sizes_X.astype(jnp.int32))
     x, idx, weight, wi_0, wi_1, wo, sizes = (varying_like(a, *args) for a in args)
+    unit = weight_M is None
+    if recomputes_gate_up(c):
+        return _ffn_scatter(x, idx, weight, wi_0, wi_1, wo, sizes, n, tiles, unit)
     # gate and up: values only (their gradients are computed by down_scatter's VJP, which
     # takes x and the weights as its own inputs), tagged so that remat policies see them.
     sg = jax.lax.stop_gradient
     gate, up = _gate_up(sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(sizes), tiles)
     gate = remat.tag(gate, remat.MOE_MLPWI_0)
     up = remat.tag(up, remat.MOE_MLPWI_1)
-    return _down_scatter(
-        x, idx, weight, gate, up, wi_0, wi_1, wo, sizes, n, tiles, weight_M is None
-    )
+    return _down_scatter(x, idx, weight, gate, up, wi_0, wi_1, wo, sizes, n, tiles, unit)
 
 
 def _items(sizes_X, m: int, tiles):
@@ -98,27 +113,26 @@ def _gate_up(x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X, tiles):
     refs = (x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X)
     zeros = varying_like(jnp.zeros((m, f), x_ND.dtype), *refs)
 
+    tile_gate_up = _projected(x_ND, idx_M, wi_0_XDF, wi_1_XDF)
+
     def step(g, start, mask, tile, carry):
-        gate, up = carry
-        v = jnp.take(x_ND, _tile(idx_M, start, tile), axis=0, mode="clip")
-        w0 = jax.lax.dynamic_index_in_dim(wi_0_XDF, g, keepdims=False)
-        w1 = jax.lax.dynamic_index_in_dim(wi_1_XDF, g, keepdims=False)
-        gate = gmm_mod._put(gate, _dot(v, w0, 0).astype(gate.dtype), start, mask)
-        up = gmm_mod._put(up, _dot(v, w1, 0).astype(up.dtype), start, mask)
-        return gate, up
+        gate, up = tile_gate_up(g, start, tile)
+        return gmm_mod._put(carry[0], gate, start, mask), gmm_mod._put(carry[1], up, start, mask)
 
     return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, (zeros, zeros))
 
 
-def _down_loop(idx_M, weight_M, gate_MF, up_MF, wo_XFD, sizes_X, n: int, tiles, acc):
+def _down_loop(idx_M, weight_M, gate_up_of, wo_XFD, sizes_X, n: int, tiles, acc, dtype, refs):
+    """`out[idx[m]] += weight[m] * glu(gate, up)[m] @ wo`, `gate_up_of(g, start, tile)` giving
+    a tile's gate and up (`[tile, F]` each, in `dtype`)."""
     m, d = idx_M.shape[0], wo_XFD.shape[2]
-    out = varying_like(jnp.zeros((n, d), acc), idx_M, weight_M, gate_MF, up_MF, wo_XFD, sizes_X)
+    out = varying_like(jnp.zeros((n, d), acc), *refs)
 
     def step(g, start, mask, tile, out):
-        h = glu(*gmm_mod._tile_of((gate_MF, up_MF), start, tile))
+        h = glu(*gate_up_of(g, start, tile))
         w = jax.lax.dynamic_index_in_dim(wo_XFD, g, keepdims=False)
         # y rounded to the compute dtype first, as the separate path stores it
-        y = _dot(h, w, 0).astype(gate_MF.dtype).astype(acc)
+        y = _dot(h, w, 0).astype(dtype).astype(acc)
         y = y * jax.lax.dynamic_slice_in_dim(weight_M, start, tile)[:, None]
         y = jnp.where(mask, y, jnp.zeros((), acc))
         return out.at[_tile(idx_M, start, tile)].add(y, mode="drop")
@@ -126,42 +140,106 @@ def _down_loop(idx_M, weight_M, gate_MF, up_MF, wo_XFD, sizes_X, n: int, tiles, 
     return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, out)
 
 
+def _stored(gate_MF, up_MF):
+    """A tile's gate and up read from the `[M, F]` residuals."""
+    return lambda g, start, tile: gmm_mod._tile_of((gate_MF, up_MF), start, tile)
+
+
+def _projected(x_ND, idx_M, wi_0_XDF, wi_1_XDF):
+    """A tile's gate and up computed from its gathered rows (two dots), rounded to x's dtype
+    as the stored residuals are."""
+
+    def gate_up(g, start, tile):
+        v = jnp.take(x_ND, _tile(idx_M, start, tile), axis=0, mode="clip")
+        w0 = jax.lax.dynamic_index_in_dim(wi_0_XDF, g, keepdims=False)
+        w1 = jax.lax.dynamic_index_in_dim(wi_1_XDF, g, keepdims=False)
+        return _dot(v, w0, 0).astype(x_ND.dtype), _dot(v, w1, 0).astype(x_ND.dtype)
+
+    return gate_up
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
 def _down_scatter(x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit):
-    """The SwiGLU, down projection and weighted scatter-add of every routed row: `[n, D]`.
+    """The SwiGLU, down projection and weighted scatter-add of every routed row from its stored
+    gate and up: `[n, D]`.
 
     `x_ND`, `wi_0` and `wi_1` are not used by the value: they are here for the VJP, which
     returns their gradients (and none for gate and up, whose gradients it uses itself).
     `unit`: the weights are all one (no routing-weight gradient is computed).
     """
-    del x_ND, wi_0, wi_1, unit
-    return _down_loop(idx_M, weight_M, gate_MF, up_MF, wo, sizes_X, n, tiles, weight_M.dtype)
+    return _down_scatter_fwd(
+        x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit
+    )[0]
 
 
 def _down_scatter_fwd(
     x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit
 ):
-    out = _down_loop(idx_M, weight_M, gate_MF, up_MF, wo, sizes_X, n, tiles, weight_M.dtype)
-    return out, (x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X)
+    res = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate_MF, up_MF)
+    tile_gate_up = _stored(gate_MF, up_MF)
+    out = _down_loop(
+        idx_M, weight_M, tile_gate_up, wo, sizes_X, n, tiles, weight_M.dtype, gate_MF.dtype, res
+    )
+    return out, res
 
 
 def _down_scatter_bwd(n, tiles, unit, res, dout_ND):
-    x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X = res
+    *core, gate_MF, up_MF = res
+    dx, dweight, dw0, dw1, dwo = _backward(core, _stored(gate_MF, up_MF), dout_ND, tiles, unit)
+    return dx, None, dweight, None, None, dw0, dw1, dwo, None
+
+
+_down_scatter.defvjp(_down_scatter_fwd, _down_scatter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _ffn_scatter(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit):
+    """The whole routed FFN of every routed row in one loop (gather, gate and up, SwiGLU, down
+    projection, weighted scatter-add): `[n, D]`. Nothing `[M, F]` is stored: the backward loop
+    computes each tile's gate and up again from its gathered rows."""
+    return _ffn_scatter_fwd(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit)[0]
+
+
+def _ffn_scatter_fwd(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit):
+    res = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X)
+    tile_gate_up = _projected(x_ND, idx_M, wi_0, wi_1)
+    out = _down_loop(
+        idx_M, weight_M, tile_gate_up, wo, sizes_X, n, tiles, weight_M.dtype, x_ND.dtype, res
+    )
+    return out, res
+
+
+def _ffn_scatter_bwd(n, tiles, unit, res, dout_ND):
+    x_ND, idx_M, _, wi_0, wi_1, *_ = res
+    tile_gate_up = _projected(x_ND, idx_M, wi_0, wi_1)
+    dx, dweight, dw0, dw1, dwo = _backward(res, tile_gate_up, dout_ND, tiles, unit)
+    return dx, None, dweight, dw0, dw1, dwo, None
+
+
+_ffn_scatter.defvjp(_ffn_scatter_fwd, _ffn_scatter_bwd)
+
+
+def _backward(core, gate_up_of, dout_ND, tiles, unit):
+    """One loop over the work items: per tile the output gradient of its rows gathered by
+    `idx`, the hidden, gate and up gradients, the three weight gradients, the routing weights'
+    gradient (None when `unit`) and the input rows' gradient scatter-added into `[N, D]`.
+    `core`: (x, idx, weight, wi_0, wi_1, wo, sizes); `gate_up_of(g, start, tile)` gives the
+    tile's gate and up (stored or recomputed)."""
+    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X = core
+    refs = (*core, dout_ND)
     m, x_local = idx_M.shape[0], wo.shape[0]
-    d, f = x_ND.shape[1], gate_MF.shape[1]
-    refs = (*res, dout_ND)
+    d, f = x_ND.shape[1], wo.shape[1]
     dx = varying_like(jnp.zeros_like(x_ND), *refs)
     dweight = varying_like(jnp.zeros_like(weight_M), *refs)
     dw_in = varying_like(jnp.zeros((x_local, d, f), jnp.float32), *refs)
     dw_out = varying_like(jnp.zeros((x_local, f, d), jnp.float32), *refs)
-    dtype = gate_MF.dtype
+    dtype = x_ND.dtype
 
     def step(g, start, mask, tile, carry):
         dx, dweight, dw0, dw1, dwo = carry
         ids = _tile(idx_M, start, tile)
         gout = jnp.take(dout_ND, ids, axis=0, mode="clip")  # [tile, D], acc dtype
-        gate, up = gmm_mod._tile_of((gate_MF, up_MF), start, tile)
-        h, pull = jax.vjp(glu, gate, up)
+        h, pull = jax.vjp(glu, *gate_up_of(g, start, tile))
         w_o = jax.lax.dynamic_index_in_dim(wo, g, keepdims=False)
         # the unweighted hidden gradient dout[idx] @ wo^T gives the routing weight's gradient
         # <dout[idx], h @ wo> = <dout[idx] @ wo^T, h> without the expert output
@@ -186,18 +264,10 @@ def _down_scatter_bwd(n, tiles, unit, res, dout_ND):
 
     carry = (dx, dweight, dw_in, dw_in, dw_out)
     dx, dweight, dw0, dw1, dwo = gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, carry)
-    cast = wi_0.dtype
     return (
         dx,
-        None,
         None if unit else dweight,
-        None,
-        None,
-        dw0.astype(cast),
-        dw1.astype(cast),
+        dw0.astype(wi_0.dtype),
+        dw1.astype(wi_1.dtype),
         dwo.astype(wo.dtype),
-        None,
     )
-
-
-_down_scatter.defvjp(_down_scatter_fwd, _down_scatter_bwd)

@@ -112,14 +112,13 @@ def test_checkpoint_names_work_inside_the_chunk_loop(fused):
     """A kept name is saved once per chunk (M = N/chunks * K rows), stacked by the scan: the
     gate [M, F] (moe_mlpwi_0) of the fused routed FFN, the expert output [M, D] (moe_mlpwo, in
     `minimal`) of the separate path, which the fused one never makes; `full` saves nothing but
-    the arguments. Gradients under each equal the plain ones."""
-    c, p, x = setup("mixtral", CHUNKS, base_moe_mlp_dim=96, moe_fused_routed_ffn=fused)
+    the arguments. Gradients under each equal the plain ones. (The fused path reads the
+    config's policy: with gate and up both recomputed it makes neither, so the config keeps
+    the gate here.)"""
+    over = {"remat_policy": "custom", "moe_mlpwi_0": "device"} if fused else {}
+    c, p, x = setup("mixtral", CHUNKS, base_moe_mlp_dim=96, moe_fused_routed_ffn=fused, **over)
     m = 2 * 16 // CHUNKS * c.num_experts_per_tok
-    kept = (
-        remat.placements("custom", {remat.MOE_MLPWI_0: remat.DEVICE})
-        if fused
-        else remat.placements("minimal")
-    )
+    kept = remat.config_placements(c) if fused else remat.placements("minimal")
     width = c.base_moe_mlp_dim if fused else c.base_emb_dim
     saved = _saved_residuals(c, p, x, kept)
     assert len(saved) == 1 and saved[0].startswith(f"f32[{CHUNKS},{m},{width}]"), saved

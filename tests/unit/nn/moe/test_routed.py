@@ -1,11 +1,13 @@
 """The fused routed FFN (nn/moe/routed.py): gather, grouped SwiGLU FFN and weighted scatter-add in
 the tiled gmm's loops equal a loop over experts on gathered rows, value and every gradient (the
 input, the routing weights, the three weight stacks), with empty groups, remainder tiles, no
-routed rows at all, and rows past the routed ones that point anywhere."""
+routed rows at all, and rows past the routed ones that point anywhere; with gate and up kept as
+residuals (`remat_policy=none`) and recomputed per tile in the backward loop (every preset)."""
 
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +20,21 @@ from tests.tolerances import tol
 N, D, F, X = 11, 6, 10, 3
 
 
-def _config(**kw):
-    over = {"model_name": "mixtral-tiny", "gmm_tile_rows": 8, "gmm_tile_rows_min": 2, **kw}
-    return load_config(overrides=over)
+# remat_policy -> whether gate and up are recomputed (full) or kept (none)
+GATE_UP = {"recomputed": "full", "kept": "none"}
+
+
+def _config(gate_up="recomputed", **kw):
+    over = {
+        "model_name": "mixtral-tiny",
+        "gmm_tile_rows": 8,
+        "gmm_tile_rows_min": 2,
+        "remat_policy": GATE_UP[gate_up],
+        **kw,
+    }
+    c = load_config(overrides=over)
+    assert routed.recomputes_gate_up(c) == (gate_up == "recomputed")
+    return c
 
 
 def _inputs(sizes, m, dtype, seed=0):
@@ -79,8 +93,9 @@ def _value_and_grads(fn, a, weighted):
     ],
 )
 @pytest.mark.parametrize("weighted", [True, False])
-def test_routed_ffn_equals_a_loop_over_experts(sizes, m, weighted):
-    c = _config()
+@pytest.mark.parametrize("gate_up", list(GATE_UP))
+def test_routed_ffn_equals_a_loop_over_experts(sizes, m, weighted, gate_up):
+    c = _config(gate_up)
     a = _inputs(sizes, m, jnp.float32)
 
     def fused(x, weight, wi_0, wi_1, wo):
@@ -100,12 +115,13 @@ def test_routed_ffn_equals_a_loop_over_experts(sizes, m, weighted):
         assert not np.any(np.asarray(got[0])) and not np.any(np.asarray(got[1]))
 
 
-def test_routed_ffn_bfloat16_accumulates_the_combine_in_float32():
+@pytest.mark.parametrize("gate_up", list(GATE_UP))
+def test_routed_ffn_bfloat16_accumulates_the_combine_in_float32(gate_up):
     """bfloat16 compute, float32 combine (`float32_weight_sum`) as in the separate path."""
     sizes, m = (6, 3, 9), 20
     a = _inputs(sizes, m, jnp.bfloat16, seed=3)
     for f32_sum, acc in ((True, jnp.float32), (False, jnp.bfloat16)):
-        c = _config(float32_weight_sum=f32_sum)
+        c = _config(gate_up, float32_weight_sum=f32_sum)
 
         def fused(x, weight, wi_0, wi_1, wo, c=c):
             return routed.routed_ffn(
@@ -125,9 +141,10 @@ def test_routed_ffn_bfloat16_accumulates_the_combine_in_float32():
             )
 
 
-def test_negative_control_a_wrong_group_is_seen():
+@pytest.mark.parametrize("gate_up", list(GATE_UP))
+def test_negative_control_a_wrong_group_is_seen(gate_up):
     """The comparison catches rows sent to the wrong expert (group sizes off by one row)."""
-    c = _config()
+    c = _config(gate_up)
     sizes, m = (5, 0, 13), 24
     a = _inputs(sizes, m, jnp.float32)
     shifted = jnp.asarray((6, 0, 12), jnp.int32)
@@ -153,3 +170,32 @@ def test_use_fused_needs_the_tiled_gmm_and_no_stash():
     assert not routed.use_fused(_config(), stash=object())
     assert not routed.use_fused(_config(gmm_impl="ragged_dot"), None)
     assert not routed.use_fused(_config(moe_fused_routed_ffn=False), None)
+
+
+def _out_shapes(jaxpr) -> set[tuple[int, ...]]:
+    """Shapes of every array a jaxpr makes, its nested jaxprs (loop bodies, VJPs) included."""
+    shapes = {tuple(v.aval.shape) for e in jaxpr.eqns for v in e.outvars if hasattr(v, "aval")}
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        shapes |= _out_shapes(sub)
+    return shapes
+
+
+@pytest.mark.parametrize("gate_up", list(GATE_UP))
+def test_recomputed_gate_and_up_are_never_a_routed_rows_buffer(gate_up):
+    """With gate and up recomputed, the value and gradients make no `[M, F]` array (only tiles);
+    with them kept, the two residuals are `[M, F]` (the negative control)."""
+    c = _config(gate_up)
+    sizes, m = (5, 0, 13), 24
+    a = _inputs(sizes, m, jnp.float32)
+
+    def loss(x, weight, wi_0, wi_1, wo):
+        out = routed.routed_ffn(
+            x, a["idx"], weight, wi_0, wi_1, wo, a["sizes"], c, jnp.float32, n=N
+        )
+        return jnp.sum(out * out)
+
+    f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    jaxpr = jax.make_jaxpr(f)(a["x"], a["weight"], a["wi_0"], a["wi_1"], a["wo"]).jaxpr
+    shapes = _out_shapes(jaxpr)
+    assert (c.gmm_tile_rows, F) in shapes  # the tiles are there, and seen
+    assert ((m, F) in shapes) == (gate_up == "kept"), sorted(shapes)
