@@ -141,16 +141,17 @@ def _down_loop(idx_M, weight_M, gate_up_of, wo_XFD, sizes_X, n: int, tiles, acc,
 
 
 def _stored(gate_MF, up_MF):
-    """A tile's gate and up read from the `[M, F]` residuals."""
-    return lambda g, start, tile: gmm_mod._tile_of((gate_MF, up_MF), start, tile)
+    """A tile's gate and up read from the `[M, F]` residuals (its gathered rows unused)."""
+    return lambda g, start, tile, v=None: gmm_mod._tile_of((gate_MF, up_MF), start, tile)
 
 
 def _projected(x_ND, idx_M, wi_0_XDF, wi_1_XDF):
-    """A tile's gate and up computed from its gathered rows (two dots), rounded to x's dtype
-    as the stored residuals are."""
+    """A tile's gate and up computed from its gathered rows `v` (two dots; gathered here when
+    not given), rounded to x's dtype as the stored residuals are."""
 
-    def gate_up(g, start, tile):
-        v = jnp.take(x_ND, _tile(idx_M, start, tile), axis=0, mode="clip")
+    def gate_up(g, start, tile, v=None):
+        if v is None:
+            v = jnp.take(x_ND, _tile(idx_M, start, tile), axis=0, mode="clip")
         w0 = jax.lax.dynamic_index_in_dim(wi_0_XDF, g, keepdims=False)
         w1 = jax.lax.dynamic_index_in_dim(wi_1_XDF, g, keepdims=False)
         return _dot(v, w0, 0).astype(x_ND.dtype), _dot(v, w1, 0).astype(x_ND.dtype)
@@ -223,8 +224,8 @@ def _backward(core, gate_up_of, dout_ND, tiles, unit):
     """One loop over the work items: per tile the output gradient of its rows gathered by
     `idx`, the hidden, gate and up gradients, the three weight gradients, the routing weights'
     gradient (None when `unit`) and the input rows' gradient scatter-added into `[N, D]`.
-    `core`: (x, idx, weight, wi_0, wi_1, wo, sizes); `gate_up_of(g, start, tile)` gives the
-    tile's gate and up (stored or recomputed)."""
+    `core`: (x, idx, weight, wi_0, wi_1, wo, sizes); `gate_up_of(g, start, tile, v)` gives the
+    tile's gate and up (stored, or recomputed from its gathered rows v, gathered once here)."""
     x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X = core
     refs = (*core, dout_ND)
     m, x_local = idx_M.shape[0], wo.shape[0]
@@ -239,7 +240,8 @@ def _backward(core, gate_up_of, dout_ND, tiles, unit):
         dx, dweight, dw0, dw1, dwo = carry
         ids = _tile(idx_M, start, tile)
         gout = jnp.take(dout_ND, ids, axis=0, mode="clip")  # [tile, D], acc dtype
-        h, pull = jax.vjp(glu, *gate_up_of(g, start, tile))
+        v_rows = jnp.take(x_ND, ids, axis=0, mode="clip")  # [tile, D]
+        h, pull = jax.vjp(glu, *gate_up_of(g, start, tile, v_rows))
         w_o = jax.lax.dynamic_index_in_dim(wo, g, keepdims=False)
         # the unweighted hidden gradient dout[idx] @ wo^T gives the routing weight's gradient
         # <dout[idx], h @ wo> = <dout[idx] @ wo^T, h> without the expert output
@@ -253,7 +255,7 @@ def _backward(core, gate_up_of, dout_ND, tiles, unit):
         dy = jnp.where(mask, (gout * wt).astype(dtype), 0)  # the expert output's gradient
         dwo = gmm_mod._add_weight_grad(dwo, g, jnp.where(mask, h, 0), dy)
         dgate, dup = pull((gh * wt.astype(jnp.float32)).astype(dtype))
-        v = jnp.where(mask, jnp.take(x_ND, ids, axis=0, mode="clip"), 0)
+        v = jnp.where(mask, v_rows, 0)
         dw0 = gmm_mod._add_weight_grad(dw0, g, v, dgate)
         dw1 = gmm_mod._add_weight_grad(dw1, g, v, dup)
         w0 = jax.lax.dynamic_index_in_dim(wi_0, g, keepdims=False)
