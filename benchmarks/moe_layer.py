@@ -33,6 +33,11 @@ its pool). The default (`--malloc default`) is how the `expertax` command runs.
 Every case is compiled first; then all are timed together, one call each per round, `--iters`
 rounds in alternating order, and each case reports its median call.
 
+`--runs K` runs all of it K times, each in a fresh process, and prints (and writes to `--json`,
+with every run's rows) per case the median time across runs and each run's ratio to EP=2 with
+their median: on the 2-core VM the same case moves by 10-20 % from one process to the next, far
+more than within one, so a ratio from one process is one draw.
+
 `--ffn fused fused-kept separate` times each case with the fused routed FFN
 (`moe_fused_routed_ffn`, nn/moe/routed.py, the default; under the config's remat_policy=full its
 gate and up are recomputed in the backward loop), the fused FFN keeping gate and up as
@@ -305,7 +310,17 @@ def main():
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--hugepages", choices=("on", "off"), default="on")
     ap.add_argument("--malloc", choices=("default", "retain"), default="default")
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="run the whole benchmark this many times, each in a fresh process, and summarise "
+        "the medians across runs and each run's ratio to EP=2 (the process-to-process spread "
+        "on the 2-core VM is larger than the spread within one process)",
+    )
     args = ap.parse_args()
+    if args.runs > 1:
+        return repeated_runs(args)
     hostmem.reexec_with_hugepages(
         [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
         on=args.hugepages == "on",
@@ -402,6 +417,81 @@ def main():
                 f,
                 indent=1,
             )
+
+
+def _child_argv(argv: list[str]) -> list[str]:
+    """`argv` without `--runs` and `--json` (and their values)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--runs", "--json"):
+            skip = True
+        elif not a.startswith(("--runs=", "--json=")):
+            out.append(a)
+    return out
+
+
+def summarise_runs(runs: list[list[dict]]) -> list[dict]:
+    """Per case (routing, strategy, routed FFN, EP): the median, min and max of
+    us_per_routed_token over runs, and, where the run has EP=2, each run's ratio to it (both
+    from the same process) with its median."""
+    keys = ("routing", "strategy", "routed_ffn", "ep")
+    cases: dict[tuple, list[float]] = {}
+    ratios: dict[tuple, list[float]] = {}
+    for rows in runs:
+        at = {tuple(r[k] for k in keys): r["us_per_routed_token"] for r in rows}
+        for key, us in at.items():
+            cases.setdefault(key, []).append(us)
+            base = at.get((*key[:3], 2))
+            if base and key[3] != 2 and key[1] != "no mesh":
+                ratios.setdefault(key, []).append(us / base)
+    return [
+        dict(
+            zip(keys, key, strict=True),
+            us_median=float(np.median(us)),
+            us_min=min(us),
+            us_max=max(us),
+            ratio_to_ep2=ratios.get(key),
+            ratio_to_ep2_median=float(np.median(ratios[key])) if key in ratios else None,
+        )
+        for key, us in cases.items()
+    ]
+
+
+def repeated_runs(args) -> None:
+    """`--runs K`: K fresh processes of this script, then the summary (`summarise_runs`)."""
+    import subprocess
+    import tempfile
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.runs):
+            path = os.path.join(tmp, f"run{k}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), *_child_argv(sys.argv[1:])]
+            subprocess.run([*cmd, "--json", path], check=True)
+            with open(path) as f:
+                runs.append(json.load(f))
+    summary = summarise_runs([r["rows"] for r in runs])
+    print(
+        f"\n{args.runs} runs, each in a fresh process; ratio: us at this EP / us at EP=2 of "
+        "the same run"
+    )
+    print(
+        "| routing | strategy | routed FFN | EP | us / routed token, median (min-max) "
+        "| ratio to EP=2 per run | median ratio |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in summary:
+        per_run = ", ".join(f"{x:.2f}" for x in r["ratio_to_ep2"] or []) or "-"
+        med = "-" if r["ratio_to_ep2_median"] is None else f"{r['ratio_to_ep2_median']:.3f}"
+        print(
+            f"| {r['routing']} | {r['strategy']} | {r['routed_ffn']} | {r['ep']} "
+            f"| {r['us_median']:.3f} ({r['us_min']:.3f}-{r['us_max']:.3f}) | {per_run} | {med} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": runs[0]["shape"], "runs": runs, "summary": summary}, f, indent=1)
 
 
 def _pct(share) -> str:
