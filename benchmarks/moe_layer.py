@@ -45,8 +45,12 @@ residuals (remat_policy=none) and the separate row loops and grouped matmuls, in
 interleaved rounds; `temp_mib` is each program's temporaries per device (XLA's
 `memory_analysis`).
 
+`--checkpoint` runs the layer under `jax.checkpoint` with the config's remat policy (the default
+`full`), as a decoder layer trains; without it the layer runs alone (no replay).
+
 Run: python benchmarks/moe_layer.py [--iters 5] [--length 128] [--json PATH] [--routing
-balanced] [--ep 1 8] [--ffn fused separate] (sets 8 host devices when on CPU). Prints one JSON
+balanced] [--ep 1 8] [--ffn fused separate] [--checkpoint] [--runs K] (sets 8 host devices when
+on CPU). Prints one JSON
 line per case, then a Markdown table; `--json PATH` also writes {"shape": ..., "rows":
 [{routing, strategy, routed_ffn, ep, temp_mib, us_per_routed_token, max_load_ratio,
 dispatch_bytes, ideal_bytes, allreduce_bytes, sort_share, gather_share, collective_share}]}
@@ -80,6 +84,7 @@ from expertax.config import (
 )
 from expertax.nn import param  # noqa: E402
 from expertax.nn.moe import ep, layer, router  # noqa: E402
+from expertax.parallel import remat  # noqa: E402
 from expertax.sharding import make_mesh, use_rules  # noqa: E402
 
 SHAPE = dict(batch=8, length=128, d=128, f=256, e=16, k=4)
@@ -237,8 +242,18 @@ def make_case(skewed: bool):
     return c, p, x
 
 
+# `--checkpoint`: the layer under jax.checkpoint with the config's remat policy, as a decoder
+# layer runs in training (`remat.wrap_layer`); otherwise alone.
+CHECKPOINT = {"on": False}
+
+
 def loss(p, x, c):
-    y, st = layer.apply(p, x, c, jnp.float32)
+    def fn(p, x):
+        return layer.apply(p, x, c, jnp.float32)
+
+    if CHECKPOINT["on"]:
+        fn = remat.wrap_layer(fn, c, prevent_cse=True)
+    y, st = fn(p, x)
     return jnp.sum(y * y), st.load_E
 
 
@@ -308,6 +323,13 @@ def main():
         "moe_fused_routed_ffn=false. Several: an A/B in one interleaved run",
     )
     ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="run the layer under jax.checkpoint with the config's remat policy (full; "
+        "fused-kept: none, so unwrapped), as a decoder layer trains: the backward pass replays "
+        "what it needs of the forward",
+    )
     ap.add_argument("--hugepages", choices=("on", "off"), default="on")
     ap.add_argument("--malloc", choices=("default", "retain"), default="default")
     ap.add_argument(
@@ -327,6 +349,7 @@ def main():
         retain=args.malloc == "retain",
     )
     SHAPE["length"] = args.length
+    CHECKPOINT["on"] = args.checkpoint
     impl = ep.resolve_a2a_impl(load_config(overrides={"model_name": "mixtral-tiny"}))
     routed = SHAPE["batch"] * SHAPE["length"] * SHAPE["k"]
     rows, calls = [], []
@@ -388,7 +411,8 @@ def main():
         print(json.dumps(row), flush=True)
     print(
         f"\nshape {SHAPE}, float32, fwd+bwd of one MoE layer; bytes per device per layer; "
-        f"huge pages {hostmem.hugepages_active()}, malloc retains {hostmem.retain_active()}"
+        f"huge pages {hostmem.hugepages_active()}, malloc retains {hostmem.retain_active()}, "
+        f"under jax.checkpoint {args.checkpoint}"
     )
     print(
         "| routing | strategy | routed FFN | EP | us / routed token | temp MiB | max load / mean "
@@ -412,6 +436,7 @@ def main():
                     "shape": SHAPE,
                     "hugepages": hostmem.hugepages_active(),
                     "malloc_retain": hostmem.retain_active(),
+                    "checkpoint": args.checkpoint,
                     "rows": rows,
                 },
                 f,

@@ -324,7 +324,41 @@ def test_ragged_impl_traces_and_lowers_with_gradients():
     f = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True), static_argnums=2)
     with jax.set_mesh(mesh), use_rules(config_rules(c)):
         text = f.lower(p, x, c).as_text()
-    assert text.count("ragged_all_to_all") == 4  # send and return, forward and transposed
+    # the rows, their routing weights (the fused routed FFN weights them on the expert side)
+    # and the return, each forward and transposed
+    assert text.count("ragged_all_to_all") == 6
+
+
+def _row_exchanges(overrides, remat: bool) -> int:
+    """All-to-all instructions moving D-wide rows in the compiled forward+backward of the
+    a2a-ep8 layer (padded: one per exchange, in its loop), optionally under a full-remat
+    checkpoint (nothing saved: the backward pass replays what it needs of the forward)."""
+    c, p, x = _layer_case([*LAYOUTS["a2a-ep8"], *overrides])
+
+    def loss(p, x, c):
+        fn = lambda p, x: layer.apply(p, x, c, jnp.float32)  # noqa: E731
+        if remat:
+            fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+        y, st = fn(p, x)
+        return jnp.sum(jnp.sin(y)) + st.lb_loss
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+    with jax.set_mesh(make_mesh(c)), use_rules(config_rules(c)):
+        text = f.lower(p, x, c).compile().as_text()
+    d = c.base_emb_dim
+    return sum(1 for line in text.splitlines() if " all-to-all(" in line and f",{d}]" in line)
+
+
+def test_remat_replays_the_dispatch_but_not_the_expert_ffn_and_return():
+    """With the routing weights applied on the expert side (the fused routed FFN), the home
+    combine's backward needs no returned rows: under full remat the backward pass replays the
+    dispatch (the FFN's input rows) but not the FFN's forward and the return exchange. The
+    separate path weights at home, so its backward replays the return too (negative
+    control)."""
+    plain = _row_exchanges([], remat=False)  # send, return and both transposed
+    assert plain == 4
+    assert _row_exchanges([], remat=True) == plain + 1
+    assert _row_exchanges(["moe_fused_routed_ffn=false"], remat=True) == plain + 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,8 +440,9 @@ def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
     m1, m4 = p * n * k_x, p * n * k_x // 4  # receive buffer rows
     block1, block4 = ep.padded_block_rows(c1, n, p, m1), ep.padded_block_rows(c1, n // 4, p, m4)
     assert block1 == 2 * n * c1.num_experts_per_tok // p and block4 == block1 // 4
-    assert blocks1 == {(1, block1, d)}, blocks1
-    assert blocks4 == {(1, block4, d)}, blocks4
+    # the rows' blocks and their routing weights' ([1, block, 1])
+    assert blocks1 == {(1, block1, d), (1, block1, 1)}, blocks1
+    assert blocks4 == {(1, block4, d), (1, block4, 1)}, blocks4
     assert f"bf16[{m1},{d}]" in hlo1 and f"[{m1},{d}]" not in hlo4
     assert f"bf16[{m4},{d}]" in hlo4
     _, _, ring1 = _compiled_bf16(["use_ring_of_experts=true"])

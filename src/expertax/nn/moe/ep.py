@@ -315,20 +315,25 @@ def sort_and_send(x_ND, experts_NK, c: Config, impl: str):
     counts_PE = jax.lax.all_gather(sizes_E, EXPERT)
     m = buffer_rows(c, n * k, n, ep)
     plan = make_plan(counts_PE, jax.lax.axis_index(EXPERT), m)
-    block = padded_block_rows(c, n, ep, m)
-    recv_MD = all_to_all(
+    recv_MD = send(rows_MD, plan, m, impl, padded_block_rows(c, n, ep, m))
+    return recv_MD, plan, send_order_M
+
+
+def send(rows_MD, plan: ExchangePlan, num_rows: int, impl: str, block_rows: int):
+    """Send rows in this shard's expert-sorted order (`[N*K, ...]`) to their experts' shards by
+    the plan: `[num_rows, ...]`, grouped by source."""
+    return all_to_all(
         impl,
         rows_MD,
-        jnp.zeros((m, rows_MD.shape[1]), rows_MD.dtype),
+        jnp.zeros((num_rows, *rows_MD.shape[1:]), rows_MD.dtype),
         plan.fwd_in_off,
         plan.fwd_send,
         plan.fwd_out_off,
         plan.fwd_recv,
-        block_rows=block,
+        block_rows=block_rows,
         longest=plan.longest,
         recv_off=plan.rev_in_off,  # where each source's rows start in this receive buffer
     )
-    return recv_MD, plan, send_order_M
 
 
 @params_dataclass
@@ -427,20 +432,30 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, 
     """The all-to-all strategy on one shard: (partial output [N, D], dropped rows, stash)."""
     wi_0, wi_1, wo = w
     recv_MD, plan, send_order_M = sort_and_send(x_ND, routing.experts_NK, c, impl)
-    m = recv_MD.shape[0]
+    m, n = recv_MD.shape[0], x_ND.shape[0]
+    block = padded_block_rows(c, n, jax.lax.axis_size(EXPERT), m)
+    home_weights_NK = routing.weights_NK
     if routed.use_fused(c, stash):
+        # The routing weights travel with their rows ([N*K, 1], the same plan) and the grouped
+        # loop weights each expert output where it is computed; its VJP gives the weights'
+        # gradient from the hidden gradient. The home shard only sums its K rows, so nothing
+        # of the combine's backward needs the expert outputs: under remat the expert FFN's
+        # forward loop and the return exchange are not replayed in the backward pass.
+        w_sorted = dispatch.take_rows(routing.weights_NK.reshape(-1, 1), send_order_M, 1)
+        w_recv = send(w_sorted, plan, m, impl, block)
         # sorted row r is received row src[r] and goes back there: gather and unsort by src
         order, sizes_X = local_expert_order(plan.recv_counts_PX, m)
-        y_MD = routed.routed_ffn(recv_MD, order.src_M, None, wi_0, wi_1, wo, sizes_X, c, dtype, n=m)
+        w_rows = rows.gather_rows(w_recv, order.src_M, order.total)[:, 0]
+        y_MD = routed.routed_ffn(
+            recv_MD, order.src_M, w_rows, wi_0, wi_1, wo, sizes_X, c, dtype, n=m, injective=True
+        )
+        home_weights_NK = jnp.ones_like(routing.weights_NK)
     else:
         sorted_MD, recv_order, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_PX)
         y_sorted, stash = local_expert_ffn(sorted_MD, wi_0, wi_1, wo, sizes_X, c, dtype, stash)
         y_MD = rows.gather_rows(y_sorted, recv_order.dst_M, recv_order.total)
-    n = x_ND.shape[0]
-    ep = jax.lax.axis_size(EXPERT)
-    block = padded_block_rows(c, n, ep, m)
     back_MD = send_back(y_MD, plan, send_order_M.shape[0], impl, block)
-    out_ND = dispatch.unpermute_combine(back_MD, send_order_M, routing.weights_NK, c, dtype)
+    out_ND = dispatch.unpermute_combine(back_MD, send_order_M, home_weights_NK, c, dtype)
     return out_ND, plan.dropped, stash
 
 

@@ -29,8 +29,9 @@ The routing weight's gradient needs no expert output y: `d weight[m] = <dout[idx
 On one device (`dispatch.sparse`) `x_ND` is the tokens and `idx` each sorted assignment's token
 (`order // K`); in the ring (`ep.ring_dispatch`) `x_ND` is the all-gathered tokens and `idx`
 each routed row's token; in the all-to-all (`ep.a2a_dispatch`) `x_ND` is the receive buffer,
-`idx` each sorted row's place in it and `weight` None (the rows go back unweighted; their home
-shard combines them), so the output is the buffer of rows to send back, unsorted already.
+`idx` each sorted row's place in it and `weight` the routing weights that came with the rows
+(`injective`: each row is written once, weighted, in the compute dtype), so the output is the
+buffer of weighted rows to send back, unsorted already; their home shard only sums them.
 Per item there are as many dots as in the separate path (three forward, six backward; eight
 with gate and up recomputed), and the cost of the gathers and scatter-adds follows the routed
 rows, as the tiled gmm's does. Tiled backend only; a paged stash (stash.py), which stores the
@@ -66,14 +67,30 @@ def recomputes_gate_up(c: Config) -> bool:
     return place[remat.MOE_MLPWI_0] == remat.REMAT and place[remat.MOE_MLPWI_1] == remat.REMAT
 
 
-def routed_ffn(x_ND, idx_M, weight_M, wi_0_XDF, wi_1_XDF, wo_XFD, sizes_X, c: Config, dtype, *, n):
+def routed_ffn(
+    x_ND,
+    idx_M,
+    weight_M,
+    wi_0_XDF,
+    wi_1_XDF,
+    wo_XFD,
+    sizes_X,
+    c: Config,
+    dtype,
+    *,
+    n,
+    injective: bool = False,
+):
     """`out[idx[m]] += weight[m] * ffn(x[idx[m]])` over the routed rows: `[n, D]`.
 
     The output is in float32 when `weight_M` is given and `float32_weight_sum` is set (the
     combine's accumulator, as `rows.scatter_rows`), else in `dtype`. `weight_M` None: weight 1
-    (an unweighted scatter; for a permutation `idx`, the rows unsorted).
+    (an unweighted scatter; for a permutation `idx`, the rows unsorted). `injective`: no two
+    routed rows share an output row (the all-to-all's receive buffer): nothing is summed, so
+    each weighted row (its product still in the accumulator's dtype) is written in `dtype`.
     """
     acc = jnp.float32 if (weight_M is not None and c.float32_weight_sum) else jnp.dtype(dtype)
+    out_dtype = jnp.dtype(dtype) if injective else acc
     m = idx_M.shape[0]
     tiles = gmm_mod._tile_ladder(m, c.gmm_tile_rows, c.gmm_tile_rows_min)
     ws = (wi_0_XDF.astype(dtype), wi_1_XDF.astype(dtype), wo_XFD.astype(dtype))
@@ -82,14 +99,14 @@ def routed_ffn(x_ND, idx_M, weight_M, wi_0_XDF, wi_1_XDF, wo_XFD, sizes_X, c: Co
     x, idx, weight, wi_0, wi_1, wo, sizes = (varying_like(a, *args) for a in args)
     unit = weight_M is None
     if recomputes_gate_up(c):
-        return _ffn_scatter(x, idx, weight, wi_0, wi_1, wo, sizes, n, tiles, unit)
+        return _ffn_scatter(x, idx, weight, wi_0, wi_1, wo, sizes, n, tiles, unit, out_dtype)
     # gate and up: values only (their gradients are computed by down_scatter's VJP, which
     # takes x and the weights as its own inputs), tagged so that remat policies see them.
     sg = jax.lax.stop_gradient
     gate, up = _gate_up(sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(sizes), tiles)
     gate = remat.tag(gate, remat.MOE_MLPWI_0)
     up = remat.tag(up, remat.MOE_MLPWI_1)
-    return _down_scatter(x, idx, weight, gate, up, wi_0, wi_1, wo, sizes, n, tiles, unit)
+    return _down_scatter(x, idx, weight, gate, up, wi_0, wi_1, wo, sizes, n, tiles, unit, out_dtype)
 
 
 def _items(sizes_X, m: int, tiles):
@@ -122,11 +139,13 @@ def _gate_up(x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X, tiles):
     return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, (zeros, zeros))
 
 
-def _down_loop(idx_M, weight_M, gate_up_of, wo_XFD, sizes_X, n: int, tiles, acc, dtype, refs):
-    """`out[idx[m]] += weight[m] * glu(gate, up)[m] @ wo`, `gate_up_of(g, start, tile)` giving
-    a tile's gate and up (`[tile, F]` each, in `dtype`)."""
+def _down_loop(idx_M, weight_M, gate_up_of, wo_XFD, sizes_X, n: int, tiles, dtype, out_dtype, refs):
+    """`out[idx[m]] += weight[m] * glu(gate, up)[m] @ wo` (`[n, D]` in `out_dtype`; the product
+    in the weights' dtype), `gate_up_of(g, start, tile)` giving a tile's gate and up (`[tile,
+    F]` each, in `dtype`)."""
     m, d = idx_M.shape[0], wo_XFD.shape[2]
-    out = varying_like(jnp.zeros((n, d), acc), *refs)
+    acc = weight_M.dtype
+    out = varying_like(jnp.zeros((n, d), out_dtype), *refs)
 
     def step(g, start, mask, tile, out):
         h = glu(*gate_up_of(g, start, tile))
@@ -134,7 +153,7 @@ def _down_loop(idx_M, weight_M, gate_up_of, wo_XFD, sizes_X, n: int, tiles, acc,
         # y rounded to the compute dtype first, as the separate path stores it
         y = _dot(h, w, 0).astype(dtype).astype(acc)
         y = y * jax.lax.dynamic_slice_in_dim(weight_M, start, tile)[:, None]
-        y = jnp.where(mask, y, jnp.zeros((), acc))
+        y = jnp.where(mask, y, jnp.zeros((), acc)).astype(out_dtype)
         return out.at[_tile(idx_M, start, tile)].add(y, mode="drop")
 
     return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, out)
@@ -159,8 +178,10 @@ def _projected(x_ND, idx_M, wi_0_XDF, wi_1_XDF):
     return gate_up
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def _down_scatter(x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _down_scatter(
+    x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype
+):
     """The SwiGLU, down projection and weighted scatter-add of every routed row from its stored
     gate and up: `[n, D]`.
 
@@ -169,22 +190,22 @@ def _down_scatter(x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X
     `unit`: the weights are all one (no routing-weight gradient is computed).
     """
     return _down_scatter_fwd(
-        x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit
+        x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype
     )[0]
 
 
 def _down_scatter_fwd(
-    x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit
+    x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype
 ):
     res = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate_MF, up_MF)
     tile_gate_up = _stored(gate_MF, up_MF)
     out = _down_loop(
-        idx_M, weight_M, tile_gate_up, wo, sizes_X, n, tiles, weight_M.dtype, gate_MF.dtype, res
+        idx_M, weight_M, tile_gate_up, wo, sizes_X, n, tiles, gate_MF.dtype, out_dtype, res
     )
     return out, res
 
 
-def _down_scatter_bwd(n, tiles, unit, res, dout_ND):
+def _down_scatter_bwd(n, tiles, unit, out_dtype, res, dout_ND):
     *core, gate_MF, up_MF = res
     dx, dweight, dw0, dw1, dwo = _backward(core, _stored(gate_MF, up_MF), dout_ND, tiles, unit)
     return dx, None, dweight, None, None, dw0, dw1, dwo, None
@@ -193,24 +214,26 @@ def _down_scatter_bwd(n, tiles, unit, res, dout_ND):
 _down_scatter.defvjp(_down_scatter_fwd, _down_scatter_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _ffn_scatter(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _ffn_scatter(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype):
     """The whole routed FFN of every routed row in one loop (gather, gate and up, SwiGLU, down
     projection, weighted scatter-add): `[n, D]`. Nothing `[M, F]` is stored: the backward loop
     computes each tile's gate and up again from its gathered rows."""
-    return _ffn_scatter_fwd(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit)[0]
+    return _ffn_scatter_fwd(
+        x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype
+    )[0]
 
 
-def _ffn_scatter_fwd(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit):
+def _ffn_scatter_fwd(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype):
     res = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X)
     tile_gate_up = _projected(x_ND, idx_M, wi_0, wi_1)
     out = _down_loop(
-        idx_M, weight_M, tile_gate_up, wo, sizes_X, n, tiles, weight_M.dtype, x_ND.dtype, res
+        idx_M, weight_M, tile_gate_up, wo, sizes_X, n, tiles, x_ND.dtype, out_dtype, res
     )
     return out, res
 
 
-def _ffn_scatter_bwd(n, tiles, unit, res, dout_ND):
+def _ffn_scatter_bwd(n, tiles, unit, out_dtype, res, dout_ND):
     x_ND, idx_M, _, wi_0, wi_1, *_ = res
     tile_gate_up = _projected(x_ND, idx_M, wi_0, wi_1)
     dx, dweight, dw0, dw1, dwo = _backward(res, tile_gate_up, dout_ND, tiles, unit)
