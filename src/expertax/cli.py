@@ -145,11 +145,12 @@ def cmd_memory(args) -> int:
         return _memory_fit(cfg, args)
     import time
 
-    from expertax.tools.memory import format_report, memory_report, to_json_ready
+    from expertax.planner import plan
+    from expertax.planner.format import format_report, to_json_ready
 
     t0 = time.perf_counter()
     try:
-        report = memory_report(cfg, hbm_gib=args.hbm, top=args.top)
+        report = plan.memory_report(cfg, hbm_gib=args.hbm, top=args.top)
     except ValueError as e:  # e.g. an offload request the backend cannot honour
         raise ConfigError(str(e)) from None
     report["seconds"] = round(time.perf_counter() - t0, 1)
@@ -162,12 +163,12 @@ def cmd_memory(args) -> int:
 
 
 def _memory_fit(cfg, args) -> int:
-    """`expertax memory --fit`: the search of tools/fit.py; exit 1 when no candidate fits."""
+    """`expertax memory --fit`: the search of planner/fit.py; exit 1 when no candidate fits."""
     import json
 
     import jax
 
-    from expertax.tools import fit
+    from expertax.planner import fit
 
     devices = args.devices if args.devices is not None else len(jax.devices())
     result = fit.fit_search(

@@ -13,7 +13,7 @@ from expertax.config.schema import RematSection
 from expertax.models import decoder, init_params
 from expertax.nn import param
 from expertax.parallel import remat
-from expertax.tools.memory import layer_residuals
+from expertax.planner.residuals import layer_residuals
 from expertax.train.step import loss_fn
 
 DLI, Q, K, V = remat.DECODER_LAYER_INPUT, remat.QUERY_PROJ, remat.KEY_PROJ, remat.VALUE_PROJ

@@ -14,7 +14,7 @@ from expertax.config import ConfigError, load_config
 from expertax.models import stashed_stack
 from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.gmm import gmm
-from expertax.tools.memory import residual_sources
+from expertax.planner.residuals import residual_sources
 from expertax.train import step as step_lib
 from tests.unit.models.test_decoder import lm_batch
 

@@ -10,8 +10,8 @@ import pytest
 
 from expertax import cli
 from expertax.config import ConfigError, load_config
-from expertax.tools import fit
-from expertax.tools.memory import GIB, memory_report
+from expertax.planner import estimate, fit, space
+from expertax.planner.plan import GIB, memory_report
 
 # One MoE layer of a shrunk Mixtral: compiles in seconds on 8 simulated CPU devices.
 TINY = [
@@ -68,24 +68,24 @@ def test_bad_input_exit_status_2(monkeypatch, capsys):
 
 
 def test_layouts_pass_mesh_checks_and_control(cfg):
-    shapes = fit.layouts(cfg, 8)
+    shapes = space.layouts(cfg, 8)
     splits = {(s["expert"], s["fsdp"], s["tensor"]) for s in shapes}
     assert splits == {(1, 8, 1), (2, 4, 1), (4, 2, 1), (1, 4, 2), (2, 2, 2), (4, 1, 2)}
     assert all(s["data"] == 1 and s["expert"] * s["fsdp"] * s["tensor"] == 8 for s in shapes)
     # Negative controls: 8 does not divide num_experts=4, tensor=4 not base_num_kv_heads=2.
     assert (8, 1, 1) not in splits and (2, 1, 4) not in splits
-    assert fit.layouts(cfg, 3) == []
+    assert space.layouts(cfg, 3) == []
 
 
 def test_remat_presets_ordered_by_recompute(cfg):
-    presets = fit.remat_presets(cfg)
-    shares = [fit.recompute_share(cfg, p) for p in presets]
+    presets = space.remat_presets(cfg)
+    shares = [space.recompute_share(cfg, p) for p in presets]
     assert presets[0] == "none" and presets[-1] == "full"
     assert shares == sorted(shares) and shares[0] == 0.0 and shares[-1] == 1.0
 
 
 def test_estimate_ranks_bigger_candidates_above_smaller(cfg):
-    est = fit.Estimator(cfg)
+    est = estimate.Estimator(cfg)
     shape = {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
     base = {"sharding_rules": "default", "remat_policy": "none", "num_vocab_tiling": 1}
     e = lambda **kw: est.estimate({**base, **kw}, shape)
@@ -95,7 +95,7 @@ def test_estimate_ranks_bigger_candidates_above_smaller(cfg):
     # Negative control: a layout key the estimate ignores leaves it unchanged.
     assert e() == e(use_iota_embed=True)
     # Twice the batch per device: more activations.
-    more = fit.Estimator(cfg.model_copy(update={"per_device_batch_size": 2.0}))
+    more = estimate.Estimator(cfg.model_copy(update={"per_device_batch_size": 2.0}))
     assert more.estimate(base, shape) > e()
 
 

@@ -26,8 +26,9 @@ from expertax.nn import embed, norm, param
 from expertax.nn.attention.kernel import attend
 from expertax.nn.moe import dispatch, router
 from expertax.nn.moe.layer import spec as moe_spec
+from expertax.planner.format import format_report
+from expertax.planner.plan import _weight_sum_cost
 from expertax.sharding import constrain, logical_to_spec, use_rules
-from expertax.tools.memory import _weight_sum_cost, format_report
 
 
 def _eqns(jaxpr):

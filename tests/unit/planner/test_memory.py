@@ -12,7 +12,7 @@ import pytest
 from expertax import cli
 from expertax.config import load_config
 from expertax.parallel import remat
-from expertax.tools.memory import memory_report
+from expertax.planner.plan import memory_report
 from expertax.train.trainer import build_trainer
 
 SMALL = [
@@ -70,7 +70,7 @@ def test_residuals_by_name_shape_and_bytes(report):
     assert len(r["residuals"]) == len(EXPECTED_RESIDUALS)  # no duplicates
     assert {x["dtype"] for x in r["residuals"]} == {"float32"}
     assert (r["residual_bytes_device"], r["residual_bytes_host"]) == (73728, 131072)
-    assert r["stash"] is None  # moe_paged_stash off (tests/unit/tools/test_memory_stash.py)
+    assert r["stash"] is None  # moe_paged_stash off (tests/unit/planner/test_memory_stash.py)
 
 
 def test_state_bytes_are_the_initialized_state(report, measured):
@@ -206,7 +206,7 @@ def test_residual_sources_reads_names_origins_and_host_placement():
     """The structured residual list: a remat-saved name, an offloaded tensor, an unnamed one."""
     from jax.ad_checkpoint import checkpoint_name
 
-    from expertax.tools.memory import residual_sources
+    from expertax.planner.residuals import residual_sources
 
     def f(x):
         a = checkpoint_name(jnp.sin(x) * 2.0, "kept")

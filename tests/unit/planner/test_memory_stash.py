@@ -7,7 +7,10 @@ import pytest
 from expertax.config import load_config
 from expertax.nn.moe import ep
 from expertax.parallel import remat
-from expertax.tools.memory import STASH_PREFIX, format_report, layer_residuals, memory_report
+from expertax.planner.format import format_report
+from expertax.planner.plan import memory_report
+from expertax.planner.residuals import layer_residuals
+from expertax.planner.stash import STASH_PREFIX
 
 # deepseek3-tiny with 8 MoE layers (1 dense + 8), EP=4 x FSDP=2 on the 8 simulated devices,
 # batch 1 per device x 32 tokens, D=128, K=4, 16 experts (4 per device), float32.

@@ -18,10 +18,10 @@ import pytest
 from expertax import cli
 from expertax.config import load_config
 from expertax.parallel import remat
-from expertax.tools import memory, xla_dump
+from expertax.planner import attribute, hlo
 from expertax.train.trainer import build_trainer
 
-PACKAGE = os.path.dirname(os.path.abspath(memory.__file__)).rsplit(os.sep, 1)[0]
+PACKAGE = os.path.dirname(os.path.abspath(attribute.__file__)).rsplit(os.sep, 1)[0]
 DECODER_PY = os.path.join(PACKAGE, "models", "decoder.py")
 # The line that tags the layer input: the fixed dump's frame 2 points at it.
 TAG_LINE = next(
@@ -122,7 +122,7 @@ def _write_dump(folder, *, live=LIVE_RANGE, buffers=BUFFERS, hlo=None):
 
 
 def test_parsers_on_a_small_dump():
-    peak = xla_dump.parse_live_range(LIVE_RANGE)
+    peak = hlo.parse_live_range(LIVE_RANGE)
     assert (peak.step, peak.instruction) == (3, "gte")
     assert [(b.instruction, b.index, b.bytes) for b in peak.buffers] == [
         ("while.1", (1,), 4096),
@@ -130,27 +130,27 @@ def test_parsers_on_a_small_dump():
         ("p0", (), 64),
         ("body_param", (1,), 1024),
     ]
-    shapes = xla_dump.parse_value_shapes(BUFFERS)
+    shapes = hlo.parse_value_shapes(BUFFERS)
     assert shapes[("body_param", (1,))] == "bf16[16,32]{1,0}"
-    assert xla_dump.parse_shape(shapes[("out", ())]) == xla_dump.Shape("float32", (512,), True)
-    assert xla_dump.parse_shape("(s32[], f32[2])").dtype == "tuple"
-    module = xla_dump.parse_hlo(HLO.format(**FILLED))
+    assert hlo.parse_shape(shapes[("out", ())]) == hlo.Shape("float32", (512,), True)
+    assert hlo.parse_shape("(s32[], f32[2])").dtype == "tuple"
+    module = hlo.parse_hlo(HLO.format(**FILLED))
     assert module.callers == {"body": "while.1", "cond": "while.1"}
     assert module.roots["body"] == "t" and module.instructions["fill"].frame == 2
     # parent_frame_id is printed one above the parent: frame 2's parent is frame 1, not itself.
-    assert [(f.file, f.line) for f in xla_dump.call_stack(module, 2)] == [
+    assert [(f.file, f.line) for f in hlo.call_stack(module, 2)] == [
         (DECODER_PY, TAG_LINE),
         ("/elsewhere/driver.py", 9),
     ]
     # Metadata-less plumbing is followed to the value it moves.
-    assert xla_dump.origin(module, "out").name == "upd"  # copy -> gte -> while -> body root
-    assert xla_dump.origin(module, "body_param", (1,)).name == "fill"  # loop init, element 1
-    assert xla_dump.origin(module, "body_param", (0,)).name == "body_param"  # %zero: unknown
+    assert hlo.origin(module, "out").name == "upd"  # copy -> gte -> while -> body root
+    assert hlo.origin(module, "body_param", (1,)).name == "fill"  # loop init, element 1
+    assert hlo.origin(module, "body_param", (0,)).name == "body_param"  # %zero: unknown
 
 
 def test_attribute_peak_on_a_small_dump(tmp_path):
     _write_dump(str(tmp_path))
-    a = memory.attribute_peak(str(tmp_path), top=3, host_names={"state.params"})
+    a = attribute.attribute_peak(str(tmp_path), top=3, host_names={"state.params"})
     assert a["unavailable"] is None and a["peak_live_bytes"] == 7232
     top = a["top_buffers"]
     assert [b["bytes"] for b in top] == [4096, 2048, 1024]  # largest first, cut at 3
@@ -160,7 +160,7 @@ def test_attribute_peak_on_a_small_dump(tmp_path):
     assert top[0]["note"] == "while-loop tuple element {1} of while.1"
     assert top[1]["placement"] == "host"  # S(5) in its layout
     assert top[2]["dtype"] == "bfloat16" and "while-loop tuple" in top[2]["note"]
-    a = memory.attribute_peak(str(tmp_path), top=10, host_names={"state.params"})
+    a = attribute.attribute_peak(str(tmp_path), top=10, host_names={"state.params"})
     arg = a["top_buffers"][-1]
     assert arg["name"] == "argument state.params['w']" and arg["placement"] == "host"
 
@@ -176,11 +176,11 @@ def test_attribute_peak_on_a_small_dump(tmp_path):
 )
 def test_a_missing_section_makes_attribution_unavailable(tmp_path, broken, why):
     _write_dump(str(tmp_path), **broken)
-    a = memory.attribute_peak(str(tmp_path), top=5)
+    a = attribute.attribute_peak(str(tmp_path), top=5)
     assert a["top_buffers"] == [] and why in a["unavailable"]
-    with pytest.raises(xla_dump.DumpError):
-        xla_dump.parse_live_range("HloLiveRange (max 1):\n")
-    empty = memory.attribute_peak(str(tmp_path / "nothing"), top=5)
+    with pytest.raises(hlo.DumpError):
+        hlo.parse_live_range("HloLiveRange (max 1):\n")
+    empty = attribute.attribute_peak(str(tmp_path / "nothing"), top=5)
     assert "no optimized HLO" in empty["unavailable"]
 
 
@@ -198,12 +198,12 @@ def test_checkpoint_names_cover_the_tagged_expression(tmp_path):
             """
         )
     )
-    names = memory.checkpoint_names(str(src))
+    names = attribute.checkpoint_names(str(src))
     assert names == {2: remat.MLPWO, 5: remat.OUT_PROJ}  # the innermost tag wins on line 5
     mla = os.path.join(PACKAGE, "nn", "attention", "mla.py")
     lines = open(mla).read().splitlines()
     at = next(i for i, ln in enumerate(lines, 1) if "remat.QUERY_WA_PROJ)" in ln)
-    assert memory.checkpoint_names(mla)[at] == remat.QUERY_WA_PROJ
+    assert attribute.checkpoint_names(mla)[at] == remat.QUERY_WA_PROJ
 
 
 def _lines_of(path: str, start: str, stop: str) -> set[int]:

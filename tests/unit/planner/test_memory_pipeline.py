@@ -13,15 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from expertax import cli
 from expertax.config import load_config
 from expertax.models import pipeline
-from expertax.tools import memory_pipeline
-from expertax.tools.memory import (
-    _fmt,
-    format_report,
-    iteration_residual_bytes,
-    layer_residuals,
-    memory_report,
-    stack_residuals,
-)
+from expertax.planner import pipeline as memory_pipeline
+from expertax.planner.format import _fmt, format_report
+from expertax.planner.plan import memory_report
+from expertax.planner.residuals import iteration_residual_bytes, layer_residuals, stack_residuals
 from expertax.train.state import TrainState
 
 MIXTRAL = ["model_name=mixtral-tiny", "max_target_length=16", "per_device_batch_size=1"]
@@ -189,9 +184,9 @@ def test_report_without_stages_has_no_pipeline_part(pp_report):
 def test_cli_json_has_the_pipeline(tmp_path, capsys, monkeypatch, pp_report):
     """The CLI prints the pipeline lines and writes its fields to --json (the report is the
     fixture's: no second compile)."""
-    from expertax.tools import memory
+    from expertax.planner import plan
 
-    monkeypatch.setattr(memory, "memory_report", lambda *a, **k: dict(pp_report[1]))
+    monkeypatch.setattr(plan, "memory_report", lambda *a, **k: dict(pp_report[1]))
     path = tmp_path / "memory.json"
     assert cli.main(["memory", *MIXTRAL, "--top", "0", "--json", str(path)]) == 0
     assert "bubble fraction (S - 1) / (M R + S - 1) = 0.333" in capsys.readouterr().out

@@ -1,0 +1,221 @@
+"""The model's keys: its shapes, attention, and the MoE (routing, dispatch, expert parallelism)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from expertax.config.keys import LAYOUT, MODEL, RUN, TRAINING, _key, _Section
+
+
+class ModelSection(_Section):
+    model_name: str = _key(
+        RUN, "deepseek3-tiny", description="Preset in configs/models/ to start from."
+    )
+    decoder_block: Literal["deepseek", "mixtral", "llama"] = _key(
+        MODEL,
+        "deepseek",
+        description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Llama.",
+    )
+    vocab_size: int = _key(MODEL, 512, gt=0, description="Vocabulary size V.")
+    base_emb_dim: int = _key(MODEL, 128, gt=0, description="Model width D.")
+    base_num_query_heads: int = _key(MODEL, 4, gt=0, description="Query heads H.")
+    base_num_kv_heads: int = _key(
+        MODEL, 4, gt=0, description="Key/value heads G for GQA (H % G == 0)."
+    )
+    head_dim: int = _key(MODEL, 32, gt=0, description="GQA head dimension Q.")
+    base_mlp_dim: int = _key(MODEL, 256, gt=0, description="Hidden size F of the dense MLP layers.")
+    base_moe_mlp_dim: int = _key(
+        MODEL, 64, gt=0, description="Hidden size F of each routed expert."
+    )
+    base_num_decoder_layers: int = _key(MODEL, 4, gt=0, description="Total decoder layers L.")
+    first_num_dense_layers: int = _key(
+        MODEL,
+        0,
+        ge=0,
+        description="DeepSeek layout: this many dense layers first, then MoE layers.",
+    )
+    attention_impl: Literal["auto", "dot", "blockwise", "cudnn"] = _key(
+        LAYOUT,
+        "auto",
+        description="Attention kernel: dot (whole [T, S] score matrices, saved for backward), "
+        "blockwise (online softmax over key blocks, recomputed in backward; memory linear in T), "
+        "cudnn (cuDNN flash attention: GPU, bfloat16/float16, equal q/k and v head dims, so not "
+        "MLA), auto (dot for short sequences, blockwise from kernel.AUTO_BLOCKWISE_MIN_LENGTH).",
+    )
+    attention_type: Literal["gqa", "mla"] = _key(
+        MODEL,
+        "gqa",
+        description="Grouped-query attention, or DeepSeek Multi-head Latent Attention.",
+    )
+    q_lora_rank: int = _key(
+        MODEL,
+        0,
+        ge=0,
+        description="MLA query low rank R_q (wq_a -> norm -> wq_b); 0 means a plain wq.",
+    )
+    kv_lora_rank: int = _key(MODEL, 32, ge=0, description="MLA key/value latent rank R_kv.")
+    qk_nope_head_dim: int = _key(
+        MODEL, 32, ge=0, description="MLA per-head query/key dims without RoPE."
+    )
+    qk_rope_head_dim: int = _key(
+        MODEL, 16, ge=0, description="MLA decoupled RoPE dims (shared key)."
+    )
+    v_head_dim: int = _key(MODEL, 32, ge=0, description="MLA per-head value dims.")
+    rope_type: Literal["default", "yarn"] = _key(MODEL, "default", description="RoPE variant.")
+    rope_max_timescale: float = _key(MODEL, 10_000.0, gt=0, description="RoPE base (theta).")
+    rope_factor: float = _key(MODEL, 1.0, ge=1.0, description="YaRN context-extension factor.")
+    original_max_position_embeddings: int = _key(
+        MODEL, 4096, gt=0, description="YaRN: context length the model was pretrained with."
+    )
+    beta_fast: float = _key(
+        MODEL, 32.0, gt=0, description="YaRN ramp: rotations where extrapolation ends."
+    )
+    beta_slow: float = _key(
+        MODEL, 1.0, gt=0, description="YaRN ramp: rotations where interpolation starts."
+    )
+    mscale: float = _key(MODEL, 1.0, ge=0, description="YaRN mscale for the RoPE amplitude.")
+    mscale_all_dim: float = _key(
+        MODEL,
+        0.0,
+        ge=0,
+        description="YaRN mscale_all_dim; > 0 also scales the attention softmax (DeepSeek).",
+    )
+    normalization_layer_epsilon: float = _key(MODEL, 1e-6, gt=0, description="RMSNorm epsilon.")
+    logits_via_embedding: bool = _key(
+        MODEL, False, description="Tie the output head to the embedding."
+    )
+
+
+class MoESection(_Section):
+    num_experts: int = _key(MODEL, 16, ge=1, description="Routed experts E (1 with a dense model).")
+    num_experts_per_tok: int = _key(MODEL, 4, ge=1, description="Experts per token K (top-k).")
+    shared_experts: int = _key(
+        MODEL, 0, ge=0, description="Shared experts, each of base_moe_mlp_dim, run on every token."
+    )
+    sparse_matmul: bool = _key(
+        TRAINING,
+        True,
+        description="Dropless sort -> grouped matmul -> unsort; false: dense einsum dispatch.",
+    )
+    capacity_factor: float = _key(
+        TRAINING,
+        -1.0,
+        description="Dense path only: expert capacity = ceil(T*K/E * factor); -1 = dropless.",
+    )
+    routed_score_func: Literal["softmax", "sigmoid"] = _key(
+        MODEL, "softmax", description="Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3)."
+    )
+    routed_bias: bool = _key(
+        MODEL,
+        False,
+        description="DeepSeek-V3 aux-loss-free balancing: a bias used only for selection.",
+    )
+    routed_bias_update_rate: float = _key(
+        TRAINING,
+        1e-3,
+        ge=0,
+        description="Step of the bias update bias += rate*sign(mean load - load).",
+    )
+    routed_scaling_factor: float = _key(
+        MODEL, 1.0, gt=0, description="Multiplies the routing weights."
+    )
+    n_routing_groups: int = _key(
+        MODEL, -1, description="Group-limited routing: experts split in this many groups; -1 = off."
+    )
+    topk_routing_group: int = _key(
+        MODEL, -1, description="Group-limited routing: groups kept per token (by top-2 score sum)."
+    )
+    norm_topk_prob: bool = _key(
+        MODEL, True, description="Normalize the top-k weights to sum to one."
+    )
+    load_balance_loss_weight: float = _key(
+        TRAINING,
+        0.0,
+        ge=0,
+        description="Weight of the Switch-style load-balance loss (global statistics).",
+    )
+    use_random_routing: bool = _key(
+        TRAINING,
+        False,
+        description="Benchmarks: route to uniformly random experts, ignoring the router.",
+    )
+    float32_weight_sum: bool = _key(
+        TRAINING, True, description="Combine the K expert outputs in float32 (else in `dtype`)."
+    )
+    gmm_impl: Literal["auto", "ragged_dot", "tiled"] = _key(
+        LAYOUT,
+        "auto",
+        description="Grouped-matmul backend of the sparse path; auto picks per platform from "
+        "the measurements recorded in nn/moe/gmm.py.",
+    )
+    gmm_tile_rows: int = _key(LAYOUT, 512, gt=0, description="tiled gmm: rows per full tile.")
+    gmm_tile_rows_min: int = _key(
+        LAYOUT,
+        8,
+        gt=0,
+        description="tiled gmm: smallest power-of-two tile for a group's remainder.",
+    )
+    moe_fused_routed_ffn: bool = _key(
+        LAYOUT,
+        True,
+        description="Sparse path (one device, all-to-all, ring) with the tiled gmm: gather the "
+        "routed rows, run the expert FFN and scatter-add its weighted outputs inside the grouped "
+        "loops (nn/moe/routed.py: no [rows, D] buffers, no hidden-gradient buffers; when the remat "
+        "policy recomputes moe_mlpwi_0 and moe_mlpwi_1, no [rows, F] gate/up either: the "
+        "backward loop projects each tile again); false: a separate row gather, grouped "
+        "matmuls and scatter. Not with moe_paged_stash.",
+    )
+    # Expert parallelism (docs/design/ep.md): the sparse path inside one shard_map.
+    use_ring_of_experts: bool = _key(
+        LAYOUT,
+        False,
+        description="Sparse EP strategy: all-gather tokens over `expert`, local experts, "
+        "reduce-scatter; false: route locally and exchange rows with a ragged all-to-all.",
+    )
+    a2a_impl: Literal["auto", "ragged", "padded"] = _key(
+        LAYOUT,
+        "auto",
+        description="All-to-all of the sparse EP path: ragged (jax.lax.ragged_all_to_all, GPU/"
+        "TPU), padded (all_to_all over padded per-peer blocks, any backend), auto (per backend).",
+    )
+    shard_exp_on_fsdp: bool = _key(
+        LAYOUT,
+        False,
+        description="Store expert weights sharded over `fsdp` on the expert dim (instead of "
+        "`expert`); they are all-gathered at the dispatch shard_map boundary.",
+    )
+    num_moe_token_chunks: int = _key(
+        LAYOUT,
+        1,
+        ge=1,
+        description="Run the MoE layer over its tokens in this many chunks (a scan: route, "
+        "dispatch, experts, combine per chunk), so the dropless worst-case buffers (sorted rows, "
+        "all-to-all receive buffer, ring's gathered rows, one-hot dispatch) are one chunk's; "
+        "the balancing statistics stay global. Must divide the tokens per batch shard "
+        "(and max_target_length with sparse_matmul=false).",
+    )
+    moe_paged_stash: bool = _key(
+        LAYOUT,
+        False,
+        description="Paged stash: keep the routed experts' saved activations (moe_mlpwi_0, "
+        "moe_mlpwi_1, moe_mlpwo placed device/offload) by their valid rows only, in one buffer "
+        "shared by the MoE stack, instead of per layer at the worst-case row count; exact "
+        "gradients (a layer that does not fit is recomputed). Sparse dispatch only.",
+    )
+    moe_paged_stash_capacity_factor: float = _key(
+        LAYOUT,
+        1.1,
+        description="Stash buffer rows per device = factor x MoE layers x the rows a device "
+        "receives on average per layer (its tokens x num_experts_per_tok), plus one page.",
+    )
+    moe_paged_stash_page_rows: int = _key(
+        LAYOUT,
+        256,
+        description="Rows copied to/from the stash per loop step; the buffer's slack is one page.",
+    )
+    ragged_buffer_factor: float = _key(
+        TRAINING,
+        -1.0,
+        description="Receive buffer of the all-to-all EP path: -1 = worst case (dropless); > 0 "
+        "caps it at factor x the rows a shard routes; rows past it are counted as dropped.",
+    )

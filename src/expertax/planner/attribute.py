@@ -1,0 +1,161 @@
+"""Attribution: the largest buffers alive at the peak of XLA's buffer assignment (read from its
+text dumps, `hlo.py`), each with its HLO instruction, the file:line of our code that built it (the
+innermost stack frame under src/expertax) and its checkpoint name, if any.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import tempfile
+from typing import Any
+
+from expertax.parallel import remat
+from expertax.planner import hlo
+from expertax.planner.residuals import PACKAGE_DIR
+
+
+@functools.lru_cache(maxsize=64)
+def checkpoint_names(path: str) -> dict[int, str]:
+    """line -> checkpoint name, for the lines of each `remat.tag(expr, remat.NAME)` in `path`.
+
+    The tagged expression's lines map to the name (a nested tag's own lines to its own name), so
+    an HLO instruction whose innermost frame is on one of them computes that named tensor.
+    """
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return {}
+    spans = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and len(node.args) == 2):
+            continue
+        fn, tag = node.func, node.args[1]
+        is_tag = (
+            isinstance(fn, ast.Attribute)
+            and fn.attr == "tag"
+            or (isinstance(fn, ast.Name) and fn.id == "tag")
+        )
+        if is_tag and isinstance(tag, ast.Attribute) and isinstance(tag.value, ast.Name):
+            name = getattr(remat, tag.attr, None)
+            if isinstance(name, str):
+                expr = node.args[0]
+                assert expr.end_lineno is not None and expr.end_col_offset is not None
+                width = (expr.end_lineno - expr.lineno, expr.end_col_offset - expr.col_offset)
+                spans.append((width, expr.lineno, expr.end_lineno, name))
+    out = {}
+    for _, first, last, name in sorted(spans, reverse=True):  # widest first, nested overwrite
+        out.update(dict.fromkeys(range(first, last + 1), name))
+    return out
+
+
+def _our_frame(module: hlo.Module, frame: int) -> tuple[str, str]:
+    """(file:line relative to src/expertax, absolute file) of the innermost expertax frame."""
+    for f in hlo.call_stack(module, frame):
+        path = os.path.abspath(f.file)
+        if path.startswith(PACKAGE_DIR + os.sep):
+            return f"{os.path.relpath(path, PACKAGE_DIR)}:{f.line}", path
+        if f"{os.sep}src{os.sep}expertax{os.sep}" in path:  # traced from another checkout
+            rel = path.split(f"{os.sep}src{os.sep}expertax{os.sep}", 1)[1]
+            return f"{rel}:{f.line}", path
+    return "", ""
+
+
+_COLLECTIVES = {
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+}
+
+
+def _describe(module, shapes, buf: hlo.LiveBuffer, host_names: set[str]) -> dict:
+    """One live buffer as a top_buffers entry."""
+    instr = module.instructions.get(buf.instruction)
+    text = shapes.get((buf.instruction, buf.index)) or (instr.shape if instr else "")
+    shape = hlo.parse_shape(text) if text else hlo.Shape("?", (), False)
+    index = "{" + ",".join(map(str, buf.index)) + "}" if buf.index else ""
+    entry: dict[str, Any] = {
+        "bytes": buf.bytes,
+        "shape": list(shape.dims),
+        "dtype": shape.dtype,
+        "op": f"{buf.instruction}{index}" + (f" ({instr.opcode})" if instr else ""),
+        "source": "",
+        "name": "",
+        "op_name": "",
+        "placement": "host" if shape.host else "device",
+        "note": "",
+    }
+    if instr is None:
+        entry["note"] = "not in the optimized HLO"
+        return entry
+    src = hlo.origin(module, buf.instruction, buf.index)
+    entry["op_name"] = src.op_name
+    entry["source"], path = _our_frame(module, src.frame)
+    collective = instr.opcode.split("-start")[0].split("-done")[0] in _COLLECTIVES
+    if path and not collective:  # SPMD's collectives carry their consumer's metadata
+        entry["name"] = checkpoint_names(path).get(int(entry["source"].rsplit(":", 1)[1]), "")
+    if src.opcode == "parameter" and src.computation not in module.callers and not src.frame:
+        entry["name"] = entry["name"] or f"argument {src.op_name}".replace("\\'", "'")
+    loop = module.callers.get(instr.computation) if instr.opcode == "parameter" else None
+    if instr.opcode == "while":
+        loop = instr.name
+    if loop and buf.index:
+        entry["note"] = f"while-loop tuple element {index} of {loop}"
+    elif collective:
+        entry["note"] = f"{instr.opcode} for {'/'.join(src.op_name.split('/')[-2:])}"
+    elif src is not instr:
+        entry["note"] = f"{instr.opcode} of {src.name}"
+    if entry["name"] in host_names or any(
+        entry["name"].startswith(f"argument {p}") for p in host_names
+    ):
+        entry["placement"] = "host"
+    return entry
+
+
+def attribute_peak(dump_dir: str, top: int, host_names=()) -> dict:
+    """The `top` largest buffers alive at the peak of the module dumped in `dump_dir`.
+
+    `host_names`: checkpoint names and argument paths (e.g. "state.opt_state") the config places
+    on host, for the placement column (XLA:CPU prints no host memory space). Never raises for an
+    unreadable dump: {"unavailable": why} instead.
+    """
+    try:
+        files = hlo.module_files(dump_dir)
+        with open(files["live_range"]) as f:
+            peak = hlo.parse_live_range(f.read())
+        with open(files["buffers"]) as f:
+            shapes = hlo.parse_value_shapes(f.read())
+        with open(files["hlo"]) as f:
+            module = hlo.parse_hlo(f.read())
+        ranked = sorted(peak.buffers, key=lambda b: -b.bytes)[:top]
+        buffers = [_describe(module, shapes, b, set(host_names)) for b in ranked]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        return {"unavailable": f"{type(e).__name__}: {e}", "top_buffers": []}
+    return {
+        "unavailable": None,
+        "peak_step": peak.step,
+        "peak_instruction": peak.instruction,
+        "peak_buffers": len(peak.buffers),
+        "peak_live_bytes": sum(b.bytes for b in peak.buffers),
+        "top_buffers": buffers,
+    }
+
+
+def compile_and_attribute(trainer, top: int, host_names=()):
+    """Compile the train step abstractly; with `top` > 0, also attribute its peak (XLA's dumps
+    go to a temporary folder, removed afterwards)."""
+    with trainer.context():
+        lowered = trainer.jitted_step().lower(trainer.abstract_state(), trainer.abstract_batch())
+    if top <= 0:
+        with trainer.context():
+            return lowered.compile(), {"unavailable": "not asked for (--top 0)", "top_buffers": []}
+    with tempfile.TemporaryDirectory(prefix="expertax-xla-dump-") as tmp:
+        options = {"xla_dump_to": tmp, "xla_dump_hlo_as_text": True}
+        with trainer.context():
+            compiled = lowered.compile(compiler_options=options)
+        return compiled, attribute_peak(tmp, top, host_names)

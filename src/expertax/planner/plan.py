@@ -1,0 +1,198 @@
+"""`expertax memory`: what the train step keeps, per device, before anything is allocated.
+
+The train step is lowered with abstract state (ShapeDtypeStructs carrying their shardings) and
+compiled for the configured mesh; nothing is placed on a device. The report has four parts:
+- the persistent state per device (parameters, optimizer state, gradients) from the shardings;
+- the residuals each layer saves for the backward pass, by checkpoint name, found by linearizing
+  one layer under the layer policy with the per-device batch and reading the jaxpr that builds
+  the linear function's residuals (`residuals.py`), multiplied by the number of layers in its
+  stack (the scan stacks them);
+- XLA's own figures for the compiled step (`compiled.memory_analysis()`): arguments, outputs,
+  aliased bytes, temporaries, and their host-memory counterparts;
+- with `moe_paged_stash`, the stash (`stash.py`): the MoE stack keeps per layer only its
+  input, plus the shared buffers of the stashed names; the report gives the buffers' bytes, the
+  bytes of the real rows they are sized for, and what the same names cost without the stash;
+- with pipeline stages, the schedule (stages, microbatches, repeats, layers per stage, bubble
+  fraction) and what one stage holds per device (`pipeline.py`); the pipelined layers'
+  residuals are what the pipeline's scan saves (`stack_residuals`);
+- the peak estimate (arguments + outputs - aliased + temporaries) against an HBM budget;
+- attribution (`attribute.py`): the largest buffers alive at the peak of XLA's buffer
+  assignment (read from its text dumps, `hlo.py`), each with its HLO instruction, the file:line
+  of our code that built it (the innermost stack frame under src/expertax) and its checkpoint
+  name, if any.
+
+Residual shapes split the batch over the data, fsdp and expert axes only; splits of heads, hidden
+dims or experts (tensor parallelism, the [E, B, C, .] tensors of the dense MoE dispatch under
+expert parallelism) are not applied, so those entries are upper bounds. XLA:CPU has one memory
+for device and pinned host: its figures count offloaded tensors as device bytes, so the peak
+estimate subtracts what the config itself places on host (offloaded parameters, optimizer state
+and remat names) and says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.parallel import remat
+from expertax.planner import pipeline as memory_pipeline
+from expertax.planner.attribute import compile_and_attribute
+from expertax.planner.residuals import iteration_residual_bytes, residual_total, stack_residuals
+from expertax.planner.stash import stash_report
+from expertax.train.trainer import build_trainer
+
+GIB = 1024**3
+
+
+def _shard_bytes(abstract_tree, dtype=None) -> int:
+    total = 0
+    for leaf in jax.tree.leaves(abstract_tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        itemsize = jnp.dtype(dtype or leaf.dtype).itemsize
+        total += math.prod(shape) * itemsize
+    return total
+
+
+def _unsharded(abstract_tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_tree)
+
+
+def batch_shards(mesh) -> int:
+    shape = dict(mesh.shape)
+    return shape.get("data", 1) * shape.get("fsdp", 1) * shape.get("expert", 1)
+
+
+def _weight_sum_cost(c: Config, batch_local: int) -> dict:
+    """Extra temporaries of float32_weight_sum: the [N, D] combine accumulator in float32 instead
+    of `dtype` (the K expert outputs are added one slot at a time, never upcast all at once)."""
+    itemsize = jnp.dtype(c.dtype).itemsize
+    rows = batch_local * c.max_target_length
+    extra = rows * c.base_emb_dim * max(4 - itemsize, 0) if c.num_moe_layers else 0
+    return {
+        "enabled": c.float32_weight_sum,
+        "extra_bytes_per_moe_layer": extra if c.float32_weight_sum else 0,
+        "extra_bytes_if_enabled": extra,
+    }
+
+
+XLA_FIGURES = (
+    "argument",
+    "output",
+    "alias",
+    "temp",
+    "generated_code",
+    "host_argument",
+    "host_output",
+    "host_alias",
+    "host_temp",
+)
+
+
+def xla_figures(compiled) -> dict[str, int]:
+    """The compiled program's `memory_analysis()` as {figure: bytes} (XLA_FIGURES)."""
+    ma = compiled.memory_analysis()
+    return {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in XLA_FIGURES}
+
+
+def device_peak(c: Config, state, xla: dict[str, int], residuals=()) -> tuple[int, int, int]:
+    """(peak device bytes, offloaded state bytes taken out, offloaded residual bytes taken out).
+
+    The peak is arguments + outputs - aliased + temporaries. XLA:CPU has one memory: it counts
+    pinned-host arguments with the device ones, so with host offload the donated state (counted
+    once, as arguments + outputs - aliased) and the offloaded remat residuals (in its
+    temporaries) are taken out once; a backend with a host memory space reports them apart.
+    """
+    peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
+    if xla["host_argument"] or xla["host_temp"]:
+        return peak, 0, 0
+    offloaded = (_shard_bytes(state.params) if c.parameter_memory_host_offload else 0) + (
+        _shard_bytes(state.opt_state) if c.optimizer_memory_host_offload else 0
+    )
+    offloaded_residuals = residual_total(residuals, "host")
+    return peak - offloaded - offloaded_residuals, offloaded, offloaded_residuals
+
+
+def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top: int = 15) -> dict:
+    """Compile the train step abstractly for `c` on `devices` and report bytes per device, with
+    the `top` largest buffers alive at XLA's peak (0: no attribution, a faster compile)."""
+    trainer = build_trainer(c, devices)
+    remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
+    state = trainer.abstract_state()
+    local_batch = trainer.global_batch // batch_shards(trainer.mesh)
+    mb_rows = memory_pipeline.microbatch_rows(c, trainer.global_batch, batch_shards(trainer.mesh))
+    residuals = []
+    if c.num_dense_layers:
+        residuals += stack_residuals(c, moe=False, batch_local=local_batch, microbatch_rows=mb_rows)
+    stash = None
+    if c.num_moe_layers and c.moe_paged_stash:
+        stash, moe_residuals = stash_report(c, trainer, local_batch)
+        residuals += moe_residuals
+    elif c.num_moe_layers:
+        residuals += stack_residuals(c, moe=True, batch_local=local_batch, microbatch_rows=mb_rows)
+    place = remat.config_placements(c)
+    host_names = {n for n, p in place.items() if p == remat.OFFLOAD}
+    host_names |= {"state.params"} if c.parameter_memory_host_offload else set()
+    host_names |= {"state.opt_state"} if c.optimizer_memory_host_offload else set()
+    compiled, attribution = compile_and_attribute(trainer, top, host_names)
+    xla = xla_figures(compiled)
+    peak, offloaded, offloaded_residuals = device_peak(c, state, xla, residuals)
+    report = {
+        "model_name": c.model_name,
+        "devices": trainer.num_devices,
+        "backend": jax.default_backend(),
+        "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
+        "global_batch": trainer.global_batch,
+        "batch_per_device": local_batch,
+        "max_target_length": c.max_target_length,
+        "remat_policy": c.remat_policy,
+        "placements": remat.config_placements(c),
+        "parameter_bytes": _shard_bytes(state.params),
+        "ideal_parameter_bytes": -(-_shard_bytes(_unsharded(state.params)) // trainer.num_devices),
+        "optimizer_state_bytes": _shard_bytes(state.opt_state),
+        "gradient_bytes": _shard_bytes(state.params, c.grad_dtype),
+        "pipeline": memory_pipeline.pipeline_report(
+            c, state, mb_rows, iteration_residual_bytes(c, mb_rows)
+        ),
+        "parameter_memory_host_offload": c.parameter_memory_host_offload,
+        "optimizer_memory_host_offload": c.optimizer_memory_host_offload,
+        "residuals": [r.as_json() for r in residuals],
+        "residual_bytes_device": residual_total(residuals, "device"),
+        "residual_bytes_host": residual_total(residuals, "host"),
+        "stash": stash,
+        "float32_weight_sum": _weight_sum_cost(c, local_batch),
+        "xla": xla,
+        "offloaded_state_bytes": offloaded,
+        "offloaded_residual_bytes": offloaded_residuals,
+        "peak_device_bytes": peak,
+        "hbm_gib": hbm_gib,
+        "fits": None if hbm_gib is None else bool(peak <= hbm_gib * GIB),
+        "attribution": {k: v for k, v in attribution.items() if k != "top_buffers"},
+        "top_buffers": attribution["top_buffers"],
+        "plan_notes": plan_notes(c, trainer),
+    }
+    return report
+
+
+def plan_notes(c: Config, trainer) -> list[str]:
+    """What the compiled plan shows that a GPU's would not (it is XLA:CPU's buffer assignment)."""
+    if jax.default_backend() != "cpu":
+        return []
+    notes = ["compiled by XLA:CPU: its buffer assignment is a proxy for a GPU's"]
+    ep = int(trainer.mesh.shape.get("expert", 1))
+    if c.is_moe and c.sparse_matmul and ep > 1 and not c.use_ring_of_experts:
+        notes.append(
+            "the MoE all-to-all is compiled as its padded stand-in (XLA:CPU has no "
+            "ragged_all_to_all, not even to compile): per-peer blocks of twice the mean rows "
+            "a peer gets, sent in rounds, that a GPU's ragged exchange does not hold"
+        )
+    if c.is_moe and jnp.dtype(c.dtype) != jnp.float32:
+        notes.append(
+            f"XLA:CPU runs {c.dtype} collectives in float32: exchanged and gathered MoE rows "
+            "count twice their size here"
+        )
+    return notes
