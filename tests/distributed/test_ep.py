@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from expertax.config import ConfigError, config_rules, load_config
 from expertax.nn import param
-from expertax.nn.moe import ep, layer, router
+from expertax.nn.moe import ep, exchange, layer, router
 from expertax.sharding import make_mesh, use_rules
 from tests.tolerances import tol
 
@@ -74,7 +74,7 @@ def numpy_ragged_all_to_all_vjp(ct_outputs, rows, in_off, send, out_off):
 
 def _padded_exchange(block_rows):
     def body(x, out, io, ss, oo, rs):
-        return ep.padded_all_to_all(
+        return exchange.padded_all_to_all(
             x[0], out[0], io[0], ss[0], oo[0], rs[0], axis_name="expert", block_rows=block_rows
         )[None]
 
@@ -84,7 +84,7 @@ def _padded_exchange(block_rows):
 
 # Blocks of 1, 2 and 3 rows take several rounds for the longer chunks; send.max() takes one; 20
 # rows are more than a tight receive buffer holds. "tight": the buffer has exactly the rows the
-# busiest receiver gets, so blocks near its end are written shifted (ep._exchange_rounds).
+# busiest receiver gets, so blocks near its end are written shifted (exchange._exchange_rounds).
 @pytest.mark.parametrize(
     "buffer, block",
     [("roomy", 1), ("roomy", 2), ("roomy", None), ("tight", 1), ("tight", 3), ("tight", 20)],
@@ -132,7 +132,7 @@ def _plan_roundtrip(experts_PNK, buffer_factor=-1.0, num_experts=16):
         x, experts = x[0], experts[0]
         recv, plan, order = ep.sort_and_send(x, experts, c, "padded")
         sorted_rows, local_order, sizes = ep.sort_by_local_expert(recv, plan.recv_counts_PX)
-        block = ep.padded_block_rows(c, n, EP, recv.shape[0])
+        block = exchange.padded_block_rows(c, n, EP, recv.shape[0])
         unsorted = ep.rows.gather_rows(sorted_rows, local_order.dst_M, local_order.total)
         back = ep.send_back(unsorted, plan, order.shape[0], "padded", block)
         rows, _, _ = ep.dispatch.permute(x, experts, c.num_experts)
@@ -156,7 +156,7 @@ def test_roundtrip_exact_uniform_and_skewed():
     c = load_config(
         overrides={"model_name": "mixtral-tiny", "num_experts": e, "num_experts_per_tok": k}
     )
-    assert ep.padded_block_rows(c, n, EP, EP * n * k) < n * k
+    assert exchange.padded_block_rows(c, n, EP, EP * n * k) < n * k
     for experts in (uniform, skewed):
         back, rows, sizes, dropped = _plan_roundtrip(experts)
         np.testing.assert_array_equal(back, rows)  # bitwise: rows come home unchanged
@@ -425,7 +425,7 @@ def _shapes(text, op):
 
 
 def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
-    """a2a (padded, on CPU): per-peer blocks of one round (`ep.padded_block_rows`: twice the
+    """a2a (padded, on CPU): per-peer blocks of one round (`exchange.padded_block_rows`: twice the
     mean a peer gets, N*K/P) and the receive buffer of M = P*N*min(K, X) rows are a quarter
     with 4 chunks; ring: gathered tokens [P*N, D], the routed rows' ids [M] and, when kept,
     their gate and up [M, F] too.
@@ -438,7 +438,10 @@ def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
     blocks1 = {s for _, s in _shapes(hlo1, "all-to-all") if len(s) == 3}
     blocks4 = {s for _, s in _shapes(hlo4, "all-to-all") if len(s) == 3}
     m1, m4 = p * n * k_x, p * n * k_x // 4  # receive buffer rows
-    block1, block4 = ep.padded_block_rows(c1, n, p, m1), ep.padded_block_rows(c1, n // 4, p, m4)
+    block1, block4 = (
+        exchange.padded_block_rows(c1, n, p, m1),
+        exchange.padded_block_rows(c1, n // 4, p, m4),
+    )
     assert block1 == 2 * n * c1.num_experts_per_tok // p and block4 == block1 // 4
     # the rows' blocks and their routing weights' ([1, block, 1])
     assert blocks1 == {(1, block1, d), (1, block1, 1)}, blocks1
@@ -485,7 +488,7 @@ def test_rows_stay_in_bfloat16_through_dispatch_exchange_and_combine(strategy):
     d, p, n, k = c.base_emb_dim, 4, 32, c.num_experts_per_tok
     k_x = min(k, c.num_experts // p)
     if strategy == "a2a":
-        block = ep.padded_block_rows(c, n, p, p * n * k_x)
+        block = exchange.padded_block_rows(c, n, p, p * n * k_x)
         rows = {n * k, p * n * k_x, block}  # sorted rows, receive buffer, per-peer block
     else:
         rows = {p * n * k}  # the gathered tokens' sorted rows

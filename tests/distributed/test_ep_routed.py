@@ -17,7 +17,7 @@ import pytest
 
 from expertax.config import config_rules, load_config
 from expertax.nn import param
-from expertax.nn.moe import dispatch, ep, gmm, layer, router, rows
+from expertax.nn.moe import dispatch, ep, exchange, gmm, layer, router, rows
 from expertax.sharding import make_mesh, use_rules
 
 pytestmark = pytest.mark.distributed
@@ -58,8 +58,8 @@ def argsort_a2a_dispatch(x_ND, routing, w, c, dtype, impl, stash):
     )
     y_MD = jnp.zeros_like(y_sorted).at[order_M].set(y_sorted)
     n, nk = x_ND.shape[0], send_order_M.shape[0]
-    block = min(ep.padded_block_rows(c, n, jax.lax.axis_size(ep.EXPERT), m), nk)
-    back = ep.all_to_all(
+    block = min(exchange.padded_block_rows(c, n, jax.lax.axis_size(ep.EXPERT), m), nk)
+    back = exchange.all_to_all(
         impl,
         y_MD,
         jnp.zeros((nk, y_MD.shape[1]), y_MD.dtype),

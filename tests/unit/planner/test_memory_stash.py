@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from expertax.config import load_config
-from expertax.nn.moe import ep
+from expertax.nn.moe import exchange
 from expertax.parallel import remat
 from expertax.planner.format import format_report
 from expertax.planner.plan import memory_report
@@ -49,7 +49,7 @@ def test_stash_bytes_by_hand(stashed):
     assert s["buffer_bytes"] == (capacity + 256) * d * itemsize
     assert s["routed_bytes"] == layers * expected * d * itemsize
     # Without the stash each layer saves the whole all-to-all receive buffer: EP x N x min(K, X).
-    worst_rows = ep.buffer_rows(c, 0, 32, 4)
+    worst_rows = exchange.buffer_rows(c, 0, 32, 4)
     assert worst_rows == 4 * 32 * 4
     assert s["worst_case_bytes"] == layers * worst_rows * d * itemsize
 
