@@ -2,6 +2,14 @@
 
 Positional arguments ending in .yml/.yaml are preset files; `key=value` arguments override keys.
 User errors print one line naming the key and value, and exit with status 2.
+
+The `expertax` console command is `command` (pyproject's `[project.scripts]`), in two steps:
+1. host memory: the process re-executes itself once with glibc's huge-page tunable set
+   (`hostmem.reexec_with_hugepages`; a tunable is read only when a process starts, so this comes
+   before anything else is imported: this module's own imports are the standard library's, the
+   rest load inside the commands); `EXPERTAX_HUGEPAGES=0` skips it;
+2. `main`: parse the arguments and run the subcommand.
+`python -m expertax.cli` runs step 2 alone.
 """
 
 from __future__ import annotations
@@ -10,11 +18,12 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from expertax.config import ConfigError, load_config
-from expertax.config.schema import SECTIONS, key_kind
+# Only the standard library at import time (see `command`); expertax's modules load in the commands.
 
 
 def split_args(items: list[str]) -> tuple[list[str], list[str]]:
+    from expertax.config import ConfigError
+
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
     for f in files:
@@ -24,12 +33,16 @@ def split_args(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def config_from_args(items: list[str]):
+    from expertax.config import load_config
+
     files, overrides = split_args(items)
     return load_config(*files, overrides=overrides)
 
 
 def help_keys() -> str:
     """Every key by section: its default, its kind (what changing it changes) and its meaning."""
+    from expertax.config.schema import SECTIONS, key_kind
+
     lines = [
         "Kinds: model (the parameters and what they compute), training (the numbers of later",
         "steps), data (the data stream) - a resumed run must keep these; layout (how the same",
@@ -83,6 +96,7 @@ def cmd_parity(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from expertax.config import ConfigError
     from expertax.convert import convert_from_hf, convert_to_hf
 
     try:  # user errors (bad paths, unsupported configs) print one line, like config errors
@@ -135,6 +149,8 @@ def _use_simulated_devices(n: int, argv: list[str]) -> None:
 
 def cmd_memory(args) -> int:
     import json
+
+    from expertax.config import ConfigError
 
     cfg = config_from_args(args.config)
     if args.devices is not None:
@@ -316,6 +332,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default: this process's arguments) and run the subcommand; a user error
+    prints one line and returns 2."""
+    from expertax.config import ConfigError
+
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     args.argv = argv
@@ -324,6 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"expertax: error: {e}", file=sys.stderr)
         return 2
+
+
+def command() -> int:
+    """The `expertax` console command: step 1, re-execute once with huge pages on (nothing of
+    JAX is loaded yet; `EXPERTAX_HUGEPAGES=0`: as it is); step 2, `main`."""
+    from expertax import hostmem
+
+    hostmem.reexec_with_hugepages([sys.executable, "-m", "expertax.cli", *sys.argv[1:]])
+    return main()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ BENCHMARKS.md a fresh buffer fills at about 5 GB/s against 50 GB/s for one alrea
 glibc 2.35 and later can back those regions with transparent huge pages
 (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`: `madvise(MADV_HUGEPAGE)` on them), which cuts the
 faults 512-fold. A tunable is read once, when the process starts, so the `expertax` command
-re-executes itself with it set (`reexec_with_hugepages`); `EXPERTAX_HUGEPAGES=0` turns that off.
+(`cli.command`, its first step) re-executes itself with it set (`reexec_with_hugepages`);
+`EXPERTAX_HUGEPAGES=0` turns that off.
 Nothing changes where the C library is not glibc >= 2.35 or the kernel's THP mode is `never`.
 A Python program that imports expertax sets the variable itself, before it starts.
 """
@@ -40,7 +41,7 @@ def glibc_version() -> tuple[int, int] | None:
 # fresh mappings, never trimmed, one arena, so freed memory is reused without the kernel clearing
 # its pages again. XLA:CPU mallocs each execution's temporaries (per simulated device) and frees
 # them after; simulated devices then pay a page clearing that follows the buffer sizes, which a
-# device allocator's pool does not (BENCHMARKS.md, MoE layer, eighth session). On one device it
+# device allocator's pool does not (BENCHMARKS.md, MoE layer). On one device it
 # did not help the train step.
 RETAIN_TUNABLES = (
     "glibc.malloc.mmap_max=0",
@@ -113,11 +114,3 @@ def retain_active() -> bool:
     tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
     return glibc_version() is not None and all(t in tunables for t in RETAIN_TUNABLES)
 
-
-def command() -> int:
-    """The `expertax` console command: `expertax.cli.main` in a process with huge pages on
-    (re-executed once, before anything else is imported; `EXPERTAX_HUGEPAGES=0`: as it is)."""
-    reexec_with_hugepages([sys.executable, "-m", "expertax.cli", *sys.argv[1:]])
-    from expertax.cli import main
-
-    return main()

@@ -1,4 +1,4 @@
-"""The `expertax` command's huge-page setting (expertax.hostmem)."""
+"""The `expertax` command's huge-page setting (expertax.hostmem, step 1 of cli.command)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from expertax import hostmem
+from expertax import cli, hostmem
 
 ON = "glibc.malloc.hugetlb=1"
 
@@ -88,7 +88,7 @@ def test_command_reexecutes_once_with_the_tunable(glibc, monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv(hostmem.SWITCH, raising=False)
     with pytest.raises(SystemExit):
-        hostmem.command()
+        cli.command()
     [(path, argv, env)] = calls
     assert argv == [sys.executable, "-m", "expertax.cli", "train", "steps=1"]
     assert env["GLIBC_TUNABLES"] == ON
@@ -96,7 +96,7 @@ def test_command_reexecutes_once_with_the_tunable(glibc, monkeypatch):
     monkeypatch.setenv(hostmem.SWITCH, "0")
     monkeypatch.setattr(sys, "argv", ["expertax", "--help"])
     with pytest.raises(SystemExit) as e:
-        hostmem.command()
+        cli.command()
     assert e.value.code == 0 and len(calls) == 1
 
 

@@ -44,15 +44,36 @@ def test_nn_and_sharding_do_not_load_yaml_presets():
 
 
 def test_lower_layers_never_import_the_trainer_tools_or_converters():
-    upper = ("expertax.train", "expertax.tools", "expertax.convert", "expertax.cli")
+    upper = (
+        "expertax.train",
+        "expertax.tools",
+        "expertax.planner",
+        "expertax.convert",
+        "expertax.cli",
+    )
     for package in ("config", "sharding", "nn", "models", "parallel", "data"):
         assert offenders(package, upper) == []
 
 
 def test_train_does_not_import_convert_or_tools():
-    assert offenders("train", ("expertax.convert", "expertax.tools", "expertax.cli")) == []
+    upper = ("expertax.convert", "expertax.tools", "expertax.planner", "expertax.cli")
+    assert offenders("train", upper) == []
 
 
 def test_the_check_finds_an_offender():
     """Negative control: convert does import train (allowed), and the check sees it."""
     assert offenders("convert", ("expertax.train",)) != []
+
+
+def test_the_command_module_imports_no_jax_before_its_reexecution():
+    """`expertax` re-executes itself before any work (cli.command): importing expertax.cli must
+    not load JAX or the config (whose checks load JAX), or the re-execution would come late."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, expertax.cli; print(sorted(m for m in sys.modules"
+        " if m in ('jax', 'pydantic') or m.startswith('expertax.config')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
