@@ -40,9 +40,9 @@ MEASURED = {
         "tiled",
         "2-core AMD EPYC VM (Zen 5, AVX-512), jax 0.10.2, float32",
         "2026-11-24",
-        "expertax bench gmm --backends tiled (benchmarks/results/gmm-cpu-avx512.json), idle, "
-        "huge pages: fwd 0.94x dense at 512 rows/expert, 0.91x at 256; 2.03x roofline at 64, "
-        "3.09x at 16 (the earlier host, gmm-cpu.json: 1.11x, 0.89x, 1.41x, 2.79x); "
+        "expertax bench gmm --backends tiled (benchmarks/results/gmm/grid-tiled-2026-11-24.json), "
+        "idle, huge pages: fwd 0.94x dense at 512 rows/expert, 0.91x at 256; 2.03x roofline at "
+        "64, 3.09x at 16 (the earlier EPYC VM, 2026-11-24: 1.11x, 0.89x, 1.41x, 2.79x); "
         "ragged_dot 0.12-0.14x at E=8 (2026-11-23 run: expands to E dense matmuls)",
     ),
     "gpu": (
