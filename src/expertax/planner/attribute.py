@@ -89,6 +89,7 @@ def _describe(module, shapes, buf: hlo.LiveBuffer, host_names: set[str]) -> dict
         "op_name": "",
         "placement": "host" if shape.host else "device",
         "note": "",
+        "why": "",  # why no source line in our code, when there is none
     }
     if instr is None:
         entry["note"] = "not in the optimized HLO"
@@ -109,12 +110,56 @@ def _describe(module, shapes, buf: hlo.LiveBuffer, host_names: set[str]) -> dict
     elif collective:
         entry["note"] = f"{instr.opcode} for {'/'.join(src.op_name.split('/')[-2:])}"
     elif src is not instr:
-        entry["note"] = f"{instr.opcode} of {src.name}"
+        what = "copy" if instr.opcode == "fusion" else instr.opcode  # a fusion that only copies
+        entry["note"] = f"{what} of {src.name}"
+    if not entry["source"] and not entry["name"]:
+        entry["why"] = _why_no_source(module, instr, src, shape)
     if entry["name"] in host_names or any(
         entry["name"].startswith(f"argument {p}") for p in host_names
     ):
         entry["placement"] = "host"
     return entry
+
+
+def _why_no_source(module, instr, src, shape: hlo.Shape) -> str:
+    """Why a buffer at the peak has no source line under src/expertax (nor an argument's name).
+
+    The compiler made it without metadata (a constant, a tuple, a loop counter, an index
+    computation), or JAX traced it outside our code (its name stack is given), or it is a value
+    XLA created for a transformation (e.g. the zeros a scan's backward accumulates gradients in,
+    named like `broadcast.369` with no JAX path); a buffer shaped like parameters says which.
+    """
+    like = _shaped_like_parameters(module, shape)
+    like_text = f"; shaped like {', '.join(like)}" if like else ""
+    if src.op_name and "/" in src.op_name:
+        frames = hlo.call_stack(module, src.frame)
+        where = f" at {os.path.basename(frames[0].file)}:{frames[0].line}" if frames else ""
+        return f"traced by JAX outside src/expertax{where} ({src.op_name}){like_text}"
+    made = f"made by XLA from its own instruction {src.op_name} (no Python source)"
+    if src.op_name.startswith("broadcast"):
+        return (
+            f"{made}: a broadcast, e.g. the zeros a layer scan's backward sums the stacked "
+            f"weights' gradients into{like_text}"
+        )
+    if src.op_name:
+        return made + like_text
+    return f"made by XLA ({instr.opcode}; no metadata, no Python source){like_text}"
+
+
+def _shaped_like_parameters(module, shape: hlo.Shape) -> list[str]:
+    """The entry parameters (state.params.*) of `shape`'s dtype and dims, by argument path."""
+    if not shape.dims:
+        return []
+    out = []
+    for instr in module.instructions.values():
+        if instr.opcode != "parameter" or not instr.op_name.startswith("state.params."):
+            continue
+        if instr.computation in module.callers:
+            continue
+        other = hlo.parse_shape(instr.shape)
+        if (other.dtype, other.dims) == (shape.dtype, shape.dims):
+            out.append(instr.op_name.removeprefix("state.params."))
+    return sorted(out)[:4]
 
 
 def attribute_peak(dump_dir: str, top: int, host_names=()) -> dict:

@@ -122,6 +122,8 @@ def _format_top_buffers(r: dict) -> list[str]:
             x for x in (b["name"], b["note"], "host" if b["placement"] == "host" else "") if x
         )
         extra = extra if len(extra) <= 80 else extra[:77] + "..."
+        if b.get("why"):  # no source line in our code: why, in full, on the next line
+            extra += f"\n{'':>13}no source: {b['why']}"
         lines.append(
             f"  {_fmt(b['bytes']):>11}  {shape:<26} {b['op']:<34} {b['source'] or '-':<28} {extra}"
         )

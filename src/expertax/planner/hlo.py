@@ -295,18 +295,32 @@ def call_stack(module: Module, frame: int) -> list[Frame]:
 _PASS_THROUGH = ("copy", "bitcast", "reshape", "copy-start", "copy-done", "transpose", "convert")
 
 
+_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
+
+
+def _moves_operand(module: Module, fusion: Instruction) -> bool:
+    """Whether a fusion only moves its one operand (XLA's `wrapped_copy`, a layout change: its
+    computation's root is a copy, bitcast, transpose, ...)."""
+    m = _CALLS_RE.search(fusion.attrs)
+    root = module.instructions.get(module.roots.get(m.group(1), "")) if m else None
+    return root is not None and root.opcode in _PASS_THROUGH
+
+
 def origin(module: Module, name: str, index: tuple[int, ...] = (), hops: int = 12) -> Instruction:
     """The instruction whose metadata describes the value `name{index}`.
 
     Copies, bitcasts and tuple plumbing carry no metadata; follow them to the value they move: a
-    get-tuple-element to its tuple, a tuple element to its operand, a while loop's body parameter
-    to the loop's initial value, a while loop's output to its body's result.
+    copy (or a fusion that only copies) to its operand, a get-tuple-element to its tuple, a tuple
+    element to its operand, a while loop's body parameter to the loop's initial value, a while
+    loop's output to its body's result.
     """
     instr = module.instructions[name]
     if instr.frame or hops == 0:
         return instr
     nxt: tuple[str, tuple[int, ...]] | None = None
     if instr.opcode in _PASS_THROUGH and instr.operands:
+        nxt = instr.operands[0], index
+    elif instr.opcode == "fusion" and len(instr.operands) == 1 and _moves_operand(module, instr):
         nxt = instr.operands[0], index
     elif instr.opcode == "get-tuple-element" and instr.operands:
         m = re.search(r"\bindex=(\d+)", instr.attrs)

@@ -165,6 +165,39 @@ def test_attribute_peak_on_a_small_dump(tmp_path):
     assert arg["name"] == "argument state.params['w']" and arg["placement"] == "host"
 
 
+def test_a_buffer_without_our_source_says_why(tmp_path):
+    """A value XLA made itself (op_name without a JAX path, no stack frame: the zeros a scan's
+    backward accumulates in) gets no source line; the entry says why and which parameters it is
+    shaped like. XLA's layout copy of an argument (a fusion that only copies) is that argument."""
+    meta = dict(FILLED, meta_fill='metadata={op_name="broadcast.369"}')
+    text = HLO.format(**meta).replace(
+        "  %fill =",
+        '  %p1 = bf16[16,32]{1,0} parameter(1), metadata={op_name="state.params.moe.wi_0"}\n'
+        "  %p1c = bf16[16,32]{0,1} fusion(%p1), kind=kLoop, calls=%wrapped_copy_computation\n"
+        "  %fill =",
+    )
+    text = text.replace(
+        "ENTRY",
+        "%wrapped_copy_computation (param_0: bf16[16,32]) -> bf16[16,32] {\n"
+        "  %param_0 = bf16[16,32]{1,0} parameter(0)\n"
+        "  ROOT %copy.9 = bf16[16,32]{0,1} copy(%param_0)\n}\n\nENTRY",
+    )
+    extra = "    p1c{}: 1024 bytes (cumulative: 8256 bytes)\n"
+    live = LIVE_RANGE.replace("  Stack trace", extra + "  Stack trace")
+    buffers = BUFFERS + " value: <11 p1c @0> (size=1024,offset=0): bf16[16,32]{0,1}\n"
+    _write_dump(str(tmp_path), hlo=text, live=live, buffers=buffers)
+    top = attribute.attribute_peak(str(tmp_path), top=10)["top_buffers"]
+    carry = next(b for b in top if b["op"].startswith("body_param"))
+    assert carry["source"] == "" and carry["name"] == ""
+    assert "made by XLA from its own instruction broadcast.369" in carry["why"]
+    assert carry["why"].endswith("shaped like moe.wi_0")
+    copy = next(b for b in top if b["op"].startswith("p1c"))
+    assert copy["name"] == "argument state.params.moe.wi_0" and copy["note"] == "copy of p1"
+    assert copy["why"] == ""
+    ours = next(b for b in top if b["op"].startswith("while.1"))
+    assert ours["source"] and ours["why"] == ""  # negative control: our code made it
+
+
 @pytest.mark.parametrize(
     "broken, why",
     [
