@@ -44,6 +44,8 @@ def _check_rows(rows, tol, ref_scale, n):
             "perplexity",
             "tokens_per_s_per_device",
             "max_abs_loss_diff",
+            "routing_flips",
+            "imposed_loss_diff",
         }
         assert r["max_abs_loss_diff"] <= tol * ref_scale, r
         assert r["tokens_per_s_per_device"] > 0
@@ -293,7 +295,7 @@ def test_parity_full_matrix(model, extra, tmp_path):
     assert eptp == {(ring, 2, f, 2, d) for ring in (False, True) for f, d in ((2, 1), (1, 2))}
 
 
-def _fake_run(base, layout, *, steps, global_batch, corrupt=None):
+def _fake_run(base, layout, *, steps, global_batch, corrupt=None, routing=None):
     """Stands in for training: every layout reproduces the reference losses exactly."""
     return {"losses": [2.0, 1.5][:steps], "tokens_per_s_per_device": 1.0}
 
