@@ -20,6 +20,13 @@ A layout may run its MoE stack with the paged stash (`-stash` in its name, `moe_
 nn/moe/stash.py): its losses must equal the reference's like any other layout's. A stash layout
 keeps the routed experts' grouped-matmul outputs (a remat policy change, which moves the loss by
 float32 rounding at most) when the base config keeps none of them, so the stash has rows to hold.
+
+Each row also counts its routing flips (tools/parity_routing.py): per MoE layer, the (token, slot)
+decisions of the first step whose expert differs from the reference's, a top-k near-tie that a
+layout's rounding tipped the other way. With `impose_routing` (`--impose-routing`) the first
+step's loss is also compared with the reference's routing imposed on the layout. A row out of
+tolerance passes only when flips explain it: it flips, and with the routing imposed its loss is
+within tolerance (`parity_routing.verdict`).
 """
 
 from __future__ import annotations
@@ -392,26 +399,6 @@ def make_row(layout: Layout, run: dict, ref_losses: list[float], ref_probe: dict
     }
 
 
-def verdict(r: dict, bound: float) -> tuple[bool, str]:
-    """(ok, the ok cell) of a row against `bound` (tolerance x the reference loss scale).
-
-    A row within tolerance is ok, unless its imposed-routing |dloss| is not (a defect that a flip
-    happened to offset). A row out of tolerance is ok only when routing flips explain it: the
-    layout chose other experts than the reference for some (token, slot) and, with the
-    reference's choices imposed, its first-step loss is within tolerance."""
-    flips, imposed = r.get("routing_flips"), r.get("imposed_loss_diff")
-    imposed_ok = imposed is None or imposed <= bound
-    if r["max_abs_loss_diff"] <= bound:
-        return (True, "yes") if imposed_ok else (False, "NO (imposed routing out of tolerance)")
-    if not flips or not any(flips):
-        return False, "NO"
-    if imposed is None:
-        return False, f"NO ({sum(flips)} routing flips; --impose-routing compares without them)"
-    if imposed_ok:
-        return True, "yes (routing flips; imposed routing within tolerance)"
-    return False, "NO (out of tolerance with the reference's routing imposed too)"
-
-
 def parity_table(
     base: Config,
     *,
@@ -428,7 +415,7 @@ def parity_table(
     "ok"}: `rows` for the layouts that trained, `refused` ({"layout", "reason"}) for those the
     config checks refused, `skipped` (the same fields) for the default matrix's pipeline layouts
     that `base`'s layers do not divide into (`pipeline_misfit`; never counted against `ok`).
-    `ok` needs every row's `verdict` and, unless `skip_refused`, no refusal.
+    `ok` needs every row's `parity_routing.verdict` and, unless `skip_refused`, no refusal.
     A table where no layout trained is not ok (it compared nothing).
     Each layout the routing probe can run (parity_routing.probed; none with a `corrupt` hook) is
     probed on the first batch: its routing flips against the reference's; with `impose_routing`
@@ -491,7 +478,7 @@ def parity_table(
         say(format_row(rows[-1], tol, ref_losses))
     bar.close()
     bound = tol * max((abs(x) for x in ref_losses), default=0.0)
-    ok = all(verdict(r, bound)[0] for r in rows) and (skip_refused or not refused)
+    ok = all(parity_routing.verdict(r, bound)[0] for r in rows) and (skip_refused or not refused)
     ok = ok and bool(rows)
     return {
         "rows": rows,
@@ -534,7 +521,7 @@ def pp_cell(pp: int, microbatches: int, repeats: int) -> str:
 
 
 def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
-    _, ok = verdict(r, tol * max(abs(x) for x in ref_losses))
+    _, ok = parity_routing.verdict(r, tol * max(abs(x) for x in ref_losses))
     imposed = r.get("imposed_loss_diff")
     pp = r.get("pp", 1)  # rows written before pipeline layouts have no pp
     cells = (

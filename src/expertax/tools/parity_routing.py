@@ -90,3 +90,23 @@ def format_flips(flips: list[int] | None) -> str:
     if not any(flips):
         return "0"
     return f"{sum(flips)} ({'/'.join(str(n) for n in flips)})"
+
+
+def verdict(r: dict, bound: float) -> tuple[bool, str]:
+    """(ok, the ok cell) of a row against `bound` (tolerance x the reference loss scale).
+
+    A row within tolerance is ok, unless its imposed-routing |dloss| is not (a defect that a flip
+    happened to offset). A row out of tolerance is ok only when routing flips explain it: the
+    layout chose other experts than the reference for some (token, slot) and, with the
+    reference's choices imposed, its first-step loss is within tolerance."""
+    flips, imposed = r.get("routing_flips"), r.get("imposed_loss_diff")
+    imposed_ok = imposed is None or imposed <= bound
+    if r["max_abs_loss_diff"] <= bound:
+        return (True, "yes") if imposed_ok else (False, "NO (imposed routing out of tolerance)")
+    if not flips or not any(flips):
+        return False, "NO"
+    if imposed is None:
+        return False, f"NO ({sum(flips)} routing flips; --impose-routing compares without them)"
+    if imposed_ok:
+        return True, "yes (routing flips; imposed routing within tolerance)"
+    return False, "NO (out of tolerance with the reference's routing imposed too)"

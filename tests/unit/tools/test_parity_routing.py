@@ -42,7 +42,7 @@ def row(diff, flips=None, imposed=None):
     ],
 )
 def test_verdict(r, ok, cell):
-    got_ok, got_cell = parity.verdict(r, 1e-5)
+    got_ok, got_cell = parity_routing.verdict(r, 1e-5)
     assert got_ok == ok and got_cell.startswith(cell)
 
 
