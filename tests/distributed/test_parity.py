@@ -313,7 +313,7 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     assert cli.main([*argv, "--json", str(path)]) == 1
     out, err = capsys.readouterr()
     assert (
-        "| sparse | False | padded | 1 | 3 | 1 | 1 | 1 | no | default | - | - | - | - | "
+        "| sparse | False | padded | 1 | 3 | 1 | 1 | 1 | no | default | - | - | - | - | - | - | "
         "NO (refused: " in out
     )
     assert "num_experts=8 is not divisible by the expert axis (3" in out
@@ -482,6 +482,7 @@ def test_pipeline_row_fields_and_pp_column():
 DEEP = ["model_name=deepseek3-tiny", "base_num_decoder_layers=5"]  # 1 dense + 4 MoE layers
 
 
+@pytest.mark.extended  # 77 s on 2 loaded cores (two probe compiles of a 5-layer model)
 def test_routing_flips_explain_the_deep_model_difference():
     """deepseek3-tiny with 5 layers (a dense first layer, group-limited top-k), expert-parallel
     over 2 devices: its first-step loss differs from one device's by more than the float32
@@ -490,7 +491,13 @@ def test_routing_flips_explain_the_deep_model_difference():
     tolerance. The probe alone (a forward pass per layout), not the train step."""
     c = load_config(overrides=DEEP)
     gb = int(c.per_device_batch_size * 8)
-    batch = SyntheticData(c.vocab_size, c.max_target_length, gb, c.data_shuffle_seed).batch_at(0)
+    data = SyntheticData(
+        vocab_size=c.vocab_size,
+        seq_len=c.max_target_length,
+        global_batch=gb,
+        seed=c.data_shuffle_seed,
+    )
+    batch = data.batch_at(0)
     ref_c = parity.layout_config(c, parity.reference_layout(), gb)
     (ref,) = parity_routing.probe(ref_c, jax.devices()[:1], batch, [None])
     layout = parity.parse_layout("sparse-padded-ep2")
