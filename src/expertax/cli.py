@@ -80,7 +80,11 @@ def cmd_parity(args) -> int:
 
     chosen = [parity.parse_layout(n) for n in args.layouts.split(",")] if args.layouts else None
     result = parity.parity_table(
-        cfg, steps=args.steps, layout_list=chosen, skip_refused=args.skip_refused
+        cfg,
+        steps=args.steps,
+        layout_list=chosen,
+        skip_refused=args.skip_refused,
+        impose_routing=args.impose_routing,
     )
     print(parity.format_table(result))
     if args.json:
@@ -251,6 +255,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--skip-refused",
         action="store_true",
         help="list layouts the config checks refuse as skipped instead of failing the table",
+    )
+    par.add_argument(
+        "--impose-routing",
+        action="store_true",
+        help="also compare each layout's first-step loss with the reference's routing imposed "
+        "(its expert choices per token and slot, per layer): the numerics without routing flips",
     )
     memory = sub.add_parser("memory", help=COMMANDS["memory"][0])
     memory.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")

@@ -3,6 +3,11 @@
 Each stack stores its layers stacked along a leading `layers` axis and runs them with `lax.scan`
 (or unrolled, `scan_layers=false`), each layer wrapped in `jax.checkpoint` with the configured
 policy. The DeepSeek layout has both stacks; Mixtral only the MoE one; Llama only the dense one.
+
+`forward(..., imposed_LBTK=...)` imposes a routing on the MoE layers (one selection [B, T, K] per
+layer, scanned with the layer weights; `router.route`) and returns the routers' own choices in the
+stats (`MoEStats.chosen_BTK`): the parity tool's probe (tools/parity.py). Without it the
+program is unchanged.
 """
 
 from __future__ import annotations
@@ -77,13 +82,18 @@ def spec(c: Config) -> Decoder:
     )
 
 
-def block_apply(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype):
-    """One pre-norm decoder layer; returns (x, MoEStats or None)."""
-    x_BTD, stats, _ = block_apply_stashed(p, x_BTD, c, positions_BT, segment_ids_BT, dtype, None)
+def block_apply(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, imposed_BTK=None):
+    """One pre-norm decoder layer; returns (x, MoEStats or None). `imposed_BTK`: a routing
+    imposed on the MoE layer (`moe_layer.apply_stashed`)."""
+    x_BTD, stats, _ = block_apply_stashed(
+        p, x_BTD, c, positions_BT, segment_ids_BT, dtype, None, imposed_BTK
+    )
     return x_BTD, stats
 
 
-def block_apply_stashed(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, stash):
+def block_apply_stashed(
+    p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, stash, imposed_BTK=None
+):
     """`block_apply` with the MoE layer's paged stash (nn/moe/stash.py): (x, stats, stash)."""
     x_BTD = remat.tag(x_BTD, remat.DECODER_LAYER_INPUT)
     eps = c.normalization_layer_epsilon
@@ -92,23 +102,31 @@ def block_apply_stashed(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT
     x_BTD = x_BTD + attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype)
     h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
     if p.moe is not None:
-        y, stats, stash = moe_layer.apply_stashed(p.moe, h, c, dtype, stash)
+        y, stats, stash = moe_layer.apply_stashed(p.moe, h, c, dtype, stash, imposed_BTK)
     else:
         assert p.mlp is not None  # a block has an MLP or an MoE (decoder.spec)
         y, stats = mlp.apply(p.mlp, h, dtype), None
     return constrain(x_BTD + y, ACT_BTD), stats, stash
 
 
-def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype):
+def run_stack(
+    stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, imposed_LBTK=None
+):
     """Run a layer stack; returns (x, per-layer stats stacked along a leading axis or None).
 
     The stack `c.pipelined_stack` runs its first `c.pipelined_layers` layers as a pipeline
     (models/pipeline.py), the rest after it. The MoE stack with `moe_paged_stash` runs as
-    models/stashed_stack.py (always scanned)."""
+    models/stashed_stack.py (always scanned). `imposed_LBTK` (an MoE stack's routing, one
+    selection per layer) is taken by the plain stack only (not pipelined, not stashed)."""
     moe = stacked.moe is not None
     pipelined = c.pipelined_layers if c.pipelined_stack == ("moe" if moe else "dense") else 0
+    if imposed_LBTK is not None and (pipelined or c.moe_paged_stash):
+        raise ValueError(
+            "an imposed routing needs the plain layer stack (ici_pipeline_parallelism=1 for the "
+            "MoE layers, moe_paged_stash=false)"
+        )
     if not pipelined:
-        return _run_layers(stacked, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+        return _run_layers(stacked, x_BTD, c, positions_BT, segment_ids_BT, dtype, imposed_LBTK)
 
     def layer(x, p, positions, segment_ids):
         return block_apply(p, x, c, positions, segment_ids, dtype)
@@ -126,8 +144,11 @@ def run_stack(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dt
     return x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, more)
 
 
-def _run_layers(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype):
-    """`run_stack` without a pipeline: one scan (or unrolled loop) over the layers."""
+def _run_layers(
+    stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, imposed_LBTK=None
+):
+    """`run_stack` without a pipeline: one scan (or unrolled loop) over the layers, each with its
+    imposed routing when `imposed_LBTK` is given."""
     if stacked.moe is not None and c.moe_paged_stash:
 
         def block(p, x, positions_BT, segment_ids_BT, stash):
@@ -135,18 +156,19 @@ def _run_layers(stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, 
 
         return stashed_stack.run(stacked, x_BTD, positions_BT, segment_ids_BT, c, block)
 
-    def body(x, layer_params):
-        return block_apply(layer_params, x, c, positions_BT, segment_ids_BT, dtype)
+    def body(x, layer):
+        layer_params, imposed_BTK = layer
+        return block_apply(layer_params, x, c, positions_BT, segment_ids_BT, dtype, imposed_BTK)
 
     # One policy for the dense and the MoE stack; jax.checkpoint's CSE prevention is only
     # needed unrolled (scan already keeps the recomputation from being merged with the forward).
     body = remat.wrap_layer(body, c, prevent_cse=not c.scan_layers)
     if c.scan_layers:
-        return jax.lax.scan(body, x_BTD, stacked)
+        return jax.lax.scan(body, x_BTD, (stacked, imposed_LBTK))
     n = jax.tree.leaves(stacked)[0].shape[0]
     all_stats = []
     for i in range(n):
-        x_BTD, stats = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], stacked))
+        x_BTD, stats = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], (stacked, imposed_LBTK)))
         all_stats.append(stats)
     stacked_stats = (
         None if all_stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *all_stats)
@@ -161,14 +183,20 @@ def forward(
     *,
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
+    imposed_LBTK: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
-    """Float32 logits [B, T, V] and the MoE layers' stats ([L_moe, ...] leaves, or None)."""
+    """Float32 logits [B, T, V] and the MoE layers' stats ([L_moe, ...] leaves, or None).
+
+    `imposed_LBTK` (int32 [L_moe, B, T, K], optional): the experts each MoE layer uses per
+    (token, slot) where >= 0 instead of its router's choice; the stats then hold the routers' own
+    choices (`chosen_BTK`, [L_moe, B, T, K])."""
     return forward_embedded(
         params,
         embed_tokens(params, inputs_BT, c),
         c,
         positions_BT=positions_BT,
         segment_ids_BT=segment_ids_BT,
+        imposed_LBTK=imposed_LBTK,
     )
 
 
@@ -198,9 +226,10 @@ def hidden_states(
     *,
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
+    imposed_LBTK: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
     """Embedded inputs [B, T, D] -> the final-normed hidden states before the output head (in
-    `dtype`), and the MoE layers' stats."""
+    `dtype`), and the MoE layers' stats (`forward` for `imposed_LBTK`)."""
     dtype = jnp.dtype(c.dtype)
     b, t, _ = x_BTD.shape
     if positions_BT is None:
@@ -210,7 +239,9 @@ def hidden_states(
     if params.dense_layers is not None:
         x_BTD, _ = run_stack(params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
     if params.moe_layers is not None:
-        x_BTD, stats = run_stack(params.moe_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+        x_BTD, stats = run_stack(
+            params.moe_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype, imposed_LBTK
+        )
     return norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon), stats
 
 

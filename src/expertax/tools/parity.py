@@ -20,6 +20,13 @@ A layout may run its MoE stack with the paged stash (`-stash` in its name, `moe_
 nn/moe/stash.py): its losses must equal the reference's like any other layout's. A stash layout
 keeps the routed experts' grouped-matmul outputs (a remat policy change, which moves the loss by
 float32 rounding at most) when the base config keeps none of them, so the stash has rows to hold.
+
+Each row also counts its routing flips (tools/parity_routing.py): per MoE layer, the (token, slot)
+decisions of the first step whose expert differs from the reference's, a top-k near-tie that a
+layout's rounding tipped the other way. With `impose_routing` (`--impose-routing`) the first
+step's loss is also compared with the reference's routing imposed on the layout. A row out of
+tolerance passes only when flips explain it: it flips, and with the routing imposed its loss is
+within tolerance (`parity_routing.verdict`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from expertax.config.loader import build_config
 from expertax.config.schema import Config
 from expertax.data.synthetic import SyntheticData
 from expertax.parallel import remat
+from expertax.tools import parity_routing
 from expertax.train.trainer import build_trainer
 
 # Relative tolerance on the loss, per compute dtype (the one table; loosening it is reviewed).
@@ -306,19 +314,23 @@ def refusal(base: Config, layout: Layout, global_batch: int) -> str | None:
 
 
 def run_layout(
-    base: Config, layout: Layout, *, steps: int, global_batch: int, corrupt: Callable | None = None
+    base: Config,
+    layout: Layout,
+    *,
+    steps: int,
+    global_batch: int,
+    corrupt: Callable | None = None,
+    routing: list | None = None,
 ) -> dict:
     """Train `steps` steps of `base` under `layout`; per-step losses and throughput.
 
     `corrupt(state, trainer) -> state` is a test hook applied to the initial state (the negative
     control: a deliberately mis-sharded weight must fail the table).
+    `routing`: the routings to probe the first batch with (parity_routing.probe: None for the
+    routers' own, an array to impose), when the layout can be probed; their results in "probes".
     """
     c = layout_config(base, layout, global_batch)
-    trainer = build_trainer(c, devices=jax.devices()[: layout.num_devices])
-    state = trainer.init_state()
-    step_fn = trainer.compile()
-    if corrupt is not None:
-        state = corrupt(state, trainer)
+    devices = jax.devices()[: layout.num_devices]
     data = SyntheticData(
         vocab_size=c.vocab_size,
         seq_len=c.max_target_length,
@@ -326,6 +338,14 @@ def run_layout(
         seed=c.data_shuffle_seed,
     )
     batches = [data.batch_at(i) for i in range(steps)]
+    probes = None
+    if routing and corrupt is None and parity_routing.probed(c):
+        probes = parity_routing.probe(c, devices, batches[0], routing)
+    trainer = build_trainer(c, devices=devices)
+    state = trainer.init_state()
+    step_fn = trainer.compile()
+    if corrupt is not None:
+        state = corrupt(state, trainer)
     losses = []
     with trainer.context():
         state, m = step_fn(state, trainer.put_batch(batches[0]))  # warm-up, not timed
@@ -341,12 +361,22 @@ def run_layout(
     return {
         "losses": [float(x) for x in jax.device_get(losses)],
         "tokens_per_s_per_device": tokens / max(dt, 1e-9) / trainer.num_devices,
+        "probes": probes,
     }
 
 
-def make_row(layout: Layout, run: dict, ref_losses: list[float]) -> dict:
+def make_row(layout: Layout, run: dict, ref_losses: list[float], ref_probe: dict | None = None):
+    """The row of `layout`; with the reference's probe (`ref_probe`, {"loss", "chosen"}) and the
+    layout's probes (run["probes"]: its own routing, then the imposed one if any), its routing
+    flips per MoE layer and the first step's |dloss| under the imposed routing."""
     diff = max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True))
     final = run["losses"][-1]
+    probes = run.get("probes")
+    flips = imposed = None
+    if probes and ref_probe is not None:
+        flips = parity_routing.count_flips(ref_probe["chosen"], probes[0]["chosen"])
+        if len(probes) > 1:
+            imposed = abs(probes[1]["loss"] - ref_probe["loss"])
     return {
         "mode": layout.mode,
         "ring": layout.ring,
@@ -364,6 +394,8 @@ def make_row(layout: Layout, run: dict, ref_losses: list[float]) -> dict:
         "perplexity": float(np.exp(min(final, 80.0))),
         "tokens_per_s_per_device": run["tokens_per_s_per_device"],
         "max_abs_loss_diff": diff,
+        "routing_flips": flips,
+        "imposed_loss_diff": imposed,
     }
 
 
@@ -375,6 +407,7 @@ def parity_table(
     skip_refused: bool = False,
     corrupt: dict | None = None,
     echo=print,
+    impose_routing: bool = False,
 ) -> dict:
     """Run the reference and every layout.
 
@@ -382,8 +415,11 @@ def parity_table(
     "ok"}: `rows` for the layouts that trained, `refused` ({"layout", "reason"}) for those the
     config checks refused, `skipped` (the same fields) for the default matrix's pipeline layouts
     that `base`'s layers do not divide into (`pipeline_misfit`; never counted against `ok`).
-    `ok` needs every row within tolerance and, unless `skip_refused`, no refusal.
+    `ok` needs every row's `parity_routing.verdict` and, unless `skip_refused`, no refusal.
     A table where no layout trained is not ok (it compared nothing).
+    Each layout the routing probe can run (parity_routing.probed; none with a `corrupt` hook) is
+    probed on the first batch: its routing flips against the reference's; with `impose_routing`
+    also its first-step loss under the reference's routing.
     `corrupt` maps a Layout to a `corrupt(state, trainer)` hook (tests only).
     """
     n = len(jax.devices())
@@ -410,22 +446,39 @@ def parity_table(
     rows, ref_losses = [], []
     bar = progress.bar(len(runnable) + 1 if runnable else 0, "parity", unit="layout")
     say = progress.say_above(bar, echo)
+    probe = any(
+        parity_routing.probed(layout_config(base, layout, global_batch))
+        and layout not in (corrupt or {})
+        for layout in runnable
+    )
+    ref_probe = None
     if runnable:
         bar.set_postfix_str("reference")
-        ref = run_layout(base, reference_layout(), steps=steps, global_batch=global_batch)
-        ref_losses = ref["losses"]
+        ref = run_layout(
+            base,
+            reference_layout(),
+            steps=steps,
+            global_batch=global_batch,
+            routing=[None] if probe else None,
+        )
+        ref_losses, ref_probe = ref["losses"], (ref.get("probes") or [None])[0]
         bar.update(1)
         say(f"reference (1 device): final loss {ref_losses[-1]:.6f} after {steps} steps")
     for layout in runnable:
         bar.set_postfix_str(layout.name)
         hook = (corrupt or {}).get(layout)
-        run = run_layout(base, layout, steps=steps, global_batch=global_batch, corrupt=hook)
-        rows.append(make_row(layout, run, ref_losses))
+        routing = None
+        if ref_probe is not None:
+            routing = [None, ref_probe["chosen"]] if impose_routing else [None]
+        run = run_layout(
+            base, layout, steps=steps, global_batch=global_batch, corrupt=hook, routing=routing
+        )
+        rows.append(make_row(layout, run, ref_losses, ref_probe))
         bar.update(1)
         say(format_row(rows[-1], tol, ref_losses))
     bar.close()
     bound = tol * max((abs(x) for x in ref_losses), default=0.0)
-    ok = all(r["max_abs_loss_diff"] <= bound for r in rows) and (skip_refused or not refused)
+    ok = all(parity_routing.verdict(r, bound)[0] for r in rows) and (skip_refused or not refused)
     ok = ok and bool(rows)
     return {
         "rows": rows,
@@ -453,6 +506,8 @@ HEADER = (
     "perplexity",
     "tok/s/dev",
     "max |dloss|",
+    "routing flips",
+    "imposed |dloss|",
     "ok",
 )
 
@@ -466,7 +521,8 @@ def pp_cell(pp: int, microbatches: int, repeats: int) -> str:
 
 
 def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
-    ok = r["max_abs_loss_diff"] <= tol * max(abs(x) for x in ref_losses)
+    _, ok = parity_routing.verdict(r, tol * max(abs(x) for x in ref_losses))
+    imposed = r.get("imposed_loss_diff")
     pp = r.get("pp", 1)  # rows written before pipeline layouts have no pp
     cells = (
         r["mode"],
@@ -483,7 +539,9 @@ def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
         f"{r['perplexity']:.3f}",
         f"{r['tokens_per_s_per_device']:,.0f}",
         f"{r['max_abs_loss_diff']:.2e}",
-        "yes" if ok else "NO",
+        parity_routing.format_flips(r.get("routing_flips")),
+        "-" if imposed is None else f"{imposed:.2e}",
+        ok,
     )
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
@@ -494,9 +552,9 @@ def format_refused_row(refused: dict, skipped: bool, why: str = "refused") -> st
     pp = pp_cell(layout.pp, layout.pipeline_microbatches, layout.repeats)
     cells = [layout.mode, str(layout.ring), layout.a2a_impl, pp, layout.ep, layout.fsdp]
     cells += [layout.tp, layout.data, "yes" if layout.stash else "no", layout.rules]
-    cells += ["-", "-", "-", "-"]
-    verdict = "skipped" if skipped else "NO"
-    cells.append(f"{verdict} ({why}: {refused['reason'].replace('|', '/')})")
+    cells += ["-"] * 6
+    word = "skipped" if skipped else "NO"
+    cells.append(f"{word} ({why}: {refused['reason'].replace('|', '/')})")
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 

@@ -33,18 +33,18 @@ ChunkFn = Callable[[jax.Array, Stash | None], tuple[jax.Array, Any, Stash | None
 
 
 def scan_chunks(
-    fn: ChunkFn, xs: jax.Array, c: Config, stash: Stash | None = None
-) -> tuple[jax.Array, Any, Stash | None]:
-    """`fn` over the leading (chunk) axis of `xs`: (outputs stacked on that axis, sums summed,
-    stash).
+    fn: ChunkFn, xs: Any, c: Config, stash: Stash | None = None
+) -> tuple[Any, Any, Stash | None]:
+    """`fn` over the leading (chunk) axis of `xs` (an array or a pytree of arrays): (outputs
+    stacked on that axis, sums summed, stash).
 
     One chunk calls `fn` directly (no loop, the unchunked program). Several run `fn` under `c`'s
     remat policy in a scan. The sums are stacked by the scan and added after it, rather than
     carried: no carry whose varying mesh axes inside a `shard_map` would have to match the chunk's.
     """
-    if xs.shape[0] == 1:
-        out, sums, stash = fn(xs[0], stash)
-        return out[None], sums, stash
+    if jax.tree.leaves(xs)[0].shape[0] == 1:
+        out, sums, stash = fn(jax.tree.map(lambda a: a[0], xs), stash)
+        return jax.tree.map(lambda a: a[None], out), sums, stash
 
     def step(stash, x):
         out, sums, stash = fn(x, stash)
@@ -56,33 +56,37 @@ def scan_chunks(
 
 
 def over_rows(
-    fn: ChunkFn, x_ND: jax.Array, c: Config, stash: Stash | None = None
-) -> tuple[jax.Array, Any, Stash | None]:
+    fn: ChunkFn, x_ND: Any, c: Config, stash: Stash | None = None
+) -> tuple[Any, Any, Stash | None]:
     """`fn` over `num_moe_token_chunks` consecutive row chunks [N/chunks, D]; outputs
-    concatenated."""
-    n, d = x_ND.shape
+    concatenated. `x_ND` and the outputs may be pytrees of per-row arrays [N, ...] (the token
+    rows with an imposed routing, the output rows with the router's own choice)."""
+    n = jax.tree.leaves(x_ND)[0].shape[0]
     num_chunks = c.num_moe_token_chunks
     if n % num_chunks:
         raise ValueError(
             f"num_moe_token_chunks={num_chunks} does not divide the {n} token rows of this shard; "
             "use a divisor of the tokens per batch shard"
         )
-    outs, sums, stash = scan_chunks(fn, x_ND.reshape(num_chunks, n // num_chunks, d), c, stash)
-    return outs.reshape(n, outs.shape[-1]), sums, stash
+    xs = jax.tree.map(lambda a: a.reshape(num_chunks, n // num_chunks, *a.shape[1:]), x_ND)
+    outs, sums, stash = scan_chunks(fn, xs, c, stash)
+    return jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), outs), sums, stash
 
 
-def over_positions(
-    fn: Callable[[jax.Array], tuple[jax.Array, Any]], x_BTD: jax.Array, c: Config
-) -> tuple[jax.Array, Any]:
+def over_positions(fn: Callable[[Any], tuple[Any, Any]], x_BTD: Any, c: Config) -> tuple[Any, Any]:
     """`fn` over `num_moe_token_chunks` chunks of the sequence axis [B, T/chunks, D] (the batch
-    axis, sharded under GSPMD, stays whole in every chunk); outputs put back in position order."""
-    b, t, d = x_BTD.shape
+    axis, sharded under GSPMD, stays whole in every chunk); outputs put back in position order.
+    `x_BTD` and the outputs may be pytrees of per-position arrays [B, T, ...]."""
+    b, t = jax.tree.leaves(x_BTD)[0].shape[:2]
     num_chunks = c.num_moe_token_chunks
     if t % num_chunks:
         raise ValueError(
             f"num_moe_token_chunks={num_chunks} does not divide the sequence length {t} "
             "(sparse_matmul=false chunks each sequence); use a divisor of max_target_length"
         )
-    xs = x_BTD.reshape(b, num_chunks, t // num_chunks, d).transpose(1, 0, 2, 3)
-    outs, sums, _ = scan_chunks(lambda x, s: (*fn(x), s), xs, c)
-    return outs.transpose(1, 0, 2, 3).reshape(b, t, outs.shape[-1]), sums
+
+    def split(a):  # [B, T, ...] -> [chunks, B, T/chunks, ...]
+        return jnp.moveaxis(a.reshape(b, num_chunks, t // num_chunks, *a.shape[2:]), 1, 0)
+
+    outs, sums, _ = scan_chunks(lambda x, s: (*fn(x), s), jax.tree.map(split, x_BTD), c)
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(b, t, *a.shape[3:]), outs), sums

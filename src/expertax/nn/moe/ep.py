@@ -27,6 +27,8 @@ experts, X = E/P local experts, D model dim, F MLP dim.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -312,47 +314,70 @@ def _psum_all(x, axes):
     return jax.lax.psum(varying_over(x, axes), axes)
 
 
-def _chunk(x_ND, stash, router_p, w, *, c, dtype, impl, split):
-    """One token chunk on one shard: (partial out [N, D], (counts_E, prob_sum_E, dropped),
-    stash)."""
-    routing = router.route(router_p, x_ND, c)
+def _chunk(rows, stash, router_p, w, *, c, dtype, impl, split):
+    """One token chunk on one shard, rows (x [N, D], imposed routing [N, K] or None): ((partial
+    out [N, D], the router's own choice [N, K] or None), (counts_E, prob_sum_E, dropped), stash)."""
+    x_ND, imposed_NK = rows
+    routing = router.route(router_p, x_ND, c, imposed_NK)
     if c.use_ring_of_experts:
         out_ND, dropped, stash = ring_dispatch(
             x_ND, routing, w, c, dtype, stash, gathered=not split
         )
     else:
         out_ND, dropped, stash = a2a_dispatch(x_ND, routing, w, c, dtype, impl, stash)
-    return out_ND, (routing.counts_E, routing.prob_sum_E, dropped), stash
+    return (out_ND, routing.chosen_NK), (routing.counts_E, routing.prob_sum_E, dropped), stash
 
 
-def _body(x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, stash, *, c, dtype, impl, specs):
+def _body(
+    x_BTD_local,
+    router_p,
+    wi_0_local,
+    wi_1_local,
+    wo_local,
+    stash,
+    imposed,
+    *,
+    c,
+    dtype,
+    impl,
+    specs,
+):
     """One shard. The tokens are sharded over `specs.tokens`; when those do not include `expert`
     (expert-as-TP rules) they are replicated over it.
 
     The shard's tokens go through `_chunk` `num_moe_token_chunks` at a time (chunks.py).
     """
     b, t, d = x_BTD_local.shape
-    x_ND = x_BTD_local.reshape(b * t, d)
+    rows_in = (
+        x_BTD_local.reshape(b * t, d),
+        None if imposed is None else imposed.reshape(b * t, -1),
+    )
     w = (wi_0_local, wi_1_local, wo_local)
     ring = c.use_ring_of_experts
     split = EXPERT in specs.tokens
     stat_axes = specs.tokens
     if not split and not ring:  # replicated tokens: each expert shard routes and sends 1/EP
         stat_axes = (*stat_axes, EXPERT)
-        n = x_ND.shape[0] // jax.lax.axis_size(EXPERT)
-        x_ND = jax.lax.dynamic_slice_in_dim(x_ND, jax.lax.axis_index(EXPERT) * n, n)
-    routed_tokens = x_ND.shape[0]
-    out_ND, (counts_E, prob_sum_E, dropped), stash = chunks.over_rows(
+        n = b * t // jax.lax.axis_size(EXPERT)
+        rows_in = jax.tree.map(
+            lambda a: jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(EXPERT) * n, n), rows_in
+        )
+    routed_tokens = rows_in[0].shape[0]
+    (out_ND, chosen_NK), (counts_E, prob_sum_E, dropped), stash = chunks.over_rows(
         lambda x, s: _chunk(x, s, router_p, w, c=c, dtype=dtype, impl=impl, split=split),
-        x_ND,
+        rows_in,
         c,
         stash,
     )
     if not split and not ring:
-        out_ND = jax.lax.all_gather(out_ND, EXPERT, tiled=True, to="invarying")
+        out_ND, chosen_NK = jax.tree.map(
+            lambda a: jax.lax.all_gather(a, EXPERT, tiled=True, to="invarying"), (out_ND, chosen_NK)
+        )
     if specs.mlp:
         out_ND = jax.lax.psum(out_ND, specs.mlp)  # partial sums over the F shards
     stats = global_stats(counts_E, prob_sum_E, routed_tokens, dropped, c, stat_axes)
+    if chosen_NK is not None:  # an imposed routing: the router's own choice goes out too
+        stats = dataclasses.replace(stats, chosen_BTK=chosen_NK.reshape(b, t, -1))
     return out_ND.reshape(b, t, d), stats, stash
 
 
@@ -365,6 +390,7 @@ def apply(
     c: Config,
     dtype,
     stash: Stash | None = None,
+    imposed_BTK=None,
 ):
     """Routed experts' output [B, T, D], global MoEStats and the stash under the active mesh.
 
@@ -374,6 +400,8 @@ def apply(
     The in/out specs come from the rules table (`strategy.moe_specs`: `batch`, `act_exp`,
     `exp_mlp`), so a rules preset and the layer cannot disagree silently.
     A paged stash (stash.py) holds one buffer per device, split over every mesh axis.
+    `imposed_BTK` (int32 [B, T, K], sharded like x): a routing to impose (`router.route`); the
+    stats then carry the router's own choice (`MoEStats.chosen_BTK`).
     """
     impl = resolve_a2a_impl(c)
     specs = moe_specs(current_rules())
@@ -382,18 +410,21 @@ def apply(
     # A stash in write mode comes back filled; one in read mode is only read (returns None).
     writes = stash is not None and stash.mode == stash_mod.WRITE
 
-    def body(x, rp, wi_0, wi_1, wo, stash):
+    def body(x, rp, wi_0, wi_1, wo, stash, imposed):
         out, stats, stash = _body(
-            x, rp, wi_0, wi_1, wo, stash, c=c, dtype=dtype, impl=impl, specs=specs
+            x, rp, wi_0, wi_1, wo, stash, imposed, c=c, dtype=dtype, impl=impl, specs=specs
         )
         return out, stats, stash if writes else None
 
-    stats_spec = router.MoEStats(load_E=P(), lb_loss=P(), dropped=P(), prob_sum_E=P())
+    chosen_spec = None if imposed_BTK is None else specs.x
+    stats_spec = router.MoEStats(
+        load_E=P(), lb_loss=P(), dropped=P(), prob_sum_E=P(), chosen_BTK=chosen_spec
+    )
     stash_spec = stash_mod.specs(stash, jax.sharding.get_abstract_mesh().axis_names)
     fn = jax.shard_map(
         body,
-        in_specs=(specs.x, router_spec, specs.wi, specs.wi, specs.wo, stash_spec),
+        in_specs=(specs.x, router_spec, specs.wi, specs.wi, specs.wo, stash_spec, chosen_spec),
         out_specs=(specs.x, stats_spec, stash_spec if writes else None),
         check_vma=c.pipeline_stages == 1,
     )
-    return fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, stash)
+    return fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, stash, imposed_BTK)

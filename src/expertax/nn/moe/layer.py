@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from expertax.config.schema import Config
@@ -44,47 +46,59 @@ def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router
 
 
 def apply_stashed(
-    p: MoE, x_BTD: jax.Array, c: Config, dtype, stash: Stash | None
+    p: MoE, x_BTD: jax.Array, c: Config, dtype, stash: Stash | None, imposed_BTK=None
 ) -> tuple[jax.Array, router.MoEStats, Stash | None]:
     """`apply` with a paged stash (stash.py) threaded through the sparse paths: (out, stats,
-    stash). The one-hot einsum path (`sparse_matmul=false`) has no stash (config checks)."""
+    stash). The one-hot einsum path (`sparse_matmul=false`) has no stash (config checks).
+
+    `imposed_BTK` (int32 [B, T, K], optional): a routing to impose (`router.route`); the stats
+    then carry the router's own choice (`MoEStats.chosen_BTK`)."""
     b, t, d = x_BTD.shape
     x_in_BTD = x_BTD.astype(dtype)
     if strategy.uses_shard_map(c, ep.mesh_size()):
-        out_BTD, stats, stash = ep.apply(p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype, stash)
+        out_BTD, stats, stash = ep.apply(
+            p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype, stash, imposed_BTK
+        )
         return _finish(p, x_BTD, out_BTD, c, dtype), stats, stash
     if c.sparse_matmul:
-        out_ND, sums, stash = chunks.over_rows(
-            lambda x_ND, s: _sparse_chunk(p, x_ND, c, dtype, s),
-            x_in_BTD.reshape(b * t, d),
+        imposed_NK = None if imposed_BTK is None else imposed_BTK.reshape(b * t, -1)
+        (out_ND, chosen_NK), sums, stash = chunks.over_rows(
+            lambda rows, s: _sparse_chunk(p, rows, c, dtype, s),
+            (x_in_BTD.reshape(b * t, d), imposed_NK),
             c,
             stash,
         )
         out_BTD = out_ND.reshape(b, t, d)
+        chosen_BTK = None if chosen_NK is None else chosen_NK.reshape(b, t, -1)
     else:
-        out_BTD, sums = chunks.over_positions(
-            lambda x_chunk_BTD: _einsum_chunk(p, x_chunk_BTD, c, dtype),
-            x_in_BTD,
+        (out_BTD, chosen_BTK), sums = chunks.over_positions(
+            lambda chunk: _einsum_chunk(p, chunk, c, dtype),
+            (x_in_BTD, imposed_BTK),
             c,
         )
     counts_E, prob_sum_E, dropped = sums
     stats = router.balance_stats(counts_E, prob_sum_E, b * t, c, dropped)
+    stats = dataclasses.replace(stats, chosen_BTK=chosen_BTK)
     return _finish(p, x_BTD, out_BTD, c, dtype), stats, stash
 
 
-def _sparse_chunk(p: MoE, x_ND, c: Config, dtype, stash: Stash | None):
-    """One chunk of the one-device sorted path: (out [N, D], (counts_E, prob_sum_E, dropped),
+def _sparse_chunk(p: MoE, rows, c: Config, dtype, stash: Stash | None):
+    """One chunk of the one-device sorted path: rows (x [N, D], imposed [N, K] or None) ->
+    ((out [N, D], the router's own choice [N, K] or None), (counts_E, prob_sum_E, dropped),
     stash)."""
-    routing = router.route(p.router, x_ND, c)
+    x_ND, imposed_NK = rows
+    routing = router.route(p.router, x_ND, c, imposed_NK)
     out_ND, dropped, stash = dispatch.sparse(x_ND, routing, p, c, dtype, stash)
-    return out_ND, (routing.counts_E, routing.prob_sum_E, dropped), stash
+    return (out_ND, routing.chosen_NK), (routing.counts_E, routing.prob_sum_E, dropped), stash
 
 
-def _einsum_chunk(p: MoE, x_BTD, c: Config, dtype):
+def _einsum_chunk(p: MoE, chunk, c: Config, dtype):
     """One chunk (of every sequence) of the one-hot einsum path, like `_sparse_chunk`."""
+    x_BTD, imposed_BTK = chunk
     b, t, d = x_BTD.shape
     k = c.num_experts_per_tok
-    routing = router.route(p.router, x_BTD.reshape(b * t, d), c)
+    imposed_NK = None if imposed_BTK is None else imposed_BTK.reshape(b * t, k)
+    routing = router.route(p.router, x_BTD.reshape(b * t, d), c, imposed_NK)
     out_BTD, dropped = dispatch.capacity_einsum(
         x_BTD,
         routing.experts_NK.reshape(b, t, k),
@@ -93,7 +107,8 @@ def _einsum_chunk(p: MoE, x_BTD, c: Config, dtype):
         c,
         dtype,
     )
-    return out_BTD, (routing.counts_E, routing.prob_sum_E, dropped)
+    chosen_BTK = None if routing.chosen_NK is None else routing.chosen_NK.reshape(b, t, k)
+    return (out_BTD, chosen_BTK), (routing.counts_E, routing.prob_sum_E, dropped)
 
 
 def _finish(p: MoE, x_BTD, out_BTD, c: Config, dtype):

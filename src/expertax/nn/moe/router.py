@@ -6,6 +6,11 @@ DeepSeek-V3 (arXiv:2412.19437 Sec. 2.1.2): sigmoid scores; a per-expert bias add
 loads); experts split into `n_routing_groups`, each token keeps the `topk_routing_group` groups
 with the largest sum of their two best scores; weights normalized and scaled by
 `routed_scaling_factor`. Masked experts get -inf before top-k (as DeepSeek's reference code).
+
+A selection can be imposed (`route(..., imposed_NK)`, `expertax parity --impose-routing`): the
+(token, slot) entries >= 0 replace the router's top-k choice, the weights are still this router's
+scores of the imposed experts, and the router's own choice is returned beside it (`chosen_NK`),
+so that two layouts can be compared without the near-tie flips of a top-k selection.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class Routing:
     weights_NK: jax.Array  # float32
     counts_E: jax.Array  # float32: assignments per expert
     prob_sum_E: jax.Array  # float32: sum over tokens of the normalized scores
+    # int32 [N, K]: the router's own top-k choice, only when a selection was imposed (else None)
+    chosen_NK: jax.Array | None = None
 
 
 @params_dataclass
@@ -45,6 +52,9 @@ class MoEStats:
     # fit (it is recomputed), and the capacity factor the stack's rows needed so far (float32)
     stash_overflow: Leaf = None
     stash_factor: Leaf = None
+    # int32 [B, T, K]: the router's own top-k choice per token, only where a selection was imposed
+    # (`route(..., imposed_NK)`; tools/parity.py's routing probe), else None
+    chosen_BTK: Leaf = None
 
 
 def spec(c: Config) -> Router:
@@ -67,7 +77,10 @@ def _group_mask(choice_NE: jax.Array, c: Config) -> jax.Array:
     return jnp.repeat(keep_NU, e // u, axis=1)
 
 
-def route(p: Router, x_ND: jax.Array, c: Config) -> Routing:
+def route(p: Router, x_ND: jax.Array, c: Config, imposed_NK: jax.Array | None = None) -> Routing:
+    """Route the tokens [N, D]. `imposed_NK` (int32 [N, K], optional): where >= 0, the expert of
+    that (token, slot) instead of the router's choice; the router's own choice is then returned as
+    `chosen_NK`. Without it the program is the plain router's."""
     logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), p.w.astype(jnp.float32))
     if c.use_random_routing:
         key = jax.random.key(17)
@@ -82,13 +95,17 @@ def route(p: Router, x_ND: jax.Array, c: Config) -> Routing:
     if c.uses_routing_groups:
         choice_NE = jnp.where(_group_mask(choice_NE, c), choice_NE, -jnp.inf)
     _, experts_NK = jax.lax.top_k(choice_NE, c.num_experts_per_tok)
+    chosen_NK = None
+    if imposed_NK is not None:
+        chosen_NK = experts_NK.astype(jnp.int32)
+        experts_NK = jnp.where(imposed_NK >= 0, imposed_NK, chosen_NK)
     weights_NK = jnp.take_along_axis(scores_NE, experts_NK, axis=-1)
     if c.norm_topk_prob and c.num_experts_per_tok > 1:
         weights_NK = weights_NK / (jnp.sum(weights_NK, -1, keepdims=True) + 1e-20)
     weights_NK = weights_NK * c.routed_scaling_factor
     counts_E = jnp.zeros((c.num_experts,), jnp.float32).at[experts_NK.reshape(-1)].add(1.0)
     probs_NE = scores_NE / jnp.sum(scores_NE, -1, keepdims=True)
-    return Routing(experts_NK.astype(jnp.int32), weights_NK, counts_E, probs_NE.sum(0))
+    return Routing(experts_NK.astype(jnp.int32), weights_NK, counts_E, probs_NE.sum(0), chosen_NK)
 
 
 def balance_stats(counts_E, prob_sum_E, num_tokens, c: Config, dropped) -> MoEStats:
