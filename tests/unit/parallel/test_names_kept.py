@@ -19,7 +19,7 @@ from expertax.config import ConfigError, load_config
 from expertax.nn.moe import layer
 from expertax.nn.moe import stash as stash_mod
 from expertax.parallel import remat
-from expertax.planner.residuals import layer_residuals, residual_sources
+from expertax.planner.residuals import layer_residuals, names_not_saved, residual_sources
 from expertax.train import step as step_lib
 from expertax.train.trainer import build_trainer
 
@@ -156,3 +156,19 @@ def test_fused_gradients_with_the_expert_outputs_kept_equal_recomputed():
     other = dataclasses.replace(p, router=dataclasses.replace(p.router, w=p.router.w * 1.01))
     moved = grads(c_kept, other)[0].router.w
     assert not np.allclose(np.asarray(moved), np.asarray(router_w), **tol(jnp.float32))
+
+
+def test_the_report_names_each_placed_name_no_residual_carries():
+    """`minimal` places mlpwo, qkv_proj, the MoE output and MLA's names on device; a dense GQA
+    model saves none of them, and the report says why for each (names_not_saved)."""
+    c = load_config(overrides={**SHORT, "model_name": "llama-tiny", "remat_policy": "minimal"})
+    res = layer_residuals(c, moe=False, batch_local=1)
+    missing = names_not_saved(c, res)
+    mla = {remat.QUERY_WA_PROJ, remat.KV_WA_PROJ, remat.MLA_Q, remat.MLA_KV}
+    assert set(missing) == {remat.QKV_PROJ, remat.MLPWO, remat.MOE_MLPWO, *mla}
+    assert "residual add" in missing[remat.MLPWO]
+    assert "no routed experts" in missing[remat.MOE_MLPWO]
+    assert "attention_type=gqa" in missing[remat.MLA_Q]
+    assert set(remat.names_kept(c)["dense"]).isdisjoint(missing)
+    # negative control: a report whose residuals lack a saved name lists it too
+    assert remat.OUT_PROJ in names_not_saved(c, [r for r in res if r.name != remat.OUT_PROJ])
