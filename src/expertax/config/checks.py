@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from expertax.config.schema import Config
+from expertax.parallel import remat
 from expertax.parallel.remat import STASHABLE, stashed_names
 
 
@@ -309,6 +310,20 @@ def check_paged_stash(c: Config) -> None:
         )
 
 
+def check_placements(c: Config) -> None:
+    """A name placed on device or offload (remat_policy=custom) that no layer of this config
+    saves is refused: the placement would do nothing (parallel/remat.py `unkept`)."""
+    if c.remat_policy != "custom":
+        return
+    unkept = remat.unkept(c)
+    for name, place in remat.config_placements(c).items():
+        if place != remat.REMAT and name in unkept:
+            raise ConfigError(
+                f"{name}={place}: no layer of {c.model_name} saves it: {unkept[name]}; "
+                f"otherwise set {name}=remat"
+            )
+
+
 ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_gmm_tiles,
     check_vocab_tiling,
@@ -327,6 +342,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_ring_of_experts,
     check_moe_token_chunks,
     check_paged_stash,
+    check_placements,
     check_data_files,
     check_eval,
     check_profiler,

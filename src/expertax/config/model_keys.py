@@ -162,8 +162,8 @@ class MoESection(_Section):
         "routed rows, run the expert FFN and scatter-add its weighted outputs inside the grouped "
         "loops (nn/moe/routed.py: no [rows, D] buffers, no hidden-gradient buffers; when the remat "
         "policy recomputes moe_mlpwi_0 and moe_mlpwi_1, no [rows, F] gate/up either: the "
-        "backward loop projects each tile again); false: a separate row gather, grouped "
-        "matmuls and scatter. Not with moe_paged_stash.",
+        "backward loop projects each tile again; the [rows, D] expert outputs only when "
+        "moe_mlpwo is kept); false: a separate row gather, grouped matmuls and scatter.",
     )
     # Expert parallelism (docs/design/ep.md): the sparse path inside one shard_map.
     use_ring_of_experts: bool = _key(

@@ -16,7 +16,18 @@ Where each name is produced (docs/design/remat.md has the table with shapes):
 - attention_out: the attention kernel's output; out_proj: after the output projection wo.
 - mlpwi_0, mlpwi_1, mlpwo: dense SwiGLU gate, up and output (dense layers and shared experts).
 - moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo: routed experts' gate, up and output, in every dispatch
-  path (dense einsum, sparse grouped matmul, expert-parallel paths reusing expert_ffn_sorted).
+  path: the dense einsum, the separate sparse path (`expert_ffn_sorted`) and the fused routed
+  FFN (nn/moe/routed.py, the default, on one device and under the all-to-all and the ring),
+  which makes the gate and up `[M, F]` only when one of them is kept and the expert outputs
+  `[M, D]` only when moe_mlpwo is kept (its backward reads them then; otherwise it needs none).
+  With a paged stash the kept ones are stashed (nn/moe/stash.py).
+
+Which names each stack of a config can keep is `names_kept` (`unkept` says why not): mlpwo
+never (it feeds only the residual add), qkv_proj never, MLA names only under MLA, moe_* only
+in MoE layers, mlpwi_* in MoE layers only with shared experts, nothing but the layer input in
+a stack the pipeline runs whole or (but the stashed names) in a stashed MoE stack. A custom
+placement of a name no stack keeps is refused (config/checks.py); docs/design/remat.md has the
+table by path.
 - query_wa_proj, kv_wa_proj: MLA's low-rank down projections (x @ wq_a, x @ wkv_a).
 - mla_q, mla_kv: MLA's per-head queries (before RoPE) and the up-projected keys/values.
 
@@ -112,6 +123,61 @@ def stashed_names(c) -> tuple[str, ...]:
     """The STASHABLE names a Config keeps (device or offload): the ones its paged stash holds."""
     place = config_placements(c)
     return tuple(n for n in STASHABLE if place[n] != REMAT)
+
+
+def stacks(c) -> tuple[str, ...]:
+    """The layer stacks of a Config: "dense" and/or "moe"."""
+    return tuple(s for s, n in (("dense", c.num_dense_layers), ("moe", c.num_moe_layers)) if n)
+
+
+def unkept_in_stack(c, stack: str) -> dict[str, str]:
+    """Name -> why no layer of `stack` ("dense" or "moe") of Config `c` ever saves it, placed
+    alone on `device` or `offload`, for every name its paths do not keep (the per-name tests in
+    tests/unit/parallel/test_names_kept.py pin this against the traced residuals)."""
+    why = {
+        QKV_PROJ: "neither GQA nor MLA computes a fused q/k/v projection (keep query_proj, "
+        "key_proj and value_proj instead)",
+        MLPWO: "the MLP output feeds only the residual add, so no backward pass reads it "
+        "(keep mlpwi_0 and mlpwi_1 to save the MLP's matmuls)",
+    }
+    if c.attention_type != "mla":
+        reason = f"attention_type={c.attention_type} computes no MLA projection"
+        why |= dict.fromkeys((QUERY_WA_PROJ, KV_WA_PROJ, MLA_Q, MLA_KV), reason)
+    elif not c.q_lora_rank:
+        why[QUERY_WA_PROJ] = "q_lora_rank=0: MLA projects the queries without a low-rank down "
+        why[QUERY_WA_PROJ] += "projection (set q_lora_rank > 0 to have one)"
+    if stack == "moe" and not c.shared_experts:
+        why |= dict.fromkeys((MLPWI_0, MLPWI_1), "an MoE layer without shared experts has no MLP")
+    if stack == "dense":
+        why |= dict.fromkeys(STASHABLE, "a dense layer has no routed experts")
+    layers = c.num_moe_layers if stack == "moe" else c.num_dense_layers
+    if c.pipelined_stack == stack and c.pipelined_layers == layers and c.remat_policy != "none":
+        reason = (
+            "a pipelined layer keeps only its iteration's input and recomputes the rest "
+            "(models/pipeline.py; set pipeline_parallel_layers below the stack's layers to run "
+            "some outside the pipeline)"
+        )
+        why |= {n: why.get(n, reason) for n in ALL_NAMES if n != DECODER_LAYER_INPUT}
+    elif stack == "moe" and c.moe_paged_stash:
+        reason = (
+            "with moe_paged_stash=true the MoE stack keeps per layer only its input and the "
+            f"stashed names ({', '.join(STASHABLE)}; set moe_paged_stash=false)"
+        )
+        kept = {DECODER_LAYER_INPUT, *STASHABLE}
+        why |= {n: why.get(n, reason) for n in ALL_NAMES if n not in kept}
+    return why
+
+
+def names_kept(c) -> dict[str, list[str]]:
+    """Stack -> the names its layers save when placed on `device` or `offload`."""
+    return {s: [n for n in ALL_NAMES if n not in unkept_in_stack(c, s)] for s in stacks(c)}
+
+
+def unkept(c) -> dict[str, str]:
+    """Name -> why no layer of Config `c` saves it: the names that no stack keeps."""
+    per_stack = [unkept_in_stack(c, s) for s in stacks(c)]
+    common = set.intersection(*(set(w) for w in per_stack)) if per_stack else set(ALL_NAMES)
+    return {n: "; ".join(dict.fromkeys(w[n] for w in per_stack)) for n in ALL_NAMES if n in common}
 
 
 def placements(remat_policy: str, custom: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -38,6 +38,9 @@ def format_report(r: dict) -> str:
     ]
     if r.get("pipeline"):
         lines += memory_pipeline.format_pipeline(r["pipeline"], _fmt)
+    for stack, names in r.get("names_kept", {}).items():
+        lines.append(f"checkpoint names a {stack} layer can keep: {', '.join(names)}")
+    lines += [f"placed but not saved: {why}" for why in r.get("names_not_saved", {}).values()]
     lines.append("saved residuals per layer (name, shape, bytes, placement, x layers = total):")
     for res in r["residuals"]:
         shape = "x".join(map(str, res["shape"])) or "scalar"

@@ -41,7 +41,12 @@ from expertax.config.schema import Config
 from expertax.parallel import remat
 from expertax.planner import pipeline as memory_pipeline
 from expertax.planner.attribute import compile_and_attribute
-from expertax.planner.residuals import iteration_residual_bytes, residual_total, stack_residuals
+from expertax.planner.residuals import (
+    iteration_residual_bytes,
+    names_not_saved,
+    residual_total,
+    stack_residuals,
+)
 from expertax.planner.stash import stash_report
 from expertax.train.trainer import build_trainer
 
@@ -160,6 +165,8 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top:
         ),
         "parameter_memory_host_offload": c.parameter_memory_host_offload,
         "optimizer_memory_host_offload": c.optimizer_memory_host_offload,
+        "names_kept": remat.names_kept(c),
+        "names_not_saved": names_not_saved(c, residuals),
         "residuals": [r.as_json() for r in residuals],
         "residual_bytes_device": residual_total(residuals, "device"),
         "residual_bytes_host": residual_total(residuals, "host"),

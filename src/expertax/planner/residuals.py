@@ -110,8 +110,11 @@ def residual_sources(fn, *args) -> list[ResidualSource]:
         for v in eqn.outvars:
             if v not in wanted:
                 continue
+            inner = _named_inside(eqn, eqn.outvars.index(v))
             if eqn.primitive.name == "name":
                 out.append(_source("named", v, name=eqn.params["name"]))
+            elif inner is not None:
+                out.append(_source("named", inner[1], name=inner[0]))
             elif eqn.primitive.name in ("jit", "pjit"):
                 name = f"jitted function '{eqn.params['name']}'"
                 out.append(_source("unnamed", v, name=name, where=_where(eqn)))
@@ -119,6 +122,22 @@ def residual_sources(fn, *args) -> list[ResidualSource]:
                 name = eqn.primitive.name
                 out.append(_source("unnamed", v, name=name, where=_where(eqn)))
     return out
+
+
+def _named_inside(eqn, i: int):
+    """(name, per-device var) when output `i` of a `shard_map` equation is a `checkpoint_name`
+    made inside its body (a remat policy's saved value leaves the shard_map as an output; the
+    MoE layer under expert parallelism), else None."""
+    if eqn.primitive.name != "shard_map":
+        return None
+    body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+    var = body.outvars[i]
+    fence = {e.outvars[0]: e.invars[0] for e in body.eqns if e.primitive.name == "reduce_precision"}
+    var = fence.get(var, var)
+    for e in body.eqns:
+        if e.primitive.name == "name" and var in e.outvars:
+            return e.params["name"], var
+    return None
 
 
 def _source(kind: str, var, **fields) -> ResidualSource:
@@ -221,3 +240,25 @@ def iteration_residual_bytes(c: Config, microbatch_rows: int) -> int | None:
 
 def residual_total(residuals: list[Residual], placement: str) -> int:
     return sum(r.bytes * r.layers for r in residuals if r.placement == placement)
+
+
+def names_not_saved(c: Config, residuals: list[Residual]) -> dict[str, str]:
+    """Name -> why, for every name the config places on `device` or `offload` that no reported
+    residual carries (none but the unavoidable after config checks: a name whose tensor the
+    backward reads through another kept name, or one a stack cannot keep while another does)."""
+    if c.remat_policy == "none":
+        return {}
+    saved = {r.name.removeprefix(STASH_PREFIX) for r in residuals}
+    out = {}
+    for name, place in remat.config_placements(c).items():
+        if place == remat.REMAT or name in saved:
+            continue
+        why = remat.unkept(c).get(name)
+        if why is None:
+            why = "the backward pass reads another kept name instead (as mla_q when query_proj "
+            why += "is kept: it reads their concat)"
+        out[name] = f"{name}={place}: {why}"
+    return out
+
+
+STASH_PREFIX = "paged_stash:"  # the residual name of a stashed name's shared buffer

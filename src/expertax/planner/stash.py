@@ -15,7 +15,7 @@ from expertax.models import decoder, stashed_stack
 from expertax.nn import param
 from expertax.nn.moe import stash as stash_mod
 from expertax.parallel import remat
-from expertax.planner.residuals import Residual
+from expertax.planner.residuals import STASH_PREFIX, Residual
 
 
 def _named_shapes(jaxpr, names: set[str], mult: int = 1) -> dict[str, int]:
@@ -48,9 +48,8 @@ def _named_shapes(jaxpr, names: set[str], mult: int = 1) -> dict[str, int]:
 def worst_case_stash_rows(c: Config, trainer) -> dict[str, int]:
     """Stashed name -> elements one MoE layer saves per device without the stash: its grouped
     matmul outputs at their worst-case row count (the all-to-all receive buffer, the ring's
-    gathered rows; per token chunk, times the chunks), traced on the trainer's mesh. With the
-    fused routed FFN (`moe_fused_routed_ffn`, nn/moe/routed.py) there is no expert output to
-    save: moe_mlpwo counts zero."""
+    gathered rows; per token chunk, times the chunks), traced on the trainer's mesh. The path
+    is the stashed one's (fused or separate): both tag the same kept names."""
     dtype = jnp.dtype(c.dtype)
     plain = c.model_copy(update={"moe_paged_stash": False})
     block = param.abstract(decoder.block_spec(plain, moe=True), jnp.dtype(c.weight_dtype))
@@ -103,6 +102,3 @@ def stash_report(c: Config, trainer, batch_local: int) -> tuple[dict, list[Resid
         for n, w in widths.items()
     ]
     return report, residuals
-
-
-STASH_PREFIX = "paged_stash:"  # the residual name of a stashed name's shared buffer

@@ -37,14 +37,11 @@ GQA_EXPECTED = {
     "save_dot_except_mlp": {DLI, Q, K, V, OUT},
     "save_out_proj": {DLI, OUT},
 }
-# The routed experts' output feeds the weighted combine, so `minimal` keeps it in MoE layers of
-# the separate sparse path; the fused routed FFN (the default) never makes it (SEPARATE below).
+# The routed experts' output feeds the weighted combine (the separate path) or the fused
+# routed FFN's routing-weight gradient when kept, so `minimal` keeps it in MoE layers.
 MOE_EXTRA = {"minimal": {MOE_WO}}
 
 SHORT = ["max_target_length=16"]
-# The fused routed FFN (nn/moe/routed.py, the sparse path's default) never makes the expert
-# output y (moe_mlpwo): its backward pass does not need it. The einsum dispatch and the
-# separate sparse path (moe_fused_routed_ffn=false, or with a paged stash) do.
 SEPARATE = "moe_fused_routed_ffn=false"
 
 
@@ -88,7 +85,7 @@ def test_preset_saves_exactly_its_names(model, expected, preset, fused):
     stacks = [m for m, n in ((False, c.num_dense_layers), (True, c.num_moe_layers)) if n]
     for moe in stacks:
         names = _names(c, moe)
-        extra = MOE_EXTRA.get(preset, set()) if moe and not fused else set()
+        extra = MOE_EXTRA.get(preset, set()) if moe else set()
         want = expected[preset] | extra
         assert len(names) == len(set(names)), names  # one residual per name
         assert set(names) == want, (model, preset, moe)
@@ -109,7 +106,6 @@ def test_custom_placements_are_reported_by_name():
             "moe_mlpwo=offload",
             "query_wa_proj=device",
             "kv_wa_proj=offload",
-            SEPARATE,
             *SHORT,
         ]
     )
@@ -132,11 +128,16 @@ def test_custom_layer_input_remat_is_still_kept_as_the_layer_argument():
 
 
 @pytest.mark.parametrize(
-    "offloaded, path", [("moe_mlpwo", SEPARATE), ("moe_mlpwi_0", "moe_fused_routed_ffn=true")]
+    "offloaded, path",
+    [
+        ("moe_mlpwo", SEPARATE),
+        ("moe_mlpwo", "moe_fused_routed_ffn=true"),
+        ("moe_mlpwi_0", "moe_fused_routed_ffn=true"),
+    ],
 )
 def test_offloaded_residuals_really_live_on_the_host(offloaded, path):
     """The real policy (not the report's trace) moves exactly the offloaded names to host: the
-    expert output of the separate path, the gate of the fused routed FFN."""
+    expert output of the separate and of the fused path, the gate of the fused routed FFN."""
     from jax._src.ad_checkpoint import saved_residuals
 
     c = load_config(
@@ -208,13 +209,13 @@ MLA_TAGS = {
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["model_name=deepseek3-tiny"], MLA_TAGS - {MOE_WO}),
+        (["model_name=deepseek3-tiny"], MLA_TAGS),
         (["model_name=deepseek3-tiny", SEPARATE], MLA_TAGS),
         (["model_name=deepseek3-tiny", "sparse_matmul=false"], MLA_TAGS),
-        (["model_name=deepseek3-tiny", "q_lora_rank=0"], MLA_TAGS - {QA, MOE_WO}),
+        (["model_name=deepseek3-tiny", "q_lora_rank=0"], MLA_TAGS - {QA}),
         (
             ["model_name=mixtral-tiny"],
-            {DLI, Q, K, V, ATT, OUT, remat.MOE_MLPWI_0, remat.MOE_MLPWI_1},
+            {DLI, Q, K, V, ATT, OUT, remat.MOE_MLPWI_0, remat.MOE_MLPWI_1, MOE_WO},
         ),
         (
             ["model_name=llama-tiny"],
@@ -242,9 +243,9 @@ def test_renamed_tag_is_caught(monkeypatch):
 
 
 def test_offload_without_pinned_host_is_an_error(monkeypatch):
-    c = load_config(overrides=["model_name=llama-tiny", "remat_policy=custom", "mlpwo=offload"])
+    c = load_config(overrides=["model_name=llama-tiny", "remat_policy=custom", "mlpwi_0=offload"])
     monkeypatch.setattr(remat, "backend_has_pinned_host", lambda devices=None: False)
-    with pytest.raises(ValueError, match="mlpwo=offload.*no pinned_host"):
+    with pytest.raises(ValueError, match="mlpwi_0=offload.*no pinned_host"):
         remat.wrap_layer(lambda x: x, c, prevent_cse=False)
     monkeypatch.undo()
     remat.wrap_layer(lambda x: x, c, prevent_cse=False)  # the CPU backend has pinned_host

@@ -25,8 +25,8 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def report():
-    # the separate sparse path, which makes the expert output moe_mlpwo (the fused routed FFN
-    # never does; its offloaded gate is checked in tests/unit/parallel/test_remat.py)
+    # the separate sparse path (the fused routed FFN keeps moe_mlpwo too:
+    # tests/unit/parallel/test_names_kept.py)
     overrides = ["remat_policy=custom", "moe_mlpwo=offload", "query_wa_proj=device"]
     c = load_config(overrides=[*SMALL, *overrides, "moe_fused_routed_ffn=false"])
     return c, memory_report(c, hbm_gib=1.0)
@@ -128,8 +128,8 @@ def test_cli_writes_json_and_says_whether_it_fits(tmp_path, capsys):
 
 def test_offload_the_backend_cannot_honour_is_an_error(monkeypatch, capsys):
     monkeypatch.setattr(remat, "backend_has_pinned_host", lambda devices=None: False)
-    rc = cli.main(["memory", "model_name=llama-tiny", "remat_policy=custom", "mlpwo=offload"])
-    assert rc == 2 and "mlpwo=offload" in capsys.readouterr().err
+    rc = cli.main(["memory", "model_name=llama-tiny", "remat_policy=custom", "mlpwi_0=offload"])
+    assert rc == 2 and "mlpwi_0=offload" in capsys.readouterr().err
     rc = cli.main(["memory", "model_name=llama-tiny", "optimizer_memory_host_offload=true"])
     assert rc == 2 and "optimizer_memory_host_offload=true" in capsys.readouterr().err
 

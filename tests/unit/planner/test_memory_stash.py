@@ -10,7 +10,8 @@ from expertax.parallel import remat
 from expertax.planner.format import format_report
 from expertax.planner.plan import memory_report
 from expertax.planner.residuals import layer_residuals
-from expertax.planner.stash import STASH_PREFIX
+from expertax.planner.stash import STASH_PREFIX, worst_case_stash_rows
+from expertax.train.trainer import build_trainer
 
 # deepseek3-tiny with 8 MoE layers (1 dense + 8), EP=4 x FSDP=2 on the 8 simulated devices,
 # batch 1 per device x 32 tokens, D=128, K=4, 16 experts (4 per device), float32.
@@ -26,9 +27,6 @@ STASHED = [
     "moe_mlpwo=device",
     "query_wa_proj=device",
     "moe_paged_stash=true",
-    # the worst case is the separate path's: the fused routed FFN (nn/moe/routed.py, the
-    # default without a stash) keeps no moe_mlpwo at all, so it would report zero here
-    "moe_fused_routed_ffn=false",
 ]
 
 
@@ -88,3 +86,16 @@ def test_text_report_has_the_stash_line(stashed):
     assert "buffer 691.50 KiB" in line and "worst case without the stash 2.00 MiB" in line
     assert "buffer / routed 1.35" in line and "worst case / buffer 2.96" in line
     assert r["peak_device_bytes"] > 0
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_the_worst_case_counts_the_stashed_names_of_the_same_path(stashed, fused):
+    """Like with like: without the stash the same path (fused or separate) tags the stashed
+    names (the fused routed FFN keeps its [M, D] expert outputs when moe_mlpwo is kept), so
+    the worst case counts each of them, at the all-to-all receive buffer's rows."""
+    c, _ = stashed
+    c = c.model_copy(update={"moe_fused_routed_ffn": fused})
+    trainer = build_trainer(c)
+    worst = worst_case_stash_rows(c, trainer)
+    assert set(worst) == set(remat.stashed_names(c)) == {remat.MOE_MLPWO}
+    assert worst[remat.MOE_MLPWO] == exchange.buffer_rows(c, 0, 32, 4) * c.base_emb_dim

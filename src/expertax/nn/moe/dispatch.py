@@ -62,7 +62,8 @@ def expert_ffn_sorted(
         values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
         return y, values
 
-    return run_ffn(stash, rows_MD, group_sizes_E, group_offset, wi_0_EDF.shape[0], ffn)
+    m = rows_MD.shape[0]
+    return run_ffn(stash, m, group_sizes_E, group_offset, wi_0_EDF.shape[0], ffn)
 
 
 def permute(x_ND, experts_NK, num_experts):
@@ -139,16 +140,17 @@ def sparse(x_ND, routing, p, c: Config, dtype, stash: Stash | None = None):
     With the fused routed FFN (routed.py) the sorted rows are never a buffer: the grouped loops
     gather each tile's tokens by `order // K` and scatter-add their weighted outputs.
     """
-    if routed.use_fused(c, stash):
+    if routed.use_fused(c):
         n, k = routing.weights_NK.shape
         flat = routing.experts_NK.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         sizes = jnp.zeros((c.num_experts,), jnp.int32).at[flat].add(1)
         weight_M = take_rows(routing.weights_NK.reshape(-1, 1), order, 1)[:, 0]
-        out = routed.routed_ffn(
-            x_ND, order // k, weight_M, p.wi_0, p.wi_1, p.wo, sizes, c, dtype, n=n
+        w = (p.wi_0, p.wi_1, p.wo)
+        out, stash = routed.routed_ffn_stashed(
+            x_ND, order // k, weight_M, w, sizes, c, dtype, stash, n=n
         )
-        return out.astype(dtype), jnp.int32(0), None
+        return out.astype(dtype), jnp.int32(0), stash
     rows, order, sizes = permute(x_ND, routing.experts_NK, c.num_experts)
     y, stash = expert_ffn_sorted(rows, p.wi_0, p.wi_1, p.wo, sizes, c, dtype, stash=stash)
     return unpermute_combine(y, order, routing.weights_NK, c, dtype), jnp.int32(0), stash

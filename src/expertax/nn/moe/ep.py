@@ -181,7 +181,7 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, 
     m, n = recv_MD.shape[0], x_ND.shape[0]
     block = padded_block_rows(c, n, jax.lax.axis_size(EXPERT), m)
     home_weights_NK = routing.weights_NK
-    if routed.use_fused(c, stash):
+    if routed.use_fused(c):
         # The routing weights travel with their rows ([N*K, 1], the same plan) and the grouped
         # loop weights each expert output where it is computed; its VJP gives the weights'
         # gradient from the hidden gradient. The home shard only sums its K rows, so nothing
@@ -192,8 +192,8 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, 
         # sorted row r is received row src[r] and goes back there: gather and unsort by src
         order, sizes_X = local_expert_order(plan.recv_counts_PX, m)
         w_rows = rows.gather_rows(w_recv, order.src_M, order.total)[:, 0]
-        y_MD = routed.routed_ffn(
-            recv_MD, order.src_M, w_rows, wi_0, wi_1, wo, sizes_X, c, dtype, n=m, injective=True
+        y_MD, stash = routed.routed_ffn_stashed(
+            recv_MD, order.src_M, w_rows, w, sizes_X, c, dtype, stash, n=m, injective=True
         )
         home_weights_NK = jnp.ones_like(routing.weights_NK)
     else:
@@ -272,9 +272,9 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, 
         weights_NK = jax.lax.all_gather(weights_NK, EXPERT, tiled=True)
     sel = select_local(experts_NK, weights_NK, jax.lax.axis_index(EXPERT) * x_local, x_local)
     n_all = x_ND.shape[0]
-    if routed.use_fused(c, stash):  # gather, FFN and weighted scatter in the grouped loops
-        out_all = routed.routed_ffn(
-            x_ND, sel.token_R, sel.weight_R, wi_0, wi_1, wo, sel.sizes_X, c, dtype, n=n_all
+    if routed.use_fused(c):  # gather, FFN and weighted scatter in the grouped loops
+        out_all, stash = routed.routed_ffn_stashed(
+            x_ND, sel.token_R, sel.weight_R, w, sel.sizes_X, c, dtype, stash, n=n_all
         )
     else:
         rows_RD = rows.gather_rows(x_ND, sel.token_R, sel.count)

@@ -10,7 +10,7 @@ two loops over the tiled gmm's work items instead of five, and without their `[M
 - `gate_up` (forward): each item gathers its tile of rows from `x_ND` by `idx` and writes both
   projections to the `[M, F]` gate and up buffers, the residuals the backward pass needs (the
   remat names `moe_mlpwi_0` and `moe_mlpwi_1`: a policy keeps, offloads or recomputes them).
-- `down_scatter`: each item computes the SwiGLU and the down projection of its tile and adds the
+- `scatter`: each item computes the SwiGLU and the down projection of its tile and adds the
   weighted rows into the `[N, D]` output by `idx`. Its VJP is one loop too: per item the output
   gradient of the tile's rows is gathered by `idx`, turned into the hidden gradient, then the
   gate's and up's, the three weight gradients, the routing weights' gradient and the input
@@ -18,13 +18,20 @@ two loops over the tiled gmm's work items instead of five, and without their `[M
   the `[M, F]` hidden or gate/up gradients are ever buffers.
 
 When the remat policy recomputes both gate and up (`recomputes_gate_up`: every preset but
-`none`), the two loops are one and nothing `[M, F]` is stored: `ffn_scatter`'s forward loop
+`none`), the two loops are one and nothing `[M, F]` is stored: `scatter`'s forward loop
 projects, applies the SwiGLU and the down projection and scatter-adds per tile, and its VJP's
 loop projects each tile's gathered rows again (two more dots per tile, the recomputation the
 policy asks for, without the `[M, F]` buffers a replayed `gate_up` loop would fill).
 
 The routing weight's gradient needs no expert output y: `d weight[m] = <dout[idx[m]], y[m]>`
-= `<dout[idx[m]] @ wo[x]^T, h[m]>`, and `dout[idx[m]] @ wo[x]^T` is computed anyway.
+= `<dout[idx[m]] @ wo[x]^T, h[m]>`, and `dout[idx[m]] @ wo[x]^T` is computed anyway. So y is
+kept only when the policy asks for it (`moe_mlpwo` on `device` or `offload`, e.g. `minimal`,
+`none`; `keeps_expert_output`): then `expert_out`, a loop of its own, writes every tile's
+output to an `[M, D]` buffer tagged `moe_mlpwo`, `scatter` only weights and adds its rows, and
+the backward loop reads the routing weight's gradient from it. The price is the buffer (device
+or host memory, as placed) and one more pass over the rows in the forward; the backward's dots
+are the same (the down projection is never recomputed either way). With `moe_mlpwo` on
+`remat` (the default) nothing changes: no `[M, D]` buffer, no extra loop.
 
 On one device (`dispatch.sparse`) `x_ND` is the tokens and `idx` each sorted assignment's token
 (`order // K`); in the ring (`ep.ring_dispatch`) `x_ND` is the all-gathered tokens and `idx`
@@ -34,8 +41,8 @@ each routed row's token; in the all-to-all (`ep.a2a_dispatch`) `x_ND` is the rec
 buffer of weighted rows to send back, unsorted already; their home shard only sums them.
 Per item there are as many dots as in the separate path (three forward, six backward; eight
 with gate and up recomputed), and the cost of the gathers and scatter-adds follows the routed
-rows, as the tiled gmm's does. Tiled backend only; a paged stash (stash.py), which stores the
-expert outputs, uses the separate path (`use_fused`).
+rows, as the tiled gmm's does. Tiled backend only (`use_fused`). A paged stash (stash.py)
+holds the kept `[M, *]` values (`routed_ffn_stashed`): in its read mode they are taken from it.
 """
 
 from __future__ import annotations
@@ -48,15 +55,13 @@ import jax.numpy as jnp
 from expertax.config.schema import Config
 from expertax.nn.moe import gmm as gmm_mod
 from expertax.nn.moe.gmm import glu, varying_like
+from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.parallel import remat
 
 
-def use_fused(c: Config, stash) -> bool:
-    """Whether the sparse path runs `routed_ffn` (`moe_fused_routed_ffn`, the tiled gmm, no
-    paged stash)."""
-    return (
-        c.moe_fused_routed_ffn and stash is None and gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
-    )
+def use_fused(c: Config) -> bool:
+    """Whether the sparse path runs `routed_ffn` (`moe_fused_routed_ffn` and the tiled gmm)."""
+    return c.moe_fused_routed_ffn and gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
 
 
 def recomputes_gate_up(c: Config) -> bool:
@@ -65,6 +70,13 @@ def recomputes_gate_up(c: Config) -> bool:
     `none`) rather than kept as `[M, F]` residuals."""
     place = remat.config_placements(c)
     return place[remat.MOE_MLPWI_0] == remat.REMAT and place[remat.MOE_MLPWI_1] == remat.REMAT
+
+
+def keeps_expert_output(c: Config) -> bool:
+    """Whether the policy keeps the expert outputs (`moe_mlpwo` on `device` or `offload`): the
+    loops then store them as an `[M, D]` residual that the backward loop reads for the routing
+    weights' gradient."""
+    return remat.config_placements(c)[remat.MOE_MLPWO] != remat.REMAT
 
 
 def routed_ffn(
@@ -89,24 +101,57 @@ def routed_ffn(
     routed rows share an output row (the all-to-all's receive buffer): nothing is summed, so
     each weighted row (its product still in the accumulator's dtype) is written in `dtype`.
     """
+    w = (wi_0_XDF, wi_1_XDF, wo_XFD)
+    args = (x_ND, idx_M, weight_M, w, sizes_X, c, dtype, None)
+    return routed_ffn_stashed(*args, n=n, injective=injective)[0]
+
+
+def routed_ffn_stashed(
+    x_ND, idx_M, weight_M, w, sizes_X, c: Config, dtype, stash: Stash | None, *, n, injective=False
+):
+    """`routed_ffn` (`w`: wi_0, wi_1, wo) with a paged stash (stash.py): (out, stash).
+
+    The kept names' `[M, *]` values (sorted rows, the routed ones first: the valid rows are
+    `[0, sum(sizes))`) are written to the stash, or, in its read mode, taken from it instead
+    of computed."""
     acc = jnp.float32 if (weight_M is not None and c.float32_weight_sum) else jnp.dtype(dtype)
     out_dtype = jnp.dtype(dtype) if injective else acc
     m = idx_M.shape[0]
     tiles = gmm_mod._tile_ladder(m, c.gmm_tile_rows, c.gmm_tile_rows_min)
-    ws = (wi_0_XDF.astype(dtype), wi_1_XDF.astype(dtype), wo_XFD.astype(dtype))
+    ws = tuple(a.astype(dtype) for a in w)
     weight = jnp.ones((m,), acc) if weight_M is None else weight_M.astype(acc)
     args = (x_ND.astype(dtype), idx_M.astype(jnp.int32), weight, *ws, sizes_X.astype(jnp.int32))
     x, idx, weight, wi_0, wi_1, wo, sizes = (varying_like(a, *args) for a in args)
     unit = weight_M is None
-    if recomputes_gate_up(c):
-        return _ffn_scatter(x, idx, weight, wi_0, wi_1, wo, sizes, n, tiles, unit, out_dtype)
-    # gate and up: values only (their gradients are computed by down_scatter's VJP, which
-    # takes x and the weights as its own inputs), tagged so that remat policies see them.
+    # The kept values are computed from stopped inputs and tagged, so that remat policies see
+    # them; `_scatter`'s VJP takes x and the weights as its own inputs and gives their gradients.
     sg = jax.lax.stop_gradient
-    gate, up = _gate_up(sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(sizes), tiles)
-    gate = remat.tag(gate, remat.MOE_MLPWI_0)
-    up = remat.tag(up, remat.MOE_MLPWI_1)
-    return _down_scatter(x, idx, weight, gate, up, wi_0, wi_1, wo, sizes, n, tiles, unit, out_dtype)
+    keep_gate_up = not recomputes_gate_up(c)
+    keep_y = keeps_expert_output(c) and not unit  # unit weights: no routing-weight gradient
+
+    def ffn(given):
+        gate = up = y = None
+        if keep_gate_up:
+            gate, up = given.get(remat.MOE_MLPWI_0), given.get(remat.MOE_MLPWI_1)
+            if gate is None or up is None:
+                computed = _gate_up(sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(sizes), tiles)
+                gate = computed[0] if gate is None else gate
+                up = computed[1] if up is None else up
+            gate = remat.tag(gate, remat.MOE_MLPWI_0)
+            up = remat.tag(up, remat.MOE_MLPWI_1)
+        if keep_y:
+            y = given.get(remat.MOE_MLPWO)
+            if y is None:
+                stopped = (sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(wo), sg(sizes))
+                y = _expert_out(*stopped, None if gate is None else (gate, up), tiles)
+            y = remat.tag(y, remat.MOE_MLPWO)
+        out = _scatter(
+            x, idx, weight, wi_0, wi_1, wo, sizes, gate, up, y, n, tiles, unit, out_dtype
+        )
+        values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
+        return out, {k: v for k, v in values.items() if v is not None}
+
+    return run_ffn(stash, m, sizes, None, sizes.shape[0], ffn)
 
 
 def _items(sizes_X, m: int, tiles):
@@ -139,19 +184,43 @@ def _gate_up(x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X, tiles):
     return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, (zeros, zeros))
 
 
-def _down_loop(idx_M, weight_M, gate_up_of, wo_XFD, sizes_X, n: int, tiles, dtype, out_dtype, refs):
-    """`out[idx[m]] += weight[m] * glu(gate, up)[m] @ wo` (`[n, D]` in `out_dtype`; the product
-    in the weights' dtype), `gate_up_of(g, start, tile)` giving a tile's gate and up (`[tile,
-    F]` each, in `dtype`)."""
+def _tile_out(gate_up_of, wo_XFD, g, start, tile: int, dtype):
+    """A tile's expert outputs `glu(gate, up) @ wo[g]` in `dtype` (`[tile, D]`), as the
+    separate path stores them."""
+    w = jax.lax.dynamic_index_in_dim(wo_XFD, g, keepdims=False)
+    return _dot(glu(*gate_up_of(g, start, tile)), w, 0).astype(dtype)
+
+
+def _gate_up_of(x_ND, idx_M, wi_0, wi_1, gate_MF, up_MF):
+    """A tile's gate and up: read from the stored `[M, F]` residuals, or (None) projected."""
+    if gate_MF is None:
+        return _projected(x_ND, idx_M, wi_0, wi_1)
+    return _stored(gate_MF, up_MF)
+
+
+def _expert_out(x_ND, idx_M, wi_0, wi_1, wo_XFD, sizes_X, gate_up, tiles):
+    """The expert output of every routed row, `[M, D]` in x's dtype (zero past the routed
+    rows), from the stored gate and up (`gate_up`) or from projecting each tile's rows."""
     m, d = idx_M.shape[0], wo_XFD.shape[2]
+    gate_up_of = _gate_up_of(x_ND, idx_M, wi_0, wi_1, *(gate_up or (None, None)))
+    refs = (x_ND, idx_M, wi_0, wi_1, wo_XFD, sizes_X)
+    zeros = varying_like(jnp.zeros((m, d), x_ND.dtype), *refs)
+
+    def step(g, start, mask, tile, y):
+        return gmm_mod._put(y, _tile_out(gate_up_of, wo_XFD, g, start, tile, y.dtype), start, mask)
+
+    return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, zeros)
+
+
+def _down_loop(idx_M, weight_M, y_of, sizes_X, n: int, d: int, tiles, out_dtype, refs):
+    """`out[idx[m]] += weight[m] * y[m]` (`[n, d]` in `out_dtype`; the product in the weights'
+    dtype), `y_of(g, start, tile)` giving a tile's expert outputs (`[tile, d]`)."""
+    m = idx_M.shape[0]
     acc = weight_M.dtype
     out = varying_like(jnp.zeros((n, d), out_dtype), *refs)
 
     def step(g, start, mask, tile, out):
-        h = glu(*gate_up_of(g, start, tile))
-        w = jax.lax.dynamic_index_in_dim(wo_XFD, g, keepdims=False)
-        # y rounded to the compute dtype first, as the separate path stores it
-        y = _dot(h, w, 0).astype(dtype).astype(acc)
+        y = y_of(g, start, tile).astype(acc)
         y = y * jax.lax.dynamic_slice_in_dim(weight_M, start, tile)[:, None]
         y = jnp.where(mask, y, jnp.zeros((), acc)).astype(out_dtype)
         return out.at[_tile(idx_M, start, tile)].add(y, mode="drop")
@@ -178,79 +247,57 @@ def _projected(x_ND, idx_M, wi_0_XDF, wi_1_XDF):
     return gate_up
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def _down_scatter(
-    x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
+def _scatter(
+    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, tiles, unit, out_dtype
 ):
-    """The SwiGLU, down projection and weighted scatter-add of every routed row from its stored
-    gate and up: `[n, D]`.
+    """The weighted scatter-add of every routed row's expert output: `[n, D]`.
 
-    `x_ND`, `wi_0` and `wi_1` are not used by the value: they are here for the VJP, which
-    returns their gradients (and none for gate and up, whose gradients it uses itself).
+    `gate`, `up` (`[M, F]`) and `y` (`[M, D]`) are the kept residuals, or None: without `y`
+    the loop computes each tile's output (from the stored gate and up, or, without them, by
+    projecting its gathered rows: the whole FFN in one loop); with `y` it only scatters. The
+    VJP is one loop too (`_backward`) and returns no gradient for the kept values (their
+    inputs are stopped): x's, the weights' and the routing weights' gradients are its own.
     `unit`: the weights are all one (no routing-weight gradient is computed).
     """
-    return _down_scatter_fwd(
-        x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype
-    )[0]
+    args = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y)
+    return _scatter_fwd(*args, n, tiles, unit, out_dtype)[0]
 
 
-def _down_scatter_fwd(
-    x_ND, idx_M, weight_M, gate_MF, up_MF, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype
+def _scatter_fwd(
+    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, tiles, unit, out_dtype
 ):
-    res = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate_MF, up_MF)
-    tile_gate_up = _stored(gate_MF, up_MF)
-    out = _down_loop(
-        idx_M, weight_M, tile_gate_up, wo, sizes_X, n, tiles, gate_MF.dtype, out_dtype, res
-    )
-    return out, res
+    res = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y)
+    if y is not None:
+        y_of = lambda g, start, tile: jax.lax.dynamic_slice_in_dim(y, start, tile)
+    else:
+        gate_up_of = _gate_up_of(x_ND, idx_M, wi_0, wi_1, gate, up)
+        y_of = functools.partial(_tile_out, gate_up_of, wo, dtype=x_ND.dtype)
+    refs = tuple(a for a in res if a is not None)
+    d = wo.shape[2]
+    return _down_loop(idx_M, weight_M, y_of, sizes_X, n, d, tiles, out_dtype, refs), res
 
 
-def _down_scatter_bwd(n, tiles, unit, out_dtype, res, dout_ND):
-    *core, gate_MF, up_MF = res
-    dx, dweight, dw0, dw1, dwo = _backward(core, _stored(gate_MF, up_MF), dout_ND, tiles, unit)
-    return dx, None, dweight, None, None, dw0, dw1, dwo, None
+def _scatter_bwd(n, tiles, unit, out_dtype, res, dout_ND):
+    *core, gate, up, y = res
+    gate_up_of = _gate_up_of(*core[:2], *core[3:5], gate, up)
+    dx, dweight, dw0, dw1, dwo = _backward(core, gate_up_of, y, dout_ND, tiles, unit)
+    return dx, None, dweight, dw0, dw1, dwo, None, None, None, None
 
 
-_down_scatter.defvjp(_down_scatter_fwd, _down_scatter_bwd)
+_scatter.defvjp(_scatter_fwd, _scatter_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _ffn_scatter(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype):
-    """The whole routed FFN of every routed row in one loop (gather, gate and up, SwiGLU, down
-    projection, weighted scatter-add): `[n, D]`. Nothing `[M, F]` is stored: the backward loop
-    computes each tile's gate and up again from its gathered rows."""
-    return _ffn_scatter_fwd(
-        x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype
-    )[0]
-
-
-def _ffn_scatter_fwd(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, n, tiles, unit, out_dtype):
-    res = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X)
-    tile_gate_up = _projected(x_ND, idx_M, wi_0, wi_1)
-    out = _down_loop(
-        idx_M, weight_M, tile_gate_up, wo, sizes_X, n, tiles, x_ND.dtype, out_dtype, res
-    )
-    return out, res
-
-
-def _ffn_scatter_bwd(n, tiles, unit, out_dtype, res, dout_ND):
-    x_ND, idx_M, _, wi_0, wi_1, *_ = res
-    tile_gate_up = _projected(x_ND, idx_M, wi_0, wi_1)
-    dx, dweight, dw0, dw1, dwo = _backward(res, tile_gate_up, dout_ND, tiles, unit)
-    return dx, None, dweight, dw0, dw1, dwo, None
-
-
-_ffn_scatter.defvjp(_ffn_scatter_fwd, _ffn_scatter_bwd)
-
-
-def _backward(core, gate_up_of, dout_ND, tiles, unit):
+def _backward(core, gate_up_of, y_MD, dout_ND, tiles, unit):
     """One loop over the work items: per tile the output gradient of its rows gathered by
     `idx`, the hidden, gate and up gradients, the three weight gradients, the routing weights'
     gradient (None when `unit`) and the input rows' gradient scatter-added into `[N, D]`.
     `core`: (x, idx, weight, wi_0, wi_1, wo, sizes); `gate_up_of(g, start, tile, v)` gives the
-    tile's gate and up (stored, or recomputed from its gathered rows v, gathered once here)."""
+    tile's gate and up (stored, or recomputed from its gathered rows v, gathered once here);
+    `y_MD`: the kept expert outputs, or None. The routing weight's gradient is
+    `<dout[idx], y>` read from y when kept, else `<dout[idx] @ wo^T, h>` (computed anyway)."""
     x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X = core
-    refs = (*core, dout_ND)
+    refs = (*core, dout_ND) if y_MD is None else (*core, y_MD, dout_ND)
     m, x_local = idx_M.shape[0], wo.shape[0]
     d, f = x_ND.shape[1], wo.shape[1]
     dx = varying_like(jnp.zeros_like(x_ND), *refs)
@@ -271,7 +318,11 @@ def _backward(core, gate_up_of, dout_ND, tiles, unit):
         gh = _dot(gout.astype(dtype), w_o, 1)  # [tile, F] float32
         wt = jax.lax.dynamic_slice_in_dim(weight_M, start, tile)[:, None]
         if not unit:
-            dwt = jnp.sum(gh * h.astype(jnp.float32), axis=-1)
+            if y_MD is None:
+                dwt = jnp.sum(gh * h.astype(jnp.float32), axis=-1)
+            else:
+                y = jax.lax.dynamic_slice_in_dim(y_MD, start, tile).astype(jnp.float32)
+                dwt = jnp.sum(gout.astype(jnp.float32) * y, axis=-1)
             old = jax.lax.dynamic_slice_in_dim(dweight, start, tile)
             new = jnp.where(mask[:, 0], dwt.astype(dweight.dtype), old)
             dweight = jax.lax.dynamic_update_slice_in_dim(dweight, new, start, 0)

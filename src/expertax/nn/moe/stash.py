@@ -134,16 +134,16 @@ def valid_rows(group_sizes_E, group_offset, num_local: int):
     return start, jnp.sum(jnp.where(local, sizes, 0))
 
 
-def run_ffn(stash: Stash | None, rows_MD, group_sizes_E, group_offset, num_local: int, ffn):
+def run_ffn(stash: Stash | None, m: int, group_sizes_E, group_offset, num_local: int, ffn):
     """`ffn(given)` -> (y, {name: value}) with the stash: write the values, or supply them.
 
-    `ffn` runs the grouped matmuls, taking `given` (name -> saved value, or {}) in place of the
-    matmuls it names. Returns (y, stash).
+    `ffn` runs the grouped matmuls (or the fused routed FFN's loops) over `m` rows sorted by
+    group, taking `given` (name -> saved value, or {}) in place of the values it names.
+    Returns (y, stash).
     """
     if stash is None:
         return ffn({})[0], None
     start, n = valid_rows(group_sizes_E, group_offset, num_local)
-    m = rows_MD.shape[0]
     if stash.mode == READ:
         given = {name: stash.read(name, start, n, m) for name in stash.bufs}
         return ffn(given)[0], stash.advance(n)

@@ -111,7 +111,8 @@ def _saved_residuals(c, p, x, placements):
 def test_checkpoint_names_work_inside_the_chunk_loop(fused):
     """A kept name is saved once per chunk (M = N/chunks * K rows), stacked by the scan: the
     gate [M, F] (moe_mlpwi_0) of the fused routed FFN, the expert output [M, D] (moe_mlpwo, in
-    `minimal`) of the separate path, which the fused one never makes; `full` saves nothing but
+    `minimal`) of the separate path (the fused one makes it only when its config keeps it:
+    tests/unit/parallel/test_names_kept.py); `full` saves nothing but
     the arguments. Gradients under each equal the plain ones. (The fused path reads the
     config's policy: with gate and up both recomputed it makes neither, so the config keeps
     the gate here.)"""

@@ -20,8 +20,13 @@ from tests.tolerances import tol
 N, D, F, X = 11, 6, 10, 3
 
 
-# remat_policy -> whether gate and up are recomputed (full) or kept (none)
-GATE_UP = {"recomputed": "full", "kept": "none"}
+# what the policy keeps -> its keys: gate and up recomputed (full), kept with the expert output
+# y (none), and y kept with gate and up recomputed (moe_mlpwo alone)
+GATE_UP = {
+    "recomputed": {"remat_policy": "full"},
+    "kept": {"remat_policy": "none"},
+    "y-kept": {"remat_policy": "custom", "moe_mlpwo": "device"},
+}
 
 
 def _config(gate_up="recomputed", **kw):
@@ -29,11 +34,12 @@ def _config(gate_up="recomputed", **kw):
         "model_name": "mixtral-tiny",
         "gmm_tile_rows": 8,
         "gmm_tile_rows_min": 2,
-        "remat_policy": GATE_UP[gate_up],
+        **GATE_UP[gate_up],
         **kw,
     }
     c = load_config(overrides=over)
-    assert routed.recomputes_gate_up(c) == (gate_up == "recomputed")
+    assert routed.recomputes_gate_up(c) == (gate_up != "kept")
+    assert routed.keeps_expert_output(c) == (gate_up != "recomputed")
     return c
 
 
@@ -165,11 +171,11 @@ def test_negative_control_a_wrong_group_is_seen(gate_up):
     assert not np.allclose(np.asarray(got), np.asarray(want), **tol(jnp.float32))
 
 
-def test_use_fused_needs_the_tiled_gmm_and_no_stash():
-    assert routed.use_fused(_config(), None)
-    assert not routed.use_fused(_config(), stash=object())
-    assert not routed.use_fused(_config(gmm_impl="ragged_dot"), None)
-    assert not routed.use_fused(_config(moe_fused_routed_ffn=False), None)
+def test_use_fused_needs_the_tiled_gmm():
+    assert routed.use_fused(_config())
+    assert routed.use_fused(_config("y-kept", moe_paged_stash=True))
+    assert not routed.use_fused(_config(gmm_impl="ragged_dot"))
+    assert not routed.use_fused(_config(moe_fused_routed_ffn=False))
 
 
 def _out_shapes(jaxpr) -> set[tuple[int, ...]]:
@@ -183,7 +189,8 @@ def _out_shapes(jaxpr) -> set[tuple[int, ...]]:
 @pytest.mark.parametrize("gate_up", list(GATE_UP))
 def test_recomputed_gate_and_up_are_never_a_routed_rows_buffer(gate_up):
     """With gate and up recomputed, the value and gradients make no `[M, F]` array (only tiles);
-    with them kept, the two residuals are `[M, F]` (the negative control)."""
+    with them kept, the two residuals are `[M, F]` (the negative control). The `[M, D]` expert
+    outputs are a buffer exactly when `moe_mlpwo` is kept."""
     c = _config(gate_up)
     sizes, m = (5, 0, 13), 24
     a = _inputs(sizes, m, jnp.float32)
@@ -199,3 +206,4 @@ def test_recomputed_gate_and_up_are_never_a_routed_rows_buffer(gate_up):
     shapes = _out_shapes(jaxpr)
     assert (c.gmm_tile_rows, F) in shapes  # the tiles are there, and seen
     assert ((m, F) in shapes) == (gate_up == "kept"), sorted(shapes)
+    assert ((m, D) in shapes) == (gate_up != "recomputed"), sorted(shapes)

@@ -27,8 +27,9 @@ SAVE_MOE = {
     "moe_mlpwi_1": "device",
     "moe_mlpwo": "device",
 }
-# The stash keeps the separate sparse path (row gather, grouped matmuls, combine); the plain stack
-# it is compared with bitwise runs that path too (the fused routed FFN sums in another order).
+# The separate sparse path (row gather, grouped matmuls, combine) by default here; the plain stack
+# a stashed one is compared with bitwise runs the same path (the fused routed FFN sums in another
+# order), and the fused routed FFN with a stash is compared with the fused plain stack.
 SMALL = {
     "max_target_length": 16,
     "per_device_batch_size": 1,
@@ -58,9 +59,17 @@ def configs(model: str, **extra):
     return load_config(overrides=base), load_config(overrides={**base, "moe_paged_stash": True})
 
 
-@pytest.mark.parametrize("model", ["deepseek3-tiny", "mixtral-tiny"])
-def test_stash_gradients_are_bitwise_the_plain_stacks(model):
-    plain, stashed = configs(model, moe_paged_stash_page_rows=5)  # pages that do not divide
+@pytest.mark.parametrize(
+    "model, fused",
+    [("deepseek3-tiny", False), ("mixtral-tiny", False), ("deepseek3-tiny", True)],
+    ids=["deepseek3-tiny", "mixtral-tiny", "deepseek3-tiny-fused"],
+)
+def test_stash_gradients_are_bitwise_the_plain_stacks(model, fused):
+    """Also with the fused routed FFN (nn/moe/routed.py), whose kept gate, up and expert
+    outputs are the stashed values."""
+    plain, stashed = configs(  # pages that do not divide
+        model, moe_paged_stash_page_rows=5, moe_fused_routed_ffn=fused
+    )
     p = init_params(plain)
     batch = lm_batch(plain, 2)
     l0, g0, s0 = loss_grads_stats(plain, p, batch)
