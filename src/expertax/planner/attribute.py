@@ -6,10 +6,14 @@ innermost stack frame under src/expertax) and its checkpoint name, if any.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import os
 import tempfile
 from typing import Any
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from expertax.parallel import remat
 from expertax.planner import hlo
@@ -201,6 +205,21 @@ def compile_and_attribute(trainer, top: int, host_names=()):
             return lowered.compile(), {"unavailable": "not asked for (--top 0)", "top_buffers": []}
     with tempfile.TemporaryDirectory(prefix="expertax-xla-dump-") as tmp:
         options = {"xla_dump_to": tmp, "xla_dump_hlo_as_text": True}
-        with trainer.context():
+        with trainer.context(), _persistent_cache_off():
             compiled = lowered.compile(compiler_options=options)
         return compiled, attribute_peak(tmp, top, host_names)
+
+
+@contextlib.contextmanager
+def _persistent_cache_off():
+    """JAX's persistent compilation cache off for one compile: its key leaves out the dump
+    options, so with a cache configured (`jax_compilation_cache_dir`) a step compiled before is
+    read back instead of compiled, and XLA writes no dump to attribute."""
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()

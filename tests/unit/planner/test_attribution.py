@@ -7,6 +7,7 @@ the largest buffer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -245,6 +246,35 @@ def _lines_of(path: str, start: str, stop: str) -> set[int]:
     first = next(i for i, ln in enumerate(lines, 1) if start in ln)
     last = next(i for i, ln in enumerate(lines[first - 1 :], first) if stop in ln)
     return set(range(first, last + 1))
+
+
+def test_attribution_with_a_persistent_compilation_cache(tmp_path, monkeypatch):
+    """A step already in JAX's persistent cache is still compiled (and dumped) for attribution:
+    the cache key leaves out the dump options. Negative control: without the switch the second
+    compile is read back from the cache and XLA writes no dump."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    c = load_config(overrides={"model_name": "llama-tiny", "base_num_decoder_layers": 1})
+    trainer = build_trainer(c)
+    settings = {
+        "jax_compilation_cache_dir": str(tmp_path / "cache"),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_enable_compilation_cache": True,
+    }
+    saved = {k: getattr(jax.config, k) for k in settings}
+    for k, v in settings.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+    try:
+        attribute.compile_and_attribute(trainer, top=0)  # fills the cache
+        with monkeypatch.context() as m:
+            m.setattr(attribute, "_persistent_cache_off", contextlib.nullcontext)
+            assert attribute.compile_and_attribute(trainer, top=3)[1]["unavailable"]
+        assert attribute.compile_and_attribute(trainer, top=3)[1]["unavailable"] is None
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
 
 
 def test_big_vocab_logits_are_the_top_buffer_with_our_line(tmp_path, capsys):
