@@ -21,6 +21,8 @@ Where each name is produced (docs/design/remat.md has the table with shapes):
   which makes the gate and up `[M, F]` only when one of them is kept and the expert outputs
   `[M, D]` only when moe_mlpwo is kept (its backward reads them then; otherwise it needs none).
   With a paged stash the kept ones are stashed (nn/moe/stash.py).
+- query_wa_proj, kv_wa_proj: MLA's low-rank down projections (x @ wq_a, x @ wkv_a).
+- mla_q, mla_kv: MLA's per-head queries (before RoPE) and the up-projected keys/values.
 
 Which names each stack of a config can keep is `names_kept` (`unkept` says why not): mlpwo
 never (it feeds only the residual add), qkv_proj never, MLA names only under MLA, moe_* only
@@ -28,8 +30,6 @@ in MoE layers, mlpwi_* in MoE layers only with shared experts, nothing but the l
 a stack the pipeline runs whole or (but the stashed names) in a stashed MoE stack. A custom
 placement of a name no stack keeps is refused (config/checks.py); docs/design/remat.md has the
 table by path.
-- query_wa_proj, kv_wa_proj: MLA's low-rank down projections (x @ wq_a, x @ wkv_a).
-- mla_q, mla_kv: MLA's per-head queries (before RoPE) and the up-projected keys/values.
 
 Two more names belong to the pipeline (models/pipeline.py) and are not user placements:
 pipeline_iteration_input (all stages' inputs of one pipeline iteration, the only residual an
