@@ -526,7 +526,7 @@ def test_parity_cli_deep_model_with_imposed_routing(tmp_path, capsys):
     argv = ["parity", *DEEP, "--steps", "1", "--layouts", layouts, "--impose-routing"]
     assert cli.main([*argv, "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "| yes (routing flips; imposed routing within tolerance) |" in out
+    assert "routing flips; within tolerance under the reference's routing: step 0's forward)" in out
     report = json.loads(path.read_text())
     bound = report["tolerance"] * 10.0
     assert all(r["imposed_loss_diff"] <= bound for r in report["rows"])

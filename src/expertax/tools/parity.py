@@ -357,10 +357,11 @@ def run_layout(
             losses.append(m["loss"])
         jax.block_until_ready(losses)
         dt = time.perf_counter() - t0
-    tokens = global_batch * c.max_target_length * max(steps - 1, 1)
+    tokens = global_batch * c.max_target_length * (steps - 1)
     return {
         "losses": [float(x) for x in jax.device_get(losses)],
-        "tokens_per_s_per_device": tokens / max(dt, 1e-9) / trainer.num_devices,
+        # None with one step: it is the untimed warm-up
+        "tokens_per_s_per_device": tokens / dt / trainer.num_devices if steps > 1 else None,
         "probes": probes,
     }
 
@@ -537,7 +538,7 @@ def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
         r.get("sharding_rules", "default"),
         f"{r['final_loss']:.6f}",
         f"{r['perplexity']:.3f}",
-        f"{r['tokens_per_s_per_device']:,.0f}",
+        "-" if r["tokens_per_s_per_device"] is None else f"{r['tokens_per_s_per_device']:,.0f}",
         f"{r['max_abs_loss_diff']:.2e}",
         parity_routing.format_flips(r.get("routing_flips")),
         "-" if imposed is None else f"{imposed:.2e}",

@@ -97,8 +97,10 @@ def verdict(r: dict, bound: float) -> tuple[bool, str]:
 
     A row within tolerance is ok, unless its imposed-routing |dloss| is not (a defect that a flip
     happened to offset). A row out of tolerance is ok only when routing flips explain it: the
-    layout chose other experts than the reference for some (token, slot) and, with the
-    reference's choices imposed, its first-step loss is within tolerance."""
+    layout chose other experts than the reference for some (token, slot) at the first step and,
+    with the reference's choices imposed, its first step's forward loss is within tolerance. The
+    cell says what that covers: the first step's forward pass (the probe), not the backward pass
+    or later steps, and for a stash layout the probe runs without the stash."""
     flips, imposed = r.get("routing_flips"), r.get("imposed_loss_diff")
     imposed_ok = imposed is None or imposed <= bound
     if r["max_abs_loss_diff"] <= bound:
@@ -108,5 +110,10 @@ def verdict(r: dict, bound: float) -> tuple[bool, str]:
     if imposed is None:
         return False, f"NO ({sum(flips)} routing flips; --impose-routing compares without them)"
     if imposed_ok:
-        return True, "yes (routing flips; imposed routing within tolerance)"
+        scope = "step 0's forward" + (", no stash" if r.get("stash") else "")
+        return (
+            True,
+            f"yes ({sum(flips)} routing flips; within tolerance under the reference's "
+            f"routing: {scope})",
+        )
     return False, "NO (out of tolerance with the reference's routing imposed too)"

@@ -24,6 +24,9 @@ def test_flips_cell():
     assert parity_routing.format_flips([0, 0, 2, 1]) == "3 (0/0/2/1)"
 
 
+OK_FLIPS = "yes (2 routing flips; within tolerance under the reference's routing: step 0's forward)"
+
+
 def row(diff, flips=None, imposed=None):
     return {"max_abs_loss_diff": diff, "routing_flips": flips, "imposed_loss_diff": imposed}
 
@@ -37,7 +40,7 @@ def row(diff, flips=None, imposed=None):
         (row(1e-3), False, "NO"),
         (row(1e-3, [0, 0], 1e-6), False, "NO"),  # no flip: nothing explains the difference
         (row(1e-3, [0, 2]), False, "NO (2 routing flips; --impose-routing"),
-        (row(1e-3, [0, 2], 1e-6), True, "yes (routing flips; imposed routing within tolerance)"),
+        (row(1e-3, [0, 2], 1e-6), True, OK_FLIPS),
         (row(1e-3, [0, 2], 1e-3), False, "NO (out of tolerance with the reference's routing"),
     ],
 )
@@ -58,7 +61,7 @@ def test_row_and_cells_from_probes():
     r = parity.make_row(layout, run, [2.0], {"loss": 2.0, "chosen": ref_chosen})
     assert r["routing_flips"] == [0, 1] and r["imposed_loss_diff"] == pytest.approx(1e-7, abs=1e-9)
     cells = parity.format_row(r, 1e-5, [2.0])
-    assert "| 1 (0/1) | 1.00e-07 | yes (routing flips; imposed routing within tolerance) |" in cells
+    assert "| 1 (0/1) | 1.00e-07 | yes (1 routing flips; within tolerance under the" in cells
     plain = parity.make_row(layout, {"losses": [2.0], "tokens_per_s_per_device": 1.0}, [2.0])
     assert plain["routing_flips"] is None
     assert parity.format_row(plain, 1e-5, [2.0]).endswith("| 0.00e+00 | - | - | yes |")
