@@ -241,9 +241,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     train = sub.add_parser("train", help=COMMANDS["train"][0])
     train.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
     train.add_argument("--help-keys", action="store_true", help="list every config key")
-    par = sub.add_parser("parity", help=COMMANDS["parity"][0])
+    par = sub.add_parser(
+        "parity",
+        help=COMMANDS["parity"][0],
+        description="Train every layout of the matrix (or --layouts) from the same weights and "
+        "data and compare its losses with the one-device run's; exit 1 when a layout fails. "
+        "The matrix is for 8 devices: on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8"
+        " simulates them. The columns and the pass rule: README.md, Parity.",
+    )
     par.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
-    par.add_argument("--steps", type=int, default=10, help="train steps per layout")
+    par.add_argument("--steps", type=int, default=10, help="train steps per layout (default 10)")
     par.add_argument("--json", default=None, help="also write the table as JSON to this path")
     par.add_argument(
         "--layouts",
@@ -354,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"expertax: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`expertax train --help-keys | head`)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
 
 
 def command() -> int:

@@ -312,9 +312,29 @@ def check_paged_stash(c: Config) -> None:
 
 def check_placements(c: Config) -> None:
     """A name placed on device or offload (remat_policy=custom) that no layer of this config
-    saves is refused: the placement would do nothing (parallel/remat.py `unkept`)."""
+    saves is refused: the placement would do nothing (parallel/remat.py `unkept`). So is a
+    per-name placement under a preset, which places every name itself; and an offloaded name
+    under the paged stash, whose buffers are in device memory."""
     if c.remat_policy != "custom":
+        fields = type(c).model_fields
+        changed = [
+            f"{n}={getattr(c, n)}" for n in remat.ALL_NAMES if getattr(c, n) != fields[n].default
+        ]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)}: per-name placements are read only with "
+                f"remat_policy=custom (remat_policy={c.remat_policy} places every name itself); "
+                "add remat_policy=custom or leave them out"
+            )
         return
+    if c.moe_paged_stash:
+        for name in stashed_names(c):
+            if getattr(c, name) == remat.OFFLOAD:
+                raise ConfigError(
+                    f"{name}=offload with moe_paged_stash=true: the stash keeps {name} in its "
+                    f"device buffers, never in host memory; set {name}=device (stashed) or "
+                    "moe_paged_stash=false"
+                )
     unkept = remat.unkept(c)
     for name, place in remat.config_placements(c).items():
         if place != remat.REMAT and name in unkept:

@@ -101,6 +101,8 @@ def fit_search(
         cand = live[0]
         tried.add(id(cand))
         values = {**c.model_dump(), **cand.overrides}
+        if values["remat_policy"] != "custom":  # the preset places every name itself
+            values.update({n: Config.model_fields[n].default for n in remat.ALL_NAMES})
         try:
             cc = build_config(values)
         except ConfigError as e:

@@ -97,6 +97,16 @@ INVALID = [
     ),
     ({"pipeline_parallel_layers": 9}, ["pipeline_parallel_layers=9", "1..2"]),
     ({"num_pipeline_microbatches": 0}, ["num_pipeline_microbatches=0"]),
+    # a per-name placement under a preset would be ignored
+    (
+        {"remat_policy": "full", "moe_mlpwo": "offload"},
+        ["moe_mlpwo=offload", "remat_policy=custom"],
+    ),
+    # the stash's buffers are device memory: an offloaded stashed name would be stashed on device
+    (
+        {"remat_policy": "custom", "moe_mlpwo": "offload", "moe_paged_stash": True},
+        ["moe_mlpwo=offload", "moe_paged_stash=true", "moe_mlpwo=device"],
+    ),
     (
         {"ici_pipeline_parallelism": 2, "moe_paged_stash": True},
         ["moe_paged_stash=true", "pipeline"],
