@@ -513,16 +513,13 @@ def test_routing_flips_explain_the_deep_model_difference():
     assert sum(parity_routing.count_flips(ref["chosen"], imposed["chosen"])) > 0
 
 
-@pytest.mark.extended  # about 3 minutes on 2 cores
+@pytest.mark.extended  # about 2 minutes on 2 cores
 def test_parity_cli_deep_model_with_imposed_routing(tmp_path, capsys):
     """The 5-layer model through `expertax parity --impose-routing` on tensor-parallel layouts
-    (GSPMD dense; the all-to-all and the ring, with tokens split over and replicated across the
-    expert axis) and EP=2, whose flips the table names and explains."""
+    (GSPMD dense; the all-to-all under expert-as-TP rules) and EP=2, whose flips the table names
+    and explains."""
     path = tmp_path / "parity.json"
-    layouts = (
-        "sparse-padded-ep2,dense-ep2-tp2-data2,sparse-ring-ep2-tp2-data2,"
-        "sparse-padded-ep2-fsdp2-tp2-eptp"
-    )
+    layouts = "sparse-padded-ep2,dense-ep2-tp2-data2,sparse-padded-ep2-fsdp2-tp2-eptp"
     argv = ["parity", *DEEP, "--steps", "1", "--layouts", layouts, "--impose-routing"]
     assert cli.main([*argv, "--json", str(path)]) == 0
     out = capsys.readouterr().out

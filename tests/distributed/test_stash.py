@@ -38,7 +38,16 @@ MESHES = {
     "ep4-fsdp2": {"ici_expert_parallelism": 4, "ici_fsdp_parallelism": 2},
     "ep8": {"ici_expert_parallelism": 8, "ici_fsdp_parallelism": 1},
 }
-DEFAULT = {("deepseek3-tiny", "a2a", "ep4-fsdp2", "balanced")}
+DEFAULT = {("mixtral-tiny", "a2a", "ep4-fsdp2", "balanced")}
+# Every (strategy, mesh, routing) runs on mixtral-tiny; deepseek3-tiny (shared experts, a dense
+# first layer, group-limited sigmoid routing: the same stash code, three times the compile) runs
+# a covering subset: each strategy, mesh and routing at least once.
+DEEPSEEK = {
+    ("a2a", "ep4-fsdp2", "balanced"),
+    ("ring", "ep8", "skewed"),
+    ("a2a", "ep2-fsdp2-data2", "skewed"),
+    ("ring", "ep2-fsdp2-data2", "balanced"),
+}
 
 
 def skewed(p):
@@ -77,6 +86,8 @@ def _cases():
         for strategy in ("a2a", "ring"):
             for mesh in MESHES:
                 for routing in ("balanced", "skewed"):
+                    if model == "deepseek3-tiny" and (strategy, mesh, routing) not in DEEPSEEK:
+                        continue
                     case = (model, strategy, mesh, routing)
                     marks = () if case in DEFAULT else (pytest.mark.extended,)
                     yield pytest.param(*case, marks=marks, id="-".join(case))
