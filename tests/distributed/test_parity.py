@@ -245,7 +245,7 @@ def test_stash_layout_config_keeps_moe_names():
     c = parity.layout_config(base, plain, 8)
     assert not c.moe_paged_stash and c.remat_policy == "full"
     own = load_config(
-        overrides=["model_name=mixtral-tiny", "remat_policy=custom", "moe_mlpwo=offload", *SMALL]
+        overrides=["model_name=mixtral-tiny", "remat_policy=custom", "moe_mlpwo=device", *SMALL]
     )
     c = parity.layout_config(own, stash, 8)
     assert c.moe_paged_stash and remat.stashed_names(c) == (remat.MOE_MLPWO,)
