@@ -1,0 +1,59 @@
+"""`expertax parity` over the whole layout matrix of both tiny models (extended: CI runs it after
+the default suite). A file of its own so that pytest-xdist (a file per worker) runs it beside the
+other parity tests rather than after them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from expertax import cli
+from tests.distributed.test_parity import _check_rows
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(
+    "model,extra",
+    [("deepseek3-tiny", []), ("mixtral-tiny", [])],
+)
+def test_parity_full_matrix(model, extra, tmp_path):
+    """The whole layout matrix (24 layouts on 8 devices, 2 with the paged stash, 4 with
+    expert-as-TP rules, 6 pipelined); CI runs it after the default suite. Both models have 2
+    pipelined (MoE) layers: the 3 two-stage pipelines run, the 4-stage and circular ones are
+    skipped (deepseek3-tiny keeps its 3 layers so that its dense layer runs outside the
+    pipeline)."""
+    path = tmp_path / "parity.json"
+    rc = cli.main(
+        [
+            "parity",
+            f"model_name={model}",
+            *extra,
+            "max_target_length=32",
+            "--steps",
+            "5",
+            "--json",
+            str(path),
+        ]
+    )
+    assert rc == 0
+    report = json.loads(path.read_text())
+    _check_rows(report["rows"], report["tolerance"], 10.0, 21)
+    assert len(report["skipped"]) == 3 and report["refused"] == []
+    staged = {(r["mode"], r["ring"], r["pp"], r["ep"], r["fsdp"]) for r in report["rows"]}
+    assert {("sparse", True, 2, 2, 2), ("dense", False, 2, 1, 4)} <= staged
+    layouts = {
+        (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"], r["stash"])
+        for r in report["rows"]
+    }
+    assert ("sparse", True, 4, 2, 1, 1, False) in layouts
+    assert ("dense", False, 2, 1, 2, 2, False) in layouts
+    assert {("sparse", True, 4, 2, 1, 1, True), ("sparse", False, 4, 2, 1, 1, True)} <= layouts
+    eptp = {
+        (r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"])
+        for r in report["rows"]
+        if r["sharding_rules"] == "ep-tp"
+    }
+    assert eptp == {(ring, 2, f, 2, d) for ring in (False, True) for f, d in ((2, 1), (1, 2))}
