@@ -256,6 +256,14 @@ class DistributedSection(_Section):
         ge=-1,
         description="Multi-process runs: this process's index; -1 = $JAX_PROCESS_ID.",
     )
+    distributed_auto_detect: bool = _key(
+        RUN,
+        True,
+        description="Multi-process runs: with none of the three keys above (nor their $JAX_* "
+        "variables) set, join the other processes of a SLURM (srun), Open MPI (mpirun), Cloud "
+        "TPU or Kubernetes Indexed Job launch through jax.distributed.initialize() with no "
+        "arguments; false = each such process runs alone.",
+    )
 
 
 class ObserveSection(_Section):
