@@ -156,21 +156,24 @@ def cmd_memory(args) -> int:
 
     from expertax.config import ConfigError
 
+    target = _target(args)
     cfg = config_from_args(args.config)
     if args.devices is not None:
         if args.devices < 1:
             raise ConfigError(f"--devices={args.devices}: use a positive number of devices")
         _use_simulated_devices(args.devices, args.argv)
     if args.fit:
-        return _memory_fit(cfg, args)
+        return _memory_fit(cfg, args, target)
     import time
 
     from expertax.planner import plan
     from expertax.planner.format import format_report, to_json_ready
 
     t0 = time.perf_counter()
+    devices = None if target.is_cpu else target.devices()
+    hbm = args.hbm if args.hbm is not None else target.hbm_gib
     try:
-        report = plan.memory_report(cfg, hbm_gib=args.hbm, top=args.top)
+        report = plan.compile_report(cfg, devices, hbm_gib=hbm, top=args.top, target=target)
     except ValueError as e:  # e.g. an offload request the backend cannot honour
         raise ConfigError(str(e)) from None
     report["seconds"] = round(time.perf_counter() - t0, 1)
@@ -182,7 +185,24 @@ def cmd_memory(args) -> int:
     return 0
 
 
-def _memory_fit(cfg, args) -> int:
+def _target(args):
+    """The parsed `--target`; a TPU or GPU target (compiled for, not run on) makes this process
+    compile with the CPU as JAX's backend. Refused: a missing compiler, or `--devices` with it."""
+    from expertax.config import ConfigError
+    from expertax.targets import parse_target, prepare_process
+
+    target = parse_target(args.target)
+    if not target.is_cpu:
+        if getattr(args, "devices", None) is not None:
+            raise ConfigError(
+                f"--devices={args.devices} sets the simulated CPU devices of --target=cpu; "
+                f"--target={args.target} has {target.count} devices of its own"
+            )
+        prepare_process(target)
+    return target
+
+
+def _memory_fit(cfg, args, target) -> int:
     """`expertax memory --fit`: the search of planner/fit.py; exit 1 when no candidate fits."""
     import json
 
@@ -191,13 +211,15 @@ def _memory_fit(cfg, args) -> int:
     from expertax.planner import fit
 
     devices = args.devices if args.devices is not None else len(jax.devices())
+    hbm = args.hbm if args.hbm is not None else target.hbm_gib
     result = fit.fit_search(
         cfg,
-        devices,
-        args.hbm,
+        target.count or devices,
+        hbm,
         headroom=args.headroom,
         allow_drops=args.allow_drops,
         max_compiles=args.max_compiles,
+        hardware=None if target.is_cpu else target,
     )
     print(fit.format_fit(result))
     if args.json:
@@ -271,9 +293,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     memory = sub.add_parser("memory", help=COMMANDS["memory"][0])
     memory.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
+    memory.add_argument(
+        "--target",
+        default="cpu",
+        help="the hardware to compile for: cpu (default; --devices N simulates N), "
+        "tpu:<slice> (tpu:v5p-16, tpu:v5p-1024, tpu:v6e-256, tpu:v5e-256; needs expertax[tpu]) "
+        "or gpu:<chip>x<count> (gpu:h100x8, gpu:h200x128; needs expertax[gpu]); the chip's "
+        "memory is the default --hbm",
+    )
     memory.add_argument("--devices", type=int, help="compile for N simulated CPU devices")
     memory.add_argument("--json", help="also write the report as JSON to this path")
-    memory.add_argument("--hbm", type=float, help="device memory budget in GiB")
+    memory.add_argument(
+        "--hbm", type=float, help="device memory budget in GiB (default: the target chip's)"
+    )
     memory.add_argument(
         "--top",
         type=int,

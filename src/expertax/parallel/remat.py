@@ -44,6 +44,8 @@ from collections.abc import Mapping
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from expertax import platform
+
 DECODER_LAYER_INPUT = "decoder_layer_input"
 QUERY_PROJ = "query_proj"
 KEY_PROJ = "key_proj"
@@ -220,20 +222,19 @@ def checkpoint_policy(place: Mapping[str, str]):
 
 
 def backend_has_pinned_host(devices=None) -> bool:
-    devices = jax.devices() if devices is None else devices
-    try:
-        kinds = {m.kind for m in devices[0].addressable_memories()}
-    except Exception:  # backends without the memories API
-        return False
-    return "pinned_host" in kinds
+    """Whether `devices` (default: the platform being traced for) have pinned host memory."""
+    if devices is None and platform.current() in platform.ACCELERATORS:
+        return True
+    return platform.has_pinned_host(devices)
 
 
 def check_offload_supported(place: Mapping[str, str], devices=None) -> None:
-    """Raise ValueError when some name is to be offloaded and the backend has no pinned host."""
+    """Raise ValueError when some name is to be offloaded and the platform has no pinned host."""
     offloaded = [n for n, p in place.items() if p == OFFLOAD]
     if offloaded and not backend_has_pinned_host(devices):
+        on = platform.of_devices(devices) if devices is not None else platform.current()
         raise ValueError(
-            f"{', '.join(f'{n}=offload' for n in offloaded)}: the {jax.default_backend()} backend "
+            f"{', '.join(f'{n}=offload' for n in offloaded)}: the {on} backend "
             "has no pinned_host memory to offload to; use device or remat for these names"
         )
 

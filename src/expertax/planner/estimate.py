@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
+from expertax import platform
 from expertax.config import config_rules
 from expertax.config.schema import MESH_AXES, Config
 from expertax.models import decoder
@@ -150,7 +151,7 @@ class Estimator:
             # XLA:CPU's padded all-to-all stand-in runs the exchange in float32 and keeps about
             # nine [rows, D] buffers at once (their source lines in nn/moe/ep.py, measured by
             # `expertax memory --top` on deepseek3-671b at expert=8); elsewhere about four.
-            copies, row_dt = (CPU_EP_ROW_BUFFERS, 4) if jax.default_backend() == "cpu" else (4, dt)
+            copies, row_dt = (CPU_EP_ROW_BUFFERS, 4) if platform.current() == "cpu" else (4, dt)
             moe = (rows // chunks) * (copies * d * row_dt + 3 * f * dt)
             if c.float32_weight_sum:
                 moe += n_tok * k * d * 4 // chunks

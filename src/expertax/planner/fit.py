@@ -15,13 +15,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from expertax import progress
+from expertax import platform, progress
 from expertax.config import ConfigError, build_config, load_config
 from expertax.config.schema import Config
 from expertax.parallel import remat
 from expertax.planner import plan
+from expertax.planner.costs import format_costs, step_costs
 from expertax.planner.estimate import CHUNKS_KEY
 from expertax.planner.space import Candidate, candidates, check_inputs
+from expertax.sharding.mesh import buildable
 from expertax.train.trainer import build_trainer
 
 GIB = plan.GIB
@@ -40,14 +42,28 @@ def _like_a_miss(x: Candidate, compiled: list[Candidate], target: float) -> bool
     )
 
 
-def default_compile(c: Config, hbm_gib: float) -> int:
-    """The compiled peak bytes per device of `c`: plan.memory_report's figure
-    (arguments + outputs - aliased + temporaries, offloaded state taken out once where XLA
-    counts pinned host with the device), without its residual trace."""
-    trainer = build_trainer(c)
+def default_compile(c: Config, hbm_gib: float, devices=None) -> tuple[int, dict]:
+    """The compiled peak bytes per device of `c` on `devices` (default: JAX's): plan's figure
+    (arguments + outputs - aliased + temporaries, offloaded state taken out once where the
+    compiler counts pinned host with the device), without its residual trace; and the step's
+    compute figures (planner/costs.py). A program the compiler refuses for memory (TPU: in
+    seconds, with the bytes its temporaries need) comes back as state + those bytes."""
+    trainer = build_trainer(c, devices)
     remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
-    xla = plan.xla_figures(trainer.compile())
-    return plan.device_peak(c, trainer.abstract_state(), xla)[0]
+    state = trainer.abstract_state()
+    try:
+        compiled = trainer.compile()
+    except Exception as e:
+        why = plan.refused_for_memory(e)
+        if why is None:
+            raise
+        figures = plan._gib_figures(why)
+        temp = int(figures[0] * GIB) if figures else int(hbm_gib * GIB)
+        return plan._shard_bytes(state) + temp, {"refused": why}
+    xla = plan.xla_figures(compiled)
+    costs = step_costs(compiled, c, trainer, None)
+    costs.pop("loops", None)
+    return plan.device_peak(c, state, xla)[0], costs
 
 
 def fit_search(
@@ -58,18 +74,32 @@ def fit_search(
     headroom: float = 10.0,
     allow_drops: bool = False,
     max_compiles: int = 12,
-    compile_fn: Callable[[Config, float], int] | None = None,
+    compile_fn: Callable[[Config, float], Any] | None = None,
     log=None,
+    hardware=None,
 ) -> dict:
-    """Search, compile best-first, and return the `fit` report (see the module docstring)."""
+    """Search, compile best-first, and return the `fit` report (see the module docstring).
+
+    `hardware` (targets.Target, TPU or GPU): compile for its devices, search only the meshes its
+    topology can lay out, and estimate for its platform. `compile_fn` returns the peak bytes or
+    (peak bytes, extra figures for the report)."""
     check_inputs(c, devices, hbm_gib, headroom, allow_drops)
-    compile_fn = compile_fn or default_compile
+    target_devices = hardware.devices() if hardware is not None else None
+    if compile_fn is None:
+        compile_fn = lambda cc, hbm: default_compile(cc, hbm, target_devices)
+    on = hardware.platform if hardware is not None else platform.current()
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     budget = hbm_gib * GIB
     target = budget * (1 - headroom / 100)
     t0 = time.perf_counter()
-    pinned = remat.backend_has_pinned_host()
-    pool = candidates(c, devices, allow_drops=allow_drops, pinned_host=pinned)
+    pinned = remat.backend_has_pinned_host(target_devices)
+    fits_topology = None
+    if target_devices is not None:
+        fits_topology = lambda shape: buildable(shape, target_devices)
+    with platform.use(on):
+        pool = candidates(
+            c, devices, allow_drops=allow_drops, pinned_host=pinned, buildable=fits_topology
+        )
     log(
         f"[fit] {len(pool)} candidates estimated in {time.perf_counter() - t0:.1f} s; "
         f"target {_b(target)} ({hbm_gib:g} GiB - {headroom:g}% headroom)"
@@ -116,7 +146,12 @@ def fit_search(
         )
         t1 = time.perf_counter()
         try:
-            cand.peak_device_bytes = compile_fn(cc, hbm_gib)
+            result = compile_fn(cc, hbm_gib)
+            cand.peak_device_bytes, cand.extra = (
+                result if isinstance(result, tuple) else (result, {})
+            )
+            if "refused" in cand.extra:
+                cand.error = "refused by the compiler for memory"
         except Exception as e:  # noqa: BLE001 - a candidate XLA cannot compile is skipped
             cand.error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             log(f"[fit]   failed: {cand.error}")
@@ -146,6 +181,7 @@ def fit_search(
         )[: max(0, 12 - len(compiled))]
     )
     return {
+        "target": hardware.spec if hardware is not None else on,
         "devices": devices,
         "hbm_gib": hbm_gib,
         "headroom_percent": headroom,
@@ -167,6 +203,7 @@ def _best_json(cand: Candidate | None, target: float) -> dict | None:
     return {
         "overrides": dict(cand.overrides),
         "peak_device_bytes": peak,
+        **{k: v for k, v in cand.extra.items() if k != "refused"},
         "fits": peak is not None and peak <= target,
         "over_bytes": None if peak is None else max(0, int(peak - target)),
     }
@@ -195,7 +232,8 @@ def format_fit(r: dict) -> str:
         f"{'peak ' + unit:>9} {'headroom':>8} {'recompute':>9} {'est ' + unit:>8}"
     )
     lines = [
-        f"expertax memory --fit: {r['devices']} devices x {r['hbm_gib']:g} GiB, headroom "
+        f"expertax memory --fit: {r.get('target', 'cpu')}, {r['devices']} devices x "
+        f"{r['hbm_gib']:g} GiB, headroom "
         f"{r['headroom_percent']:g}% (target {_b(r['target_bytes'])}); "
         f"{r['searched']} candidates estimated, {r['compiled']} compiled in {r['seconds']} s",
         head,
@@ -221,6 +259,8 @@ def format_fit(r: dict) -> str:
         lines.append(
             f"FITS: {b['peak_device_bytes'] / size:.2f} {unit} of {r['hbm_gib']:g} GiB per device"
         )
+        if b.get("compiled_flops") is not None:
+            lines += format_costs(b)
         lines.append(r["train_line"])
     elif b is not None and b["peak_device_bytes"] is not None:
         lines.append(

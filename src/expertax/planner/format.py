@@ -7,6 +7,7 @@ import jax.extend
 import numpy as np
 
 from expertax.planner import pipeline as memory_pipeline
+from expertax.planner.costs import format_costs
 from expertax.planner.plan import GIB
 
 
@@ -17,10 +18,39 @@ def _fmt(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _on(r: dict) -> str:
+    if r.get("target", "cpu") == r.get("backend"):
+        return f"{r['devices']} {r['backend']} devices"
+    return r["target_description"]
+
+
+def format_refused(r: dict) -> str:
+    """A program the compiler refused for memory: the "does not fit" row."""
+    need = r["peak_device_bytes"]
+    return "\n".join(
+        [
+            f"expertax memory: {r['model_name']} on {_on(r)}, mesh {r['mesh']}",
+            f"  parameters {_fmt(r['parameter_bytes'])}, optimizer state "
+            f"{_fmt(r['optimizer_state_bytes'])} per device",
+            f"the compiler refused the program: {r['refused']}",
+            "DOES NOT FIT"
+            + (
+                ""
+                if need is None
+                else f": at least {_fmt(need)} per device (state + the "
+                "temporaries the compiler asked for)"
+            )
+            + ("" if r["hbm_gib"] is None else f" of {r['hbm_gib']:g} GiB"),
+        ]
+    )
+
+
 def format_report(r: dict) -> str:
     """The human-readable report."""
+    if r.get("refused"):
+        return format_refused(r)
     lines = [
-        f"expertax memory: {r['model_name']} on {r['devices']} {r['backend']} devices, "
+        f"expertax memory: {r['model_name']} on {_on(r)}, "
         f"mesh {r['mesh']}, batch {r['global_batch']} ({r['batch_per_device']} per device) x "
         f"{r['max_target_length']}, remat_policy={r['remat_policy']}",
         "per device:",
@@ -82,10 +112,13 @@ def format_report(r: dict) -> str:
         + f"): {_fmt(r['peak_device_bytes'])}",
     ]
     if r["offloaded_state_bytes"] or r.get("offloaded_residual_bytes"):
+        cpu = r["backend"] == "cpu"
+        who = "XLA:CPU has one memory and counts" if cpu else "the compiler counts"
         lines.append(
-            "  (XLA:CPU has one memory and counts pinned-host bytes as device bytes; the estimate"
-            " takes out what this config places on host)"
+            f"  ({who} pinned-host bytes as device bytes; the estimate takes out what this "
+            "config places on host)"
         )
+    lines += format_costs(r)
     lines += _format_top_buffers(r)
     lines += [f"note: {n}" for n in r.get("plan_notes", [])]
     if r["hbm_gib"] is not None:

@@ -32,15 +32,18 @@ and remat names) and says so.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 
+from expertax import platform
 from expertax.config.schema import Config
 from expertax.parallel import remat
 from expertax.planner import pipeline as memory_pipeline
 from expertax.planner.attribute import compile_and_attribute
+from expertax.planner.costs import step_costs
 from expertax.planner.residuals import (
     iteration_residual_bytes,
     names_not_saved,
@@ -122,10 +125,21 @@ def device_peak(c: Config, state, xla: dict[str, int], residuals=()) -> tuple[in
     return peak - offloaded - offloaded_residuals, offloaded, offloaded_residuals
 
 
-def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top: int = 15) -> dict:
+def host_bytes(xla: dict[str, int], offloaded: int, offloaded_residuals: int) -> int:
+    """Pinned-host bytes per device: the compiler's own host figures where it reports them
+    apart (TPU), else what the config places on host (taken out of the device peak)."""
+    own = xla["host_argument"] + xla["host_output"] - xla["host_alias"] + xla["host_temp"]
+    return own if own else offloaded + offloaded_residuals
+
+
+def memory_report(
+    c: Config, devices=None, hbm_gib: float | None = None, *, top: int = 15, target=None
+) -> dict:
     """Compile the train step abstractly for `c` on `devices` and report bytes per device, with
-    the `top` largest buffers alive at XLA's peak (0: no attribution, a faster compile)."""
+    the `top` largest buffers alive at XLA's peak (0: no attribution, a faster compile).
+    `target` (targets.Target): the hardware `devices` stand for, named in the report."""
     trainer = build_trainer(c, devices)
+    on = platform.of_mesh(trainer.mesh)
     remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
     state = trainer.abstract_state()
     local_batch = trainer.global_batch // batch_shards(trainer.mesh)
@@ -148,8 +162,10 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top:
     peak, offloaded, offloaded_residuals = device_peak(c, state, xla, residuals)
     report = {
         "model_name": c.model_name,
+        "target": target.spec if target is not None else on,
+        "target_description": target.describe() if target is not None else on,
         "devices": trainer.num_devices,
-        "backend": jax.default_backend(),
+        "backend": on,
         "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
         "global_batch": trainer.global_batch,
         "batch_per_device": local_batch,
@@ -176,18 +192,34 @@ def memory_report(c: Config, devices=None, hbm_gib: float | None = None, *, top:
         "offloaded_state_bytes": offloaded,
         "offloaded_residual_bytes": offloaded_residuals,
         "peak_device_bytes": peak,
+        "host_bytes": host_bytes(xla, offloaded, offloaded_residuals),
         "hbm_gib": hbm_gib,
+        "hbm_bytes": None if hbm_gib is None else int(hbm_gib * GIB),
         "fits": None if hbm_gib is None else bool(peak <= hbm_gib * GIB),
         "attribution": {k: v for k, v in attribution.items() if k != "top_buffers"},
         "top_buffers": attribution["top_buffers"],
         "plan_notes": plan_notes(c, trainer),
     }
+    report.update(step_costs(compiled, c, trainer, target))
     return report
 
 
 def plan_notes(c: Config, trainer) -> list[str]:
-    """What the compiled plan shows that a GPU's would not (it is XLA:CPU's buffer assignment)."""
-    if jax.default_backend() != "cpu":
+    """What the compiled plan can and cannot tell, per platform of the mesh: XLA:CPU's buffer
+    assignment is a proxy for an accelerator's; a GPU compile without the GPU has no autotuning;
+    no compile-only figure is a time."""
+    on = platform.of_mesh(trainer.mesh)
+    if on == "gpu":
+        return [
+            "compiled by the CUDA compiler without a GPU: no autotuning, so its kernels and "
+            "fusions are XLA's defaults, not the ones a run on the GPU would pick; no time is "
+            "measured"
+        ]
+    if on == "tpu":
+        return [
+            "compiled by the TPU compiler (libtpu) for the slice's topology; no time is measured"
+        ]
+    if on != "cpu":
         return []
     notes = ["compiled by XLA:CPU: its buffer assignment is a proxy for a GPU's"]
     ep = int(trainer.mesh.shape.get("expert", 1))
@@ -203,3 +235,55 @@ def plan_notes(c: Config, trainer) -> list[str]:
             "count twice their size here"
         )
     return notes
+
+
+def refused_for_memory(error: Exception) -> str | None:
+    """The compiler's own refusal of a program larger than the chip's memory (TPU: "Ran out of
+    memory on HBM ... required for HLO temporaries (100.50G) exceeds available HBM (95.74G)"),
+    or None for any other error."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+        return None
+    return " ".join(text.split())[:400]
+
+
+def _gib_figures(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\(([\d.]+)G\)", text)]
+
+
+def compile_report(
+    c: Config, devices=None, hbm_gib: float | None = None, *, top: int = 15, target=None
+) -> dict:
+    """`memory_report`, or where the compiler refuses the program for memory a "does not fit"
+    report: the compiler's words, the bytes it says the temporaries need, and the state per
+    device (parameters, optimizer state) beside them."""
+    try:
+        return memory_report(c, devices, hbm_gib, top=top, target=target)
+    except Exception as e:
+        why = refused_for_memory(e)
+        if why is None:
+            raise
+    trainer = build_trainer(c, devices)
+    state = trainer.abstract_state()
+    figures = _gib_figures(why)
+    temp = int(figures[0] * GIB) if figures else None
+    on = platform.of_mesh(trainer.mesh)
+    return {
+        "refused": why,
+        "model_name": c.model_name,
+        "target": target.spec if target is not None else on,
+        "target_description": target.describe() if target is not None else on,
+        "devices": trainer.num_devices,
+        "backend": on,
+        "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
+        "parameter_bytes": _shard_bytes(state.params),
+        "optimizer_state_bytes": _shard_bytes(state.opt_state),
+        "required_temp_bytes": temp,
+        "peak_device_bytes": None if temp is None else temp + _shard_bytes(state),
+        "host_bytes": None,
+        "hbm_gib": hbm_gib,
+        "hbm_bytes": None if hbm_gib is None else int(hbm_gib * GIB),
+        "fits": False,
+        "model_flops": None,
+        "compiled_flops": None,
+    }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from expertax.config import ConfigError, configs_dir
@@ -35,6 +36,7 @@ class Candidate:
     peak_device_bytes: int | None = None  # the compiled peak (None: not compiled)
     seconds: float | None = None
     error: str = ""  # a config check refused it, or the compile failed
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # compute figures, refusal
 
     @property
     def layout(self) -> str:
@@ -214,9 +216,15 @@ def _dropless(c: Config) -> bool:
 
 
 def candidates(
-    c: Config, devices: int, *, allow_drops: bool = False, pinned_host: bool = True
+    c: Config,
+    devices: int,
+    *,
+    allow_drops: bool = False,
+    pinned_host: bool = True,
+    buildable: Callable[[dict[str, int]], bool] | None = None,
 ) -> list[Candidate]:
-    """Every candidate of the space, with its estimate, cost and recompute share."""
+    """Every candidate of the space, with its estimate, cost and recompute share; `buildable`
+    (mesh axis sizes -> bool) leaves out layouts the target's topology cannot lay out."""
     est = Estimator(c)
     t = c.max_target_length
     tiles = [n for n in TILES if t % n == 0]
@@ -240,7 +248,8 @@ def candidates(
     shares = {p: recompute_share(c, p) for p in presets}
     rules_list = rules_presets()
     out = []
-    for shape, rules_name in itertools.product(layouts(c, devices), rules_list):
+    shapes = [x for x in layouts(c, devices) if buildable is None or buildable(x)]
+    for shape, rules_name in itertools.product(shapes, rules_list):
         if rules_name != "default" and shape["expert"] == 1:
             continue  # the presets differ in how they use `expert`
         for preset, ch, tile, att, mom, off, drop in itertools.product(

@@ -86,9 +86,11 @@ def check_mesh_fit(c: Config, shape: dict[str, int]) -> None:
 def make_mesh(c: Config, devices=None) -> Mesh:
     """The mesh for `c` over `devices` (default: all), axes MESH_AXES with Auto types.
 
-    One slice: `jax.make_mesh`, which orders the devices by the interconnect topology on GPU and
-    TPU hosts (on CPU it keeps the given order). Several slices (dcn_* > 1): a hybrid mesh whose
-    dcn axes span processes (`mesh_utils.create_hybrid_device_mesh`).
+    One slice: `jax.make_mesh`'s device order, which follows the interconnect topology on GPU and
+    TPU (on CPU it keeps the given order); on a TPU slice where an axis cannot take whole physical
+    axes (16 x 32 on an 8x8x8 torus), one that splits physical axes; a layout neither can build
+    is a ConfigError (`buildable` tells the fit search beforehand). Several slices (dcn_* > 1):
+    a hybrid mesh whose dcn axes span processes (`mesh_utils.create_hybrid_device_mesh`).
     """
     devices = list(jax.devices() if devices is None else devices)
     uses_dcn = any(getattr(c, f"dcn_{a}_parallelism") != 1 for a in MESH_AXES)
@@ -97,8 +99,34 @@ def make_mesh(c: Config, devices=None) -> Mesh:
     check_mesh_fit(c, shape)
     sizes = tuple(shape[a] for a in MESH_AXES)
     if num_slices == 1:
-        return jax.make_mesh(sizes, MESH_AXES, axis_types=AXIS_TYPES, devices=devices)
+        return Mesh(_lay_out(sizes, devices), MESH_AXES, axis_types=AXIS_TYPES)
     dcn = tuple(_resolve(c, "dcn", num_slices))
     ici = tuple(s // d for s, d in zip(sizes, dcn, strict=True))
     dev_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
     return Mesh(dev_array, MESH_AXES, axis_types=AXIS_TYPES)
+
+
+def _lay_out(sizes: tuple[int, ...], devices: list):
+    """The devices as an array of `sizes`, in topology order (see `make_mesh`)."""
+    try:
+        return jax.make_mesh(sizes, MESH_AXES, axis_types=AXIS_TYPES, devices=devices).devices
+    except (ValueError, NotImplementedError, AssertionError) as first:
+        try:
+            return mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+        except (ValueError, NotImplementedError, AssertionError):
+            shown = " x ".join(f"{a}={n}" for a, n in zip(MESH_AXES, sizes, strict=True) if n > 1)
+            kind = getattr(devices[0], "device_kind", "?")
+            raise ConfigError(
+                f"the mesh {shown or '1'} cannot be laid out on {len(devices)} {kind} devices "
+                f"({str(first).splitlines()[0][:160]}); choose other ici_*_parallelism sizes, "
+                "e.g. powers of two that split the slice's torus dimensions"
+            ) from None
+
+
+def buildable(shape: dict[str, int], devices: list) -> bool:
+    """Whether `make_mesh` can lay out a mesh of axis sizes `shape` on `devices`."""
+    try:
+        _lay_out(tuple(shape.get(a, 1) for a in MESH_AXES), list(devices))
+    except ConfigError:
+        return False
+    return True

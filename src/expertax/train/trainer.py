@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from expertax import platform
 from expertax.config import config_rules
 from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
@@ -89,12 +90,23 @@ class Trainer:
     def jitted_step(self):
         fn = functools.partial(train_step, c=self.c, tx=self.tx)
         if self.device_state_shardings is not None:
-            on_device, step_fn = self.device_state_shardings, fn
+            on_device, step_fn, c = self.device_state_shardings, fn, self.c
 
             def fn(state, batch):
                 # Host-offloaded state is copied to device memory for the step; the outputs go
-                # back to pinned host memory through out_shardings.
-                return step_fn(jax.device_put(state, on_device), batch)
+                # back to pinned host memory through out_shardings. Only the offloaded trees
+                # move: a device_put of the whole state would also constrain the PRNG key, whose
+                # key-typed scalar the TPU partitioner refuses a sharding for.
+                moved = dataclasses.replace(
+                    state,
+                    params=jax.device_put(state.params, on_device.params)
+                    if c.parameter_memory_host_offload
+                    else state.params,
+                    opt_state=jax.device_put(state.opt_state, on_device.opt_state)
+                    if c.optimizer_memory_host_offload
+                    else state.opt_state,
+                )
+                return step_fn(moved, batch)
 
         return jax.jit(
             fn,
@@ -116,7 +128,7 @@ class Trainer:
 
 @contextlib.contextmanager
 def _mesh_and_rules(mesh, rules):
-    with jax.set_mesh(mesh), use_rules(rules):
+    with jax.set_mesh(mesh), use_rules(rules), platform.use(platform.of_mesh(mesh)):
         yield
 
 
@@ -200,10 +212,11 @@ def host_offloaded_shardings(c: Config, state_sh: TrainState, mesh) -> TrainStat
     ]
     if not keys:
         return None
-    device = mesh.devices.flat[0]
-    if not remat.backend_has_pinned_host([device]):
+    devices = list(mesh.devices.flat)
+    if not remat.backend_has_pinned_host(devices):
         raise ConfigError(
-            f"{', '.join(f'{k}=true' for k in keys)}: the {device.platform} devices have no "
+            f"{', '.join(f'{k}=true' for k in keys)}: the {platform.of_devices(devices)} devices "
+            "have no "
             "pinned_host memory to offload to; set it to false"
         )
     to_host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from expertax import platform
 from expertax.nn.attention.blockwise import MASKED_SCORE, attend_blockwise
 
 IMPLEMENTATIONS = ("auto", "dot", "blockwise", "cudnn")
@@ -61,10 +62,10 @@ def attend_dot(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> 
 def attend_cudnn(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> jax.Array:
     """cuDNN flash attention. Packed documents go in as a boolean [B, 1, T, S] mask (cuDNN takes
     it as a bias, so that case materializes one [T, S] matrix per sequence, not per head)."""
-    platform = jax.default_backend()
-    if platform != "gpu":
+    on = platform.current()
+    if on != "gpu":
         raise ValueError(
-            f"attention_impl=cudnn needs a GPU; this run's platform is {platform}: "
+            f"attention_impl=cudnn needs a GPU; this run's platform is {on}: "
             "use attention_impl=auto, dot or blockwise"
         )
     qk_dim, v_dim = q_BTHQ.shape[-1], v_BSGO.shape[-1]

@@ -13,7 +13,8 @@ Backends (`backend=`, the `gmm_impl` config key):
   runs the same loop for the input gradient (weights used transposed) and, for the weight
   gradient, adds every item's partial product into its group's slice of one `[E, D, F]` buffer
   in place; the backward pass costs what the forward costs, twice.
-- `auto`: picked per `jax.default_backend()` from `MEASURED` below (see docs/design/gmm.md).
+- `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
+  (see docs/design/gmm.md).
 
 `gmm_glu(gate, up, wo, sizes)` = `gmm(glu(gate, up), wo, sizes)`, the expert FFN's second matmul
 with its SwiGLU: `tiled` computes the SwiGLU per work item (a row-wise `prologue` of the loop) and
@@ -30,6 +31,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from expertax import platform
 
 BACKENDS = ("auto", "ragged_dot", "tiled")
 
@@ -65,7 +68,7 @@ def resolve_backend(backend: str) -> str:
         raise ValueError(f"gmm backend={backend!r}; valid: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    return MEASURED.get(jax.default_backend(), ("tiled",))[0]
+    return MEASURED.get(platform.current(), ("tiled",))[0]
 
 
 def gmm(

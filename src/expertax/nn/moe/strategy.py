@@ -14,9 +14,9 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-import jax
 from jax.sharding import PartitionSpec
 
+from expertax import platform
 from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
 from expertax.sharding.rules import Rules
@@ -94,7 +94,7 @@ def resolve_a2a_impl(c: Config, backend: str | None = None) -> str:
     """`ragged` or `padded`: `auto` picks ragged where XLA implements it (GPU, TPU)."""
     if c.a2a_impl != "auto":
         return c.a2a_impl
-    backend = backend or jax.default_backend()
+    backend = backend or platform.current()
     return "ragged" if backend in ("gpu", "cuda", "rocm", "tpu") else "padded"
 
 
@@ -115,7 +115,8 @@ def describe_dispatch(
 
     `mesh_shape` maps mesh axis names to sizes (`sharding.mesh.mesh_shape(c, ...)` or
     `dict(mesh.shape)`); `rules` is the run's rules table (`config.config_rules(c)`); `backend`
-    defaults to `jax.default_backend()` (it picks `a2a_impl=auto`).
+    is the mesh's platform (`expertax.platform`; it picks `a2a_impl=auto`), by default the one
+    being traced for.
     """
     if not c.is_moe:
         return "MoE dispatch: none (dense model)"
@@ -139,5 +140,5 @@ def describe_dispatch(
         steps = "all-gather, local experts, reduce-scatter" if split else "local experts, psum"
         return f"{head}: ring of experts ({steps})"
     impl = resolve_a2a_impl(c, backend)
-    on = backend or jax.default_backend()
+    on = backend or platform.current()
     return f"{head}: all-to-all a2a_impl={c.a2a_impl} -> {impl} on {on}, {_buffer(c)}"

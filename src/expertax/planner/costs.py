@@ -1,0 +1,109 @@
+"""What one compiled train step computes, per device, against what the model needs.
+
+- `model_flops`: the model's training FLOPs per device per step (`train.metrics`:
+  6 x matmul parameters used per token + causal attention, times the tokens a device takes).
+- `compiled_flops`: the matmul and convolution FLOPs of the compiled program, read from its
+  optimized HLO (`flops.count_flops`), each loop body multiplied by its trip count. The
+  compilers' own `cost_analysis()` counts a loop body once (a scanned 61-layer step reports about
+  one layer's flops) and the GPU compiler has none without a GPU; both targets are counted the same
+  way here. Elementwise work is not in this figure.
+- TPU only: the compiler's roofline estimate (`cost_analysis()["optimal_seconds"]`, loop bodies
+  once) scaled to the whole step by the ratio of trip-weighted to once-counted matmul FLOPs, and
+  the MFU it bounds (model FLOPs / (roofline x the chip's peak)). A compiler estimate, never a
+  measured time.
+"""
+
+from __future__ import annotations
+
+from expertax import platform
+from expertax.config.schema import Config
+from expertax.train.metrics import train_flops_per_token
+
+METHOD = (
+    "matmul/convolution FLOPs of the optimized HLO, each loop body x its trip count "
+    "(planner/flops.py)"
+)
+
+
+def model_flops_per_device(c: Config, global_batch: int, devices: int) -> float:
+    return train_flops_per_token(c) * global_batch * c.max_target_length / devices
+
+
+def step_costs(compiled, c: Config, trainer, target=None) -> dict:
+    """The compute figures of the report (module docstring); None where a figure is unavailable."""
+    on = platform.of_mesh(trainer.mesh)
+    model = model_flops_per_device(c, trainer.global_batch, trainer.num_devices)
+    out: dict = {
+        "model_flops": model,
+        "compiled_flops": None,
+        "compiled_flops_method": None,
+        "flops_ratio": None,
+        "loops": [],
+        "cost_analysis_flops": None,
+        "roofline_seconds": None,
+        "mfu_bound": None,
+        "peak_flops_per_s": target.chip.peak_bf16_flops if target and target.chip else None,
+    }
+    try:
+        from expertax.planner import flops
+
+        count = flops.count_flops(compiled.as_text())
+    except Exception as e:  # noqa: BLE001 - a program text the counter cannot read
+        out["compiled_flops_method"] = f"unavailable: {type(e).__name__}: {e}"[:200]
+        return out
+    out.update(
+        compiled_flops=count.flops,
+        compiled_flops_method=METHOD,
+        flops_ratio=count.flops / model if model else None,
+        loops=[{"op": name, "trips": trips, "where": where} for name, trips, where in count.loops],
+    )
+    if count.unknown_trip_counts:
+        out["compiled_flops_method"] += (
+            f"; {len(count.unknown_trip_counts)} loop(s) of unknown trip count counted once"
+        )
+    if on != "tpu":
+        return out
+    try:
+        analysis = compiled.cost_analysis() or {}
+    except Exception:  # noqa: BLE001 - not every compiler implements it
+        analysis = {}
+    if isinstance(analysis, list):  # older JAX: one dict per program
+        analysis = analysis[0] if analysis else {}
+    out["cost_analysis_flops"] = analysis.get("flops")
+    optimal = analysis.get("optimal_seconds")
+    if optimal and count.flops_once:
+        out["roofline_seconds"] = optimal * count.flops / count.flops_once
+        peak = out["peak_flops_per_s"]
+        if peak:
+            out["mfu_bound"] = model / (out["roofline_seconds"] * peak)
+    return out
+
+
+def _flop(n: float) -> str:
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def format_costs(r: dict) -> list[str]:
+    """The report's compute lines (none for a report without them)."""
+    if r.get("model_flops") is None:
+        return []
+    if r.get("compiled_flops") is None:
+        why = r.get("compiled_flops_method") or "not computed"
+        return [
+            f"compute per device and step: the model's {_flop(r['model_flops'])}; compiled: {why}"
+        ]
+    lines = [
+        f"compute per device and step: compiled {_flop(r['compiled_flops'])} against the "
+        f"model's {_flop(r['model_flops'])} ({r['flops_ratio']:.2f}x); "
+        f"{r['compiled_flops_method']}",
+    ]
+    if r.get("roofline_seconds") is not None:
+        mfu = "" if r["mfu_bound"] is None else f", bounding MFU at {100 * r['mfu_bound']:.1f}%"
+        lines.append(
+            f"  the TPU compiler's roofline estimate (not a measured time): "
+            f"{r['roofline_seconds'] * 1e3:.2f} ms per step{mfu}"
+        )
+    return lines
