@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import logging
 import math
 import os
 from pathlib import Path
@@ -201,3 +202,6 @@ def prepare_process(target: Target) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         if target.platform == "tpu":
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        # Without a GPU the CUDA plugin's start-up fails and JAX logs its traceback as a
+        # warning; the compile-only topology needs no running client.
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)

@@ -1,0 +1,134 @@
+"""Compile targets: parsing, topologies, the platform that follows the mesh, and the TPU and GPU
+compilers run from this CPU machine on the tiny models (compile-only: nothing executes)."""
+
+import json
+
+import pytest
+
+from expertax import cli, platform, targets
+from expertax.config import ConfigError, load_config
+from expertax.nn.moe import strategy
+from expertax.planner import plan
+from expertax.sharding.mesh import buildable
+from expertax.train.trainer import build_trainer
+
+needs_tpu = pytest.mark.skipif(
+    not targets.compiler_available("tpu"), reason="the TPU compiler (expertax[tpu]) is missing"
+)
+needs_gpu = pytest.mark.skipif(
+    not targets.compiler_available("gpu"), reason="the GPU compiler (expertax[gpu]) is missing"
+)
+
+
+@pytest.mark.parametrize(
+    "spec, platform_, count, topology",
+    [
+        ("cpu", "cpu", 0, ""),
+        ("tpu:v5p-16", "tpu", 8, "v5p:2x2x2"),
+        ("tpu:v5p-8", "tpu", 4, "v5p:2x2x1"),
+        ("tpu:v5p-256", "tpu", 128, "v5p:4x4x8"),
+        ("tpu:v5p-1024", "tpu", 512, "v5p:8x8x8"),
+        ("tpu:v5p-2048", "tpu", 1024, "v5p:8x8x16"),
+        ("TPU:v6e-256", "tpu", 256, "v6e:16x16"),
+        ("tpu:v5e-8", "tpu", 8, "v5e:2x4"),
+        ("gpu:h100x8", "gpu", 8, "1x1x8"),
+        ("gpu:h100x4", "gpu", 4, "1x1x4"),
+        ("gpu:h100x256", "gpu", 256, "1x32x8"),
+        ("gpu:h200x128", "gpu", 128, "1x16x8"),
+    ],
+)
+def test_target_names_map_to_topologies(spec, platform_, count, topology):
+    t = targets.parse_target(spec)
+    assert (t.platform, t.count, t.topology) == (platform_, count, topology)
+    if t.chip is not None:
+        assert t.hbm_gib > 10
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("tpu:v5p-15", "power of two"),
+        ("tpu:v5p-12", "power of two"),
+        ("tpu:v9-8", "tpu:<v5p|v5e|v6e>-<N>"),
+        ("gpu:h100x12", "whole hosts of 8"),
+        ("gpu:a100x8", "gpu:<h100, h200>x<count>"),
+        ("gpu:h100", "gpu:<h100, h200>x<count>"),
+        ("cuda:h100x8", "cpu, tpu or gpu"),
+    ],
+)
+def test_bad_targets_are_refused_naming_what_is_valid(spec, says):
+    with pytest.raises(ConfigError) as e:
+        targets.parse_target(spec)
+    assert f"--target={spec}" in str(e.value) and says in str(e.value)
+    assert "gpu:h100x8" in str(e.value)
+
+
+def test_a_missing_compiler_is_refused_naming_the_extra(monkeypatch, capsys):
+    monkeypatch.setattr(targets, "compiler_available", lambda p: p == "cpu")
+    rc = cli.main(["memory", "model_name=llama-tiny", "--target", "tpu:v5p-16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "expertax[tpu]" in err and "not installed" in err
+    rc = cli.main(["memory", "model_name=llama-tiny", "--target", "gpu:h100x8"])
+    assert rc == 2 and "expertax[gpu]" in capsys.readouterr().err
+
+
+def test_devices_flag_is_for_the_cpu_target_only(capsys):
+    rc = cli.main(["memory", "model_name=llama-tiny", "--target", "tpu:v5p-16", "--devices", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--devices=4" in err and "8 devices of its own" in err
+
+
+def test_compiler_refusals_for_memory_are_recognised():
+    tpu = RuntimeError(
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (100.50G) exceeds available HBM (95.74G)."
+    )
+    assert "100.50G" in plan.refused_for_memory(tpu)
+    assert plan._gib_figures(plan.refused_for_memory(tpu)) == [100.5, 95.74]
+    assert plan.refused_for_memory(ValueError("shapes do not match")) is None
+
+
+@needs_tpu
+def test_meshes_a_torus_cannot_take_whole_are_split_or_refused():
+    devices = targets.parse_target("tpu:v5p-1024").devices()
+    assert len(devices) == 512 and platform.of_devices(devices) == "tpu"
+    assert buildable({"expert": 16, "fsdp": 32}, devices)  # splits physical axes
+    assert buildable({"expert": 8, "fsdp": 64}, devices)
+    assert not buildable({"expert": 3, "fsdp": 2}, devices[:6])
+
+
+@needs_tpu
+@needs_gpu
+def test_backend_decisions_follow_the_mesh_not_the_default_backend():
+    c = load_config(overrides={"model_name": "deepseek3-tiny", "ici_expert_parallelism": 8})
+    assert strategy.resolve_a2a_impl(c) == "padded"  # XLA:CPU: the padded stand-in
+    for spec in ("tpu:v5p-16", "gpu:h100x8"):
+        t = targets.parse_target(spec)
+        trainer = build_trainer(c, t.devices())
+        with trainer.context():
+            assert platform.current() == t.platform
+            assert strategy.resolve_a2a_impl(c) == "ragged"
+        assert platform.current() == "cpu"
+
+
+@needs_tpu
+@needs_gpu
+@pytest.mark.parametrize("spec", ["tpu:v5p-16", "gpu:h100x8"])
+def test_memory_for_a_target_with_host_offloaded_optimizer_state(spec, tmp_path, capsys):
+    """The real compilers take the step with optimizer state in pinned host memory (the TPU
+    refused it while the PRNG key moved with the state) and the native ragged all-to-all."""
+    path = tmp_path / "m.json"
+    args = ["model_name=deepseek3-tiny", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]
+    args += ["optimizer_memory_host_offload=true", "--top", "0"]
+    rc = cli.main(["memory", *args, "--target", spec, "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    r = json.loads(path.read_text())
+    t = targets.parse_target(spec)
+    assert r["target"] == spec and r["backend"] == t.platform
+    assert r["hbm_bytes"] == int(t.hbm_gib * plan.GIB) and r["fits"] is True
+    assert r["peak_device_bytes"] > 0 and r["host_bytes"] >= r["optimizer_state_bytes"]
+    for key in ("compiled_flops", "model_flops", "host_bytes", "peak_device_bytes"):
+        assert key in r
+    assert r["model_flops"] > 0
+    assert t.describe() in out and "XLA:CPU" not in out
