@@ -84,6 +84,7 @@ class Instruction:
     op_name: str
     frame: int  # stack_frame_id, 0 when none
     attrs: str  # the rest of the line after the operands (calls=, body=, index=, ...)
+    args: str = ""  # the text between the operand parentheses: a constant's literal, parameter(N)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Module:
     frames: dict[int, Frame]
     roots: dict[str, str]  # computation -> its ROOT instruction
     callers: dict[str, str]  # while body/condition computation -> the while instruction
+    entry: str = ""  # the ENTRY computation
 
 
 def parse_index(text: str) -> tuple[int, ...]:
@@ -223,6 +225,7 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
         op_name.group(1) if op_name else "",
         int(frame.group(1)) if frame else 0,
         attrs,
+        rest[paren + 1 : close - 1],
     )
 
 
@@ -242,6 +245,7 @@ def parse_hlo(text: str) -> Module:
     callers: dict[str, str] = {}
     section = None
     computation = None
+    entry = ""
     for line in text.splitlines():
         if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
             section = sections.setdefault(line, {})
@@ -252,6 +256,7 @@ def parse_hlo(text: str) -> Module:
         section = None
         if not line.startswith(" ") and (m := _COMP_RE.match(line)):
             computation = m.group(1)
+            entry = computation if line.startswith("ENTRY") else entry
             continue
         if computation is None or not line.startswith(" "):
             continue
@@ -279,7 +284,7 @@ def parse_hlo(text: str) -> Module:
             functions.get(int(loc.get("function_name_id", 0)), "?"),
             max(int(f.get("parent_frame_id", 0)) - 1, 0),
         )
-    return Module(instructions, frames, roots, callers)
+    return Module(instructions, frames, roots, callers, entry)
 
 
 def call_stack(module: Module, frame: int) -> list[Frame]:

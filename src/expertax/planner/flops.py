@@ -1,0 +1,369 @@
+"""Matmul and convolution FLOPs of a compiled XLA program, read from its optimized HLO text.
+
+`count_flops(compiled.as_text())` works for the TPU and GPU compilers, and where XLA's own
+`compiled.cost_analysis()` falls short: that counts a while loop's body once (a scanned 61-layer
+step reports about one layer), and on the GPU compile-only path it returns None.
+
+What is counted (per device: the HLO of an SPMD program has shard shapes), 2 flops per
+multiply-add:
+- `dot` (anywhere, fusions included): 2 x output elements x contracted size;
+- `convolution` (TPU writes every matmul as one, `dim_labels=bf_io->bf`; batched matmuls as a
+  base-dilated window): 2 x output features x input features (per group) x batch x the
+  (output, kernel) position pairs that touch real input, as XLA's cost analysis counts them;
+- cuBLAS custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`: the dot dimension numbers in
+  the backend config) and cuDNN forward convolutions (window and dim_labels; the backward
+  ones are listed in `opaque`);
+- `tpu_custom_call` (Mosaic kernels: TPU's native `ragged_dot` is one) by the kernel's own
+  `cost_estimate.flops`; a ragged dot without one as 2 x M x K x N of its rows (M = lhs rows);
+  other kernels without an estimate are listed in `opaque`, not counted.
+Elementwise work, reductions and collectives are not counted.
+
+Multipliers: a while body counts `trip count` times (nested loops multiply); fusions, calls and
+async computations count at their caller's multiplier; a conditional counts its most expensive
+branch (what XLA's cost analysis does; which branch runs is data). The trip count is
+`known_trip_count` in the while's backend config when present (GPU), else read from the loop:
+the condition compares an induction variable (an element of the loop state, maybe through a
+fusion) with a constant, the body adds a constant to it, and its initial value is a constant in
+the while's init tuple (TPU: `wide.` loops that XLA widened, sunk constants into or unrolled;
+an unrolled body holds its copies of the layer and runs fewer times). A loop whose count cannot
+be read (a data-dependent bound) counts once and is listed in `unknown_trip_counts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+
+from expertax.planner.hlo import Instruction, Module, parse_hlo
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    name: str  # the while instruction
+    trip_count: int | None  # None: could not be read (counted once)
+    op_name: str
+    body_flops: int  # flops of one trip through the body (nested loops at their counts)
+
+
+@dataclasses.dataclass
+class FlopCount:
+    flops: int  # every computation weighted by how many times it runs
+    flops_once: int  # every loop body counted once (XLA's cost analysis convention)
+    loops: list[Loop]
+    unknown_trip_counts: list[Loop]
+    by_op_name: dict[str, int]  # weighted flops by the op_name metadata of the dot/convolution
+    opaque: list[tuple[str, str, str]]  # (instruction, custom-call target, op_name) not counted
+
+    def matching(self, substring: str) -> int:
+        """Weighted flops of the instructions whose op_name contains `substring`."""
+        return sum(f for name, f in self.by_op_name.items() if substring in name)
+
+    def by_scope(self, depth: int = 1) -> dict[str, int]:
+        """Weighted flops by the first `depth` components of the op_name, transformations
+        unwrapped (`transpose(jvp(moe))` -> `moe`, `jvp()` dropped), so that a scope's forward
+        and backward pass add up; `jit(f)` components are kept."""
+        out: Counter[str] = Counter()
+        for name, f in self.by_op_name.items():
+            parts = [_unwrap(p) for p in name.split("/")]
+            out["/".join([p for p in parts if p][:depth])] += f
+        return dict(out)
+
+
+def _unwrap(part: str) -> str:
+    while (m := re.fullmatch(r"(?:jvp|transpose|vmap|remat|checkpoint)\((.*)\)", part)) is not None:
+        part = m.group(1)
+    return part
+
+
+_CALLED_RE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_CALLED_LIST_RE = re.compile(r"\b(calls|branch_computations|called_computations)=\{([^}]*)\}")
+_TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
+_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
+_DIMS_RE = re.compile(r"^\(?\s*[a-z]\w*\[([^\]]*)\]")
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    """Dimensions of an array shape, or of a tuple's first element (`<=N` bounds read as N)."""
+    m = _DIMS_RE.match(shape.strip())
+    if m is None:
+        raise ValueError(f"not an array shape: {shape[:80]!r}")
+    return tuple(int(d.strip().lstrip("<=")) for d in m.group(1).split(",") if d.strip())
+
+
+def _int_list(attrs: str, key: str) -> list[int]:
+    m = re.search(rf"\b{key}=\{{([\d,\s]*)\}}", attrs)
+    return [int(x) for x in m.group(1).split(",") if x.strip()] if m else []
+
+
+def _called(ins: Instruction) -> list[tuple[str, str]]:
+    """(attribute, computation) pairs an instruction calls (an async op's `-start` only)."""
+    if ins.opcode.endswith(("-done", "-update")):
+        return []
+    attrs = ins.attrs.split("backend_config=", 1)[0]
+    out = [(k, v) for k, v in _CALLED_RE.findall(attrs)]
+    for key, names in _CALLED_LIST_RE.findall(attrs):
+        out += [(key, n.strip().lstrip("%")) for n in names.split(",") if n.strip()]
+    return out
+
+
+def _dot_flops(out: tuple[int, ...], lhs: tuple[int, ...], contracting: list[int]) -> int:
+    return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+
+
+def _conv_flops(ins: Instruction, lhs: tuple[int, ...], rhs: tuple[int, ...]) -> int:
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if labels is None:
+        raise ValueError(f"{ins.name}: a convolution without dim_labels")
+    lhs_l, rhs_l, out_l = labels.groups()
+    out = _dims(ins.shape)
+    window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    fields = dict(f.split("=", 1) for f in window.group(1).split()) if window else {}
+
+    def per_dim(key: str, default: int) -> list[int]:
+        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * 8
+
+    stride, base, dilate = per_dim("stride", 1), per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    pads = [int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields else [0] * 8
+    positions = 1
+    for d in sorted(c for c in lhs_l if c.isdigit()):
+        n_in, n_k, n_out = lhs[lhs_l.index(d)], rhs[rhs_l.index(d)], out[out_l.index(d)]
+        i = int(d)
+        positions *= _valid_pairs(n_in, n_k, n_out, stride[i], pads[i], base[i], dilate[i])
+    bgc = re.search(r"batch_group_count=(\d+)", ins.attrs)
+    batch = lhs[lhs_l.index("b")] // (int(bgc.group(1)) if bgc else 1)
+    return 2 * rhs[rhs_l.index("i")] * rhs[rhs_l.index("o")] * batch * positions
+
+
+def _valid_pairs(n_in: int, n_k: int, n_out: int, stride: int, pad: int, base: int, dil: int):
+    """(output, kernel) position pairs of one spatial dimension that read a real input element:
+    not padding, not a hole of the base (lhs) dilation."""
+    total, last = 0, (n_in - 1) * base  # the dilated input spans [0, last]
+    for k in range(n_k):
+        a = k * dil - pad  # output position o reads dilated input position o * stride + a
+        lo, hi = max(0, -(a // stride)), min(n_out - 1, (last - a) // stride)
+        if lo > hi:
+            continue
+        if base == 1:
+            total += hi - lo + 1
+            continue
+        # o * stride + a must be a multiple of base: o = o0 (mod period) when solvable
+        g = math.gcd(stride, base)
+        if a % g:
+            continue
+        period = base // g
+        o0 = (-a // g) * pow(stride // g, -1, period) % period
+        first = lo + (o0 - lo) % period
+        total += (hi - first) // period + 1 if first <= hi else 0
+    return total
+
+
+class _Counter:
+    def __init__(self, module: Module):
+        self.m = module
+        self.comps: dict[str, list[Instruction]] = {}
+        for ins in module.instructions.values():
+            self.comps.setdefault(ins.computation, []).append(ins)
+        self.memo: dict[str, tuple[int, int, Counter[str]]] = {}
+        self.trips: dict[str, int | None] = {}
+        self.body_flops: dict[str, int] = {}
+        self.opaque: list[tuple[str, str, str]] = []
+        self.fused_by = _fused_by(module)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return _dims(self.m.instructions[name].shape)
+
+    def own(self, ins: Instruction) -> int:
+        op = ins.opcode
+        if op == "dot":
+            lhs = self.shape(ins.operands[0])
+            return _dot_flops(_dims(ins.shape), lhs, _int_list(ins.attrs, "lhs_contracting_dims"))
+        if op == "convolution":
+            return _conv_flops(ins, self.shape(ins.operands[0]), self.shape(ins.operands[1]))
+        if op == "ragged-dot":  # 2 x lhs elements x the rhs dimensions that reach the output
+            lhs, rhs = self.shape(ins.operands[0]), self.shape(ins.operands[1])
+            keys = ("rhs_contracting_dims", "rhs_batch_dims", "rhs_group_dims")
+            skip = {d for k in keys for d in _int_list(ins.attrs, k)}
+            return 2 * math.prod(lhs) * math.prod(n for i, n in enumerate(rhs) if i not in skip)
+        if op != "custom-call":
+            return 0
+        target = (m.group(1) if (m := _TARGET_RE.search(ins.attrs)) else "").lower()
+        contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+        if target.startswith("__cublas$") and contracting:
+            dims = [int(x.strip('" ')) for x in contracting.group(1).split(",") if x.strip()]
+            return _dot_flops(_dims(ins.shape), self.shape(ins.operands[0]), dims)
+        if target in ("__cudnn$convforward", "__cudnn$convbiasactivationforward"):
+            return _conv_flops(ins, self.shape(ins.operands[0]), self.shape(ins.operands[1]))
+        if target == "tpu_custom_call":
+            est = re.search(r'"cost_estimate":\{"flops":"?(\d+)', ins.attrs)
+            if est:
+                return int(est.group(1))
+            if "ragged-dot" in ins.name or "ragged_dot" in ins.attrs:
+                if ins.shape.startswith("("):
+                    return 0  # the group metadata kernel
+                return 2 * math.prod(_dims(ins.shape)) * self.shape(ins.operands[-2])[-1]
+        if re.search(r"tpu_custom_call|mosaic|triton|cublas|cudnn", target):
+            self.opaque.append((ins.name, target, ins.op_name))
+        return 0
+
+    def cost(self, comp: str) -> tuple[int, int, Counter[str]]:
+        """(weighted flops, flops with loop bodies once, weighted flops by op_name)."""
+        if comp in self.memo:
+            return self.memo[comp]
+        self.memo[comp] = (0, 0, Counter())  # a recursive call graph: count nothing twice
+        total, once, by_op = 0, 0, Counter[str]()
+        for ins in self.comps.get(comp, []):
+            f = self.own(ins)
+            total, once = total + f, once + f
+            if f:
+                by_op[ins.op_name] += f
+            called = _called(ins)
+            if ins.opcode == "while":
+                n = self.trips[ins.name] = trip_count(self.m, ins, self.fused_by)
+                parts = [(self.cost(c), 1 if n is None else n) for _, c in called]
+                self.body_flops[ins.name] = sum(self.cost(c)[0] for k, c in called if k == "body")
+            elif ins.opcode == "conditional":  # the most expensive branch
+                costs = [self.cost(c) for k, c in called if k != "calls"]
+                parts = [(max(costs, key=lambda t: t[0]), 1)] if costs else []
+            else:
+                parts = [(self.cost(c), 1) for _, c in called]
+            for (t, o, ops), mult in parts:
+                total, once = total + t * mult, once + o
+                for name, g in ops.items():
+                    by_op[name or ins.op_name] += g * mult
+        self.memo[comp] = (total, once, by_op)
+        return self.memo[comp]
+
+
+def _int_literal(ins: Instruction) -> int | None:
+    return int(ins.args) if re.fullmatch(r"\s*-?\d+\s*", ins.args) else None
+
+
+def _fused_by(m: Module) -> dict[str, list[Instruction]]:
+    """Fused computation -> the fusion instructions that call it."""
+    out: dict[str, list[Instruction]] = {}
+    for ins in m.instructions.values():
+        if ins.opcode == "fusion" and (c := _CALLS_RE.search(ins.attrs)):
+            out.setdefault(c.group(1), []).append(ins)
+    return out
+
+
+Affine = tuple[int | None, int]
+
+
+def _affine(m: Module, fused_by: dict, name: str, hops: int = 32) -> Affine | None:
+    """`name` as (None, c): the constant c, or (i, c): element i of the loop state plus c; the
+    loop state is the parameter of a while body or condition, reached through fusions, copies,
+    converts and tuple plumbing."""
+    ins = m.instructions.get(name)
+    if ins is None or hops == 0:
+        return None
+    op, ops = ins.opcode, ins.operands
+    if op == "constant":
+        v = _int_literal(ins)
+        return None if v is None else (None, v)
+    if op in ("copy", "bitcast", "convert", "reshape") and ops:
+        return _affine(m, fused_by, ops[0], hops - 1)
+    if op == "get-tuple-element" and ops:
+        index = int(re.search(r"\bindex=(\d+)", ins.attrs).group(1))  # type: ignore[union-attr]
+        src = m.instructions.get(ops[0])
+        if src is not None and src.opcode == "parameter" and src.computation in m.callers:
+            return index, 0
+        if src is not None and src.opcode == "tuple" and index < len(src.operands):
+            return _affine(m, fused_by, src.operands[index], hops - 1)
+        return None
+    if op == "parameter" and ins.computation not in m.callers:
+        # a fused computation's parameter: the operand of the one fusion that calls it
+        callers = fused_by.get(ins.computation, [])
+        number = _int_literal(ins)
+        if len(callers) == 1 and number is not None and number < len(callers[0].operands):
+            return _affine(m, fused_by, callers[0].operands[number], hops - 1)
+        return None
+    if op == "fusion":
+        c = _CALLS_RE.search(ins.attrs)
+        root = m.roots.get(c.group(1)) if c else None
+        return _affine(m, fused_by, root, hops - 1) if root else None
+    if op in ("add", "subtract") and len(ops) == 2:
+        a, b = _affine(m, fused_by, ops[0], hops - 1), _affine(m, fused_by, ops[1], hops - 1)
+        if a is None or b is None or (a[0] is not None and b[0] is not None):
+            return None
+        if op == "subtract":
+            return (a[0], a[1] - b[1]) if b[0] is None else None
+        return (a[0] if a[0] is not None else b[0], a[1] + b[1])
+    return None
+
+
+def _find_compare(m: Module, name: str, hops: int = 8) -> Instruction | None:
+    ins = m.instructions.get(name)
+    while ins is not None and ins.opcode in ("fusion", "copy", "bitcast") and hops:
+        c = _CALLS_RE.search(ins.attrs) if ins.opcode == "fusion" else None
+        nxt = m.roots.get(c.group(1)) if c else (ins.operands[0] if ins.operands else None)
+        ins, hops = (m.instructions.get(nxt) if nxt else None), hops - 1
+    return ins if ins is not None and ins.opcode == "compare" else None
+
+
+_FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "NE": "NE", "EQ": "EQ"}
+
+
+def trip_count(m: Module, loop: Instruction, fused_by: dict | None = None) -> int | None:
+    """How many times a while loop's body runs, or None when that cannot be read."""
+    fused_by = _fused_by(m) if fused_by is None else fused_by
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+    if known:
+        return int(known.group(1))
+    comps = dict(re.findall(r"\b(body|condition)=%?([\w.\-]+)", loop.attrs))
+    cmp = _find_compare(m, m.roots.get(comps.get("condition", ""), ""))
+    direction = re.search(r"direction=(\w+)", cmp.attrs) if cmp else None
+    if cmp is None or direction is None or len(cmp.operands) != 2:
+        return None
+    left, right = (_affine(m, fused_by, o) for o in cmp.operands)
+    d = direction.group(1)
+    if left is None or right is None or (left[0] is None) == (right[0] is None):
+        return None
+    if left[0] is None:
+        left, right, d = right, left, _FLIP.get(d, d)
+    index, bound = left[0], right[1] - left[1]  # state[index] <d> bound
+    if index is None:
+        return None
+    init_tuple = m.instructions.get(loop.operands[0]) if loop.operands else None
+    body_root = m.instructions.get(m.roots.get(comps.get("body", ""), ""))
+    if init_tuple is None or init_tuple.opcode != "tuple" or body_root is None:
+        return None
+    if body_root.opcode != "tuple" or index >= len(body_root.operands):
+        return None
+    init = _affine(m, fused_by, init_tuple.operands[index])
+    step = _affine(m, fused_by, body_root.operands[index])
+    if init is None or init[0] is not None or step is None or step[0] != index or not step[1]:
+        return None
+    start, s = init[1], step[1]
+    if d in ("LE", "GE"):
+        bound, d = bound + (1 if d == "LE" else -1), d[0] + "T"
+    if d == "LT" and s > 0:
+        return max(0, -((start - bound) // s))
+    if d == "GT" and s < 0:
+        return max(0, -((bound - start) // -s))
+    if d == "NE" and (bound - start) % s == 0 and (bound - start) // s >= 0:
+        return (bound - start) // s
+    return None
+
+
+def count_flops(hlo_text: str) -> FlopCount:
+    """The FLOPs of one compiled program, per device, from its optimized HLO text."""
+    module = parse_hlo(hlo_text)
+    counter = _Counter(module)
+    total, once, by_op = counter.cost(module.entry)
+    loops = [
+        Loop(name, n, module.instructions[name].op_name, counter.body_flops[name])
+        for name, n in counter.trips.items()
+    ]
+    return FlopCount(
+        flops=total,
+        flops_once=once,
+        loops=loops,
+        unknown_trip_counts=[lp for lp in loops if lp.trip_count is None],
+        by_op_name=dict(by_op),
+        opaque=counter.opaque,
+    )
