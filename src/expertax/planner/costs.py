@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from expertax import platform
 from expertax.config.schema import Config
+from expertax.planner import flops
 from expertax.train.metrics import train_flops_per_token
 
 METHOD = (
@@ -45,8 +46,6 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
         "peak_flops_per_s": target.chip.peak_bf16_flops if target and target.chip else None,
     }
     try:
-        from expertax.planner import flops
-
         count = flops.count_flops(compiled.as_text())
     except Exception as e:  # noqa: BLE001 - a program text the counter cannot read
         out["compiled_flops_method"] = f"unavailable: {type(e).__name__}: {e}"[:200]

@@ -26,7 +26,10 @@ the condition compares an induction variable (an element of the loop state, mayb
 fusion) with a constant, the body adds a constant to it, and its initial value is a constant in
 the while's init tuple (TPU: `wide.` loops that XLA widened, sunk constants into or unrolled;
 an unrolled body holds its copies of the layer and runs fewer times). A loop whose count cannot
-be read (a data-dependent bound) counts once and is listed in `unknown_trip_counts`.
+be read (a data-dependent bound) counts once and is listed in `unknown_trip_counts`, unless
+the program names its expected count: a loop traced under `jax.named_scope("trips~N")` (the
+grouped matmul's tile loops, at the count balanced routing gives: `nn/moe/gmm.py`) counts N
+times and is listed in `expected_trip_counts`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from collections import Counter
 
 from expertax.planner.hlo import Instruction, Module, parse_hlo
 
+_EXPECTED_RE = re.compile(r"trips~(\d+)")
+
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
@@ -45,6 +50,7 @@ class Loop:
     trip_count: int | None  # None: could not be read (counted once)
     op_name: str
     body_flops: int  # flops of one trip through the body (nested loops at their counts)
+    expected: bool = False  # a data-dependent count, taken from the loop's `trips~N` scope
 
 
 @dataclasses.dataclass
@@ -53,6 +59,7 @@ class FlopCount:
     flops_once: int  # every loop body counted once (XLA's cost analysis convention)
     loops: list[Loop]
     unknown_trip_counts: list[Loop]
+    expected_trip_counts: list[Loop]  # data-dependent loops counted at their expected count
     by_op_name: dict[str, int]  # weighted flops by the op_name metadata of the dot/convolution
     opaque: list[tuple[str, str, str]]  # (instruction, custom-call target, op_name) not counted
 
@@ -171,6 +178,7 @@ class _Counter:
         self.trips: dict[str, int | None] = {}
         self.body_flops: dict[str, int] = {}
         self.opaque: list[tuple[str, str, str]] = []
+        self.expected: dict[str, int] = {}  # loops counted by their `trips~N` scope
         self.fused_by = _fused_by(module)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -223,6 +231,9 @@ class _Counter:
             called = _called(ins)
             if ins.opcode == "while":
                 n = self.trips[ins.name] = trip_count(self.m, ins, self.fused_by)
+                if n is None and (hint := _EXPECTED_RE.findall(ins.op_name)):
+                    n = int(hint[-1])  # the program's own balanced-routing count
+                    self.expected[ins.name] = n
                 parts = [(self.cost(c), 1 if n is None else n) for _, c in called]
                 self.body_flops[ins.name] = sum(self.cost(c)[0] for k, c in called if k == "body")
             elif ins.opcode == "conditional":  # the most expensive branch
@@ -356,7 +367,13 @@ def count_flops(hlo_text: str) -> FlopCount:
     counter = _Counter(module)
     total, once, by_op = counter.cost(module.entry)
     loops = [
-        Loop(name, n, module.instructions[name].op_name, counter.body_flops[name])
+        Loop(
+            name,
+            counter.expected.get(name, n),
+            module.instructions[name].op_name,
+            counter.body_flops[name],
+            name in counter.expected,
+        )
         for name, n in counter.trips.items()
     ]
     return FlopCount(
@@ -364,6 +381,7 @@ def count_flops(hlo_text: str) -> FlopCount:
         flops_once=once,
         loops=loops,
         unknown_trip_counts=[lp for lp in loops if lp.trip_count is None],
+        expected_trip_counts=[lp for lp in loops if lp.expected],
         by_op_name=dict(by_op),
         opaque=counter.opaque,
     )

@@ -27,10 +27,13 @@ pass is exact without running the matmul again.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from expertax import platform
 
@@ -176,7 +179,19 @@ def _tile_ladder(n: int, tile_rows: int, tile_rows_min: int) -> tuple[int, ...]:
     small = [min(tile_rows_min, big)]
     while small[-1] * 2 < big:
         small.append(small[-1] * 2)
-    return (big, *sorted({min(s, big) for s in (*small, big)}))
+    return Tiles((big, *sorted({min(s, big) for s in (*small, big)})), _EXPECTED_ROWS.get())
+
+
+class Tiles(tuple):
+    """A tile ladder that also carries the balanced-routing rows per group it was built under
+    (`expected_group_rows`), so that the VJP, traced later, names the same expectation."""
+
+    expected_rows: float | None
+
+    def __new__(cls, sizes, expected_rows: float | None = None):
+        out = super().__new__(cls, sizes)
+        out.expected_rows = expected_rows
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,6 +204,54 @@ def _tile_ladder(n: int, tile_rows: int, tile_rows_min: int) -> tuple[int, ...]:
 # (2-core VM, quiet) that is the dot of ~30-60 rows, whatever D and F. A remainder is split in two
 # items only when that saves at least this many computed rows.
 SPLIT_MIN_SAVED_ROWS = 64
+
+
+# Rows per local group under balanced routing, where the caller knows it (`expected_group_rows`):
+# the tile loops' counts are data-dependent, and a compiled program's FLOPs (planner/flops.py)
+# count such a loop at this expectation, named in its scope as `trips~N`.
+_EXPECTED_ROWS: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "gmm_expected_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def expected_group_rows(rows: float | None):
+    """Trace the grouped matmuls under it with `rows` per group as the balanced expectation."""
+    token = _EXPECTED_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _EXPECTED_ROWS.reset(token)
+
+
+def _expected_counts(e_local: int, n: int, tiles: tuple[int, ...]) -> list[int] | None:
+    """Each tile list's item count when every local group has the expected rows: what
+    `_work_items` counts, evaluated in numpy at trace time (no device is needed; a compile for
+    a TPU or GPU target has none to run on)."""
+    rows = getattr(tiles, "expected_rows", None)
+    if rows is None:
+        return None
+    ends = np.minimum(np.cumsum(np.full(e_local, round(rows))), n)
+    sizes = np.maximum(ends - np.clip(ends - round(rows), 0, n), 0)
+    big, rest = tiles[0], tuple(tiles[1:])
+    counts = [int((sizes // big).sum())] + [0] * len(rest)
+    for rem in (sizes % big).tolist():
+        for k in _remainder_items(rem, rest):
+            counts[1 + k] += 1
+    return counts
+
+
+def _remainder_items(rem: int, tiles: tuple[int, ...]) -> list[int]:
+    """`_remainder_tiles` for one static remainder: the indices of the tiles it takes."""
+    if rem <= 0 or not tiles:
+        return []
+    fit = lambda r: sum(r > t for t in tiles[:-1])
+    head = sum(rem >= t for t in tiles) - 1
+    if head >= 0 and rem > tiles[head]:
+        tail = fit(rem - tiles[head])
+        if tiles[head] + tiles[tail] + SPLIT_MIN_SAVED_ROWS <= tiles[fit(rem)]:
+            return [head, tail]
+    return [fit(rem)]
 
 
 def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, ...]):
@@ -211,8 +274,9 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
     specs = [(n_full, starts, n // big, big)]
     for count, first, tile in _remainder_tiles(sizes - n_full * big, rem_start, rest_tiles):
         specs.append((count, first, e_local, tile))
+    expected = _expected_counts(e_local, n, tiles)
     lists = []
-    for count, first, cap, tile in specs:
+    for k, (count, first, cap, tile) in enumerate(specs):
         cum = jnp.cumsum(count)
         i = jnp.arange(max(cap, 1), dtype=jnp.int32)
         g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e_local - 1).astype(jnp.int32)
@@ -224,6 +288,7 @@ def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, .
                 row1=jnp.minimum(row0 + tile, ends[g]),
                 count=cum[-1],
                 tile=tile,
+                expected=None if expected is None else expected[k],
             )
         )
     return lists
@@ -299,8 +364,16 @@ def _for_items(items, n: int, step, carry):
             start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
             return step(item["g"][i], start, mask, tile, carry)
 
-        carry = jax.lax.fori_loop(0, item["count"], body, carry)
+        expected = item.get("expected")
+        scope = jax.named_scope(f"trips~{expected}") if expected is not None else _no_scope()
+        with scope:
+            carry = jax.lax.fori_loop(0, item["count"], body, carry)
     return carry
+
+
+@contextlib.contextmanager
+def _no_scope():
+    yield
 
 
 def _tile_of(xs, start, tile: int):

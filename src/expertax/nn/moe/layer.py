@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
 from expertax.config.schema import Config
 from expertax.nn import mlp
-from expertax.nn.moe import chunks, dispatch, ep, router, strategy
+from expertax.nn.moe import chunks, dispatch, ep, gmm, router, strategy
 from expertax.nn.moe.stash import Stash
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.sharding import constrain
+from expertax.sharding.rules import current_rules
 
 
 @params_dataclass
@@ -52,7 +54,31 @@ def apply_stashed(
     stash). The one-hot einsum path (`sparse_matmul=false`) has no stash (config checks).
 
     `imposed_BTK` (int32 [B, T, K], optional): a routing to impose (`router.route`); the stats
-    then carry the router's own choice (`MoEStats.chosen_BTK`)."""
+    then carry the router's own choice (`MoEStats.chosen_BTK`). Traced under the name scope
+    `moe`, with the grouped matmuls told the rows per expert balanced routing gives."""
+    with jax.named_scope("moe"), gmm.expected_group_rows(balanced_group_rows(x_BTD.shape, c)):
+        return _apply_stashed(p, x_BTD, c, dtype, stash, imposed_BTK)
+
+
+def balanced_group_rows(shape_BTD, c: Config) -> float:
+    """Rows each expert's grouped matmul gets on one device when routing is balanced: a chunk's
+    tokens x K / E, over the token shards, times the expert shards a device gathers or
+    receives rows from (tokens split over `expert`: the all-to-all or the ring brings them)."""
+    tokens = shape_BTD[0] * shape_BTD[1] / c.num_moe_token_chunks
+    rows = tokens * c.num_experts_per_tok / c.num_experts
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not strategy.uses_shard_map(c, mesh.size):
+        return rows
+    axes = strategy.token_axes(current_rules())
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    shards = math.prod(sizes.get(a, 1) for a in axes)
+    gathered = sizes.get(strategy.EXPERT, 1) if strategy.EXPERT in axes else 1
+    return rows * gathered / shards
+
+
+def _apply_stashed(
+    p: MoE, x_BTD: jax.Array, c: Config, dtype, stash: Stash | None, imposed_BTK=None
+) -> tuple[jax.Array, router.MoEStats, Stash | None]:
     b, t, d = x_BTD.shape
     x_in_BTD = x_BTD.astype(dtype)
     if strategy.uses_shard_map(c, ep.mesh_size()):
