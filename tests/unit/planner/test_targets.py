@@ -132,3 +132,42 @@ def test_memory_for_a_target_with_host_offloaded_optimizer_state(spec, tmp_path,
         assert key in r
     assert r["model_flops"] > 0
     assert t.describe() in out and "XLA:CPU" not in out
+
+
+def _routed_ffn_flops(c, trainer) -> float:
+    """The routed experts' training FLOPs per device (no remat: forward + 2 x backward):
+    6 x 3 matmuls of D x F per routed token slot."""
+    tokens = trainer.global_batch * c.max_target_length / trainer.num_devices
+    d, f, k = c.base_emb_dim, c.base_moe_mlp_dim, c.num_experts_per_tok
+    return 6 * 3 * d * f * k * tokens * c.num_moe_layers
+
+
+def _gmm_flops(spec, model, **overrides):
+    from expertax.planner import flops
+
+    c = load_config(overrides={"model_name": model, "remat_policy": "none", **overrides})
+    trainer = build_trainer(c, targets.parse_target(spec).devices())
+    count = flops.count_flops(trainer.compile().as_text())
+    return count, _routed_ffn_flops(c, trainer)
+
+
+@needs_tpu
+@needs_gpu
+@pytest.mark.parametrize("spec", ["tpu:v5p-16", "gpu:h100x8"])
+def test_grouped_matmul_costs_the_routed_rows_not_all_experts(spec):
+    """The compiled grouped matmul (its tile loops, counted at the balanced-routing trip count
+    they name) does the routed rows' FLOPs, not a dense matmul over every expert."""
+    count, routed = _gmm_flops(
+        spec, "deepseek3-tiny", ici_expert_parallelism=4, ici_fsdp_parallelism=2
+    )
+    gmm = count.matching("trips~")
+    assert count.expected_trip_counts and 0.9 * routed <= gmm <= 1.1 * routed, (gmm, routed)
+
+
+@needs_gpu
+def test_ragged_dot_on_gpu_expands_to_every_expert():
+    """The negative control: XLA:GPU compiles jax.lax.ragged_dot as a dense matmul over all
+    experts, and the counter sees it."""
+    count, routed = _gmm_flops("gpu:h100x8", "mixtral-tiny", gmm_impl="ragged_dot")
+    e = load_config(overrides={"model_name": "mixtral-tiny"}).num_experts
+    assert count.matching("ragged_dot") > e / 2 * routed / 3  # forward alone is routed / 3

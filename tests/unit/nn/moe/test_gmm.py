@@ -364,3 +364,15 @@ def test_tiled_splits_large_remainders():
     want = _value_and_grads(oracle, lhs, rhs, s, None, cot)
     for name, g, w in zip(("out", "d_lhs", "d_rhs"), got, want):
         np.testing.assert_allclose(g, w, **TOL[jnp.float32], err_msg=name)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 100, 300, 512, 700, 1500])
+@pytest.mark.parametrize("e_local, n", [(1, 4096), (4, 4096), (8, 2048), (3, 500)])
+def test_expected_item_counts_are_what_the_work_items_count(rows, e_local, n):
+    """The static count per tile list at balanced routing (the trips~N scope of the tile loops)
+    is what `_work_items` counts at run time for equal group sizes."""
+    tiles = gmm_lib.Tiles(gmm_lib._tile_ladder(n, 512, 8), rows)
+    static = gmm_lib._expected_counts(e_local, n, tiles)
+    sizes = jnp.full((e_local,), rows, jnp.int32)
+    lists = gmm_lib._work_items(sizes, jnp.int32(0), e_local, n, tuple(tiles))
+    assert static == [int(x["count"]) for x in lists]
