@@ -51,51 +51,6 @@ def _check_rows(rows, tol, ref_scale, n):
         assert r["tokens_per_s_per_device"] > 0
 
 
-@pytest.mark.extended  # 95-160 s: the default run keeps the pipeline parity test
-def test_parity_cli_deepseek3_tiny(tmp_path, capfd):
-    """Four layouts through the CLI; `capfd` also holds XLA's own (C++) warnings: no layout's
-    compile may fall back to replicating a tensor ("involuntary full rematerialization", which the
-    embedding lookup caused at ep2-tp2-data2 before its table was gathered over `embed`)."""
-    path = tmp_path / "parity.json"
-    layouts = (
-        "sparse-padded-ep8,sparse-ring-ep2-fsdp2-tp2-eptp,dense-ep2-tp2-data2,"
-        "sparse-padded-ep4-fsdp2-stash"
-    )
-    rc = cli.main(
-        [
-            "parity",
-            "model_name=deepseek3-tiny",
-            "base_num_decoder_layers=2",
-            *SMALL,
-            "--steps",
-            "3",
-            "--layouts",
-            layouts,
-            "--json",
-            str(path),
-        ]
-    )
-    assert rc == 0
-    out = json.loads(path.read_text())
-    assert out["tolerance"] == parity.TOLERANCE["float32"]
-    _check_rows(out["rows"], out["tolerance"], 10.0, 4)
-    assert [
-        (r["mode"], r["ring"], r["ep"], r["fsdp"], r["tp"], r["data"], r["stash"])
-        for r in out["rows"]
-    ] == [
-        ("sparse", False, 8, 1, 1, 1, False),
-        ("sparse", True, 2, 2, 2, 1, False),
-        ("dense", False, 2, 1, 2, 2, False),
-        ("sparse", False, 4, 2, 1, 1, True),
-    ]
-    assert [r["sharding_rules"] for r in out["rows"]] == ["default", "ep-tp", "default", "default"]
-    printed, err = capfd.readouterr()
-    assert "Involuntary full rematerialization" not in printed + err
-    assert "| sparse | False | padded | 1 | 8 | 1 | 1 | 1 | no | default |" in printed
-    assert "| sparse | True | - | 1 | 2 | 2 | 2 | 1 | no | ep-tp |" in printed
-    assert "| sparse | False | padded | 1 | 4 | 2 | 1 | 1 | yes | default |" in printed
-
-
 def _swap_expert_shards(ep: int):
     """Test hook: each expert shard gets the next shard's wi_0 (a mis-sharded weight)."""
 

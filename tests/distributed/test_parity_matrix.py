@@ -19,12 +19,14 @@ pytestmark = pytest.mark.distributed
     "model,extra",
     [("deepseek3-tiny", []), ("mixtral-tiny", [])],
 )
-def test_parity_full_matrix(model, extra, tmp_path):
+def test_parity_full_matrix(model, extra, tmp_path, capfd):
     """The whole layout matrix (24 layouts on 8 devices, 2 with the paged stash, 4 with
     expert-as-TP rules, 6 pipelined); CI runs it after the default suite. Both models have 2
     pipelined (MoE) layers: the 3 two-stage pipelines run, the 4-stage and circular ones are
     skipped (deepseek3-tiny keeps its 3 layers so that its dense layer runs outside the
-    pipeline)."""
+    pipeline). `capfd` also holds XLA's own (C++) warnings: no layout's compile may fall back
+    to replicating a tensor ("involuntary full rematerialization", which the embedding lookup
+    caused at ep2-tp2-data2 before its table was gathered over `embed`)."""
     path = tmp_path / "parity.json"
     rc = cli.main(
         [
@@ -39,6 +41,11 @@ def test_parity_full_matrix(model, extra, tmp_path):
         ]
     )
     assert rc == 0
+    printed, err = capfd.readouterr()
+    assert "Involuntary full rematerialization" not in printed + err
+    assert "| sparse | False | padded | 1 | 8 | 1 | 1 | 1 | no | default |" in printed
+    assert "| sparse | True | - | 1 | 2 | 2 | 2 | 1 | no | ep-tp |" in printed
+    assert "| sparse | False | padded | 1 | 4 | 2 | 1 | 1 | yes | default |" in printed
     report = json.loads(path.read_text())
     _check_rows(report["rows"], report["tolerance"], 10.0, 21)
     assert len(report["skipped"]) == 3 and report["refused"] == []

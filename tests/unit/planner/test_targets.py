@@ -171,3 +171,24 @@ def test_ragged_dot_on_gpu_expands_to_every_expert():
     count, routed = _gmm_flops("gpu:h100x8", "mixtral-tiny", gmm_impl="ragged_dot")
     e = load_config(overrides={"model_name": "mixtral-tiny"}).num_experts
     assert count.matching("ragged_dot") > e / 2 * routed / 3  # forward alone is routed / 3
+
+
+def test_fit_searches_only_meshes_the_topology_can_lay_out(monkeypatch):
+    from expertax.planner import space
+
+    # One point per layout (the other levers do not meet the topology).
+    monkeypatch.setattr(space, "remat_presets", lambda c: ["full"])
+    monkeypatch.setattr(space, "rules_presets", lambda: ["default"])
+    monkeypatch.setattr(space, "CHUNKS", (1,))
+    monkeypatch.setattr(space, "TILES", (1,))
+    c = load_config(overrides={"model_name": "deepseek3-tiny", "mu_dtype": "bfloat16"})
+    c = c.model_copy(update={"nu_dtype": "bfloat16"})
+    every = {x.layout for x in space.candidates(c, 8, pinned_host=False)}
+    only = {
+        x.layout
+        for x in space.candidates(
+            c, 8, pinned_host=False, buildable=lambda shape: shape["expert"] != 4
+        )
+    }
+    assert any(" ".join(x.split()[:1]) == "e4" for x in every)
+    assert only and not any(x.startswith("e4 ") for x in only) and only < every
