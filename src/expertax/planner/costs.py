@@ -54,8 +54,16 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
         compiled_flops=count.flops,
         compiled_flops_method=METHOD,
         flops_ratio=count.flops / model if model else None,
-        loops=[{"op": name, "trips": trips, "where": where} for name, trips, where in count.loops],
+        loops=[
+            {"op": x.name, "trips": x.trip_count, "where": x.op_name, "expected": x.expected}
+            for x in count.loops
+        ],
     )
+    if count.expected_trip_counts:
+        out["compiled_flops_method"] += (
+            f"; {len(count.expected_trip_counts)} grouped-matmul tile loop(s) of data-dependent "
+            "trip count at their balanced-routing count"
+        )
     if count.unknown_trip_counts:
         out["compiled_flops_method"] += (
             f"; {len(count.unknown_trip_counts)} loop(s) of unknown trip count counted once"
