@@ -163,7 +163,8 @@ def main(argv=None) -> int:
                     },
                     rows,
                 )
-    (out / "results.json").write_text(json.dumps({"host": host, "rows": rows}, indent=1))
+    tag = "-".join(t.replace(":", "-") for t in args.targets)
+    (out / f"results-{tag}.json").write_text(json.dumps({"host": host, "rows": rows}, indent=1))
     print(table(rows))
     return 0
 

@@ -7,10 +7,12 @@
   compilers' own `cost_analysis()` counts a loop body once (a scanned 61-layer step reports about
   one layer's flops) and the GPU compiler has none without a GPU; both targets are counted the same
   way here. Elementwise work is not in this figure.
-- TPU only: the compiler's roofline estimate (`cost_analysis()["optimal_seconds"]`, loop bodies
-  once) scaled to the whole step by the ratio of trip-weighted to once-counted matmul FLOPs, and
-  the MFU it bounds (model FLOPs / (roofline x the chip's peak)). A compiler estimate, never a
-  measured time.
+- TPU only: a roofline estimate of the step and the MFU it bounds (model FLOPs / (roofline x
+  the chip's peak)): the compiler's own (`cost_analysis()["optimal_seconds"]`, loop bodies once)
+  scaled to the whole step by the ratio of trip-weighted to once-counted matmul FLOPs; where the
+  compiler gives none (it reports a negative figure for programs with data-dependent loops, as
+  every MoE step has), max(compiled FLOPs / peak FLOP/s, XLA's bytes accessed scaled the same
+  way / HBM bandwidth). An estimate, never a measured time.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
         "loops": [],
         "cost_analysis_flops": None,
         "roofline_seconds": None,
+        "roofline_method": None,
         "mfu_bound": None,
         "peak_flops_per_s": target.chip.peak_bf16_flops if target and target.chip else None,
     }
@@ -77,12 +80,27 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
     if isinstance(analysis, list):  # older JAX: one dict per program
         analysis = analysis[0] if analysis else {}
     out["cost_analysis_flops"] = analysis.get("flops")
+    scale = count.flops / count.flops_once if count.flops_once else 1.0
     optimal = analysis.get("optimal_seconds")
-    if optimal and count.flops_once:
-        out["roofline_seconds"] = optimal * count.flops / count.flops_once
-        peak = out["peak_flops_per_s"]
-        if peak:
-            out["mfu_bound"] = model / (out["roofline_seconds"] * peak)
+    chip = target.chip if target is not None else None
+    moved = analysis.get("bytes accessed")
+    if optimal is not None and optimal > 0:
+        out["roofline_seconds"] = optimal * scale
+        out["roofline_method"] = (
+            "the TPU compiler's optimal_seconds, loop bodies scaled by the trip-weighted to "
+            "once-counted FLOPs ratio"
+        )
+    elif chip is not None and moved:
+        out["roofline_seconds"] = max(
+            count.flops / chip.peak_bf16_flops, moved * scale / chip.hbm_bytes_per_s
+        )
+        out["roofline_method"] = (
+            f"max(compiled FLOPs / the chip's peak, XLA's bytes accessed x {scale:.1f} (the "
+            "loop scaling of the FLOPs) / its HBM bandwidth); the compiler's own optimal_seconds "
+            f"is {optimal:.3g} for this program (its data-dependent loops have no cost)"
+        )
+    if out["roofline_seconds"] and out["peak_flops_per_s"]:
+        out["mfu_bound"] = model / (out["roofline_seconds"] * out["peak_flops_per_s"])
     return out
 
 
@@ -110,7 +128,7 @@ def format_costs(r: dict) -> list[str]:
     if r.get("roofline_seconds") is not None:
         mfu = "" if r["mfu_bound"] is None else f", bounding MFU at {100 * r['mfu_bound']:.1f}%"
         lines.append(
-            f"  the TPU compiler's roofline estimate (not a measured time): "
-            f"{r['roofline_seconds'] * 1e3:.2f} ms per step{mfu}"
+            f"  roofline estimate (not a measured time): {r['roofline_seconds'] * 1e3:.2f} ms per "
+            f"step{mfu}; {r.get('roofline_method') or ''}"
         )
     return lines

@@ -42,7 +42,7 @@ def _like_a_miss(x: Candidate, compiled: list[Candidate], target: float) -> bool
     )
 
 
-def default_compile(c: Config, hbm_gib: float, devices=None) -> tuple[int, dict]:
+def default_compile(c: Config, hbm_gib: float, devices=None, target=None) -> tuple[int, dict]:
     """The compiled peak bytes per device of `c` on `devices` (default: JAX's): plan's figure
     (arguments + outputs - aliased + temporaries, offloaded state taken out once where the
     compiler counts pinned host with the device), without its residual trace; and the step's
@@ -61,7 +61,7 @@ def default_compile(c: Config, hbm_gib: float, devices=None) -> tuple[int, dict]
         temp = int(figures[0] * GIB) if figures else int(hbm_gib * GIB)
         return plan._shard_bytes(state) + temp, {"refused": why}
     xla = plan.xla_figures(compiled)
-    costs = step_costs(compiled, c, trainer, None)
+    costs = step_costs(compiled, c, trainer, target)
     costs.pop("loops", None)
     return plan.device_peak(c, state, xla)[0], costs
 
@@ -86,7 +86,7 @@ def fit_search(
     check_inputs(c, devices, hbm_gib, headroom, allow_drops)
     target_devices = hardware.devices() if hardware is not None else None
     if compile_fn is None:
-        compile_fn = lambda cc, hbm: default_compile(cc, hbm, target_devices)
+        compile_fn = lambda cc, hbm: default_compile(cc, hbm, target_devices, hardware)
     on = hardware.platform if hardware is not None else platform.current()
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     budget = hbm_gib * GIB
