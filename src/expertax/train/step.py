@@ -61,10 +61,16 @@ def _debug_nan_loss_fn(params, batch: dict, c: Config, step):
     return total * poison, (ce * poison, lb, stats)
 
 
-def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainState, dict]:
+def train_step(
+    state: TrainState, batch: dict, *, c: Config, tx, opt_to_device=None
+) -> tuple[TrainState, dict]:
     """One update. A non-finite loss or gradient norm leaves params and optimizer state as they
     were (metric `nonfinite` = 1); the loop then stops or counts a skip (skip_nonfinite_steps).
-    Guarding in every mode means no checkpoint ever holds a NaN state."""
+    Guarding in every mode means no checkpoint ever holds a NaN state.
+
+    `opt_to_device` (optimizer state in pinned host memory): the copy to device memory, made
+    only once the gradients exist (an optimization barrier ties the two), so that the state is
+    not on the device while the backward pass holds its activations."""
     if c.debug_inject_nan_step >= 0:
         grad_fn = jax.value_and_grad(_debug_nan_loss_fn, has_aux=True)
         (_, (ce, lb, stats)), grads = grad_fn(state.params, batch, c, state.step)
@@ -76,8 +82,12 @@ def train_step(state: TrainState, batch: dict, *, c: Config, tx) -> tuple[TrainS
         grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(ce) & jnp.isfinite(lb) & jnp.isfinite(grad_norm)
+    opt_state = state.opt_state
+    if opt_to_device is not None:
+        grads, opt_state = jax.lax.optimization_barrier((grads, opt_state))
+        opt_state = opt_to_device(opt_state)
     params, opt_state = optimizer.apply(
-        c, tx, decoder.spec(c), grads, state.opt_state, state.params, finite
+        c, tx, decoder.spec(c), grads, opt_state, state.params, finite
     )
     metrics = {
         "loss": ce,

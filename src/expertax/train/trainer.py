@@ -90,23 +90,23 @@ class Trainer:
     def jitted_step(self):
         fn = functools.partial(train_step, c=self.c, tx=self.tx)
         if self.device_state_shardings is not None:
-            on_device, step_fn, c = self.device_state_shardings, fn, self.c
+            on_device, c = self.device_state_shardings, self.c
+            if c.optimizer_memory_host_offload:
+                fn = functools.partial(
+                    fn, opt_to_device=lambda o: jax.device_put(o, on_device.opt_state)
+                )
+            step_fn = fn
 
             def fn(state, batch):
-                # Host-offloaded state is copied to device memory for the step; the outputs go
-                # back to pinned host memory through out_shardings. Only the offloaded trees
-                # move: a device_put of the whole state would also constrain the PRNG key, whose
-                # key-typed scalar the TPU partitioner refuses a sharding for.
-                moved = dataclasses.replace(
-                    state,
-                    params=jax.device_put(state.params, on_device.params)
-                    if c.parameter_memory_host_offload
-                    else state.params,
-                    opt_state=jax.device_put(state.opt_state, on_device.opt_state)
-                    if c.optimizer_memory_host_offload
-                    else state.opt_state,
-                )
-                return step_fn(moved, batch)
+                # Host-offloaded parameters are copied to device memory for the step, the
+                # optimizer state (train_step's `opt_to_device`) only for the update; the
+                # outputs go back to pinned host memory through out_shardings. Only the
+                # offloaded trees move: a device_put of the whole state would also constrain
+                # the PRNG key, whose key-typed scalar the TPU partitioner refuses a sharding for.
+                if c.parameter_memory_host_offload:
+                    params = jax.device_put(state.params, on_device.params)
+                    state = dataclasses.replace(state, params=params)
+                return step_fn(state, batch)
 
         return jax.jit(
             fn,
