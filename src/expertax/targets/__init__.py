@@ -24,6 +24,7 @@ import importlib.util
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 from expertax.config.checks import ConfigError
@@ -205,3 +206,9 @@ def prepare_process(target: Target) -> None:
         # Without a GPU the CUDA plugin's start-up fails and JAX logs its traceback as a
         # warning; the compile-only topology needs no running client.
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+        # JAX reads JAX_PLATFORMS when it is imported, and the command's config modules import
+        # it first: with no platforms chosen it would start every plugin, and the CUDA plugin,
+        # failing to load CUDA on a machine without a GPU, then registers no compiler either.
+        jax = sys.modules.get("jax")
+        if jax is not None and not jax.config.jax_platforms:
+            jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])

@@ -2,6 +2,10 @@
 compilers run from this CPU machine on the tiny models (compile-only: nothing executes)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +203,27 @@ def test_fit_searches_only_meshes_the_topology_can_lay_out(monkeypatch):
     }
     assert any(" ".join(x.split()[:1]) == "e4" for x in every)
     assert only and not any(x.startswith("e4 ") for x in only) and only < every
+
+
+SRC = str(Path(targets.__file__).parents[2])
+
+
+@needs_gpu
+def test_prepare_process_after_jax_is_imported():
+    """The command imports JAX (its config modules do) before `prepare_process`: JAX_PLATFORMS
+    set then is read too late, and with no platform chosen the CUDA plugin, which cannot load
+    CUDA without a GPU, registers no compiler. The GPU target's devices must still be there."""
+    code = (
+        "import jax\n"
+        "from expertax import targets\n"
+        "t = targets.parse_target('gpu:h100x8')\n"
+        "targets.prepare_process(t)\n"
+        "print(len(t.devices()), jax.default_backend())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["8", "cpu"]
