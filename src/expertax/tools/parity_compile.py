@@ -313,10 +313,11 @@ def format_row(r: dict) -> str:
 
 
 def format_table(result: dict) -> str:
+    on = result["target_description"]
+    if result["target"] == "cpu":
+        on = f"{result['devices']} {result['platform']} devices"
     lines = [
-        f"expertax parity --compile-only: {result['model_name']} for "
-        f"{result['target_description']} ({result['devices']} {result['platform']} devices), "
-        "nothing run",
+        f"expertax parity --compile-only: {result['model_name']} for {on}, nothing run",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
     ]
