@@ -318,7 +318,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description="Train every layout of the matrix (or --layouts) from the same weights and "
         "data and compare its losses with the one-device run's; exit 1 when a layout fails. "
         "The matrix is for 8 devices: on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8"
-        " simulates them. The columns and the pass rule: README.md, Parity.",
+        " simulates them. --compile-only compiles them for --target and runs nothing. The columns "
+        "and the pass rule: README.md, Parity.",
     )
     par.add_argument("config", nargs="*", help="PRESET.yml files and key=value overrides")
     par.add_argument("--steps", type=int, default=None, help="train steps per layout (default 10)")
