@@ -144,15 +144,7 @@ def memory_report(
     state = trainer.abstract_state()
     local_batch = trainer.global_batch // batch_shards(trainer.mesh)
     mb_rows = memory_pipeline.microbatch_rows(c, trainer.global_batch, batch_shards(trainer.mesh))
-    residuals = []
-    if c.num_dense_layers:
-        residuals += stack_residuals(c, moe=False, batch_local=local_batch, microbatch_rows=mb_rows)
-    stash = None
-    if c.num_moe_layers and c.moe_paged_stash:
-        stash, moe_residuals = stash_report(c, trainer, local_batch)
-        residuals += moe_residuals
-    elif c.num_moe_layers:
-        residuals += stack_residuals(c, moe=True, batch_local=local_batch, microbatch_rows=mb_rows)
+    residuals, stash = layer_residuals(c, trainer)
     place = remat.config_placements(c)
     host_names = {n for n, p in place.items() if p == remat.OFFLOAD}
     host_names |= {"state.params"} if c.parameter_memory_host_offload else set()
@@ -202,6 +194,23 @@ def memory_report(
     }
     report.update(step_costs(compiled, c, trainer, target))
     return report
+
+
+def layer_residuals(c: Config, trainer) -> tuple[list, dict | None]:
+    """What each layer stack saves for the backward pass (`residuals.py`; the MoE stack's under
+    the paged stash from `stash.py`), and the stash report (None without the stash)."""
+    local_batch = trainer.global_batch // batch_shards(trainer.mesh)
+    mb_rows = memory_pipeline.microbatch_rows(c, trainer.global_batch, batch_shards(trainer.mesh))
+    residuals = []
+    if c.num_dense_layers:
+        residuals += stack_residuals(c, moe=False, batch_local=local_batch, microbatch_rows=mb_rows)
+    stash = None
+    if c.num_moe_layers and c.moe_paged_stash:
+        stash, moe_residuals = stash_report(c, trainer, local_batch)
+        residuals += moe_residuals
+    elif c.num_moe_layers:
+        residuals += stack_residuals(c, moe=True, batch_local=local_batch, microbatch_rows=mb_rows)
+    return residuals, stash
 
 
 def plan_notes(c: Config, trainer) -> list[str]:

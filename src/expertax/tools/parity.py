@@ -40,7 +40,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from expertax import progress
+from expertax import platform, progress
 from expertax.config.checks import ConfigError
 from expertax.config.loader import build_config
 from expertax.config.schema import Config
@@ -240,9 +240,11 @@ SIZE_PARTS = {
 }
 
 
-def parse_layout(name: str) -> Layout:
+def parse_layout(name: str, backend: str | None = None) -> Layout:
     """`sparse-padded-ep8`, `sparse-ring-ep4-fsdp2-stash`, `sparse-ring-ep2-tp2-data2-eptp`,
-    `dense-ep2-tp2-data2`, `sparse-ring-pp2-ep2-fsdp2`, `dense-pp2-mb4-r2-fsdp4`, ... -> Layout."""
+    `dense-ep2-tp2-data2`, `sparse-ring-pp2-ep2-fsdp2`, `dense-pp2-mb4-r2-fsdp4`, ... -> Layout.
+    A sparse all-to-all layout without an implementation (`sparse-ep8`) takes the first one
+    `backend` has (the platform compiled for; default `platform.current()`)."""
     mode, *parts = name.split("-")
     sizes: dict[str, int] = {}
     ring, impl, stash, rules = False, "-", False, "default"
@@ -273,7 +275,7 @@ def parse_layout(name: str) -> Layout:
             "add ppN with N > 1 stages (e.g. sparse-ring-pp2-mb4-ep2)"
         )
     if mode == "sparse" and not ring and impl == "-":
-        impl = "padded" if jax.default_backend() == "cpu" else "ragged"
+        impl = a2a_impls(backend or platform.current())[0]
     return Layout(mode, ring, impl, **sizes, stash=stash, rules=rules)
 
 
@@ -303,11 +305,13 @@ def pipeline_misfit(base: Config, layout: Layout) -> str | None:
     )
 
 
-def refusal(base: Config, layout: Layout, global_batch: int) -> str | None:
-    """Why the config checks refuse `layout` (config and mesh, nothing compiled), or None."""
+def refusal(base: Config, layout: Layout, global_batch: int, devices=None) -> str | None:
+    """Why the config checks refuse `layout` on `devices` (default: this process's) (config and
+    mesh, nothing compiled), or None."""
+    devices = list(jax.devices() if devices is None else devices)
     try:
         c = layout_config(base, layout, global_batch)
-        build_trainer(c, devices=jax.devices()[: layout.num_devices])
+        build_trainer(c, devices=devices[: layout.num_devices])
     except ConfigError as e:
         return str(e)
     return None
@@ -427,7 +431,7 @@ def parity_table(
     skipped = []
     if layout_list is None:
         layout_list = []
-        for layout in layouts(n, jax.default_backend()):
+        for layout in layouts(n, platform.of_devices(jax.devices())):
             misfit = pipeline_misfit(base, layout)
             if misfit is None:
                 layout_list.append(layout)

@@ -1,0 +1,115 @@
+"""`expertax parity --compile-only`: layouts compiled, nothing run, for the 8 simulated CPU devices
+and (without the hardware) for a TPU v5p slice and 8 H100s. A few representative layouts per
+target here (a compile takes 5-20 s); every layout of the default matrix:
+test_parity_compile_matrix.py (extended)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from expertax import cli
+from expertax.targets import compiler_available
+
+pytestmark = pytest.mark.distributed
+
+TINY = ["model_name=deepseek3-tiny", "max_target_length=32"]
+# One all-to-all layout (no implementation named: the target's own) and one ring; the pipelined
+# all-to-all layout (the exchange inside the stages) in a test of its own.
+REPRESENTATIVE = "sparse-ep8,sparse-ring-ep4-fsdp2"
+PIPELINE = "sparse-ragged-pp2-ep2-fsdp2"
+# The GPU compiler of jax-cuda12-plugin 0.10.2 refuses every pipelined layout: the pipeline
+# writes each stage's input into its saved buffer with a vmapped dynamic_update_index_in_dim
+# (models/pipeline.py `_per_stage(_put, ...)`, a scatter whose batching dimension is the
+# buffer's second), and with that dimension sharded its StableHLO-to-HLO conversion produces an
+# invalid scatter. The TPU compiler and XLA:CPU compile it.
+GPU_PIPELINE_ERROR = "Bounds of the window dimensions of updates must not exceed"
+
+
+def compile_only(tmp_path, *args) -> tuple[int, dict]:
+    path = tmp_path / "compile.json"
+    rc = cli.main(["parity", "--compile-only", *args, "--json", str(path)])
+    return rc, json.loads(path.read_text())
+
+
+def check_row(row: dict) -> None:
+    """A compiled row: its figures, and the exchange its layout asks for in the program."""
+    assert row["status"] == "yes" and row["ok"], row
+    assert row["a2a"] == row["a2a_expected"]
+    assert 0 < row["peak_device_bytes"] < 2**30
+    assert row["model_flops"] > 0 and "flops_ratio" in row and "compiled_flops" in row
+    if row["a2a_expected"] == "ragged":
+        assert row["collectives"]["ragged-all-to-all"] > 0 and row["padded_exchange"] == 0
+    elif row["a2a_expected"] == "padded":
+        assert row["padded_exchange"] > 0 and "ragged-all-to-all" not in row["collectives"]
+    else:
+        assert row["padded_exchange"] == 0
+
+
+@pytest.mark.slow
+def test_compile_only_cpu(tmp_path, capsys):
+    """XLA:CPU: the padded exchange (it has no ragged all-to-all) and a ring."""
+    rc, report = compile_only(tmp_path, *TINY, "--layouts", "sparse-ep8,sparse-ring-ep4-fsdp2")
+    assert rc == 0 and report["ok"] and report["platform"] == "cpu" and report["devices"] == 8
+    rows = {r["layout"]: r for r in report["rows"]}
+    assert list(rows) == ["sparse-padded-ep8", "sparse-ring-ep4-fsdp2"]
+    for row in rows.values():
+        check_row(row)
+    assert rows["sparse-padded-ep8"]["a2a"] == "padded"
+    assert rows["sparse-ring-ep4-fsdp2"]["a2a"] == "-"
+    out = capsys.readouterr().out
+    assert "| sparse-padded-ep8 | yes |" in out and "| padded |" in out
+
+
+def test_compile_only_refused_layout_fails(tmp_path, capsys):
+    """A layout the config checks refuse (16 expert shards on 8 devices) costs no compile and
+    fails the exit status."""
+    rc, report = compile_only(tmp_path, *TINY, "--layouts", "sparse-ring-ep16")
+    assert rc == 1 and not report["ok"] and report["rows"] == []
+    assert [r["layout"] for r in report["refused"]] == ["sparse-ring-ep16"]
+    assert "FAILED" in capsys.readouterr().err
+
+
+def needs_compiler(target: str) -> str:
+    platform = target.split(":")[0]
+    if not compiler_available(platform):
+        pytest.skip(f"no {platform.upper()} compiler (expertax[{platform}])")
+    return platform
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["tpu:v5p-16", "gpu:h100x8"])
+def test_compile_only_target(target, tmp_path, capsys):
+    """Through the CLI for a TPU slice and for 8 H100s, from this CPU machine: `a2a_impl=auto`
+    is the native ragged all-to-all, and no padded exchange is in the program."""
+    platform = needs_compiler(target)
+    rc, report = compile_only(tmp_path, "--target", target, *TINY, "--layouts", REPRESENTATIVE)
+    assert rc == 0 and report["ok"], report
+    assert report["platform"] == platform and report["devices"] == 8
+    rows = {r["layout"]: r for r in report["rows"]}
+    assert list(rows) == ["sparse-ragged-ep8", "sparse-ring-ep4-fsdp2"]
+    for row in rows.values():
+        check_row(row)
+    assert [rows[n]["a2a"] for n in rows] == ["ragged", "-"]
+    assert f"{target}:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["tpu:v5p-16", "gpu:h100x8"])
+def test_compile_only_pipeline(target, tmp_path, capsys):
+    """A pipelined all-to-all layout: the ragged exchange inside the stages on the TPU; the GPU
+    compiler's refusal (GPU_PIPELINE_ERROR) is the row's error and the exit status is 1."""
+    needs_compiler(target)
+    rc, report = compile_only(tmp_path, "--target", target, *TINY, "--layouts", PIPELINE)
+    (row,) = report["rows"]
+    if target.startswith("gpu") and row["status"] == "error":
+        assert GPU_PIPELINE_ERROR in row["error"], row["error"]
+        assert rc == 1 and not report["ok"] and not row["ok"]
+        err = capsys.readouterr().err
+        assert f"FAILED for {target}" in err and PIPELINE in err
+        return
+    assert not target.startswith("gpu"), "the GPU compiler now takes the pipeline: drop the case"
+    assert rc == 0 and report["ok"]
+    check_row(row)
+    assert row["a2a"] == "ragged" and row["collectives"]["collective-permute"] > 0
