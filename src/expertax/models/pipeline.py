@@ -53,6 +53,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from expertax import platform
 from expertax.config.schema import Config
 from expertax.nn.moe import router
 from expertax.nn.moe.router import MoEStats
@@ -323,7 +324,13 @@ def _per_stage(fn, buf_KS, *args_S, out_axes=1):
 
 
 def _put(buf_K, x, k, ok):
-    """buf[k] = x where `ok` (one stage)."""
+    """buf[k] = x where `ok` (one stage). On GPU as a select over the K slots: the vmapped
+    dynamic update becomes a scatter that XLA:GPU (jax-cuda12-plugin 0.10.2) rejects once the
+    stage axis is partitioned ("Bounds of the window dimensions of updates must not exceed the
+    bounds of the corresponding dimensions of operand")."""
+    if platform.current() == "gpu":
+        hit = (jnp.arange(buf_K.shape[0]) == k) & ok
+        return jnp.where(hit.reshape((-1,) + (1,) * x.ndim), x[None].astype(buf_K.dtype), buf_K)
     old = jax.lax.dynamic_index_in_dim(buf_K, k, 0, keepdims=False)
     return jax.lax.dynamic_update_index_in_dim(buf_K, jnp.where(ok, x, old), k, 0)
 
