@@ -140,7 +140,7 @@ def _parity_compile_only(args) -> int:
         refused = "" if args.skip_refused else f", {len(result['refused'])} refused"
         print(
             f"expertax: parity --compile-only FAILED for {result['target']} "
-            f"({len(result['rows'])} layouts compiled, {len(failed)} failed{refused}"
+            f"({len(result['rows'])} layouts compiled or tried, {len(failed)} failed{refused}"
             + (f": {', '.join(failed)}" if failed else "")
             + ")",
             file=sys.stderr,

@@ -43,15 +43,16 @@ def check_row(row: dict) -> None:
 
 @pytest.mark.slow
 def test_compile_only_cpu(tmp_path, capsys):
-    """XLA:CPU: the padded exchange (it has no ragged all-to-all) and a ring."""
-    rc, report = compile_only(tmp_path, *TINY, "--layouts", "sparse-ep8,sparse-ring-ep4-fsdp2")
+    """XLA:CPU: the padded exchange (it has no ragged all-to-all) and the dense dispatch."""
+    rc, report = compile_only(tmp_path, *TINY, "--layouts", "sparse-ep8,dense-ep8")
     assert rc == 0 and report["ok"] and report["platform"] == "cpu" and report["devices"] == 8
     rows = {r["layout"]: r for r in report["rows"]}
-    assert list(rows) == ["sparse-padded-ep8", "sparse-ring-ep4-fsdp2"]
+    assert list(rows) == ["sparse-padded-ep8", "dense-ep8"]
     for row in rows.values():
         check_row(row)
     assert rows["sparse-padded-ep8"]["a2a"] == "padded"
-    assert rows["sparse-ring-ep4-fsdp2"]["a2a"] == "-"
+    assert rows["dense-ep8"]["a2a"] == "-"
+    assert rows["dense-ep8"]["flops_ratio"] > rows["sparse-padded-ep8"]["flops_ratio"]
     out = capsys.readouterr().out
     assert "| sparse-padded-ep8 | yes |" in out and "| padded |" in out
 

@@ -174,6 +174,12 @@ def expected_exchange(c: Config, on: str, ep: int) -> str:
     return resolve_a2a_impl(c, on)
 
 
+def first_line(error: Exception) -> str:
+    """The error's first line, without MLIR's location prefix (`<unknown>:0: error: `)."""
+    line = next((ln for ln in str(error).splitlines() if ln.strip()), repr(error))
+    return re.sub(r"<[^>]*>:\d+: error: ", "", line).strip().rstrip(":")
+
+
 def compile_layout(
     base: Config, layout: parity.Layout, devices: list, *, global_batch: int, target=None
 ) -> dict:
@@ -190,7 +196,7 @@ def compile_layout(
     except Exception as e:  # noqa: BLE001 - the compiler's refusal is the row's result
         why = plan.refused_for_memory(e)
         row["status"] = "does not fit" if why else "error"
-        row["error"] = why or next((ln for ln in str(e).splitlines() if ln.strip()), repr(e))
+        row["error"] = why or first_line(e)
         row.update(seconds=round(time.perf_counter() - t0, 1), ok=False)
         return row
     row["seconds"] = round(time.perf_counter() - t0, 1)
@@ -292,7 +298,8 @@ def _counts(counts: dict, names: dict | None = None, top: int = 4) -> str:
 
 def format_row(r: dict) -> str:
     if r["status"] != "yes":
-        cells = [r["layout"], f"NO ({r['status']}: {r['error']})"[:160], *["-"] * 5, r["seconds"]]
+        error = r["error"] if len(r["error"]) <= 200 else r["error"][:197] + "..."
+        cells = [r["layout"], f"NO ({r['status']}: {error})", *["-"] * 5, r["seconds"]]
         return "| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |"
     a2a = r["a2a"]
     if a2a != r["a2a_expected"]:

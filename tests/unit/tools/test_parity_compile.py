@@ -136,3 +136,13 @@ def test_a_ragged_all_to_all_within_one_device_is_no_exchange():
         "ragged_within_one_device": 8,
     }
     assert parity_compile.exchange_found(summary) == "-"
+
+
+def test_first_line_of_a_compiler_error():
+    error = RuntimeError(
+        "UNKNOWN: <unknown>:0: error: Bounds of the window dimensions of updates must not "
+        "exceed the bounds: \n<unknown>:0: note: see current operation: ..."
+    )
+    assert parity_compile.first_line(error) == (
+        "UNKNOWN: Bounds of the window dimensions of updates must not exceed the bounds"
+    )
