@@ -1,7 +1,7 @@
 """`expertax parity --compile-only` over the whole default matrix of both tiny models, compiled
-for a TPU v5p slice and for 8 H100s without the hardware (extended: 29 compiles of 5-35 s each
-per model and target). A file of its own so that pytest-xdist (a file per worker) runs it beside
-the other long tests."""
+for a TPU v5p slice and for 8 H100s without the hardware (extended: 29 compiles of 10-45 s each,
+12-20 minutes per model and target on 2 cores). A file of its own so that pytest-xdist (a file
+per worker) runs it beside the other long tests."""
 
 from __future__ import annotations
 
