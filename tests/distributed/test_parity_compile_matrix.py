@@ -1,7 +1,10 @@
-"""`expertax parity --compile-only` over the whole default matrix of both tiny models, compiled
-for a TPU v5p slice and for 8 H100s without the hardware (extended: 29 compiles of 10-45 s each,
-12-20 minutes per model and target on 2 cores). A file of its own so that pytest-xdist (a file
-per worker) runs it beside the other long tests."""
+"""`expertax parity --compile-only` over the whole default matrix, compiled without the hardware
+(extended: 29 compiles of 10-45 s each). CI compiles deepseek3-tiny's matrix for a TPU v5p slice
+here and mixtral-tiny's for 8 H100s in test_parity_compile_matrix_gpu.py (a file each, so that
+pytest-xdist runs them on two workers): every layout of the matrix meets both compilers, each
+model one of them, within CI's budget. The other two pairs compile too (BENCHMARKS.md, parity
+--compile-only tables); the default run compiles representative layouts of both models on
+both targets (test_parity_compile.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +16,11 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("target", ["tpu:v5p-16", "gpu:h100x8"])
-@pytest.mark.parametrize("model", ["deepseek3-tiny", "mixtral-tiny"])
-def test_compile_only_full_matrix(model, target, tmp_path):
+def test_compile_only_full_matrix_deepseek3_on_tpu(tmp_path):
+    check_full_matrix("deepseek3-tiny", "tpu:v5p-16", tmp_path)
+
+
+def check_full_matrix(model, target, tmp_path):
     """Every default layout compiles (33 on a platform with both exchanges, less the 4 pipelines
     the models' 2 pipelined layers do not divide into: 4 stages; 2 stages x 2 repeats); every
     all-to-all layout holds the exchange it asks for (`auto`: the ragged all-to-all), no padded
