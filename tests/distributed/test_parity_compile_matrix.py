@@ -1,10 +1,10 @@
 """`expertax parity --compile-only` over the whole default matrix, compiled without the hardware
-(extended: 29 compiles of 10-45 s each). CI compiles deepseek3-tiny's matrix for a TPU v5p slice
-here and mixtral-tiny's for 8 H100s in test_parity_compile_matrix_gpu.py (a file each, so that
-pytest-xdist runs them on two workers): every layout of the matrix meets both compilers, each
-model one of them, within CI's budget. The other two pairs compile too (BENCHMARKS.md, parity
---compile-only tables); the default run compiles representative layouts of both models on
-both targets (test_parity_compile.py)."""
+(29 compiles of 10-45 s each, 12-20 minutes per model and target on 2 cores: more than CI's
+budget holds, so these are marked `compile_matrix` and run on demand,
+`python -m pytest -m compile_matrix`). deepseek3-tiny's matrix for a TPU v5p slice here,
+mixtral-tiny's for 8 H100s in test_parity_compile_matrix_gpu.py (a file each, for two xdist
+workers). The default run compiles representative layouts on both targets
+(test_parity_compile.py); the tables of every layout are in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.distributed.test_parity_compile import check_row, compile_only, needs
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.extended
+@pytest.mark.compile_matrix
 def test_compile_only_full_matrix_deepseek3_on_tpu(tmp_path):
     check_full_matrix("deepseek3-tiny", "tpu:v5p-16", tmp_path)
 

@@ -10,6 +10,6 @@ from tests.distributed.test_parity_compile_matrix import check_full_matrix
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.extended
+@pytest.mark.compile_matrix
 def test_compile_only_full_matrix_mixtral_on_gpu(tmp_path):
     check_full_matrix("mixtral-tiny", "gpu:h100x8", tmp_path)
