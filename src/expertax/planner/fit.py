@@ -57,9 +57,8 @@ def default_compile(c: Config, hbm_gib: float, devices=None, target=None) -> tup
         why = plan.refused_for_memory(e)
         if why is None:
             raise
-        figures = plan._gib_figures(why)
-        temp = int(figures[0] * GIB) if figures else int(hbm_gib * GIB)
-        return plan._shard_bytes(state) + temp, {"refused": why}
+        peak = plan.refused_peak(why, state)
+        return (peak if peak is not None else int(hbm_gib * GIB) + 1), {"refused": why}
     xla = plan.xla_figures(compiled)
     costs = step_costs(compiled, c, trainer, target)
     costs.pop("loops", None)

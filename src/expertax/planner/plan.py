@@ -139,7 +139,6 @@ def memory_report(
     the `top` largest buffers alive at XLA's peak (0: no attribution, a faster compile).
     `target` (targets.Target): the hardware `devices` stand for, named in the report."""
     trainer = build_trainer(c, devices)
-    on = platform.of_mesh(trainer.mesh)
     remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
     state = trainer.abstract_state()
     local_batch = trainer.global_batch // batch_shards(trainer.mesh)
@@ -153,12 +152,7 @@ def memory_report(
     xla = xla_figures(compiled)
     peak, offloaded, offloaded_residuals = device_peak(c, state, xla, residuals)
     report = {
-        "model_name": c.model_name,
-        "target": target.spec if target is not None else on,
-        "target_description": target.describe() if target is not None else on,
-        "devices": trainer.num_devices,
-        "backend": on,
-        "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
+        **_identity(c, trainer, target),
         "global_batch": trainer.global_batch,
         "batch_per_device": local_batch,
         "max_target_length": c.max_target_length,
@@ -256,8 +250,24 @@ def refused_for_memory(error: Exception) -> str | None:
     return " ".join(text.split())[:400]
 
 
-def _gib_figures(text: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\(([\d.]+)G\)", text)]
+def refused_peak(why: str, state) -> int | None:
+    """A refused program's least device peak: the state per device plus the temporaries the
+    compiler's message asked for (its first "(N.NNG)" figure, GiB); None without one."""
+    figures = [float(x) for x in re.findall(r"\(([\d.]+)G\)", why)]
+    return int(figures[0] * GIB) + _shard_bytes(state) if figures else None
+
+
+def _identity(c: Config, trainer, target) -> dict:
+    """The report's first keys: the model, the target and its mesh."""
+    on = platform.of_mesh(trainer.mesh)
+    return {
+        "model_name": c.model_name,
+        "target": target.spec if target is not None else on,
+        "target_description": target.describe() if target is not None else on,
+        "devices": trainer.num_devices,
+        "backend": on,
+        "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
+    }
 
 
 def compile_report(
@@ -274,21 +284,14 @@ def compile_report(
             raise
     trainer = build_trainer(c, devices)
     state = trainer.abstract_state()
-    figures = _gib_figures(why)
-    temp = int(figures[0] * GIB) if figures else None
-    on = platform.of_mesh(trainer.mesh)
+    peak = refused_peak(why, state)
     return {
         "refused": why,
-        "model_name": c.model_name,
-        "target": target.spec if target is not None else on,
-        "target_description": target.describe() if target is not None else on,
-        "devices": trainer.num_devices,
-        "backend": on,
-        "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
+        **_identity(c, trainer, target),
         "parameter_bytes": _shard_bytes(state.params),
         "optimizer_state_bytes": _shard_bytes(state.opt_state),
-        "required_temp_bytes": temp,
-        "peak_device_bytes": None if temp is None else temp + _shard_bytes(state),
+        "required_temp_bytes": None if peak is None else peak - _shard_bytes(state),
+        "peak_device_bytes": peak,
         "host_bytes": None,
         "hbm_gib": hbm_gib,
         "hbm_bytes": None if hbm_gib is None else int(hbm_gib * GIB),
