@@ -113,4 +113,3 @@ def retain_active() -> bool:
     """Whether this process started with `RETAIN_TUNABLES` on glibc."""
     tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
     return glibc_version() is not None and all(t in tunables for t in RETAIN_TUNABLES)
-

@@ -134,6 +134,20 @@ class MoESection(_Section):
         ge=0,
         description="Weight of the Switch-style load-balance loss (global statistics).",
     )
+    mtp_num_layers: int = _key(
+        MODEL,
+        0,
+        ge=0,
+        description="DeepSeek-V3 multi-token prediction: D modules after the main stack (models/"
+        "mtp.py), module k predicting the token k+1 past the next one; 0 = off.",
+    )
+    mtp_loss_scaling_factor: float = _key(
+        TRAINING,
+        0.1,
+        ge=0,
+        description="lambda of the MTP loss: loss += lambda / D x sum over depths of their "
+        "cross-entropy (DeepSeek-V3: 0.3, then 0.1).",
+    )
     use_random_routing: bool = _key(
         TRAINING,
         False,

@@ -39,12 +39,25 @@ class Block:
 
 
 @params_dataclass
+class MTPLayer:
+    """One DeepSeek-V3 multi-token-prediction module (models/mtp.py); the embedding and the
+    output head are the main model's."""
+
+    enorm: Param  # [D] the RMSNorm of the shifted tokens' embeddings
+    hnorm: Param  # [D] the RMSNorm of the previous depth's hidden states
+    eh_proj: Param  # [2D, D]: [normed embedding, normed hidden] -> D (the hub's column order)
+    block: Block  # the model's decoder block (an MoE block when the model has MoE layers)
+    head_norm: Param  # [D] before the shared output head (the hub's shared_head.norm)
+
+
+@params_dataclass
 class Decoder:
     embed: Param  # [V, D]
     dense_layers: Block | None  # stacked [L_dense, ...]
     moe_layers: Block | None  # stacked [L_moe, ...]
     final_norm: Param  # [D]
     lm_head: Param  # [D, V]; None when tied to the embedding
+    mtp: MTPLayer | None = None  # stacked [mtp_num_layers, ...]; None without MTP
 
 
 def block_spec(c: Config, *, moe: bool) -> Block:
@@ -67,6 +80,19 @@ def _layer_axis(c: Config, *, moe: bool) -> str:
     return "stage_layers" if pipelined and pipelined == n else "layers"
 
 
+def mtp_spec(c: Config) -> MTPLayer:
+    """One multi-token-prediction module: its block is an MoE block when the model has MoE
+    layers (DeepSeek-V3's layer 61), else a dense one."""
+    d = c.base_emb_dim
+    return MTPLayer(
+        enorm=norm.spec(d),
+        hnorm=norm.spec(d),
+        eh_proj=projection((2 * d, d), (None, "embed"), 2 * d),
+        block=block_spec(c, moe=c.is_moe),
+        head_norm=norm.spec(d),
+    )
+
+
 def spec(c: Config) -> Decoder:
     """The parameter declaration tree of the whole model."""
     d, v = c.base_emb_dim, c.vocab_size
@@ -79,6 +105,7 @@ def spec(c: Config) -> Decoder:
         moe_layers=moe,
         final_norm=norm.spec(d),
         lm_head=None if c.logits_via_embedding else projection((d, v), ("embed", "vocab"), d),
+        mtp=stack(mtp_spec(c), c.mtp_num_layers) if c.mtp_num_layers else None,
     )
 
 

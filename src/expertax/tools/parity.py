@@ -27,6 +27,10 @@ layout's rounding tipped the other way. With `impose_routing` (`--impose-routing
 step's loss is also compared with the reference's routing imposed on the layout. A row out of
 tolerance passes only when flips explain it: it flips, and with the routing imposed its loss is
 within tolerance (`parity_routing.verdict`).
+
+With multi-token prediction (`mtp_num_layers` > 0) the compared loss is the objective's
+cross-entropy part, the main loss + mtp_loss_scaling_factor x the MTP loss, so that the MTP
+modules' forward is held to the reference as well as the training it drives.
 """
 
 from __future__ import annotations
@@ -351,14 +355,20 @@ def run_layout(
     if corrupt is not None:
         state = corrupt(state, trainer)
     losses = []
+
+    def loss(m):  # the main loss, plus the weighted MTP loss with MTP (module docstring)
+        return (
+            m["loss"] + c.mtp_loss_scaling_factor * m["mtp_loss"] if "mtp_loss" in m else m["loss"]
+        )
+
     with trainer.context():
         state, m = step_fn(state, trainer.put_batch(batches[0]))  # warm-up, not timed
-        losses.append(m["loss"])
+        losses.append(loss(m))
         jax.block_until_ready(m)
         t0 = time.perf_counter()
         for batch in batches[1:]:
             state, m = step_fn(state, trainer.put_batch(batch))
-            losses.append(m["loss"])
+            losses.append(loss(m))
         jax.block_until_ready(losses)
         dt = time.perf_counter() - t0
     tokens = global_batch * c.max_target_length * (steps - 1)

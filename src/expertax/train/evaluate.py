@@ -22,9 +22,14 @@ from expertax.train.trainer import Trainer
 
 
 def eval_forward(params, batch: dict, *, c: Config):
-    """(cross-entropy of the batch, its summed weights): float32 scalars."""
-    _, (ce, _, _) = loss_fn(params, batch, c)
-    return ce, jnp.sum(batch["weights"].astype(jnp.float32))
+    """(cross-entropy of the batch, its summed weights) as float32 scalars; with MTP also the
+    depths' cross-entropies and their weights ([D] each), and the depth-1 head's top-1 hits and
+    the positions they count over (models/mtp.py `accepted`)."""
+    _, parts = loss_fn(params, batch, c, acceptance=bool(c.mtp_num_layers))
+    out = (parts.ce, jnp.sum(batch["weights"].astype(jnp.float32)))
+    if parts.mtp_accepted is None:
+        return out
+    return (*out, parts.mtp_losses, parts.mtp_weights, *parts.mtp_accepted)
 
 
 class Evaluator:
@@ -62,10 +67,31 @@ class Evaluator:
             for _ in range(self.c.eval_steps):
                 parts.append(self.forward(params, self.trainer.put_batch(next(self.data))))
         host = jax.device_get(parts)
-        weights = sum(float(w) for _, w in host)
-        loss = sum(float(ce) * float(w) for ce, w in host) / max(weights, 1.0)
-        return {
+        weights = sum(float(p[1]) for p in host)
+        loss = sum(float(p[0]) * float(p[1]) for p in host) / max(weights, 1.0)
+        out = {
             "eval_loss": loss,
             "eval_perplexity": metrics_lib.perplexity(loss),
             "eval_tokens": int(weights),
         }
+        if self.c.mtp_num_layers:
+            out.update(mtp_eval(host, self.c.mtp_num_layers))
+        return out
+
+
+def mtp_eval(host: list, depths: int) -> dict:
+    """`eval_mtp_loss` (token-weighted over batches, mean over depths; per depth as
+    `eval_mtp_loss_<k>` when D > 1) and `eval_mtp_acceptance` (the depth-1 head's top-1
+    agreement with its targets) from the evaluated batches' `eval_forward` outputs."""
+    out = {}
+    losses = []
+    for k in range(depths):
+        w = sum(float(p[3][k]) for p in host)
+        losses.append(sum(float(p[2][k]) * float(p[3][k]) for p in host) / max(w, 1.0))
+        if depths > 1:
+            out[f"eval_mtp_loss_{k + 1}"] = losses[-1]
+    out["eval_mtp_loss"] = sum(losses) / depths
+    out["eval_mtp_acceptance"] = sum(float(p[4]) for p in host) / max(
+        sum(float(p[5]) for p in host), 1.0
+    )
+    return out

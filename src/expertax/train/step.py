@@ -3,41 +3,76 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from expertax.config.schema import Config
-from expertax.models import decoder
+from expertax.models import decoder, mtp
 from expertax.nn import vocab_loss
-from expertax.nn.moe.router import updated_bias
+from expertax.nn.moe.router import MoEStats, updated_bias
 from expertax.train import optimizer
 from expertax.train.state import TrainState
 
 
-def loss_fn(params, batch: dict, c: Config):
-    """Weighted next-token cross-entropy plus the weighted load-balance loss.
+class LossParts(NamedTuple):
+    """`loss_fn`'s auxiliary outputs."""
+
+    ce: jax.Array  # the main model's weighted cross-entropy
+    lb: jax.Array  # the load-balance loss: mean over the MoE layers (MTP modules' included)
+    stats: MoEStats | None  # the main MoE stack's, [L_moe, ...]
+    mtp_losses: jax.Array | None = None  # [D] each MTP depth's weighted cross-entropy
+    mtp_stats: MoEStats | None = None  # the MTP modules' MoE stats, [D, ...]
+    mtp_weights: jax.Array | None = None  # [D] each depth's summed target weights
+    # (hits, counted): the depth-1 head's top-1 agreement (`loss_fn(..., acceptance=True)`)
+    mtp_accepted: tuple[jax.Array, jax.Array] | None = None
+
+
+def _nll_sum(x_BTD, head_DV, targets_BT, w_BT, params, c: Config):
+    """Weighted NLL sum of final-normed hidden states under the output head (tiled or not)."""
+    if c.num_vocab_tiling > 1:
+        return vocab_loss.tiled_nll_sum(x_BTD, head_DV, targets_BT, w_BT, c.num_vocab_tiling)
+    return vocab_loss.nll_sum(decoder.logits(params, x_BTD, c), targets_BT, w_BT)
+
+
+def loss_fn(params, batch: dict, c: Config, *, acceptance: bool = False):
+    """Weighted next-token cross-entropy plus the weighted load-balance loss, plus the
+    multi-token-prediction loss lambda / D x sum_k CE_k with `mtp_num_layers` = D > 0
+    (models/mtp.py). Returns (total, LossParts); `acceptance` (evaluation) also counts the
+    depth-1 head's top-1 hits.
 
     With `num_vocab_tiling` > 1 the cross-entropy is computed a sequence tile at a time from the
     hidden states (`nn.vocab_loss`), so the float32 [B, T, V] logits never exist at once.
     """
     kwargs = dict(positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids"))
     w_BT = batch["weights"].astype(jnp.float32)
-    if c.num_vocab_tiling > 1:
-        x_BTD = decoder.embed_tokens(params, batch["inputs"], c)
-        x_BTD, stats = decoder.hidden_states(params, x_BTD, c, **kwargs)
-        head_DV = decoder.output_head(params, c)
-        nll_sum = vocab_loss.tiled_nll_sum(
-            x_BTD, head_DV, batch["targets"], w_BT, c.num_vocab_tiling
-        )
-    else:
-        logits_BTV, stats = decoder.forward(params, batch["inputs"], c, **kwargs)
-        nll_sum = vocab_loss.nll_sum(logits_BTV, batch["targets"], w_BT)
+    x_BTD = decoder.embed_tokens(params, batch["inputs"], c)
+    x_BTD, stats = decoder.hidden_states(params, x_BTD, c, **kwargs)
+    head_DV = decoder.output_head(params, c)
+    nll_sum = _nll_sum(x_BTD, head_DV, batch["targets"], w_BT, params, c)
     ce = nll_sum / jnp.maximum(jnp.sum(w_BT), 1.0)
-    lb = jnp.mean(stats.lb_loss) if stats is not None else jnp.float32(0)
-    total = ce + c.load_balance_loss_weight * lb
-    return total, (ce, lb, stats)
+    lb_layers = [stats.lb_loss] if stats is not None else []
+    parts = LossParts(ce, jnp.float32(0), stats)
+    total = ce
+    if c.mtp_num_layers:
+        depths, mtp_stats = mtp.forward(params, x_BTD, batch, c)
+        weights_D = jnp.stack([jnp.sum(d.weights_BT) for d in depths])
+        nll_D = jnp.stack(
+            [_nll_sum(d.x_BTD, head_DV, d.targets_BT, d.weights_BT, params, c) for d in depths]
+        )
+        mtp_losses = nll_D / jnp.maximum(weights_D, 1.0)
+        total = total + c.mtp_loss_scaling_factor * jnp.mean(mtp_losses)
+        if mtp_stats is not None:
+            lb_layers.append(mtp_stats.lb_loss)
+        accepted = mtp.accepted(params, depths[0], c) if acceptance else None
+        parts = parts._replace(
+            mtp_losses=mtp_losses, mtp_stats=mtp_stats, mtp_weights=weights_D, mtp_accepted=accepted
+        )
+    lb = jnp.mean(jnp.concatenate(lb_layers)) if lb_layers else jnp.float32(0)
+    total = total + c.load_balance_loss_weight * lb
+    return total, parts._replace(lb=lb)
 
 
 def _with_router_bias(params: decoder.Decoder, bias_LE) -> decoder.Decoder:
@@ -49,6 +84,29 @@ def _with_router_bias(params: decoder.Decoder, bias_LE) -> decoder.Decoder:
     return dataclasses.replace(params, moe_layers=dataclasses.replace(moe_layers, moe=moe))
 
 
+def _mtp_metrics_and_bias(params: decoder.Decoder, parts: LossParts, finite, metrics, c: Config):
+    """The MTP metrics (`mtp_loss`: the mean over depths; `mtp_loss_<k>` per depth when D > 1)
+    into `metrics`, and the MTP modules' routing-bias update from their own loads."""
+    assert parts.mtp_losses is not None and params.mtp is not None
+    metrics["mtp_loss"] = jnp.mean(parts.mtp_losses)
+    if c.mtp_num_layers > 1:
+        for k in range(c.mtp_num_layers):
+            metrics[f"mtp_loss_{k + 1}"] = parts.mtp_losses[k]
+    st = parts.mtp_stats
+    if st is None:
+        return params
+    metrics["dropped_tokens"] = metrics["dropped_tokens"] + jnp.sum(st.dropped)
+    block = params.mtp.block
+    assert block.moe is not None
+    bias = block.moe.router.bias
+    if bias is None:
+        return params
+    new_bias = jnp.where(finite, updated_bias(bias, st.load_E, c.routed_bias_update_rate), bias)
+    router = dataclasses.replace(block.moe.router, bias=new_bias)
+    block = dataclasses.replace(block, moe=dataclasses.replace(block.moe, router=router))
+    return dataclasses.replace(params, mtp=dataclasses.replace(params.mtp, block=block))
+
+
 class NonFiniteError(RuntimeError):
     """A step's loss or gradient was NaN/Inf and skip_nonfinite_steps is false."""
 
@@ -57,8 +115,7 @@ def _debug_nan_loss_fn(params, batch: dict, c: Config, step):
     """`loss_fn`, made NaN at step `debug_inject_nan_step` (tests of the non-finite handling)."""
     total, aux = loss_fn(params, batch, c)
     poison = jnp.where(step == c.debug_inject_nan_step, jnp.float32(jnp.nan), jnp.float32(1))
-    ce, lb, stats = aux
-    return total * poison, (ce * poison, lb, stats)
+    return total * poison, aux._replace(ce=aux.ce * poison)
 
 
 def train_step(
@@ -73,15 +130,18 @@ def train_step(
     not on the device while the backward pass holds its activations."""
     if c.debug_inject_nan_step >= 0:
         grad_fn = jax.value_and_grad(_debug_nan_loss_fn, has_aux=True)
-        (_, (ce, lb, stats)), grads = grad_fn(state.params, batch, c, state.step)
+        (_, parts), grads = grad_fn(state.params, batch, c, state.step)
     else:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, (ce, lb, stats)), grads = grad_fn(state.params, batch, c)
+        (_, parts), grads = grad_fn(state.params, batch, c)
+    ce, lb, stats = parts.ce, parts.lb, parts.stats
     grad_dtype = jnp.dtype(c.grad_dtype)
     if grad_dtype != jnp.dtype(c.weight_dtype):
         grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(ce) & jnp.isfinite(lb) & jnp.isfinite(grad_norm)
+    if parts.mtp_losses is not None:
+        finite = finite & jnp.all(jnp.isfinite(parts.mtp_losses))
     opt_state = state.opt_state
     if opt_to_device is not None:
         grads, opt_state = jax.lax.optimization_barrier((grads, opt_state))
@@ -110,5 +170,7 @@ def train_step(
             bias = params.moe_layers.moe.router.bias
             new_bias = updated_bias(bias, load, c.routed_bias_update_rate)
             params = _with_router_bias(params, jnp.where(finite, new_bias, bias))
+    if parts.mtp_losses is not None:
+        params = _mtp_metrics_and_bias(params, parts, finite, metrics, c)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
     return new_state, metrics

@@ -31,7 +31,8 @@ def batch(c, seed=0):
 
 
 def value_and_grads(c, params, data):
-    (total, (ce, _, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, data, c)
+    (total, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, data, c)
+    ce = parts.ce
     return ce, grads
 
 

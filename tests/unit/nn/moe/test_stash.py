@@ -42,7 +42,8 @@ def loss_grads_stats(c, p, batch):
     """(loss, grads, MoE stats) of the train step's loss."""
 
     def loss(p):
-        total, (_, _, stats) = step_lib.loss_fn(p, batch, c)
+        total, parts = step_lib.loss_fn(p, batch, c)
+        stats = parts.stats
         return total, stats
 
     (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(p)
