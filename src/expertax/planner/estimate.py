@@ -78,7 +78,9 @@ class Estimator:
                 if layers:
                     for r in layer_residuals(c1, moe=moe, batch_local=1):
                         if r.placement == "device":
-                            by_name[r.name] = by_name.get(r.name, 0) + r.bytes * r.layers
+                            # the MTP modules' blocks (models/mtp.py) save what a main one does
+                            n = r.layers + (c1.mtp_num_layers if moe == c1.is_moe else 0)
+                            by_name[r.name] = by_name.get(r.name, 0) + r.bytes * n
             self._residuals[key] = by_name
         return self._residuals[key]
 

@@ -15,6 +15,8 @@ import pytest
 from expertax import init_params, load_config
 from expertax.data.synthetic import SyntheticData
 from expertax.models import decoder, mtp
+from expertax.nn import param
+from expertax.planner import estimate
 from expertax.train import step as step_lib
 from expertax.train.evaluate import Evaluator
 from expertax.train.trainer import build_trainer
@@ -25,19 +27,17 @@ B, T = 2, 16
 
 
 def _config(model: str, depth: int, **over):
-    return load_config(
-        overrides=dict(
-            model_name=model,
-            max_target_length=T,
-            per_device_batch_size=1,
-            dtype="float32",
-            weight_dtype="float32",
-            mtp_num_layers=depth,
-            mtp_loss_scaling_factor=0.3,
-            load_balance_loss_weight=0.0,
-            **over,
-        )
+    keys = dict(
+        model_name=model,
+        max_target_length=T,
+        per_device_batch_size=1,
+        dtype="float32",
+        weight_dtype="float32",
+        mtp_num_layers=depth,
+        mtp_loss_scaling_factor=0.3,
+        load_balance_loss_weight=0.0,
     )
+    return load_config(overrides={**keys, **over})
 
 
 def _batch(c, packed: bool) -> dict:
@@ -60,10 +60,11 @@ def _rms(scale, x, eps):
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale[None, None]
 
 
-def oracle_loss(p: decoder.Decoder, batch: dict, c) -> jax.Array:
+def oracle_loss(p: decoder.Decoder, batch: dict, c):
     """Main cross-entropy + lambda / D x sum_k CE_k, the MTP part written out: for depth k and
     position i, the token and the target k positions ahead by index, counted when that
-    position is a target of the same document."""
+    position is a target of the same document. Also (aux) the depth-1 head's top-1 hits and the
+    positions counted."""
     eps = c.normalization_layer_epsilon
     seg, pos = batch.get("segment_ids"), batch.get("positions")
     h, _ = decoder.hidden_states(
@@ -79,7 +80,7 @@ def oracle_loss(p: decoder.Decoder, batch: dict, c) -> jax.Array:
     total = ce(h, batch["targets"], batch["weights"])
     if pos is None:
         pos = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
-    mtp_sum = 0.0
+    mtp_sum, hits = 0.0, None
     for k in range(1, c.mtp_num_layers + 1):
         layer = jax.tree.map(lambda a, k=k: a[k - 1], p.mtp)
         ahead = np.minimum(np.arange(T) + k, T - 1)
@@ -91,21 +92,29 @@ def oracle_loss(p: decoder.Decoder, batch: dict, c) -> jax.Array:
         e = jnp.take(p.embed, tokens, axis=0)
         x = jnp.concatenate([_rms(layer.enorm, e, eps), _rms(layer.hnorm, h, eps)], -1)
         h, _ = decoder.block_apply(layer.block, x @ layer.eh_proj, c, pos, seg, jnp.float32)
-        mtp_sum = mtp_sum + ce(_rms(layer.head_norm, h, eps), targets, w)
-    return total + c.mtp_loss_scaling_factor * mtp_sum / c.mtp_num_layers
+        out = _rms(layer.head_norm, h, eps)
+        mtp_sum = mtp_sum + ce(out, targets, w)
+        if hits is None:
+            hits = (jnp.sum((jnp.argmax(out @ head, -1) == targets) * w), jnp.sum(w))
+    return total + c.mtp_loss_scaling_factor * mtp_sum / c.mtp_num_layers, hits
+
+
+# the last case: vocab tiles (the loss and the acceptance), MoE token chunks, unscanned main
+# layers and full recompute
+OTHER_PATHS = dict(num_vocab_tiling=4, num_moe_token_chunks=2, scan_layers=False)
 
 
 @pytest.mark.parametrize(
-    "model,depth,packed",
+    "model,depth,packed,over",
     [
-        ("deepseek3-tiny", 1, False),
-        ("deepseek3-tiny", 2, True),
-        ("mixtral-tiny", 1, True),
-        ("mixtral-tiny", 2, False),
+        ("deepseek3-tiny", 1, False, {}),
+        ("deepseek3-tiny", 2, True, {}),
+        ("mixtral-tiny", 1, True, {}),
+        ("mixtral-tiny", 2, False, dict(OTHER_PATHS, remat_policy="full")),
     ],
 )
-def test_mtp_loss_and_gradients_equal_the_oracle(model, depth, packed):
-    c = _config(model, depth)
+def test_mtp_loss_and_gradients_equal_the_oracle(model, depth, packed, over):
+    c = _config(model, depth, **over)
     p = init_params(c)
     # non-trivial norm scales, so that a swapped or missing norm shows
     keys = iter(jax.random.split(jax.random.key(7), 3))
@@ -116,9 +125,13 @@ def test_mtp_loss_and_gradients_equal_the_oracle(model, depth, packed):
     p = dataclasses.replace(p, mtp=dataclasses.replace(p.mtp, **noisy))
     batch = _batch(c, packed)
     got, got_g = jax.jit(jax.value_and_grad(lambda p: step_lib.loss_fn(p, batch, c)[0]))(p)
-    want, want_g = jax.jit(jax.value_and_grad(lambda p: oracle_loss(p, batch, c)))(p)
+    (want, want_hits), want_g = jax.jit(
+        jax.value_and_grad(lambda p: oracle_loss(p, batch, c), has_aux=True)
+    )(p)
     np.testing.assert_allclose(float(got), float(want), **tol())
-    assert float(got) > float(jax.jit(lambda p: step_lib.loss_fn(p, batch, c)[1].ce)(p))
+    parts = jax.jit(lambda p: step_lib.loss_fn(p, batch, c, acceptance=True)[1])(p)
+    assert float(got) > float(parts.ce)
+    assert [float(x) for x in parts.mtp_accepted] == [float(x) for x in want_hits]
     for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol())
     # every MTP parameter gets a gradient
@@ -161,3 +174,24 @@ def test_a_step_with_mtp_reports_it_and_updates_the_mtp_routing_bias():
     assert bias.shape == (1, c.num_experts) and np.abs(bias).sum() > 0
     ev = Evaluator(c, tr, data).run(state.params)
     assert 0.0 <= ev["eval_mtp_acceptance"] <= 1.0 and np.isfinite(ev["eval_mtp_loss"])
+
+
+def test_the_planner_counts_the_mtp_modules():
+    """The fit search's estimate holds the MTP modules' parameters, their gradients and optimizer
+    state, and their blocks' saved activations (one more MoE block's worth per depth)."""
+    shape = {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+    base = {"sharding_rules": "default", "remat_policy": "minimal", "num_vocab_tiling": 1}
+    without, with_mtp = (
+        estimate.Estimator(_config("deepseek3-tiny", d, per_device_batch_size=2)) for d in (0, 2)
+    )
+    elems = [e.state_bytes(shape, "default")[0] for e in (without, with_mtp)]
+    mtp_elems = param.count(param.stack(decoder.mtp_spec(with_mtp.c), 2))
+    assert elems[1] - elems[0] >= mtp_elems // 8  # sharded over fsdp=8 (norms replicated)
+    saved = [sum(e.residual_bytes("minimal", "dot", 1).values()) for e in (without, with_mtp)]
+    per_moe_layer = saved[0] - sum(
+        estimate.Estimator(_config("deepseek3-tiny", 0, base_num_decoder_layers=2))
+        .residual_bytes("minimal", "dot", 1)
+        .values()
+    )
+    assert per_moe_layer > 0 and saved[1] - saved[0] == 2 * per_moe_layer
+    assert with_mtp.estimate(base, shape) > without.estimate(base, shape)

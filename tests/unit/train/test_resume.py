@@ -70,9 +70,12 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def test_stop_and_resume_is_bitwise_an_uninterrupted_run(tmp_path):
+    """With a multi-token-prediction module (models/mtp.py), so that its weights, optimizer
+    state and routing bias resume exactly too."""
     quiet = dict(echo=lambda *_: None)
-    straight = train(tiny(tmp_path, run_name="straight"), **quiet)
-    first = train(tiny(tmp_path, run_name="resumed"), stop_after_step=10, **quiet)
+    tiny_mtp = lambda **kw: tiny(tmp_path, mtp_num_layers=1, **kw)
+    straight = train(tiny_mtp(run_name="straight"), **quiet)
+    first = train(tiny_mtp(run_name="resumed"), stop_after_step=10, **quiet)
     run_dir = tmp_path / "resumed"
     assert int(first["state"].step) == 10 and first["resumed_from"] is None
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["10", "5", checkpoint.MARKER_FILE]
@@ -83,7 +86,7 @@ def test_stop_and_resume_is_bitwise_an_uninterrupted_run(tmp_path):
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 10, "loss": 99.0}) + "\n" + '{"step": 11, "lo')
 
-    second = train(tiny(tmp_path, run_name="resumed"), **quiet)
+    second = train(tiny_mtp(run_name="resumed"), **quiet)
     assert second["resumed_from"] == 10
     assert_bitwise_equal(second["state"], straight["state"])
     assert second["data_state"] == straight["data_state"] == {"step": 20}
@@ -92,15 +95,18 @@ def test_stop_and_resume_is_bitwise_an_uninterrupted_run(tmp_path):
     assert not np.array_equal(leaves(first["state"].params)[0], leaves(straight["state"].params)[0])
     bias = np.asarray(straight["state"].params.moe_layers.moe.router.bias)
     assert np.any(bias != 0)
+    assert np.any(np.asarray(straight["state"].params.mtp.block.moe.router.bias) != 0)
 
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(20))
     want = [r["loss"] for r in read_metrics(tmp_path / "straight")]
     assert [r["loss"] for r in records] == want
+    want_mtp = [r["mtp_loss"] for r in read_metrics(tmp_path / "straight")]
+    assert [r["mtp_loss"] for r in records] == want_mtp
     assert not any("tmp" in p for p in os.listdir(run_dir / "checkpoints"))
 
     # Re-running a finished run does nothing and keeps the metrics.
-    third = train(tiny(tmp_path, run_name="resumed"), **quiet)
+    third = train(tiny_mtp(run_name="resumed"), **quiet)
     assert third["resumed_from"] == 20 and "final_loss" not in third
     assert len(read_metrics(run_dir)) == 20
 

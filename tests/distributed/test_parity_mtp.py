@@ -1,0 +1,38 @@
+"""`expertax parity` with multi-token prediction on (models/mtp.py): one device against expert
+parallelism (all-to-all and ring), FSDP, a pipeline (MTP after the last stage) and the paged
+stash, on the objective's cross-entropy (the main loss + lambda x the MTP loss,
+tools/parity.py). Extended: CI runs it after the default suite."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from expertax import cli
+from tests.distributed.test_parity import _check_rows
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = [
+    "sparse-ep4-fsdp2",
+    "sparse-ring-ep8",
+    "sparse-ring-pp2-ep2-fsdp2",
+    "sparse-ring-ep4-fsdp2-stash",
+]
+
+
+@pytest.mark.extended
+def test_parity_with_mtp(tmp_path, capsys):
+    path = tmp_path / "parity.json"
+    args = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "max_target_length=32"]
+    rc = cli.main(
+        ["parity", *args, "--steps", "3", "--layouts", ",".join(LAYOUTS), "--json", str(path)]
+    )
+    assert rc == 0
+    report = json.loads(path.read_text())
+    _check_rows(report["rows"], report["tolerance"], 10.0, len(LAYOUTS))
+    staged = [r for r in report["rows"] if r["pp"] == 2]
+    stashed = [r for r in report["rows"] if r["stash"]]
+    assert len(staged) == 1 and len(stashed) == 1
+    assert "| sparse | True | - | 2 | 2 | 2 | 1 | 1 | no | default |" in capsys.readouterr().out
