@@ -83,6 +83,9 @@ def plot_loss(records: list[dict], path: Path) -> Path:
     steps, values = _series(records, "eval_loss")
     if len(steps):
         ax.plot(steps, values, "o-", label="eval loss", color="tab:red", ms=4)
+    steps, values = _series(records, "mtp_loss")
+    if len(steps):  # multi-token prediction (models/mtp.py): the mean over depths
+        ax.plot(steps, values, label="train MTP loss", color="tab:green", lw=1.0)
     ax.set(xlabel="step", ylabel="cross-entropy (nats)", title="loss")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -174,6 +177,11 @@ def summarize(config: dict, records: list[dict]) -> dict:
     if evals:
         summary["final eval loss"] = evals[-1]["eval_loss"]
         summary["final eval perplexity"] = evals[-1]["eval_perplexity"]
+        if "eval_mtp_acceptance" in evals[-1]:
+            summary["final eval MTP loss"] = evals[-1]["eval_mtp_loss"]
+            summary["final eval MTP acceptance"] = evals[-1]["eval_mtp_acceptance"]
+    if "mtp_loss" in records[-1]:
+        summary["final MTP loss"] = records[-1]["mtp_loss"]
     return summary
 
 

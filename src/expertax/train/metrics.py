@@ -59,7 +59,9 @@ class MetricsWriter:
 def console_line(r: dict) -> str:
     return (
         f"step {r['step']:>5d} | loss {r['loss']:.4f} | ppl {r['perplexity']:.2f} "
-        f"| lb {r['lb_loss']:.4f} | dropped {int(r['dropped_tokens'])} "
+        f"| lb {r['lb_loss']:.4f} | "
+        + (f"mtp {r['mtp_loss']:.4f} | " if "mtp_loss" in r else "")
+        + f"dropped {int(r['dropped_tokens'])} "
         f"| {r['step_time_s']:.3f} s | {r['tokens_per_s_per_device']:.0f} tok/s/dev "
         f"| {r['tflops_per_device']:.4f} TFLOP/s/dev"
     )
@@ -85,4 +87,9 @@ def eval_console_line(r: dict) -> str:
     return (
         f"eval  {r['step']:>5d} | loss {r['eval_loss']:.4f} | ppl {r['eval_perplexity']:.2f} "
         f"| {r['eval_tokens']} tokens"
+        + (
+            f" | mtp loss {r['eval_mtp_loss']:.4f}, acceptance {r['eval_mtp_acceptance']:.3f}"
+            if "eval_mtp_loss" in r
+            else ""
+        )
     )

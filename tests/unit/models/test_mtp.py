@@ -17,6 +17,8 @@ from expertax.data.synthetic import SyntheticData
 from expertax.models import decoder, mtp
 from expertax.nn import param
 from expertax.planner import estimate
+from expertax.tools import report
+from expertax.train import metrics as metrics_lib
 from expertax.train import step as step_lib
 from expertax.train.evaluate import Evaluator
 from expertax.train.trainer import build_trainer
@@ -195,3 +197,25 @@ def test_the_planner_counts_the_mtp_modules():
     )
     assert per_moe_layer > 0 and saved[1] - saved[0] == 2 * per_moe_layer
     assert with_mtp.estimate(base, shape) > without.estimate(base, shape)
+
+
+def test_the_console_lines_and_the_report_show_the_mtp_loss():
+    rec = dict(
+        step=3,
+        loss=2.5,
+        perplexity=12.2,
+        lb_loss=0.0,
+        mtp_loss=3.25,
+        dropped_tokens=0,
+        step_time_s=0.1,
+        tokens_per_s_per_device=10.0,
+        tflops_per_device=0.0,
+    )
+    assert "| mtp 3.2500 |" in metrics_lib.console_line(rec)
+    plain = {k: v for k, v in rec.items() if k != "mtp_loss"}
+    assert "mtp" not in metrics_lib.console_line(plain)
+    ev = dict(rec, eval_loss=2.0, eval_perplexity=7.4, eval_tokens=64)
+    ev.update(eval_mtp_loss=3.0, eval_mtp_acceptance=0.25)
+    assert "mtp loss 3.0000, acceptance 0.250" in metrics_lib.eval_console_line(ev)
+    summary = report.summarize({}, [rec, ev])
+    assert summary["final eval MTP acceptance"] == 0.25 and summary["final eval MTP loss"] == 3.0
