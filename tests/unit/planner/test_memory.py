@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.tolerances import tol
 
 from expertax import cli
 from expertax.config import load_config
@@ -160,8 +161,10 @@ def test_host_offloaded_state_lives_in_pinned_host_and_trains_the_same():
         }
         assert kinds == ({"pinned_host"} if extra else {"device"})
         finals.append([np.asarray(x) for x in jax.tree.leaves(state.params)])
+    # Bitwise equal at XLA:CPU's default backend optimisation; at the tests' level 0
+    # (conftest.py) the two programs' updates round 3 of 65536 elements 1 ulp apart.
     for a, b in zip(*finals, strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, **tol())
 
 
 @pytest.mark.extended  # 50-70 s
