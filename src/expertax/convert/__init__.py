@@ -36,7 +36,6 @@ class Summary:
     config: Config
     tensors: int = 0  # units converted by this run (tensors, or row blocks of large ones)
     resumed: int = 0  # units already done by an interrupted run, not redone
-    mtp_skipped: int = 0  # tensors of multi-token-prediction layers, not converted
     gib: float = 0.0
     seconds: float = 0.0
     files: list[str] = dataclasses.field(default_factory=list)
@@ -46,20 +45,8 @@ class Summary:
         rate = self.gib / self.seconds if self.seconds > 0 else 0.0
         return (
             f"{self.tensors} tensors converted ({self.gib:.2f} GiB, {self.seconds:.1f} s, "
-            f"{rate:.2f} GiB/s), {self.resumed} already done by an earlier run, "
-            f"{self.mtp_skipped} multi-token-prediction tensors skipped"
+            f"{rate:.2f} GiB/s), {self.resumed} already done by an earlier run"
         )
-
-
-def _mtp_note(p: hf_read.Plan) -> list[str]:
-    if not p.mtp_tensors:
-        return []
-    layers = sorted({int(n.split(".")[2]) for n in p.mtp_tensors})
-    return [
-        f"skipping multi-token-prediction layer(s) {layers} ({len(p.mtp_tensors)} tensors, "
-        f"num_nextn_predict_layers={p.hf.get('num_nextn_predict_layers')}): expertax does not "
-        "train or run them"
-    ]
 
 
 def load_hf(hf_dir: str | Path, *, workers: int = 2) -> tuple[Config, object]:
@@ -73,6 +60,7 @@ def params_from_hf(hf_dir: str | Path, *, workers: int = 2):
     hf = hf_read.read_hf_config(hf_dir)
     with safetensors_io.Reader(hf_dir) as reader:
         p = hf_read.plan(reader, hf)
+        hf_read.check_shared(reader, p, workers=workers)
         arrays = {leaf: np.empty(shape, dtype) for leaf, (shape, dtype, _) in p.layouts.items()}
 
         def write(leaf, where, value):
@@ -101,8 +89,9 @@ def convert_from_hf(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 2
     out = Path(out_dir).resolve()
     with safetensors_io.Reader(hf_dir) as reader:
         p = hf_read.plan(reader, hf)  # refusals before anything is written
+        hf_read.check_shared(reader, p, workers=workers)
         journal = _prepare_out(out, {"direction": "from-hf", "source": str(hf_dir)})
-        summary = Summary(p.c, mtp_skipped=len(p.mtp_tensors), notes=_mtp_note(p))
+        summary = Summary(p.c, notes=p.notes)
         summary.resumed = sum(u.key in journal.done for u in p.units)
         model_dir.write_meta(out, p.c, hf_config=hf)
         writer = model_dir.ParamsWriter(out, p.layouts)

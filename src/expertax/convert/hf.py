@@ -12,6 +12,11 @@ Transforms (HF `nn.Linear` weights are [out, in]; ours are [in..., out...]):
   the even then the odd RoPE columns of wq/wq_b and wkv_a at conversion gives the same q and k
   after RoPE, so attention scores are identical. The inverse permutation restores HF's layout.
 Every transform is a transpose, reshape or permutation: the round trip is exact, bit for bit.
+
+DeepSeek-V3's multi-token-prediction modules (`mtp_num_layers` = the hub's
+`num_nextn_predict_layers`) are the layers after the main stack, `model.layers.<L + k - 1>.`;
+each also stores a copy of the embedding and of the output head, which expertax holds once
+(`TensorMap.shared`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class TensorMap:
     kind: str  # "linear" or "copy"
     n_in: int = 1  # linear: how many leading dims of the slice are the input dims
     rope: tuple[int, int] | None = None  # (offset, size) of interleaved RoPE columns, last axis
+    # A copy the hub keeps of a main-model tensor that expertax holds once (an MTP layer's
+    # embed_tokens and shared_head.head): from-hf checks it equals the main tensor (the one
+    # with the same leaf and index), to-hf writes the main tensor under this name too.
+    shared: bool = False
 
 
 def leaf_specs(c: Config) -> dict[str, ParamSpec]:
@@ -44,8 +53,9 @@ def leaf_specs(c: Config) -> dict[str, ParamSpec]:
     return {".".join(k.name for k in path): s for path, s in flat}
 
 
-def _attention(c: Config, stack: str, i: int, p: str, interleave: bool) -> list[TensorMap]:
-    a = f"{stack}.attn"
+def _attention(c: Config, a: str, i: int, p: str, interleave: bool) -> list[TensorMap]:
+    """Self-attention of HF layer prefix `p` into slice `i` of the leaves under `a` (e.g.
+    "moe_layers.attn", "mtp.block.attn")."""
     if c.attention_type == "gqa":
         return [
             TensorMap(p + "self_attn.q_proj.weight", f"{a}.wq", (i,), "linear"),
@@ -84,8 +94,9 @@ def _mlp(prefix: str, leaf: str, index: tuple[int, ...], names=("gate", "up", "d
     ]
 
 
-def _moe(c: Config, i: int, p: str) -> list[TensorMap]:
-    m = "moe_layers.moe"
+def _moe(c: Config, m: str, i: int, p: str) -> list[TensorMap]:
+    """The MoE layer of HF layer prefix `p` into slice `i` of the leaves under `m` (e.g.
+    "moe_layers.moe", "mtp.block.moe")."""
     if c.decoder_block == "mixtral":
         out = [TensorMap(p + "block_sparse_moe.gate.weight", f"{m}.router.w", (i,), "linear")]
         for j in range(c.num_experts):
@@ -107,6 +118,42 @@ def _moe(c: Config, i: int, p: str) -> list[TensorMap]:
     return out
 
 
+def _block(c: Config, stack: str, i: int, p: str, interleave: bool, dense: bool):
+    """A decoder block (attention, its norms, the MLP or MoE) of HF layer prefix `p` into slice
+    `i` of the leaves under `stack` ("dense_layers", "moe_layers", "mtp.block")."""
+    return [
+        *_attention(c, f"{stack}.attn", i, p, interleave),
+        TensorMap(p + "input_layernorm.weight", f"{stack}.attn_norm", (i,), "copy"),
+        TensorMap(p + "post_attention_layernorm.weight", f"{stack}.ffn_norm", (i,), "copy"),
+        *(_mlp(p + "mlp.", f"{stack}.mlp", (i,)) if dense else _moe(c, f"{stack}.moe", i, p)),
+    ]
+
+
+def mtp_layer_prefix(c: Config, k: int) -> str:
+    """HF prefix of multi-token-prediction module k (1..D): the layers after the main stack."""
+    return f"model.layers.{c.base_num_decoder_layers + k - 1}."
+
+
+def _mtp(c: Config, interleave: bool) -> list[TensorMap]:
+    """DeepSeek-V3's MTP modules as the hub stores them (`DeepseekV3ForCausalLM` of the
+    reference code, layer 61): enorm, hnorm, eh_proj [D, 2D], a decoder block, shared_head.norm,
+    and copies of the embedding and output head, which expertax shares with the main model."""
+    head, kind = ("embed", "copy") if c.logits_via_embedding else ("lm_head", "linear")
+    out = []
+    for k in range(1, c.mtp_num_layers + 1):
+        p, i = mtp_layer_prefix(c, k), k - 1
+        out += [
+            TensorMap(p + "embed_tokens.weight", "embed", (), "copy", shared=True),
+            TensorMap(p + "enorm.weight", "mtp.enorm", (i,), "copy"),
+            TensorMap(p + "hnorm.weight", "mtp.hnorm", (i,), "copy"),
+            TensorMap(p + "eh_proj.weight", "mtp.eh_proj", (i,), "linear"),
+            *_block(c, "mtp.block", i, p, interleave, dense=not c.is_moe),
+            TensorMap(p + "shared_head.norm.weight", "mtp.head_norm", (i,), "copy"),
+            TensorMap(p + "shared_head.head.weight", head, (), kind, shared=True),
+        ]
+    return out
+
+
 def tensor_map(c: Config, *, interleave: bool = True) -> list[TensorMap]:
     """Every HF tensor of the model and where it lives in expertax's tree."""
     out = [TensorMap("model.embed_tokens.weight", "embed", (), "copy")]
@@ -115,16 +162,11 @@ def tensor_map(c: Config, *, interleave: bool = True) -> list[TensorMap]:
         dense = layer < c.num_dense_layers
         stack = "dense_layers" if dense else "moe_layers"
         i = layer if dense else layer - c.num_dense_layers
-        out += _attention(c, stack, i, p, interleave)
-        out += [
-            TensorMap(p + "input_layernorm.weight", f"{stack}.attn_norm", (i,), "copy"),
-            TensorMap(p + "post_attention_layernorm.weight", f"{stack}.ffn_norm", (i,), "copy"),
-        ]
-        out += _mlp(p + "mlp.", "dense_layers.mlp", (i,)) if dense else _moe(c, i, p)
+        out += _block(c, stack, i, p, interleave, dense)
     out.append(TensorMap("model.norm.weight", "final_norm", (), "copy"))
     if not c.logits_via_embedding:
         out.append(TensorMap("lm_head.weight", "lm_head", (), "linear"))
-    return out
+    return out + _mtp(c, interleave)
 
 
 # Rows of the source copied per step by `transpose` (see there).

@@ -39,8 +39,6 @@ _IGNORED: dict[str, str] = {
     "dtype": "mapped to weight_dtype",
     "head_dim": "DeepSeek: derived (= qk_rope_head_dim); Mixtral: mapped",
     "qk_head_dim": "derived (qk_nope_head_dim + qk_rope_head_dim)",
-    "num_nextn_predict_layers": "multi-token-prediction layers are skipped (HF skips them too)",
-    "num_mtp_layers": "multi-token-prediction layers are not converted (HF skips them)",
     "pretraining_tp": "HF ignores it in the forward pass",
     "ep_size": "DeepSeek reference code's expert-parallel degree; a layout, not the model",
     "aux_loss_alpha": "DeepSeek's sequence-wise auxiliary loss (training only; not converted)",
@@ -177,6 +175,18 @@ def _rope(hf: dict) -> tuple[dict, dict[str, Any]]:
 _ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
 
 
+def _no_mtp(hf: dict, model_type: str) -> None:
+    """Refuse multi-token-prediction layers outside DeepSeek-V3's `num_nextn_predict_layers`."""
+    for key in ("num_nextn_predict_layers", "num_mtp_layers"):
+        if key == "num_nextn_predict_layers" and model_type == "deepseek_v3":
+            continue
+        if hf.get(key):
+            raise ConversionError(
+                f"HF config field {key}={hf[key]!r}: multi-token-prediction layers are "
+                f"converted for deepseek_v3 (num_nextn_predict_layers) only, not for {model_type}"
+            )
+
+
 def _deepseek(hf: dict) -> tuple[dict[str, Any], set[str]]:
     _require(hf, "hidden_act", ("silu",), "silu")
     _require(hf, "attention_bias", (False,), False)
@@ -187,6 +197,15 @@ def _deepseek(hf: dict) -> tuple[dict[str, Any], set[str]]:
     _require(hf, "num_key_value_heads", (heads, None), heads)
     q_lora = hf.get("q_lora_rank") or 0
     shared = hf.get("n_shared_experts") or 0
+    mtp = hf.get("num_nextn_predict_layers") or 0
+    dense = hf.get("first_k_dense_replace") or 0
+    if mtp and dense >= hf["num_hidden_layers"]:
+        # HF's MTP layer is an MoE layer by its index, ours is MoE when the model has MoE layers
+        raise ConversionError(
+            f"HF config fields num_nextn_predict_layers={mtp} with first_k_dense_replace="
+            f"{dense} >= num_hidden_layers={hf['num_hidden_layers']} (no MoE layer): "
+            "multi-token prediction is supported for models with MoE layers only"
+        )
     keys = {
         "decoder_block": "deepseek",
         "model_name": "deepseek3-tiny",
@@ -213,6 +232,7 @@ def _deepseek(hf: dict) -> tuple[dict[str, Any], set[str]]:
         "n_routing_groups": hf.get("n_group") or 1,
         "topk_routing_group": hf.get("topk_group") or 1,
         "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "mtp_num_layers": mtp,
     }
     mapped = {
         "hidden_act",
@@ -306,6 +326,7 @@ def config_from_hf(hf: dict) -> Config:
 
     fp8.check_quantization_config(hf.get("quantization_config"))
     _require(hf, "attention_dropout", (0, 0.0, None), 0.0)
+    _no_mtp(hf, model_type)
     keys, mapped = _deepseek(hf) if model_type == "deepseek_v3" else _mixtral(hf)
     _, rope_keys = _rope(hf)
     if model_type == "mixtral" and rope_keys["rope_type"] != "default":
@@ -321,6 +342,7 @@ def config_from_hf(hf: dict) -> Config:
         - set(_IGNORED)
         - set(_ROPE_FIELDS)
         - {"quantization_config", "attention_dropout", "rms_norm_eps"}
+        - {"num_nextn_predict_layers", "num_mtp_layers"}
     )
     if unknown:
         raise ConversionError(
@@ -368,6 +390,12 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
 
     Written in the hub's style (`rope_theta` + `rope_scaling`), which transformers 4 and 5 read.
     """
+    if c.mtp_num_layers and c.decoder_block != "deepseek":
+        raise ConversionError(
+            f"mtp_num_layers={c.mtp_num_layers} with decoder_block={c.decoder_block!r}: HF's "
+            "format has multi-token-prediction layers for DeepSeek-V3 only "
+            "(num_nextn_predict_layers); this model's MTP modules have no place in it"
+        )
     if c.decoder_block == "deepseek" and c.attention_type == "mla":
         hf = _deepseek_to_hf(c)
     elif c.decoder_block == "mixtral" and c.attention_type == "gqa" and c.num_dense_layers == 0:
@@ -425,7 +453,7 @@ def _deepseek_to_hf(c: Config) -> dict[str, Any]:
         "norm_topk_prob": c.norm_topk_prob,
         "rope_interleave": True,
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": c.mtp_num_layers,
     }
 
 

@@ -7,6 +7,10 @@ into blocks of rows (the embedding and lm_head of DeepSeek-V3 are 1.8 GiB each).
 converts the units on worker threads (numpy, safetensors and tensorstore release the GIL for
 their copies), each unit read -> dequantized -> transformed -> written -> released, so the
 memory held is a few units, never a leaf or the model.
+
+The multi-token-prediction layers' copies of the embedding and output head (`TensorMap.shared`)
+are not written: `check_shared` compares them with the main tensors, block by block, before
+anything is written, and refuses a checkpoint whose copies differ.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ class Plan:
     hf: dict
     units: list[Unit]
     layouts: dict[str, tuple[tuple[int, ...], np.dtype, tuple[int, ...]]]  # shape, dtype, chunks
-    mtp_tensors: list[str]  # skipped: multi-token-prediction layers
+    checks: list[tuple[Unit, str]]  # (a shared copy's unit, the main tensor it must equal)
     fp8: bool
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -77,15 +82,57 @@ def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None
         raise ConversionError(f"tensor {name} has shape {tuple(got)}; the config implies {want}")
 
 
-def _fused_targets(c: Config, name: str) -> tuple[int, str, tuple[int, ...]]:
+def _fused_targets(c: Config, name: str) -> tuple[str, int, str, tuple[int, ...]]:
+    """(MoE leaf prefix, layer index into it, gate_up_proj or down_proj, HF shape)."""
     match = _FUSED.match(name)
     assert match is not None, name  # callers pass fused names only
-    layer, which = match.groups()
-    i = int(layer) - c.num_dense_layers
+    layer, which = int(match.group(1)), match.group(2)
+    m, i = "moe_layers.moe", layer - c.num_dense_layers
+    if layer >= c.base_num_decoder_layers:  # a multi-token-prediction module's block
+        m, i = "mtp.block.moe", layer - c.base_num_decoder_layers
     if i < 0:
         raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
     e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
-    return i, which, (e, 2 * f, d) if which == "gate_up_proj" else (e, d, f)
+    return m, i, which, (e, 2 * f, d) if which == "gate_up_proj" else (e, d, f)
+
+
+def _layer(name: str) -> int | None:
+    match = _LAYER.match(name)
+    return None if match is None else int(match.group(1))
+
+
+def _config(hf: dict, names: set[str]) -> tuple[Config, list[str]]:
+    """The checkpoint's Config, and notes. A config.json that declares multi-token-prediction
+    layers for a checkpoint holding none of their tensors (transformers' `save_pretrained`
+    writes `num_nextn_predict_layers` but drops the layers) converts without them."""
+    c = config_from_hf(hf)
+    first = c.base_num_decoder_layers
+    if not c.mtp_num_layers or any((_layer(n) or 0) >= first for n in names):
+        return c, []
+    last = first + c.mtp_num_layers - 1
+    layers = f"layer {first}" if last == first else f"layers {first}..{last}"
+    note = (
+        f"config.json has num_nextn_predict_layers={c.mtp_num_layers} but the checkpoint holds "
+        f"no tensor of its {layers}: converted without multi-token prediction (mtp_num_layers=0)"
+    )
+    return config_from_hf({**hf, "num_nextn_predict_layers": 0}), [note]
+
+
+def _no_place(c: Config, name: str, directory) -> ConversionError:
+    layer, n = _layer(name), c.base_num_decoder_layers + c.mtp_num_layers
+    if layer is not None and layer >= n:
+        return ConversionError(
+            f"tensor {name} in {directory} belongs to layer {layer}; the config has "
+            f"num_hidden_layers={c.base_num_decoder_layers} and num_nextn_predict_layers="
+            f"{c.mtp_num_layers} (layers 0..{n - 1})"
+        )
+    return ConversionError(f"tensor {name} in {directory} has no place in the model")
+
+
+SHARES = (
+    "expertax shares the embedding and the output head between the main model and its "
+    "multi-token-prediction layers"
+)
 
 
 def _split_rows(t: TensorMap, slice_shape: tuple[int, ...], itemsize: int) -> int | None:
@@ -101,23 +148,28 @@ def _split_rows(t: TensorMap, slice_shape: tuple[int, ...], itemsize: int) -> in
 
 def plan(reader: Reader, hf: dict) -> Plan:
     """Every unit of work of converting `reader`'s checkpoint, from its headers only."""
-    c = config_from_hf(hf)
+    names = set(reader.names())
+    c, notes = _config(hf, names)
     quantized = fp8.check_quantization_config(hf.get("quantization_config"))
     canonical, maps = _maps(c, hf)
     specs = leaf_specs(c)
     depth = {t.leaf: len(t.index) for t in canonical}
     dtypes: dict[str, tuple[np.dtype, str]] = {}
     filled: set[tuple[str, tuple[int, ...]]] = set()
-    units, mtp, blocks = [], [], {}
-    names = set(reader.names())
+    units, shared, blocks = [], [], {}
+
+    def stored_dtype(dtype: np.dtype, name: str) -> np.dtype:
+        """The dtype a tensor is converted into: fp8 is dequantized to weight_dtype."""
+        if dtype != fp8.FP8:
+            return dtype
+        if not quantized:
+            raise ConversionError(
+                f"tensor {name} is fp8 but config.json has no quantization_config"
+            )
+        return _np_dtype(c.weight_dtype)
 
     def leaf_dtype(leaf: str, dtype: np.dtype, name: str) -> None:
-        if dtype == fp8.FP8:
-            if not quantized:
-                raise ConversionError(
-                    f"tensor {name} is fp8 but config.json has no quantization_config"
-                )
-            dtype = _np_dtype(c.weight_dtype)
+        dtype = stored_dtype(dtype, name)
         old = dtypes.setdefault(leaf, (dtype, name))
         if old[0] != dtype:
             raise ConversionError(
@@ -125,10 +177,6 @@ def plan(reader: Reader, hf: dict) -> Plan:
             )
 
     for name in sorted(names):
-        m = _LAYER.match(name)
-        if m and int(m.group(1)) >= c.base_num_decoder_layers:
-            mtp.append(name)
-            continue
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if (
@@ -143,19 +191,22 @@ def plan(reader: Reader, hf: dict) -> Plan:
         if _FUSED.match(name) and c.is_moe:
             if dtype == fp8.FP8:
                 raise ConversionError(f"fused expert tensor {name} in fp8 is not supported")
-            i, which, want = _fused_targets(c, name)
+            m, i, which, want = _fused_targets(c, name)
             _check_shape(name, shape, want)
             leaves = ("wi_0", "wi_1") if which == "gate_up_proj" else ("wo",)
             for leaf in leaves:
-                leaf_dtype(f"moe_layers.moe.{leaf}", dtype, name)
-                filled.update((f"moe_layers.moe.{leaf}", (i, j)) for j in range(c.num_experts))
+                leaf_dtype(f"{m}.{leaf}", dtype, name)
+                filled.update((f"{m}.{leaf}", (i, j)) for j in range(c.num_experts))
             units.append(Unit(name, None, None, reader_nbytes(shape, dtype)))
             continue
         t = maps.get(name)
         if t is None:
-            raise ConversionError(f"tensor {name} in {reader.directory} has no place in the model")
+            raise _no_place(c, name, reader.directory)
         slice_shape = specs[t.leaf].shape[len(t.index) :]
         _check_shape(name, shape, hf_shape(t, slice_shape))
+        if t.shared:  # checked against the main tensor once every dtype is known
+            shared.append((t, name, stored_dtype(dtype, name), shape, dtype))
+            continue
         leaf_dtype(t.leaf, dtype, name)
         filled.add((t.leaf, t.index))
         rows = _split_rows(t, slice_shape, dtypes[t.leaf][0].itemsize)
@@ -166,7 +217,7 @@ def plan(reader: Reader, hf: dict) -> Plan:
         for a in range(0, shape[0], rows):
             b = min(a + rows, shape[0])
             units.append(Unit(name, t, (a, b), reader_nbytes((b - a, shape[1]), dtype)))
-    missing = [t.hf_name for t in canonical if (t.leaf, t.index) not in filled]
+    missing = [t.hf_name for t in canonical if not t.shared and (t.leaf, t.index) not in filled]
     if missing:
         raise ConversionError(
             f"{reader.directory} lacks tensors {', '.join(missing[:5])}"
@@ -177,10 +228,34 @@ def plan(reader: Reader, hf: dict) -> Plan:
         k = depth[leaf]
         chunks = [1] * k + list(spec.shape[k:])
         if leaf in blocks:  # copy (embed): rows of ours; linear (lm_head): columns of ours
-            axis = k if any(t.kind == "copy" for t in canonical if t.leaf == leaf) else k + 1
-            chunks[axis] = blocks[leaf]
+            copy = any(t.kind == "copy" for t in canonical if t.leaf == leaf and not t.shared)
+            chunks[k if copy else k + 1] = blocks[leaf]
         layouts[leaf] = (tuple(spec.shape), dtypes[leaf][0], tuple(chunks))
-    return Plan(c, hf, units, layouts, mtp, quantized)
+    checks = _check_units(canonical, shared, specs, dtypes)
+    return Plan(c, hf, units, layouts, checks, quantized, notes)
+
+
+def _check_units(canonical: list[TensorMap], shared: list, specs, dtypes) -> list[tuple[Unit, str]]:
+    """(unit, main tensor) comparing each shared copy with the main tensor, in row blocks as
+    the main tensor is read; a copy of another dtype is refused here. An absent copy is not
+    needed (expertax holds the tensor once) and not checked."""
+    mains = {(t.leaf, t.index): t.hf_name for t in canonical if not t.shared}
+    out = []
+    for t, name, dtype, shape, raw in shared:
+        main, (main_dtype, _) = mains[t.leaf, t.index], dtypes[t.leaf]
+        if dtype != main_dtype:
+            raise ConversionError(
+                f"tensor {name} has dtype {dtype}, {main} {main_dtype}: {SHARES}, so the copies "
+                "must be equal bit for bit"
+            )
+        rows = _split_rows(t, specs[t.leaf].shape[len(t.index) :], dtype.itemsize)
+        if rows is None:
+            out.append((Unit(name, t, None, reader_nbytes(shape, raw)), main))
+            continue
+        for a in range(0, shape[0], rows):
+            b = min(a + rows, shape[0])
+            out.append((Unit(name, t, (a, b), reader_nbytes((b - a, shape[1]), raw)), main))
+    return out
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -207,14 +282,14 @@ Write = Callable[[str, tuple, np.ndarray], None]  # (leaf, where, value)
 
 def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
     if u.t is None:  # fused: gate_up_proj [E, 2F, D] or down_proj [E, D, F], one layer
-        i, which, _ = _fused_targets(p.c, u.name)
-        w = _read(reader, p, u, p.layouts["moe_layers.moe.wo"][1])
+        m, i, which, _ = _fused_targets(p.c, u.name)
+        w = _read(reader, p, u, p.layouts[f"{m}.wo"][1])
         f = p.c.base_moe_mlp_dim
         if which == "gate_up_proj":
-            write("moe_layers.moe.wi_0", (i,), np.stack([transpose(x[:f]) for x in w]))
-            write("moe_layers.moe.wi_1", (i,), np.stack([transpose(x[f:]) for x in w]))
+            write(f"{m}.wi_0", (i,), np.stack([transpose(x[:f]) for x in w]))
+            write(f"{m}.wi_1", (i,), np.stack([transpose(x[f:]) for x in w]))
         else:
-            write("moe_layers.moe.wo", (i,), np.stack([transpose(x) for x in w]))
+            write(f"{m}.wo", (i,), np.stack([transpose(x) for x in w]))
         return
     t = u.t
     shape, dtype, _ = p.layouts[t.leaf]
@@ -229,6 +304,33 @@ def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
         write(t.leaf, (*t.index, slice(None), rows), transpose(w))
 
 
+def check_unit(reader: Reader, p: Plan, u: Unit, main: str) -> None:
+    """Refuse (ConversionError) when a shared copy's rows differ from the main tensor's, both
+    read as they are converted (fp8 dequantized into the leaf's dtype)."""
+    assert u.t is not None, u.name  # a shared copy always has its map
+    dtype = p.layouts[u.t.leaf][1]
+    copy = _read(reader, p, u, dtype)
+    want = _read(reader, p, dataclasses.replace(u, name=main), dtype)
+    bits = f"u{copy.dtype.itemsize}"
+    differ = copy.view(bits) != want.view(bits)
+    if not differ.any():
+        return
+    where = tuple(int(x) for x in np.argwhere(differ)[0])
+    at = (where[0] + u.rows[0], *where[1:]) if u.rows is not None else where
+    rows = "" if u.rows is None else f" in rows {u.rows[0]}..{u.rows[1] - 1}"
+    raise ConversionError(
+        f"tensor {u.name} differs from {main}: {int(differ.sum())} of {differ.size} values"
+        f"{rows}, the first at {list(at)} ({copy[where]} vs {want[where]}); {SHARES}, so it "
+        "cannot hold different copies"
+    )
+
+
+def check_shared(reader: Reader, p: Plan, *, workers: int = 2) -> None:
+    """Compare every shared copy with its main tensor (`Plan.checks`), before anything is
+    written; ConversionError naming the first copy that differs."""
+    _each([(check_unit, (reader, p, u, main)) for u, main in p.checks], workers=workers)
+
+
 def run(
     reader: Reader,
     p: Plan,
@@ -241,21 +343,32 @@ def run(
     """Convert the units not in `done` on `workers` threads; `on_done(unit)` runs on this
     thread after each unit's bytes are written. At most 2 x workers units are in flight."""
     todo = [u for u in p.units if u.key not in done]
+    _each(
+        [(run_unit, (reader, p, u, write)) for u in todo],
+        on_done=lambda args: on_done(args[2]),
+        workers=workers,
+    )
+    return len(todo)
+
+
+def _each(calls: list[tuple[Callable, tuple]], *, on_done=lambda args: None, workers: int) -> None:
+    """`fn(*args)` for each call, on `workers` threads (at most 2 x workers in flight);
+    `on_done(args)` on this thread after each. The first exception cancels the rest."""
     if workers <= 1:
-        for u in todo:
-            run_unit(reader, p, u, write)
-            on_done(u)
-        return len(todo)
+        for fn, args in calls:
+            fn(*args)
+            on_done(args)
+        return
     with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
         pending: dict = {}
-        queue = iter(todo)
+        queue = iter(calls)
         try:
             while True:
                 while len(pending) < 2 * workers:
                     nxt = next(queue, None)
                     if nxt is None:
                         break
-                    pending[pool.submit(run_unit, reader, p, nxt, write)] = nxt
+                    pending[pool.submit(nxt[0], *nxt[1])] = nxt[1]
                 if not pending:
                     break
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -266,7 +379,6 @@ def run(
             for fut in pending:
                 fut.cancel()
             raise
-    return len(todo)
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:

@@ -4,6 +4,8 @@ The source is any `read(leaf, where) -> np.ndarray` (an open model directory rea
 region from disk). Shards are planned from shapes, each written by `safetensors_io.write_file`
 while worker threads compute the next blocks (read, transform, optionally quantize to fp8), at
 most a few blocks ahead; a shard already complete from an interrupted run is not rewritten.
+A shared copy (`TensorMap.shared`: a multi-token-prediction layer's embed_tokens and
+shared_head.head) is the main tensor's leaf written under the copy's name.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ class Job:
 
 def quantized(t: TensorMap) -> bool:
     """Whether DeepSeek-V3's hub checkpoint keeps this tensor in fp8: every linear weight but
-    the router and lm_head."""
-    return t.kind == "linear" and not t.leaf.endswith("router.w") and t.leaf != "lm_head"
+    the router, lm_head and, in the multi-token-prediction layer, eh_proj and the output head's
+    copy (shared_head.head)."""
+    bf16 = t.leaf.endswith("router.w") or t.leaf in ("lm_head", "mtp.eh_proj")
+    return t.kind == "linear" and not bf16
 
 
 def plan(

@@ -1,5 +1,5 @@
-"""Streamed HF conversion without torch: fp8 DeepSeek-V3 checkpoints, refusals, kill and resume,
-row blocks, the progress line (issue 16)."""
+"""Streamed HF conversion without torch: fp8 DeepSeek-V3 checkpoints (with a multi-token-
+prediction layer), refusals, kill and resume, row blocks, the progress line (issue 16)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -24,102 +23,14 @@ from expertax.convert import (
     convert_to_hf,
     hf_read,
     hf_write,
-    write_hf,
 )
 from expertax.convert.progress import PROGRESS_ENV, Progress
 from expertax.convert.safetensors_io import Reader, iter_tensors
-from expertax.models import decoder
-from expertax.nn.param import is_spec
 from expertax.train import model_dir
+from tests.unit.convert.hub import FP8, HUB_QC, MTP_LAYER
 
-BF16 = ml_dtypes.bfloat16
-FP8 = ml_dtypes.float8_e4m3fn
-HUB_QC = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "weight_block_size": [128, 128],
-}
-# dims above 128 and not multiples of it: every weight has partial edge blocks
-SMALL = {
-    "model_name": "deepseek3-tiny",
-    "vocab_size": 300,
-    "base_emb_dim": 200,
-    "base_mlp_dim": 264,
-    "base_moe_mlp_dim": 136,
-    "q_lora_rank": 72,
-    "kv_lora_rank": 40,
-    "num_experts": 8,
-    "weight_dtype": "bfloat16",
-}
-
-
-def _params(c, seed: int):
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(
-        lambda s: rng.standard_normal(s.shape).astype(np.float32).astype(BF16),
-        decoder.spec(c),
-        is_leaf=is_spec,
-    )
-
-
-def _ref_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """DeepSeek's recipe, block by block: scale = amax / 448, q = w / scale."""
-    rows, cols = w.shape
-    grid = np.zeros((-(-rows // 128), -(-cols // 128)), np.float32)
-    q = np.zeros(w.shape, FP8)
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].astype(np.float32)
-            grid[i, j] = np.abs(block).max() / np.float32(448.0)
-            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (block / grid[i, j]).astype(FP8)
-    return q, grid
-
-
-def _ref_dequantize(q: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    out = np.zeros(q.shape, BF16)
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            sl = np.s_[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
-            out[sl] = (q[sl].astype(np.float32) * grid[i, j]).astype(BF16)
-    return out
-
-
-def _is_fp8_weight(name: str, w: np.ndarray) -> bool:
-    return w.ndim == 2 and "_proj" in name and name.endswith(".weight")
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(fp8 hub-style checkpoint, the same dequantized by the reference above) with one MTP
-    layer (num_nextn_predict_layers=1) whose tensors must be skipped."""
-    root = tmp_path_factory.mktemp("fp8")
-    c = expertax.load_config(overrides=SMALL)
-    write_hf(_params(c, 0), c, root / "bf16")
-    hf = json.loads((root / "bf16" / "config.json").read_text())
-    tensors = dict(iter_tensors(root / "bf16"))
-    last = c.base_num_decoder_layers
-    mtp = {
-        f"model.layers.{last}.eh_proj.weight": np.ones((200, 400), BF16),
-        f"model.layers.{last}.enorm.weight": np.ones((200,), BF16),
-    }
-    quantized, dequantized = {}, {}
-    for name, w in {**tensors, **mtp}.items():
-        if _is_fp8_weight(name, w):
-            q, grid = _ref_quantize(w)
-            quantized[name], quantized[name + "_scale_inv"] = q, grid
-            dequantized[name] = _ref_dequantize(q, grid)
-        else:
-            quantized[name] = dequantized[name] = w
-    for kind, tensors_, extra in (
-        ("hub", quantized, {"quantization_config": HUB_QC}),
-        ("deq", dequantized, {}),
-    ):
-        (root / kind).mkdir()
-        save_file(tensors_, str(root / kind / "model.safetensors"), metadata={"format": "pt"})
-        config = {**hf, **extra, "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16"}
-        (root / kind / "config.json").write_text(json.dumps(config))
-    return root, len(mtp) + 1  # + the scale of eh_proj
+# the MTP layer's copies of the embedding and output head: checked on reading, not converted
+SHARED = {f"model.layers.{MTP_LAYER}.{n}.weight" for n in ("embed_tokens", "shared_head.head")}
 
 
 def _leaves(path: Path) -> dict[str, bytes]:
@@ -129,13 +40,14 @@ def _leaves(path: Path) -> dict[str, bytes]:
 
 
 def test_fp8_checkpoint_equals_its_reference_dequantization(checkpoints, tmp_path):
-    root, n_mtp = checkpoints
+    root = checkpoints
     ours = convert_from_hf(root / "hub", tmp_path / "hub")
     ref = convert_from_hf(root / "deq", tmp_path / "deq")
-    assert ours.mtp_skipped == n_mtp and ref.mtp_skipped == 2
-    assert "multi-token-prediction layer(s) [3]" in ours.notes[0]
+    assert ours.config.mtp_num_layers == ref.config.mtp_num_layers == 1
+    assert ours.notes == ref.notes == []
     a, b = _leaves(tmp_path / "hub"), _leaves(tmp_path / "deq")
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
+    assert "mtp.block.moe.wi_0" in a and "mtp.eh_proj" in a
     # logits equal too (same bytes, same program)
     c, p_hub, _ = model_dir.load(tmp_path / "hub")
     _, p_ref, _ = model_dir.load(tmp_path / "deq")
@@ -157,12 +69,17 @@ def test_fp8_checkpoint_equals_its_reference_dequantization(checkpoints, tmp_pat
 
 
 def test_fp8_round_trip_is_exact(checkpoints, tmp_path):
-    root, _ = checkpoints
+    """Every tensor back bit for bit, the MTP layer's (fp8 block weights, bfloat16 eh_proj) and
+    its shared copies included."""
+    root = checkpoints
     convert_from_hf(root / "hub", tmp_path / "ours")
     convert_to_hf(tmp_path / "ours", tmp_path / "back", use_fp8=True, max_shard_bytes=2**20)
     back = json.loads((tmp_path / "back" / "config.json").read_text())
     assert back["quantization_config"] == HUB_QC
-    source = {n: w for n, w in iter_tensors(root / "hub") if ".layers.3." not in n}
+    assert back["num_nextn_predict_layers"] == 1
+    source = dict(iter_tensors(root / "hub"))
+    assert f"model.layers.{MTP_LAYER}.self_attn.q_b_proj.weight_scale_inv" in source
+    assert SHARED <= source.keys()
     written = dict(iter_tensors(tmp_path / "back"))
     assert written.keys() == source.keys()
     for name, w in source.items():
@@ -205,7 +122,7 @@ def _cli(*args, env_extra=None):
 
 
 def test_killed_conversion_resumes_without_redoing_work(checkpoints, tmp_path):
-    root, _ = checkpoints
+    root = checkpoints
     out = tmp_path / "killed"
     r = _cli("from-hf", root / "hub", out, env_extra={"EXPERTAX_CONVERT_EXIT_AFTER": "40"})
     assert r.returncode == 75, r.stderr
@@ -219,9 +136,8 @@ def test_killed_conversion_resumes_without_redoing_work(checkpoints, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "40 already done by an earlier run" in r.stdout, r.stdout
     total = int(r.stdout.split("expertax: ")[-1].split()[0]) + 40
-    assert total == len(
-        [n for n in Reader(root / "hub").names() if ".layers.3." not in n and "scale" not in n]
-    )
+    assert total == len([n for n in Reader(root / "hub").names() if "scale" not in n]) - 2
+    assert len(SHARED) == 2
     assert _leaves(out) == _leaves(tmp_path / "other")
     assert not (out / ".convert").exists()
     # to-hf: killed after one shard, resumed: the same files as one uninterrupted run
@@ -258,7 +174,7 @@ def test_progress_line_counts_units_bytes_rate_and_eta():
 
 
 def test_progress_line_forced_by_the_environment(checkpoints, tmp_path, monkeypatch, capsys):
-    root, _ = checkpoints
+    root = checkpoints
     monkeypatch.setenv(PROGRESS_ENV, "1")
     s = convert_from_hf(root / "hub", tmp_path / "ours")
     err = capsys.readouterr().err
@@ -272,7 +188,7 @@ def test_fp8_tensors_split_in_row_blocks_convert_the_same(checkpoints, tmp_path,
     """A split threshold of 40 kB cuts the 264-row dense MLP weights (fp8) into 128-row blocks
     (the last one 8 rows, its scale row a partial block): same bytes as whole tensors, both
     directions."""
-    root, _ = checkpoints
+    root = checkpoints
     convert_from_hf(root / "hub", tmp_path / "whole")
     convert_to_hf(tmp_path / "whole", tmp_path / "whole-hf", use_fp8=True)
     monkeypatch.setattr(hf_read, "CHUNK_BYTES", 40_000)
@@ -302,7 +218,7 @@ def reader_rows(units, name: str) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("rows", [(0, 5), (3, 10)])
 def test_reader_rows_are_the_tensors_rows(checkpoints, rows):
-    root, _ = checkpoints
+    root = checkpoints
     name = "model.embed_tokens.weight"
     with Reader(root / "hub") as reader:
         whole = reader.get(name)
