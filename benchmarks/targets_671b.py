@@ -6,6 +6,7 @@ parameter host offload (device bytes saved, host bytes used).
 
 Run: PYTHONPATH=src python benchmarks/targets_671b.py [--targets tpu:v5p-1024 gpu:h100x256
      gpu:h200x128] [--out benchmarks/results/targets] [--skip-cpu] [--skip-offload]
+     [--extra key=value ...]
 Prints one JSON line per measurement, then Markdown tables. Compiles only: no figure is a time of
 the step; the wall times are those of the search on this machine (measure on a quiet one).
 """
@@ -70,7 +71,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="take the fit from an earlier run's fit-<target>.json (its wall time included)",
     )
+    ap.add_argument(
+        "--extra", nargs="*", default=[], help="more key=value overrides (e.g. mtp_num_layers=1)"
+    )
     args = ap.parse_args(argv)
+    BASE.extend(args.extra)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     host = {
