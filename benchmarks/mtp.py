@@ -12,7 +12,10 @@ acceptance, and the median step time over steps >= `--skip`; runs alternate with
 for `--rounds` rounds and the step time is the median over rounds. The target: step time with
 MTP <= 1.15 x without, at D = 1.
 
-Run: python benchmarks/mtp.py [--steps 200] [--rounds 3]
+`--layers N` deepens the model (the MTP module is one decoder block: its share of the step falls
+as the main stack grows).
+
+Run: python benchmarks/mtp.py [--steps 200] [--rounds 3] [--layers N] [--data synthetic corpus]
 Prints JSON lines, then a Markdown table. Measure alone.
 """
 
@@ -104,6 +107,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip", type=int, default=5)
+    ap.add_argument(
+        "--layers", type=int, default=0, help="base_num_decoder_layers (0: the preset's 3)"
+    )
+    ap.add_argument("--data", nargs="+", default=["synthetic", "corpus"])
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}", flush=True)
     variants = {
@@ -120,7 +127,10 @@ def main() -> None:
             f"eval_dataset_path={eval_dir}",
             f"tokenizer_path={tok}",
         ]
-        for data, extra in (("synthetic", []), ("corpus", corpus)):
+        depth = [f"base_num_decoder_layers={args.layers}"] if args.layers else []
+        for data, extra in (("synthetic", depth), ("corpus", corpus + depth)):
+            if data not in args.data:
+                continue
             results: dict[str, list[dict]] = {v: [] for v in variants}
             for r in range(args.rounds):
                 for v, keys in variants.items():
