@@ -307,7 +307,10 @@ def test_big_vocab_logits_are_the_top_buffer_with_our_line(tmp_path, capsys):
     assert (top[0]["dtype"], top[0]["bytes"]) == ("float32", 4 * t * vocab)
     step_py = os.path.join(PACKAGE, "train", "step.py")
     ours = {f"models/decoder.py:{n}" for n in _lines_of(DECODER_PY, "def logits(", "return")}
-    ours |= {f"train/step.py:{n}" for n in _lines_of(step_py, "logits_BTV, stats =", "nll_sum =")}
+    ours |= {
+        f"train/step.py:{n}"
+        for n in _lines_of(step_py, "def _nll_sum(", "return vocab_loss.nll_sum(")
+    }
     assert top[0]["source"] in ours, (top[0], sorted(ours))
     assert top[0]["source"] in out  # and the text table shows it
     # ideal_parameter_bytes, independently: every parameter's bytes over the 8 devices.
