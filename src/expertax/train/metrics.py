@@ -22,20 +22,25 @@ def _attention_matmul_params(c: Config) -> int:
 
 
 def train_flops_per_token(c: Config) -> float:
-    """6 x matmul parameters used per token + causal attention (3 x forward), per token."""
+    """6 x matmul parameters used per token + causal attention (3 x forward), per token; with
+    multi-token prediction each depth adds its block, its [2D, D] projection and one more
+    output head (models/mtp.py)."""
     d = c.base_emb_dim
     attn = _attention_matmul_params(c)
     dense_ffn = 3 * d * c.base_mlp_dim
     moe_ffn = 3 * d * c.base_moe_mlp_dim * (c.num_experts_per_tok + c.shared_experts)
     moe_ffn += d * c.num_experts
+    mtp_block = attn + (moe_ffn if c.is_moe else dense_ffn) + 2 * d * d + d * c.vocab_size
     per_token_params = (
         c.num_dense_layers * (attn + dense_ffn)
         + c.num_moe_layers * (attn + moe_ffn)
         + d * c.vocab_size
+        + c.mtp_num_layers * mtp_block
     )
     ctx = c.max_target_length / 2
     h = c.base_num_query_heads
-    attn_scores = 2 * h * (c.qk_head_dim + c.attn_v_head_dim) * ctx * c.base_num_decoder_layers
+    layers = c.base_num_decoder_layers + c.mtp_num_layers
+    attn_scores = 2 * h * (c.qk_head_dim + c.attn_v_head_dim) * ctx * layers
     return 3 * (2 * per_token_params + attn_scores)
 
 

@@ -197,6 +197,14 @@ def test_the_planner_counts_the_mtp_modules():
     )
     assert per_moe_layer > 0 and saved[1] - saved[0] == 2 * per_moe_layer
     assert with_mtp.estimate(base, shape) > without.estimate(base, shape)
+    # the model FLOPs (tflops_per_device, MFU) count the depth's block, projection and head
+    c0, c2 = without.c, with_mtp.c
+    d, v = c0.base_emb_dim, c0.vocab_size
+    one_layer = metrics_lib.train_flops_per_token(
+        c0.model_copy(update={"base_num_decoder_layers": 4})
+    ) - metrics_lib.train_flops_per_token(c0)
+    extra = metrics_lib.train_flops_per_token(c2) - metrics_lib.train_flops_per_token(c0)
+    assert extra == pytest.approx(2 * (one_layer + 6 * (2 * d * d + d * v)))
 
 
 def test_the_console_lines_and_the_report_show_the_mtp_loss():
