@@ -14,12 +14,9 @@ from tests.distributed.test_parity import _check_rows
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = [
-    "sparse-ep4-fsdp2",
-    "sparse-ring-ep8",
-    "sparse-ring-pp2-ep2-fsdp2",
-    "sparse-ring-ep4-fsdp2-stash",
-]
+# all-to-all with FSDP, and a ring pipeline (MTP after the last stage); EP8 ring and the stash
+# passed too (2026-11-26), left out for CI's budget
+LAYOUTS = ["sparse-ep4-fsdp2", "sparse-ring-pp2-ep2-fsdp2"]
 
 
 @pytest.mark.extended
@@ -33,6 +30,5 @@ def test_parity_with_mtp(tmp_path, capsys):
     report = json.loads(path.read_text())
     _check_rows(report["rows"], report["tolerance"], 10.0, len(LAYOUTS))
     staged = [r for r in report["rows"] if r["pp"] == 2]
-    stashed = [r for r in report["rows"] if r["stash"]]
-    assert len(staged) == 1 and len(stashed) == 1
+    assert len(staged) == 1
     assert "| sparse | True | - | 2 | 2 | 2 | 1 | 1 | no | default |" in capsys.readouterr().out
