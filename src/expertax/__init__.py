@@ -5,6 +5,7 @@ Public API:
     init_params(config, key=None) -> params
     logits(params, tokens, config) -> float32 [B, T, V]
     load_hf(path) -> (config, params)   a HuggingFace DeepSeek-V3 or Mixtral checkpoint
+    generate(params, config, prompt_ids, ...) -> Generation   sample with a KV cache
 
 The names load on first use, so that `import expertax.<module>` (the `expertax` command's
 start-up, `expertax.hostmem`) does not import JAX.
@@ -19,6 +20,8 @@ _MODULE_OF = {
     "Config": "expertax.config",
     "ConfigError": "expertax.config",
     "load_config": "expertax.config",
+    "Generation": "expertax.decoding",
+    "generate": "expertax.decoding",
     "load_hf": "expertax.convert",
     "abstract_params": "expertax.models",
     "init_params": "expertax.models",
@@ -28,7 +31,9 @@ _MODULE_OF = {
 __all__ = [
     "Config",
     "ConfigError",
+    "Generation",
     "abstract_params",
+    "generate",
     "init_params",
     "load_config",
     "load_hf",
@@ -38,6 +43,7 @@ __all__ = [
 if TYPE_CHECKING:
     from expertax.config import Config, ConfigError, load_config
     from expertax.convert import load_hf
+    from expertax.decoding import Generation, generate
     from expertax.models import abstract_params, init_params, logits
 
 

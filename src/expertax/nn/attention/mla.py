@@ -50,7 +50,8 @@ def spec(c: Config) -> MLA:
     )
 
 
-def _queries(p: MLA, x_BTD, c: Config, dtype) -> jax.Array:
+def queries(p: MLA, x_BTD, c: Config, dtype) -> jax.Array:
+    """Per-head queries [B, T, H, Qn+Qr] before RoPE (the low-rank path when q_lora_rank > 0)."""
     if p.wq is not None:
         return project(x_BTD, p.wq.astype(dtype))
     low_BTR = remat.tag(project(x_BTD, p.wq_a.astype(dtype)), remat.QUERY_WA_PROJ)
@@ -60,7 +61,7 @@ def _queries(p: MLA, x_BTD, c: Config, dtype) -> jax.Array:
 
 def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.Array:
     nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
-    q_BTHQ = remat.tag(_queries(p, x_BTD, c, dtype), remat.MLA_Q)
+    q_BTHQ = remat.tag(queries(p, x_BTD, c, dtype), remat.MLA_Q)
     kv_a = remat.tag(project(x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
     latent_BTR, k_rope_BTQ = kv_a[..., : c.kv_lora_rank], kv_a[..., c.kv_lora_rank :]
     latent_BTR = norm.rms_norm(p.kv_norm, latent_BTR, c.normalization_layer_epsilon)

@@ -1,0 +1,99 @@
+"""Attention over a KV cache: GQA, and MLA with its compressed (absorbed) or plain cache.
+
+A step takes T new tokens per sequence (the whole padded prompt at prefill, one or two tokens at
+decode), writes their keys/values into the cache at slots start_b .. start_b + T - 1, and lets
+each query read the slots up to its own position (decoding/cache.py). Scores and softmax are in
+float32, the probabilities cast to `dtype` before the value product, as training's `dot`
+attention (nn/attention/kernel.py).
+
+MLA compressed (DeepSeek-V2 Sec. 2.1.3): with W_UK, W_UV the key and value halves of `wkv_b`
+[Rkv, H, Qn+O], q_nope . (W_UK c_j) = (W_UK^T q_nope) . c_j and sum_j p_j W_UV c_j =
+W_UV (sum_j p_j c_j), so the cache holds only the latent c_j [Rkv] and the shared RoPE key
+[Qr]: the queries are taken into the latent space once per step, and the attention output
+leaves it once per step, instead of expanding every cached token to H heads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.decoding.cache import LayerCache, constrain_layer, visible, write
+from expertax.nn import norm, rope
+from expertax.nn.attention import gqa, mla
+from expertax.nn.attention.blockwise import MASKED_SCORE
+from expertax.nn.linear import project
+from expertax.sharding import constrain
+
+F32 = jnp.float32
+
+
+def step(p, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dtype, form: str):
+    """Attention output [B, T, D] of the new tokens and the updated layer cache."""
+    if c.attention_type == "mla":
+        return _mla(p, x_BTD, c, positions_BT, start_B, lc, dtype, form)
+    return _gqa(p, x_BTD, c, positions_BT, start_B, lc, dtype)
+
+
+def _softmax(scores, mask_B1TS, dtype):
+    scores = jnp.where(mask_B1TS, scores, MASKED_SCORE)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def _attend_heads(q_BTHQ, k_BSGQ, v_BSGO, positions_BT, scale: float):
+    """Queries [B, T, H, Q] over cached keys/values with G <= H heads (J = H/G per group)."""
+    b, t, h, q = q_BTHQ.shape
+    s, g = k_BSGQ.shape[1], k_BSGQ.shape[2]
+    q_BTGJQ = q_BTHQ.reshape(b, t, g, h // g, q)
+    scores = jnp.einsum("btgjq,bsgq->bgjts", q_BTGJQ, k_BSGQ, preferred_element_type=F32)
+    mask = visible(positions_BT, s)[:, :, None]  # [B, 1, 1, T, S]
+    probs = _softmax(scores * F32(scale), mask, v_BSGO.dtype)
+    out = jnp.einsum("bgjts,bsgo->btgjo", probs, v_BSGO)
+    return out.reshape(b, t, h, v_BSGO.shape[-1])
+
+
+def _gqa(p: gqa.GQA, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dtype):
+    q = project(x_BTD, p.wq.astype(dtype))
+    k = project(x_BTD, p.wk.astype(dtype))
+    v = project(x_BTD, p.wv.astype(dtype))
+    cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
+    q = constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
+    k = rope.apply(k, cos, sin)
+    lc = constrain_layer(LayerCache(write(lc.k, k, start_B), write(lc.v, v, start_B)), c)
+    out = _attend_heads(q, lc.k, lc.v, positions_BT, rope.softmax_scale(c))
+    return project(out, p.wo.astype(dtype), 2), lc
+
+
+def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: str):
+    nope, rdim, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+    q_BTHQ = constrain(mla.queries(p, x_BTD, c, dtype), ("batch", "length", "act_heads", None))
+    kv_a = project(x_BTD, p.wkv_a.astype(dtype))
+    latent_BTR = norm.rms_norm(p.kv_norm, kv_a[..., :r], c.normalization_layer_epsilon)
+    cos, sin = rope.cos_sin(c, positions_BT, rdim)
+    q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
+    k_rope_BTQ = rope.apply(kv_a[..., None, r:], cos, sin)[:, :, 0]
+    wkv_b = p.wkv_b.astype(dtype)  # [Rkv, H, Qn+O]
+    scale = rope.softmax_scale(c)
+    if form == "plain":
+        kv_BTHZ = project(latent_BTR, wkv_b)
+        h = kv_BTHZ.shape[2]
+        k_rope_BTHQ = jnp.broadcast_to(k_rope_BTQ[:, :, None], (*k_rope_BTQ.shape[:2], h, rdim))
+        k = jnp.concatenate([kv_BTHZ[..., :nope], k_rope_BTHQ], -1)
+        lc = LayerCache(write(lc.k, k, start_B), write(lc.v, kv_BTHZ[..., nope:], start_B))
+        lc = constrain_layer(lc, c)
+        q = jnp.concatenate([q_BTHQ[..., :nope], q_rope], -1)
+        out = _attend_heads(q, lc.k, lc.v, positions_BT, scale)
+        return project(out, p.wo.astype(dtype), 2), lc
+
+    lc = LayerCache(write(lc.k, latent_BTR, start_B), write(lc.v, k_rope_BTQ, start_B))
+    lc = constrain_layer(lc, c)
+    w_uk_RHN, w_uv_RHO = wkv_b[..., :nope], wkv_b[..., nope:]
+    # The queries in latent space: W_UK^T q_nope per head, [B, T, H, Rkv].
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_BTHQ[..., :nope], w_uk_RHN, preferred_element_type=F32)
+    scores = jnp.einsum("bthr,bsr->bhts", q_lat.astype(dtype), lc.k, preferred_element_type=F32)
+    scores += jnp.einsum("bthq,bsq->bhts", q_rope, lc.v, preferred_element_type=F32)
+    probs = _softmax(scores * F32(scale), visible(positions_BT, lc.k.shape[1]), dtype)
+    out_lat = jnp.einsum("bhts,bsr->bthr", probs, lc.k, preferred_element_type=F32)
+    out_BTHO = jnp.einsum("bthr,rho->btho", out_lat.astype(dtype), w_uv_RHO)
+    return project(out_BTHO, p.wo.astype(dtype), 2), lc

@@ -1,0 +1,92 @@
+"""The decoder run over a KV cache: the main stacks, the output head and the MTP module.
+
+The same parameters and the same layer arithmetic as `models/decoder.py` (pre-norm blocks,
+the MoE layer through `nn/moe/layer.py`, so its dispatch, routing bias and expert parallelism
+are training's), with attention reading and writing the cache (decoding/attention.py). Each
+stack is one `lax.scan` over (layer weights, layer cache).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.decoding import attention
+from expertax.decoding.cache import Cache, LayerCache
+from expertax.models import decoder
+from expertax.nn import mlp, norm
+from expertax.nn.linear import project
+from expertax.nn.moe import layer as moe_layer
+from expertax.sharding import constrain
+
+
+def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form):
+    """One decoder layer over the cache: (x, updated layer cache)."""
+    eps = c.normalization_layer_epsilon
+    h = norm.rms_norm(p.attn_norm, x_BTD, eps)
+    out, lc = attention.step(p.attn, h, c, positions_BT, start_B, lc, dtype, form)
+    x_BTD = x_BTD + out
+    h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
+    if p.moe is not None:
+        y, _ = moe_layer.apply(p.moe, h, c, dtype)
+    else:
+        assert p.mlp is not None
+        y = mlp.apply(p.mlp, h, dtype)
+    return constrain(x_BTD + y, decoder.ACT_BTD), lc
+
+
+def _stack(stacked, lc: LayerCache | None, x_BTD, c: Config, positions_BT, start_B, dtype, form):
+    assert lc is not None  # allocated for every stack the model has (cache.allocate)
+
+    def body(x, layer):
+        p, layer_cache = layer
+        return block_step(p, x, c, positions_BT, start_B, layer_cache, dtype, form)
+
+    return jax.lax.scan(body, x_BTD, (stacked, lc))
+
+
+def positions(start_B: jax.Array, t: int) -> jax.Array:
+    """[B, T] positions of T new tokens written from slot start_b."""
+    return start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+def main_step(params: decoder.Decoder, tokens_BT, start_B, cache: Cache, c: Config, form: str):
+    """The main model over T new tokens per sequence at positions start_b ..: the final-normed
+    hidden states [B, T, D] (what the output head and MTP module 1 read) and the cache."""
+    dtype = jnp.dtype(c.dtype)
+    positions_BT = positions(start_B, tokens_BT.shape[1])
+    x_BTD = decoder.embed_tokens(params, tokens_BT, c)
+    dense, moe = cache.dense, cache.moe
+    if params.dense_layers is not None:
+        x_BTD, dense = _stack(
+            params.dense_layers, dense, x_BTD, c, positions_BT, start_B, dtype, form
+        )
+    if params.moe_layers is not None:
+        x_BTD, moe = _stack(params.moe_layers, moe, x_BTD, c, positions_BT, start_B, dtype, form)
+    h_BTD = norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon)
+    return h_BTD, cache._replace(dense=dense, moe=moe)
+
+
+def logits(params: decoder.Decoder, h_BXD, c: Config) -> jax.Array:
+    """Float32 logits [..., V] of final-normed hidden states."""
+    return project(h_BXD, decoder.output_head(params, c), preferred_element_type=jnp.float32)
+
+
+def mtp_step(params: decoder.Decoder, h_BTD, next_BT, start_B, cache: Cache, c: Config, form):
+    """MTP module 1 (models/mtp.py) over T positions: at position i it reads the main model's
+    hidden state h_i and the embedding of t_(i+1) (`next_BT`) and its head input predicts
+    t_(i+2). Returns the head input [B, T, D] and the cache."""
+    assert params.mtp is not None and cache.mtp is not None
+    dtype = jnp.dtype(c.dtype)
+    eps = c.normalization_layer_epsilon
+    layer = jax.tree.map(lambda a: a[0], params.mtp)
+    lc = jax.tree.map(lambda a: a[0], cache.mtp)
+    e_BTD = norm.rms_norm(layer.enorm, decoder.embed_tokens(params, next_BT, c), eps)
+    hn_BTD = norm.rms_norm(layer.hnorm, h_BTD, eps)
+    cat_BTX = jnp.concatenate([e_BTD.astype(dtype), hn_BTD.astype(dtype)], axis=-1)
+    x_BTD = constrain(project(cat_BTX, layer.eh_proj.astype(dtype)), decoder.ACT_BTD)
+    positions_BT = positions(start_B, next_BT.shape[1])
+    x_BTD, lc = block_step(layer.block, x_BTD, c, positions_BT, start_B, lc, dtype, form)
+    mtp = jax.tree.map(lambda whole, one: whole.at[0].set(one), cache.mtp, lc)
+    return norm.rms_norm(layer.head_norm, x_BTD, eps), cache._replace(mtp=mtp)
