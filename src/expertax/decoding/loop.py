@@ -22,25 +22,22 @@ the padding rows are dropped from the result.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from expertax import platform
 from expertax.config.checks import ConfigError
 from expertax.config.loader import config_rules
 from expertax.config.schema import Config
 from expertax.decoding import cache as kv
-from expertax.decoding import model, sample
+from expertax.decoding import fp8, programs
 from expertax.models import decoder
 from expertax.nn import param
 from expertax.sharding.mesh import make_mesh
-from expertax.sharding.rules import logical_to_spec, use_rules
+from expertax.sharding.rules import logical_to_spec
 
 # Keys of training's execution that decoding does not use, and what it runs instead: no
 # pipeline stages or paged stash (the cache step is one scan per stack), dropless MoE, whole
@@ -167,6 +164,7 @@ def generate(
     speculative: bool = False,
     devices=None,
     max_length: int | None = None,
+    fp8_weights: bool = False,
 ) -> Generation:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
@@ -176,7 +174,8 @@ def generate(
     decoding with MTP module 1 drafting one token per step (needs mtp_num_layers > 0).
     `devices` (default: all JAX sees) form the model's mesh (its ici_*/dcn_* keys and sharding
     rules), so a model too large for one device is sharded as in training. `max_length`: the
-    positions the model takes (default: `position_limit`).
+    positions the model takes (default: `position_limit`). `fp8_weights`: hold the layers'
+    matrices in fp8 with block scales (decoding/fp8.py), half the memory of bfloat16.
     """
     check_request(
         config,
@@ -193,23 +192,25 @@ def generate(
     mesh = make_mesh(c, devices)
     rules = config_rules(c)
     batch_spec = logical_to_spec(("batch", "length"), rules, mesh)
-    shards = _first_dim_shards(batch_spec, mesh)
+    shards = programs.first_dim_shards(batch_spec, mesh)
     n = len(prompt_ids)
     b = math.ceil(n / shards) * shards
     rows = [list(map(int, p)) for p in prompt_ids] + [list(map(int, prompt_ids[0]))] * (b - n)
-    p_len = max(len(r) for r in rows)
+    p_len = programs.padded_length(max(len(r) for r in rows))
     prompts = np.zeros((b, p_len), np.int32)
     for i, r in enumerate(rows):
         prompts[i, : len(r)] = r
     lengths = np.array([len(r) for r in rows], np.int32)
 
-    run = _compiled_run(
+    run = programs.jitted(
         c, mesh, rules, b, p_len, max_new_tokens, float(temperature), int(top_k),
         float(top_p), -1 if eos_id is None else int(eos_id), mla_cache, speculative,
     )  # fmt: skip
-    with jax.set_mesh(mesh), use_rules(rules), platform.use(platform.of_mesh(mesh)):
-        shardings = param.shardings(decoder.spec(c), mesh, rules)
-        params = jax.device_put(params, shardings)
+    with programs.context(mesh, rules):
+        params = jax.device_put(params, param.shardings(decoder.spec(c), mesh, rules))
+        if fp8_weights:
+            fp8_sh = param.shardings(fp8.spec(decoder.spec(c)), mesh, rules)
+            params = jax.jit(fp8.quantize, out_shardings=fp8_sh)(params)
         batch_sh = NamedSharding(mesh, PartitionSpec(batch_spec[0] if len(batch_spec) else None))
         out = run(
             params,
@@ -227,156 +228,3 @@ def generate(
         result_lp.append([float(x) for x in logprobs[i, : len(row)]])
         finished.append(eos_id is not None and bool(row) and row[-1] == eos_id)
     return Generation(result_tokens, result_lp, finished, int(proposed), int(accepted))
-
-
-def _first_dim_shards(spec: PartitionSpec, mesh) -> int:
-    first = spec[0] if len(spec) else None
-    axes = (first,) if isinstance(first, str) else tuple(first or ())
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    return math.prod(sizes[a] for a in axes)
-
-
-# Jitted loops by (config, mesh, rules, shapes, settings): a repeated call with the same
-# settings and shapes reuses the compiled program.
-_RUNS: dict = {}
-
-
-def _compiled_run(c, mesh, rules, b, p_len, budget, temperature, top_k, top_p, eos, form,
-                  speculative):  # fmt: skip
-    rules_key = tuple(sorted((k, tuple(v)) for k, v in rules.items()))
-    key = (c.model_dump_json(), mesh, rules_key, b, p_len, budget, temperature, top_k, top_p,
-           eos, form, speculative)  # fmt: skip
-    if key not in _RUNS:
-        body = _speculative_loop if speculative else _plain_loop
-        _RUNS[key] = jax.jit(
-            functools.partial(
-                body,
-                c=c,
-                budget=budget,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                eos=eos,
-                form=form,
-            )  # fmt: skip
-        )
-    return _RUNS[key]
-
-
-def _at(a_BT, index_B):
-    """a[b, index_b] for each b (a: [B, T, ...])."""
-    return jax.vmap(lambda row, i: row[i])(a_BT, index_B)
-
-
-def _prefill(params, prompts_BP, lengths_B, c, *, form, speculative, extra: int, budget: int):
-    b, p_len = prompts_BP.shape
-    cache = kv.allocate(c, b, p_len + budget + extra, form, mtp=speculative)
-    zeros_B = jnp.zeros((b,), jnp.int32)
-    h_BPD, cache = model.main_step(params, prompts_BP, zeros_B, cache, c, form)
-    logits_BV = model.logits(params, _at(h_BPD, lengths_B - 1), c)
-    return h_BPD, logits_BV, cache
-
-
-def _plain_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, top_k, top_p,
-                eos, form):  # fmt: skip
-    b = prompts_BP.shape[0]
-    _, logits_BV, cache = _prefill(
-        params, prompts_BP, lengths_B, c, form=form, speculative=False, extra=0, budget=budget
-    )
-
-    def pick(logits_BV, i):
-        tok_B = sample.choose(logits_BV, jax.random.fold_in(key, i), temperature, top_k, top_p)
-        return tok_B, sample.log_prob(logits_BV, tok_B)
-
-    first_B, lp_B = pick(logits_BV, 0)
-    tokens_BN = jnp.zeros((b, budget), jnp.int32).at[:, 0].set(first_B)
-    logprobs_BN = jnp.zeros((b, budget), jnp.float32).at[:, 0].set(lp_B)
-    done_B = first_B == eos
-
-    def cond(state):
-        i, _, _, _, done_B = state
-        return jnp.logical_and(i < budget, jnp.logical_not(jnp.all(done_B)))
-
-    def step(state):
-        i, cache, tokens_BN, logprobs_BN, done_B = state
-        last_B1 = tokens_BN[:, i - 1][:, None]
-        h_B1D, cache = model.main_step(params, last_B1, lengths_B + i - 1, cache, c, form)
-        tok_B, lp_B = pick(model.logits(params, h_B1D[:, 0], c), i)
-        tokens_BN = tokens_BN.at[:, i].set(tok_B)
-        logprobs_BN = logprobs_BN.at[:, i].set(lp_B)
-        return i + 1, cache, tokens_BN, logprobs_BN, done_B | (tok_B == eos)
-
-    state = (jnp.int32(1), cache, tokens_BN, logprobs_BN, done_B)
-    i, _, tokens_BN, logprobs_BN, _ = jax.lax.while_loop(cond, step, state)
-    counts_B = jnp.full((b,), i, jnp.int32)
-    return tokens_BN, logprobs_BN, counts_B, jnp.int32(0), jnp.int32(0)
-
-
-def _speculative_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, top_k,
-                      top_p, eos, form):  # fmt: skip
-    del key, temperature, top_k, top_p  # greedy only (check_request)
-    b, p_len = prompts_BP.shape
-    h_BPD, logits_BV, cache = _prefill(
-        params, prompts_BP, lengths_B, c, form=form, speculative=True, extra=2, budget=budget
-    )
-    first_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    # MTP over the prompt: position i reads t_(i+1) (the first new token at len_b - 1).
-    idx_P = jnp.arange(p_len, dtype=jnp.int32)
-    shifted_BP = jnp.concatenate([prompts_BP[:, 1:], prompts_BP[:, :1]], axis=1)
-    next_BP = jnp.where(idx_P[None] == lengths_B[:, None] - 1, first_B[:, None], shifted_BP)
-    zeros_B = jnp.zeros((b,), jnp.int32)
-    x_BPD, cache = model.mtp_step(params, h_BPD, next_BP, zeros_B, cache, c, form)
-    draft_B = jnp.argmax(model.logits(params, _at(x_BPD, lengths_B - 1), c), -1).astype(jnp.int32)
-
-    width = budget + 2
-    tokens_BN = jnp.zeros((b, width), jnp.int32).at[:, 0].set(first_B)
-    logprobs_BN = (
-        jnp.zeros((b, width), jnp.float32).at[:, 0].set(sample.log_prob(logits_BV, first_B))
-    )
-    count_B = jnp.ones((b,), jnp.int32)  # tokens kept so far
-    done_B = first_B == eos
-
-    def active(count_B, done_B):
-        return jnp.logical_and(count_B < budget, jnp.logical_not(done_B))
-
-    def cond(state):
-        return jnp.any(active(state[3], state[4]))
-
-    def step(state):
-        cache, tokens_BN, logprobs_BN, count_B, done_B, draft_B, proposed, accepted = state
-        live_B = active(count_B, done_B)
-        last_B = _at(tokens_BN, count_B - 1)
-        start_B = lengths_B + count_B - 1  # the position of the last kept token
-        in_B2 = jnp.stack([last_B, draft_B], axis=1)
-        h_B2D, cache = model.main_step(params, in_B2, start_B, cache, c, form)
-        logits_B2V = model.logits(params, h_B2D, c)
-        choice_B2 = jnp.argmax(logits_B2V, axis=-1).astype(jnp.int32)
-        lp_B2 = jax.vmap(sample.log_prob, in_axes=1, out_axes=1)(logits_B2V, choice_B2)
-        ok_B = jnp.logical_and(choice_B2[:, 0] == draft_B, choice_B2[:, 0] != eos)
-        write = functools.partial(jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(
-            row, new, (at,))))  # fmt: skip
-        tokens_BN = write(tokens_BN, choice_B2, count_B)
-        logprobs_BN = write(logprobs_BN, lp_B2, count_B)
-        kept_B = 1 + ok_B.astype(jnp.int32)
-        new_last_B = jnp.where(ok_B, choice_B2[:, 1], choice_B2[:, 0])
-        x_B2D, cache = model.mtp_step(params, h_B2D, choice_B2, start_B, cache, c, form)
-        draft_logits = model.logits(params, _at(x_B2D, ok_B.astype(jnp.int32)), c)
-        finished_B = jnp.logical_or(
-            choice_B2[:, 0] == eos, jnp.logical_and(ok_B, new_last_B == eos)
-        )
-        return (
-            cache,
-            tokens_BN,
-            logprobs_BN,
-            jnp.where(live_B, count_B + kept_B, count_B),
-            done_B | (live_B & finished_B),
-            jnp.argmax(draft_logits, axis=-1).astype(jnp.int32),
-            proposed + jnp.sum(live_B),
-            accepted + jnp.sum(live_B & ok_B),
-        )
-
-    state = (cache, tokens_BN, logprobs_BN, count_B, done_B, draft_B, jnp.int32(0), jnp.int32(0))
-    _, tokens_BN, logprobs_BN, count_B, _, _, proposed, accepted = jax.lax.while_loop(
-        cond, step, state
-    )
-    return tokens_BN, logprobs_BN, count_B, proposed, accepted

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.decoding import attention
+from expertax.decoding import attention, fp8
 from expertax.decoding.cache import Cache, LayerCache
 from expertax.models import decoder
 from expertax.nn import mlp, norm
@@ -22,7 +22,9 @@ from expertax.sharding import constrain
 
 
 def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form):
-    """One decoder layer over the cache: (x, updated layer cache)."""
+    """One decoder layer over the cache: (x, updated layer cache). fp8 weights (decoding/fp8.py)
+    are dequantized here, one layer at a time."""
+    p = fp8.dequantize(p, dtype)
     eps = c.normalization_layer_epsilon
     h = norm.rms_norm(p.attn_norm, x_BTD, eps)
     out, lc = attention.step(p.attn, h, c, positions_BT, start_B, lc, dtype, form)
@@ -80,7 +82,7 @@ def mtp_step(params: decoder.Decoder, h_BTD, next_BT, start_B, cache: Cache, c: 
     assert params.mtp is not None and cache.mtp is not None
     dtype = jnp.dtype(c.dtype)
     eps = c.normalization_layer_epsilon
-    layer = jax.tree.map(lambda a: a[0], params.mtp)
+    layer = fp8.dequantize(jax.tree.map(lambda a: a[0], params.mtp), dtype)
     lc = jax.tree.map(lambda a: a[0], cache.mtp)
     e_BTD = norm.rms_norm(layer.enorm, decoder.embed_tokens(params, next_BT, c), eps)
     hn_BTD = norm.rms_norm(layer.hnorm, h_BTD, eps)

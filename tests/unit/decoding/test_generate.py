@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from expertax import ConfigError, init_params, load_config, logits
-from expertax.decoding import bytes_per_token, generate, model, sample, values_per_token
+from expertax.decoding import bytes_per_token, generate, model, programs, sample, values_per_token
 from expertax.decoding import cache as kv
 from expertax.decoding.loop import decoding_config
 from tests.tolerances import tol
@@ -82,6 +82,15 @@ def test_mla_cache_greedy_equals_no_cache(deepseek, deepseek_oracle, form):
     assert g.tokens == want_tokens
     np.testing.assert_allclose(np.array(g.logprobs), np.array(want_lps), **tol())
     assert g.finished == [False] * len(PROMPTS) and g.acceptance is None
+
+
+def test_chunked_prefill(deepseek, deepseek_oracle, monkeypatch):
+    """Prompts prefilled 4 positions at a time (the longest, 9, padded to 12), with the MTP
+    module's prefill chunked alike (speculative decoding)."""
+    c, params = deepseek
+    monkeypatch.setattr(programs, "PREFILL_CHUNK", 4)
+    g = generate(params, c, PROMPTS, max_new_tokens=NEW, devices=_one(), speculative=True)
+    assert g.tokens == deepseek_oracle[0]
 
 
 @pytest.mark.parametrize("sparse", [True, False])

@@ -1,0 +1,119 @@
+"""fp8 weights for decoding: the layers' matrices held as e4m3 with float32 block scales.
+
+DeepSeek-V3's 671B parameters take 1.34 TB in bfloat16, more than 8 H200s (1.13 TB) or a v5p-16
+slice (8 chips, 760 GiB) hold; in fp8 they take half. `fp8_weights=True` keeps every matrix of
+the decoder layers and the MTP modules (attention projections, dense and shared MLPs, routed
+experts, `eh_proj`) as float8_e4m3fn with one float32 scale per 128 values along its last axis
+(the whole axis when it is not a multiple of 128): finer blocks than the hub's 128 x 128, so the
+rounding error is at most the hub format's. Embeddings, the output head, norms and the router
+(and its bias) stay in their own dtype, as in the hub checkpoint. Each layer's weights are
+dequantized to `dtype` inside the layer scan (`dequantize`, generate/model.py), so one layer's
+dequantized weights are live at a time.
+
+The quantization runs on the devices after the parameters are loaded in their own dtype: a
+model whose bfloat16 weights do not fit the devices cannot be loaded this way yet (the compiled
+figures of such a model, benchmarks/generate_671b.py, take the fp8 tree as given).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from expertax.nn.param import ParamSpec, is_spec
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128
+# Parameter containers whose matrices are quantized (norm scales and the router never are).
+QUANTIZED_PARENTS = ("attn", "mlp", "moe", "shared", "mtp")
+
+
+class Fp8(NamedTuple):
+    """One quantized weight."""
+
+    q: Any  # float8_e4m3fn, the weight's shape
+    scale: Any  # float32 [*shape[:-1], blocks of the last axis]
+
+
+def is_fp8(x) -> bool:
+    return isinstance(x, Fp8)
+
+
+def block(last: int) -> int:
+    return BLOCK if last % BLOCK == 0 else last
+
+
+def _names(path) -> list[str]:
+    return [str(getattr(k, "name", getattr(k, "key", ""))) for k in path]
+
+
+def quantized(path, shape: tuple[int, ...]) -> bool:
+    """Whether the parameter at `path` (a key path into the Decoder tree) is held in fp8."""
+    names = _names(path)
+    if not names or names[-1].endswith("norm") or "router" in names:
+        return False
+    return len(shape) >= 2 and any(n in QUANTIZED_PARENTS for n in names[:-1])
+
+
+def spec(tree):
+    """The parameter declaration tree with each quantized ParamSpec replaced by an Fp8 of two
+    ParamSpecs (values, scales; the scales keep the weight's logical axes)."""
+
+    def one(path, s: ParamSpec):
+        if not quantized(path, s.shape):
+            return s
+        scale_shape = (*s.shape[:-1], s.shape[-1] // block(s.shape[-1]))
+        return Fp8(s, ParamSpec(scale_shape, s.axes, "ones", weight_decay=False))
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_spec)
+
+
+def abstract(tree, dtype) -> Any:
+    """ShapeDtypeStructs of an `spec` tree: fp8 values, float32 scales, the rest in `dtype`."""
+
+    def leaf(s, dt):
+        return jax.ShapeDtypeStruct(s.shape, dt)
+
+    def one(x):
+        if is_fp8(x):
+            return Fp8(leaf(x.q, E4M3), leaf(x.scale, jnp.float32))
+        return leaf(x, jnp.dtype(dtype))
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: is_fp8(x) or is_spec(x))
+
+
+def quantize_array(w: jax.Array) -> Fp8:
+    last = w.shape[-1]
+    blk = block(last)
+    w_NB = w.astype(jnp.float32).reshape(*w.shape[:-1], last // blk, blk)
+    amax = jnp.max(jnp.abs(w_NB), axis=-1)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = (w_NB / scale[..., None]).astype(E4M3).reshape(w.shape)
+    return Fp8(q, scale)
+
+
+def dequantize_array(f: Fp8, dtype) -> jax.Array:
+    shape = f.q.shape
+    blk = block(shape[-1])
+    w_NB = f.q.astype(jnp.float32).reshape(*shape[:-1], shape[-1] // blk, blk)
+    return (w_NB * f.scale[..., None]).reshape(shape).astype(dtype)
+
+
+def quantize(params):
+    """The parameters with every quantized weight (`quantized`) as Fp8."""
+
+    def one(path, w):
+        return quantize_array(w) if quantized(path, w.shape) else w
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def dequantize(tree, dtype):
+    """Every Fp8 leaf of `tree` (a layer's parameters) as an array in `dtype`; a tree without
+    one is returned as it is."""
+    return jax.tree.map(
+        lambda x: dequantize_array(x, dtype) if is_fp8(x) else x, tree, is_leaf=is_fp8
+    )
