@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -113,6 +114,9 @@ def convert_from_hf(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 2
                 out / model_dir.FP8_SCALES, entries, ((n, reader.get(n)) for n in scales)
             )
         writer.finish(p.c)
+    for name in model_dir.TOKENIZER_FILES:  # as they are, for `expertax generate`
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, out / name)
     model_dir.write_marker(out, source="huggingface")
     journal.finish()
     summary.gib = todo_bytes / 2**30

@@ -7,6 +7,8 @@ OUT_DIR/
   config.yml            the full resolved Config (every key), loadable by `expertax train`
   hf_config.json        the source HF config.json (only when converted from HF)
   hf_fp8_scales.safetensors  the fp8 block scales of the source (only from an fp8 checkpoint)
+  tokenizer.json        the source's tokenizer, with tokenizer_config.json and
+                        special_tokens_map.json where it has them (from HF, when present)
   params/               the `Decoder` parameter pytree in Orbax's PyTree layout without OCDBT:
                         one uncompressed zarr array per leaf (`params/<leaf path>/`), chunked one
                         layer (and one expert) at a time, plus Orbax's `_METADATA`
@@ -42,6 +44,8 @@ FORMAT_VERSION = 2
 MARKER = "expertax_model.json"
 PARAMS_DIR = "params"
 HF_CONFIG = "hf_config.json"
+# Copied from an HF folder as they are (`expertax generate` reads tokenizer.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 FP8_SCALES = "hf_fp8_scales.safetensors"
 CHUNK_BYTES = 64 * 2**20  # the most bytes of one stored chunk that `default_chunks` picks
 _ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA")
