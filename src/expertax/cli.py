@@ -511,6 +511,11 @@ def _generate_parser(sub) -> argparse.ArgumentParser:
         help="greedy speculative decoding with the model's MTP module drafting one token a step",
     )
     gen.add_argument(
+        "--fp8-weights",
+        action="store_true",
+        help="hold the layers' matrices in fp8 with block scales (half of bfloat16's memory)",
+    )
+    gen.add_argument(
         "--tokenizer",
         help="a tokenizer.json (or its folder), instead of the run's tokenizer_path or the model "
         "directory's tokenizer.json",

@@ -25,7 +25,16 @@ from expertax.decoding.source import Source, load_params, open_source
 from expertax.sharding.mesh import make_mesh
 
 # The command's sampling flags, as `generate`'s keyword arguments.
-SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "mla_cache", "speculative")
+SETTINGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "mla_cache",
+    "speculative",
+    "fp8_weights",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +214,7 @@ def run(args) -> int:
     prompts = make_prompts(entries, source)
     settings = {name: getattr(args, name) for name in SETTINGS}
     c = source.config
-    request = {k: v for k, v in settings.items() if k != "seed"}
+    request = {k: v for k, v in settings.items() if k not in ("seed", "fp8_weights")}
     check_request(c, [p.ids for p in prompts], **request, max_length=source.max_length)
 
     mesh = make_mesh(decoding_config(c))

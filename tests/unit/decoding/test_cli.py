@@ -184,6 +184,18 @@ def test_sampling_settings_reach_generate(world, capsys, tmp_path):
     assert {k: doc["settings"][k] for k in settings} == settings
 
 
+def test_fp8_weights_reach_generate(world, capsys, tmp_path):
+    out_json = tmp_path / "out.json"
+    flags = ["--fp8-weights", "--prompt-ids", "5,6,7", "--max-new-tokens", NEW]
+    rc, _, _ = run_cli(capsys, world.model, *flags, "--json", out_json)
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    c = model_dir.read_config(world.model)
+    kw = dict(eos_id=EOS, max_length=32, fp8_weights=True)
+    assert doc["results"][0]["ids"] == reference(c, world.params, [[5, 6, 7]], **kw).tokens[0]
+    assert doc["settings"]["fp8_weights"] is True
+
+
 def _no_run_folder(world) -> Path:
     """A run folder killed before its first checkpoint: config.yml and an empty checkpoint dir."""
     path = world.root / "fresh"
