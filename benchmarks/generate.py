@@ -28,7 +28,9 @@ compressed and plain) are printed too, and DeepSeek-V3 671B's from its config al
 Run: PYTHONPATH=src python benchmarks/generate.py [--models deepseek3-small,mixtral-tiny]
      [--batches 1 8] [--dtypes bfloat16 float32] [--prompt-length 64] [--new-tokens 64]
      [--repeats 3] [--speculative] [--hugepages on|off] [--json PATH]
-Prints JSON lines, then a Markdown table. Measure alone.
+Prints JSON lines (the first one the host's), then Markdown tables; `--json` appends the lines
+to a file as they come (benchmarks/results/generate/<date>.jsonl for BENCHMARKS.md). Measure
+alone.
 """
 
 from __future__ import annotations
@@ -215,8 +217,18 @@ def run_model(name: str, dtype: str, args, hf_path: Path, params_f32) -> list[di
                 rec["decode_ratio"] = round(ratio, 2)
             rec["same_tokens"] = round(float(np.mean(ex["tokens"] == hf["tokens"])), 3)
         records.append(rec)
-        print(json.dumps(rec), flush=True)
+        emit(rec, args.json)
     return records
+
+
+def emit(rec: dict, path: str | None) -> None:
+    """Print a JSON line, and append it to `path` (as it comes: a killed run keeps its lines)."""
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
 
 def kv_table(models: list[str], dtypes: list[str]) -> list[str]:
@@ -295,19 +307,15 @@ def main() -> None:
         torch.set_num_threads(os.cpu_count() or 1)
         transformers.utils.logging.disable_progress_bar()
         versions.update(torch=torch.__version__, transformers=transformers.__version__)
-    print(
-        json.dumps(
-            {
-                "load_average_before": os.getloadavg(),
-                "cpu": cpu_name(),
-                "cores": os.cpu_count(),
-                "jax_devices": str(jax.devices()),
-                "huge_pages": hostmem.hugepages_active(),
-                **versions,
-            }
-        ),
-        flush=True,
-    )
+    host = {
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "jax_devices": str(jax.devices()),
+        "huge_pages": hostmem.hugepages_active(),
+        **versions,
+    }
+    emit(host, args.json)
     models = args.models.split(",")
     records = []
     for name in models:
@@ -321,10 +329,6 @@ def main() -> None:
                 write_hf(dataclasses.replace(params, mtp=None), plain, tmp)
             for dtype in args.dtypes:
                 records += run_model(name, dtype, args, Path(tmp), params)
-    if args.json:
-        with open(args.json, "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
     print(f"load average after: {os.getloadavg()}")
     print("\nKV cache bytes per token (all layers):")
     print("\n".join(kv_table(models, args.dtypes)))
