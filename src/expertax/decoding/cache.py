@@ -1,13 +1,14 @@
 """KV caches for decoding: what each attention form keeps per token, and how it is written.
 
-One `LayerCache` per layer stack (dense, MoE, MTP), stacked over the stack's layers like the
-parameters. Its two arrays depend on the attention and the cache form:
+One `LayerCache` per layer (a list per layer stack, and one for MTP module 1 when it drafts):
+its own buffers, updated in place by the unrolled decode step (decoding/weights.py says why
+not stacked). Its two arrays depend on the attention and the cache form:
 
-- GQA (Mixtral, Llama): keys [L, B, S, G, Q] and values [L, B, S, G, O] per kv head.
-- MLA `compressed` (DeepSeek's design): the normed KV latent [L, B, S, Rkv] and the one RoPE key
-  shared by all heads [L, B, S, Qr], already rotated. The up-projection `wkv_b` is absorbed into
+- GQA (Mixtral, Llama): keys [B, S, G, Q] and values [B, S, G, O] per kv head.
+- MLA `compressed` (DeepSeek's design): the normed KV latent [B, S, Rkv] and the one RoPE key
+  shared by all heads [B, S, Qr], already rotated. The up-projection `wkv_b` is absorbed into
   the query side (scores) and the output side (values) at decode time (decoding/attention.py).
-- MLA `plain`: per-head keys [L, B, S, H, Qn+Qr] and values [L, B, S, H, O], as training computes
+- MLA `plain`: per-head keys [B, S, H, Qn+Qr] and values [B, S, H, O], as training computes
   them; a debugging switch that must give the same logits.
 
 Slot j of a sequence holds position j. A step writes its T new tokens at slots start_b .. start_b
@@ -29,15 +30,15 @@ FORMS = ("compressed", "plain")
 
 
 class LayerCache(NamedTuple):
-    """A stack's cache; leaves [L, B, S, ...] (one layer's: [B, S, ...])."""
+    """One layer's cache; leaves [B, S, ...]."""
 
     k: jax.Array  # GQA keys | MLA latent (compressed) | MLA per-head keys (plain)
     v: jax.Array  # GQA values | MLA rotated RoPE key (compressed) | MLA per-head values (plain)
 
 
 class Cache(NamedTuple):
-    dense: LayerCache | None
-    moe: LayerCache | None
+    dense: list[LayerCache]
+    moe: list[LayerCache]
     mtp: LayerCache | None
 
 
@@ -98,20 +99,15 @@ def allocate(c: Config, batch: int, length: int, form: str, *, mtp: bool) -> Cac
     dtype = jnp.dtype(c.dtype)
     k_shape, v_shape = token_shapes(c, form)
 
-    def stack(n: int) -> LayerCache | None:
-        if n == 0:
-            return None
-        k = jnp.zeros((n, batch, length, *k_shape), dtype)
-        v = jnp.zeros((n, batch, length, *v_shape), dtype)
-        return LayerCache(
-            constrain(k, (None, *_axes(c, k.ndim - 1))),
-            constrain(v, (None, *_axes(c, v.ndim - 1))),
-        )
+    def layer() -> LayerCache:
+        k = jnp.zeros((batch, length, *k_shape), dtype)
+        v = jnp.zeros((batch, length, *v_shape), dtype)
+        return constrain_layer(LayerCache(k, v), c)
 
     return Cache(
-        dense=stack(c.num_dense_layers),
-        moe=stack(c.num_moe_layers),
-        mtp=stack(1) if mtp else None,  # module 1 drafts (speculative decoding)
+        dense=[layer() for _ in range(c.num_dense_layers)],
+        moe=[layer() for _ in range(c.num_moe_layers)],
+        mtp=layer() if mtp else None,  # module 1 drafts (speculative decoding)
     )
 
 

@@ -7,8 +7,7 @@ experts, `eh_proj`) as float8_e4m3fn with one float32 scale per 128 values along
 (the whole axis when it is not a multiple of 128): finer blocks than the hub's 128 x 128, so the
 rounding error is at most the hub format's. Embeddings, the output head, norms and the router
 (and its bias) stay in their own dtype, as in the hub checkpoint. Each layer's weights are
-dequantized to `dtype` inside the layer scan (`dequantize`, generate/model.py), so one layer's
-dequantized weights are live at a time.
+dequantized to `dtype` where the layer runs (`dequantize`, decoding/model.py).
 
 The quantization runs on the devices after the parameters are loaded in their own dtype: a
 model whose bfloat16 weights do not fit the devices cannot be loaded this way yet (the compiled
@@ -50,20 +49,23 @@ def _names(path) -> list[str]:
     return [str(getattr(k, "name", getattr(k, "key", ""))) for k in path]
 
 
-def quantized(path, shape: tuple[int, ...]) -> bool:
-    """Whether the parameter at `path` (a key path into the Decoder tree) is held in fp8."""
-    names = _names(path)
+def quantized(path, shape: tuple[int, ...], prefix: tuple[str, ...] = ()) -> bool:
+    """Whether the parameter at `path` (a key path into the Decoder tree, or into a layer's tree
+    that sits at `prefix` in it, e.g. ("mtp",) for an MTP module) is held in fp8."""
+    names = [*prefix, *_names(path)]
     if not names or names[-1].endswith("norm") or "router" in names:
         return False
     return len(shape) >= 2 and any(n in QUANTIZED_PARENTS for n in names[:-1])
 
 
-def spec(tree):
+def spec(tree, prefix: tuple[str, ...] = ()):
     """The parameter declaration tree with each quantized ParamSpec replaced by an Fp8 of two
     ParamSpecs (values, scales; the scales keep the weight's logical axes)."""
+    if tree is None:
+        return None
 
     def one(path, s: ParamSpec):
-        if not quantized(path, s.shape):
+        if not quantized(path, s.shape, prefix):
             return s
         scale_shape = (*s.shape[:-1], s.shape[-1] // block(s.shape[-1]))
         return Fp8(s, ParamSpec(scale_shape, s.axes, "ones", weight_decay=False))
@@ -102,11 +104,11 @@ def dequantize_array(f: Fp8, dtype) -> jax.Array:
     return (w_NB * f.scale[..., None]).reshape(shape).astype(dtype)
 
 
-def quantize(params):
+def quantize(params, prefix: tuple[str, ...] = ()):
     """The parameters with every quantized weight (`quantized`) as Fp8."""
 
     def one(path, w):
-        return quantize_array(w) if quantized(path, w.shape) else w
+        return quantize_array(w) if quantized(path, w.shape, prefix) else w
 
     return jax.tree_util.tree_map_with_path(one, params)
 

@@ -33,9 +33,8 @@ from expertax.config.checks import ConfigError
 from expertax.config.loader import config_rules
 from expertax.config.schema import Config
 from expertax.decoding import cache as kv
-from expertax.decoding import fp8, programs
+from expertax.decoding import programs, weights
 from expertax.models import decoder
-from expertax.nn import param
 from expertax.sharding.mesh import make_mesh
 from expertax.sharding.rules import logical_to_spec
 
@@ -108,10 +107,15 @@ def check_request(
             raise ConfigError(
                 f"prompt {i}: token ids {bad[:5]} are outside the vocabulary [0, {c.vocab_size})"
             )
-        if len(p) > c.max_target_length:
+        if len(p) > (max_length or c.max_target_length):
+            what = (
+                f"max_length={max_length}"
+                if max_length
+                else f"max_target_length={c.max_target_length}"
+            )
             raise ConfigError(
-                f"prompt {i}: {len(p)} tokens, longer than max_target_length="
-                f"{c.max_target_length}; shorten it or set max_target_length={len(p)}"
+                f"prompt {i}: {len(p)} tokens, longer than {what}; shorten it"
+                + ("" if max_length else f" or set max_target_length={len(p)}")
             )
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens}: must be at least 1")
@@ -207,10 +211,7 @@ def generate(
         float(top_p), -1 if eos_id is None else int(eos_id), mla_cache, speculative,
     )  # fmt: skip
     with programs.context(mesh, rules):
-        params = jax.device_put(params, param.shardings(decoder.spec(c), mesh, rules))
-        if fp8_weights:
-            fp8_sh = param.shardings(fp8.spec(decoder.spec(c)), mesh, rules)
-            params = jax.jit(fp8.quantize, out_shardings=fp8_sh)(params)
+        params = weights.layered(params, c, mesh, rules, fp8_weights=fp8_weights)
         batch_sh = NamedSharding(mesh, PartitionSpec(batch_spec[0] if len(batch_spec) else None))
         out = run(
             params,

@@ -38,14 +38,14 @@ def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, start_B, lc, dt
     return constrain(x_BTD + y, decoder.ACT_BTD), lc
 
 
-def _stack(stacked, lc: LayerCache | None, x_BTD, c: Config, positions_BT, start_B, dtype, form):
-    assert lc is not None  # allocated for every stack the model has (cache.allocate)
-
-    def body(x, layer):
-        p, layer_cache = layer
-        return block_step(p, x, c, positions_BT, start_B, layer_cache, dtype, form)
-
-    return jax.lax.scan(body, x_BTD, (stacked, lc))
+def _layers(layers, caches: list[LayerCache], x_BTD, c: Config, positions_BT, start_B, form):
+    """A layer stack unrolled (decoding/weights.py): (x, the layers' updated caches)."""
+    dtype = jnp.dtype(c.dtype)
+    new = []
+    for p, lc in zip(layers or [], caches, strict=True):
+        x_BTD, lc = block_step(p, x_BTD, c, positions_BT, start_B, lc, dtype, form)
+        new.append(lc)
+    return x_BTD, new
 
 
 def positions(start_B: jax.Array, t: int) -> jax.Array:
@@ -56,16 +56,10 @@ def positions(start_B: jax.Array, t: int) -> jax.Array:
 def main_step(params: decoder.Decoder, tokens_BT, start_B, cache: Cache, c: Config, form: str):
     """The main model over T new tokens per sequence at positions start_b ..: the final-normed
     hidden states [B, T, D] (what the output head and MTP module 1 read) and the cache."""
-    dtype = jnp.dtype(c.dtype)
     positions_BT = positions(start_B, tokens_BT.shape[1])
     x_BTD = decoder.embed_tokens(params, tokens_BT, c)
-    dense, moe = cache.dense, cache.moe
-    if params.dense_layers is not None:
-        x_BTD, dense = _stack(
-            params.dense_layers, dense, x_BTD, c, positions_BT, start_B, dtype, form
-        )
-    if params.moe_layers is not None:
-        x_BTD, moe = _stack(params.moe_layers, moe, x_BTD, c, positions_BT, start_B, dtype, form)
+    x_BTD, dense = _layers(params.dense_layers, cache.dense, x_BTD, c, positions_BT, start_B, form)
+    x_BTD, moe = _layers(params.moe_layers, cache.moe, x_BTD, c, positions_BT, start_B, form)
     h_BTD = norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon)
     return h_BTD, cache._replace(dense=dense, moe=moe)
 
@@ -82,13 +76,12 @@ def mtp_step(params: decoder.Decoder, h_BTD, next_BT, start_B, cache: Cache, c: 
     assert params.mtp is not None and cache.mtp is not None
     dtype = jnp.dtype(c.dtype)
     eps = c.normalization_layer_epsilon
-    layer = fp8.dequantize(jax.tree.map(lambda a: a[0], params.mtp), dtype)
-    lc = jax.tree.map(lambda a: a[0], cache.mtp)
+    layer = fp8.dequantize(params.mtp, dtype)  # module 1 (decoding/weights.py)
+    lc = cache.mtp
     e_BTD = norm.rms_norm(layer.enorm, decoder.embed_tokens(params, next_BT, c), eps)
     hn_BTD = norm.rms_norm(layer.hnorm, h_BTD, eps)
     cat_BTX = jnp.concatenate([e_BTD.astype(dtype), hn_BTD.astype(dtype)], axis=-1)
     x_BTD = constrain(project(cat_BTX, layer.eh_proj.astype(dtype)), decoder.ACT_BTD)
     positions_BT = positions(start_B, next_BT.shape[1])
     x_BTD, lc = block_step(layer.block, x_BTD, c, positions_BT, start_B, lc, dtype, form)
-    mtp = jax.tree.map(lambda whole, one: whole.at[0].set(one), cache.mtp, lc)
-    return norm.rms_norm(layer.head_norm, x_BTD, eps), cache._replace(mtp=mtp)
+    return norm.rms_norm(layer.head_norm, x_BTD, eps), cache._replace(mtp=lc)

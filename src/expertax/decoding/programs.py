@@ -19,9 +19,7 @@ from expertax import platform
 from expertax.config.loader import config_rules
 from expertax.config.schema import Config
 from expertax.decoding import cache as kv
-from expertax.decoding import fp8, model, sample
-from expertax.models import decoder
-from expertax.nn import param
+from expertax.decoding import model, sample, weights
 from expertax.sharding.rules import logical_to_spec, use_rules
 
 
@@ -231,15 +229,7 @@ def compile_for(
     b = math.ceil(batch / shards) * shards
     prompt_len = padded_length(prompt_len)
     run = jitted(c, mesh, rules, b, prompt_len, budget, 0.0, 0, 1.0, -1, form, speculative)
-    tree = decoder.spec(c)
-    if fp8_weights:
-        tree = fp8.spec(tree)
-    shardings = param.shardings(tree, mesh, rules)
-    params = jax.tree.map(
-        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-        fp8.abstract(tree, c.weight_dtype),
-        shardings,
-    )
+    params = weights.abstract_layered(c, mesh, rules, fp8_weights=fp8_weights)
     first = PartitionSpec(batch_spec[0] if len(batch_spec) else None)
     prompts = jax.ShapeDtypeStruct(
         (b, prompt_len), jnp.int32, sharding=NamedSharding(mesh, batch_spec)

@@ -18,9 +18,19 @@ import numpy as np
 import pytest
 
 from expertax import ConfigError, init_params, load_config, logits
-from expertax.decoding import bytes_per_token, generate, model, programs, sample, values_per_token
+from expertax.config.loader import config_rules
+from expertax.decoding import (
+    bytes_per_token,
+    generate,
+    model,
+    programs,
+    sample,
+    values_per_token,
+    weights,
+)
 from expertax.decoding import cache as kv
 from expertax.decoding.loop import decoding_config
+from expertax.sharding.mesh import make_mesh
 from tests.tolerances import tol
 
 PROMPTS = [[1, 5, 9, 3, 7], [2, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -122,6 +132,7 @@ def test_compressed_and_plain_mla_logits_agree(deepseek):
     c, params = deepseek
     dc = decoding_config(c)
     prompts = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+    params = weights.layered(params, dc, make_mesh(dc, _one()), config_rules(dc))
 
     def run(form):
         cache = kv.allocate(dc, 1, 12, form, mtp=False)

@@ -1,0 +1,110 @@
+"""The parameters as decoding holds them: one buffer per layer, not stacked over the layers.
+
+Training stacks each layer stack's weights along a leading axis and scans over it. A decode step
+reads each weight once for a handful of tokens; sliced out of a stacked array inside a scan, a
+layer's routed-expert weights [E, D, F] are copied whole every step before the grouped matmul's
+loop reads the few experts the tokens chose (measured on deepseek3-small: decode time followed
+all 398M parameters, not the active ones), and the cache slices likewise. Decoding therefore
+unstacks the layers once, before the decode program (`layered`), and the program runs them
+unrolled with one cache buffer per layer (decoding/model.py), updated in place.
+
+`layered` is the same Decoder dataclass with `dense_layers` and `moe_layers` as lists of Block
+trees and `mtp` as MTP module 1 alone (the one that drafts); with `fp8_weights`, the layers'
+matrices are quantized on the way (decoding/fp8.py). Each layer is cut from the stacked array by
+one small jitted program per stack into that layer's own sharding (the stacked one less the
+layer axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.decoding import fp8
+from expertax.models import decoder
+from expertax.nn import param
+
+
+def layer_specs(c: Config, *, fp8_weights: bool):
+    """(dense Block spec, MoE Block spec, MTP module spec) of one layer; None where absent."""
+    dense = decoder.block_spec(c, moe=False) if c.num_dense_layers else None
+    moe = decoder.block_spec(c, moe=True) if c.num_moe_layers else None
+    mtp = decoder.mtp_spec(c) if c.mtp_num_layers else None
+    if fp8_weights:
+        dense, moe = fp8.spec(dense), fp8.spec(moe)
+        mtp = fp8.spec(mtp, prefix=("mtp",))
+    return dense, moe, mtp
+
+
+def _top_specs(c: Config) -> decoder.Decoder:
+    whole = decoder.spec(c)
+    return dataclasses.replace(whole, dense_layers=None, moe_layers=None, mtp=None)
+
+
+def layered(params: decoder.Decoder, c: Config, mesh, rules, *, fp8_weights: bool = False):
+    """`params` (stacked, any placement) as decoding's per-layer tree on `mesh`."""
+    dense_spec, moe_spec, mtp_spec = layer_specs(c, fp8_weights=fp8_weights)
+    params = jax.device_put(params, param.shardings(decoder.spec(c), mesh, rules))
+    out = dataclasses.replace(params, dense_layers=None, moe_layers=None, mtp=None)
+
+    def cut(stacked, spec, n: int, prefix=()):
+        if stacked is None or spec is None:
+            return None
+        take = _cutter(spec, mesh, rules, fp8_weights, prefix)
+        return [take(stacked, jnp.int32(i)) for i in range(n)]
+
+    mtp = cut(params.mtp, mtp_spec, 1, ("mtp",)) if params.mtp is not None else None
+    return dataclasses.replace(
+        out,
+        dense_layers=cut(params.dense_layers, dense_spec, c.num_dense_layers),
+        moe_layers=cut(params.moe_layers, moe_spec, c.num_moe_layers),
+        mtp=None if mtp is None else mtp[0],
+    )
+
+
+_CUTTERS: dict = {}
+
+
+def _cutter(spec, mesh, rules, fp8_weights: bool, prefix):
+    """The jitted program that cuts layer i out of a stack (one per layer spec and mesh)."""
+    key = (repr(spec), mesh, repr(sorted(rules.items())), fp8_weights, prefix)
+    if key not in _CUTTERS:
+
+        def one(tree, i):
+            layer = jax.tree.map(lambda a: a[i], tree)
+            return fp8.quantize(layer, prefix=prefix) if fp8_weights else layer
+
+        _CUTTERS[key] = jax.jit(one, out_shardings=param.shardings(spec, mesh, rules))
+    return _CUTTERS[key]
+
+
+def abstract_layered(c: Config, mesh, rules, *, fp8_weights: bool = False):
+    """ShapeDtypeStructs (with shardings) of `layered`'s output, for compile-only targets."""
+    dense_spec, moe_spec, mtp_spec = layer_specs(c, fp8_weights=fp8_weights)
+
+    def structs(spec):
+        if spec is None:
+            return None
+        shardings = param.shardings(spec, mesh, rules)
+        return jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+            fp8.abstract(spec, c.weight_dtype),
+            shardings,
+            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+        )
+
+    top = structs(_top_specs(c))
+    dense, moe = structs(dense_spec), structs(moe_spec)
+    return dataclasses.replace(
+        top,
+        dense_layers=None if dense is None else [dense] * c.num_dense_layers,
+        moe_layers=None if moe is None else [moe] * c.num_moe_layers,
+        mtp=structs(mtp_spec),
+    )
+
+
+def is_layered(params) -> bool:
+    return isinstance(params.dense_layers, list) or isinstance(params.moe_layers, list)
