@@ -6,10 +6,11 @@ compile for a target gives the compiled program (its kernels), XLA's buffer assi
 temporaries) and the FLOPs that can be counted from its HLO; it gives no time. No entry below
 says measured unless a time was taken on that platform.
 
-`COMPILED` rows: one attention call, forward+backward (gradients of q, k, v), B=1, T=4096,
+`COMPILED_ROWS`: one attention call, forward+backward (gradients of q, k, v), B=1, T=4096,
 bfloat16, causal, with packed-document segment ids, compiled for one chip of the target by
-`benchmarks/attention_targets.py` (the `--hopper-head-dims` run: JAX's cuDNN head-dim check
-answered as on an H100 host; BENCHMARKS.md, "Attention on accelerator targets"). Cases:
+`benchmarks/attention_targets.py --hopper-head-dims` (JAX's cuDNN head-dim check answered as on
+an H100 host) at 11de654: benchmarks/results/attention/targets-segments-2026-11-26.jsonl
+(BENCHMARKS.md, "Attention on accelerator targets"). Cases:
 `deepseek3` (MLA: H=G=128, q/k 192, v 128) and `mixtral` (GQA: H=32, G=8, 128). `counted_gflop`:
 matmul FLOPs counted from the HLO, None where they are inside a kernel XLA cannot see into;
 `model_gflop`: the matmul FLOPs of the tiles a causal kernel visits (a model of the code, not a
@@ -22,6 +23,7 @@ import dataclasses
 
 MEASURED = "measured"
 COMPILED = "compiled, not run"
+RAW_FILE = "targets-segments-2026-11-26.jsonl"  # under benchmarks/results/attention/
 
 
 @dataclasses.dataclass(frozen=True)

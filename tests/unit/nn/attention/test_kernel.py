@@ -2,6 +2,9 @@
 refusals, and the config checks (cuDNN's padded head dims and dtype; a one-platform kernel asked
 for on the other platforms, refused before anything is traced)."""
 
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -122,3 +125,20 @@ def test_tpu_devices_take_splash_and_refuse_cudnn():
     build_trainer(c.model_copy(update={"attention_impl": "splash"}), devices)
     with pytest.raises(ConfigError, match="valid here: auto, dot, blockwise, splash"):
         build_trainer(c.model_copy(update={"attention_impl": "cudnn"}), devices)
+
+
+def test_evidence_rows_are_the_committed_benchmark_output():
+    """evidence.COMPILED_ROWS are the fwd+bwd rows of the raw benchmark file, not retyped."""
+    raw = Path(__file__).parents[4] / "benchmarks/results/attention"
+    rows = [json.loads(line) for line in (raw / evidence.RAW_FILE).read_text().splitlines()]
+    runs = {(r["target"].split(":")[0], r["case"], r["impl"], r["mode"]): r for r in rows}
+    for on, compiled in evidence.COMPILED_ROWS.items():
+        for row in compiled:
+            r = runs[on, row.case, row.impl, "fwd+bwd"]
+            assert r["segments"] and r["T"] == 4096 and r["status"] == evidence.COMPILED
+            assert round(r["temp_bytes"] / 2**20, 1) == row.temp_mib
+            model = r["kernel_flops_model"]
+            assert row.model_gflop == (None if model is None else round(model / 1e9, 1))
+            counted = None if r["unknown_loops"] or r["opaque"] else r["counted_flops"]
+            assert row.counted_gflop == (None if counted is None else round(counted / 1e9, 1))
+            assert (row.kernel == "-") == (not r["kernels"] or r["kernels"] == ["AllocateBuffer"])
