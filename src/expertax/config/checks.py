@@ -77,26 +77,52 @@ def check_mla(c: Config) -> None:
         raise ConfigError(f"qk_rope_head_dim={c.qk_rope_head_dim} must be even (RoPE pairs)")
 
 
+# Attention kernels that run on one platform only; declared here, read by nn/attention/kernel.py.
+ATTENTION_PLATFORMS = {"cudnn": "gpu", "splash": "tpu"}
+# cuDNN flash attention's head dims (Hopper and later): one dim for q, k and v, a multiple of 8 up
+# to 256; nn/attention/cudnn.py pads to it.
+CUDNN_MAX_HEAD_DIM = 256
+CUDNN_HEAD_DIM_MULTIPLE = 8
+
+
+def cudnn_padded_head_dim(qk_dim: int, v_dim: int) -> int:
+    """The one head dim q, k and v are zero-padded to for cuDNN: the larger, up to a multiple
+    of 8."""
+    return -(-max(qk_dim, v_dim) // CUDNN_HEAD_DIM_MULTIPLE) * CUDNN_HEAD_DIM_MULTIPLE
+
+
 def check_attention_impl(c: Config) -> None:
-    """What cuDNN flash attention (through jax.nn.dot_product_attention) cannot take; the platform
-    (GPU) is checked where the kernel is traced."""
+    """What cuDNN flash attention (through jax.nn.dot_product_attention) cannot take, once the
+    head dims are padded to one multiple of 8 (MLA's v to the q/k dim: nn/attention/cudnn.py);
+    the platform is checked against the mesh's devices (`check_attention_platform`)."""
     if c.attention_impl != "cudnn":
         return
     qk, v = c.qk_head_dim, c.attn_v_head_dim
-    if qk != v:
+    padded = cudnn_padded_head_dim(qk, v)
+    if padded > CUDNN_MAX_HEAD_DIM:
         raise ConfigError(
-            f"attention_impl=cudnn needs equal query/key and value head dims; attention_type="
-            f"{c.attention_type} has {qk} and {v}: use attention_impl=blockwise, dot or auto"
-        )
-    if qk % 8 or qk > 256:
-        raise ConfigError(
-            f"attention_impl=cudnn needs a head dim that is a multiple of 8 and at most 256 "
-            f"(got {qk}): use attention_impl=blockwise, dot or auto"
+            f"attention_impl=cudnn takes head dims up to {CUDNN_MAX_HEAD_DIM}; attention_type="
+            f"{c.attention_type} has q/k {qk} and v {v} (padded: {padded}): use "
+            "attention_impl=blockwise, dot or auto"
         )
     if c.dtype not in ("bfloat16", "float16"):
         raise ConfigError(
             f"attention_impl=cudnn needs dtype=bfloat16 or float16 (got dtype={c.dtype}): "
             "change dtype or use attention_impl=blockwise, dot or auto"
+        )
+
+
+def check_attention_platform(c: Config, platform: str) -> None:
+    """A kernel for one platform, asked for on another, is refused before anything is traced
+    (`platform`: the mesh's devices', `expertax.platform.of_mesh`)."""
+    needs = ATTENTION_PLATFORMS.get(c.attention_impl)
+    if needs is not None and platform != needs:
+        valid = ["auto", "dot", "blockwise"] + [
+            k for k, p in ATTENTION_PLATFORMS.items() if p == platform
+        ]
+        raise ConfigError(
+            f"attention_impl={c.attention_impl} runs on {needs.upper()} only; this run's devices "
+            f"are {platform}: valid here: {', '.join(valid)}"
         )
 
 

@@ -34,13 +34,17 @@ class ModelSection(_Section):
         ge=0,
         description="DeepSeek layout: this many dense layers first, then MoE layers.",
     )
-    attention_impl: Literal["auto", "dot", "blockwise", "cudnn"] = _key(
+    attention_impl: Literal["auto", "dot", "blockwise", "cudnn", "splash"] = _key(
         LAYOUT,
         "auto",
         description="Attention kernel: dot (whole [T, S] score matrices, saved for backward), "
         "blockwise (online softmax over key blocks, recomputed in backward; memory linear in T), "
-        "cudnn (cuDNN flash attention: GPU, bfloat16/float16, equal q/k and v head dims, so not "
-        "MLA), auto (dot for short sequences, blockwise from kernel.AUTO_BLOCKWISE_MIN_LENGTH).",
+        "cudnn (cuDNN flash attention: GPU, bfloat16/float16, head dims padded to one multiple "
+        "of 8 up to 256, so MLA's v is padded to the q/k dim), splash (Pallas TPU splash "
+        "attention: TPU, unequal q/k and v dims as they are), auto (per platform, "
+        "nn/attention/evidence.py: CPU dot below kernel.AUTO_BLOCKWISE_MIN_LENGTH positions and "
+        "blockwise from there; GPU cudnn where dtype and dims allow, else the CPU rule; TPU dot "
+        "below that length and splash from it).",
     )
     attention_type: Literal["gqa", "mla"] = _key(
         MODEL,

@@ -195,6 +195,11 @@ def layer_residuals(c: Config, trainer) -> tuple[list, dict | None]:
     the paged stash from `stash.py`), and the stash report (None without the stash)."""
     local_batch = trainer.global_batch // batch_shards(trainer.mesh)
     mb_rows = memory_pipeline.microbatch_rows(c, trainer.global_batch, batch_shards(trainer.mesh))
+    with platform.use(platform.of_mesh(trainer.mesh)):  # `auto` picks as in the step's trace
+        return _stack_residuals(c, trainer, local_batch, mb_rows)
+
+
+def _stack_residuals(c: Config, trainer, local_batch: int, mb_rows: int):
     residuals = []
     if c.num_dense_layers:
         residuals += stack_residuals(c, moe=False, batch_local=local_batch, microbatch_rows=mb_rows)

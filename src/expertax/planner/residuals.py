@@ -10,6 +10,7 @@ expert parallelism) are not applied, so those entries are upper bounds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -18,6 +19,8 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from expertax import platform
+from expertax.config.checks import ATTENTION_PLATFORMS
 from expertax.config.schema import Config
 from expertax.models import decoder, pipeline
 from expertax.nn import param
@@ -176,8 +179,12 @@ def layer_residuals(
     if layers is None:
         layers = c.num_moe_layers if moe else c.num_dense_layers
     x_index = len(jax.tree.leaves(block))  # the flat position of `x` among the inputs
+    # An attention kernel for one platform is traced for it (a trace only: nothing compiles).
+    kernel_platform = ATTENTION_PLATFORMS.get(c.attention_impl)
+    with platform.use(kernel_platform) if kernel_platform else contextlib.nullcontext():
+        sources = residual_sources(loss, block, x, ids, ids)
     out = []
-    for src in residual_sources(loss, block, x, ids, ids):
+    for src in sources:
         if src.kind == "argument" and src.index == x_index:
             name = remat.DECODER_LAYER_INPUT
         elif src.kind == "argument":

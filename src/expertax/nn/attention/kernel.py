@@ -5,10 +5,15 @@ of implementation (`attention_impl`).
 segment ids, fused by XLA into the select on the scores (seed 3922, item "causal mask"). The
 scores themselves are [B, H, T, S] float32, saved for the backward pass.
 `blockwise`: `blockwise.attend_blockwise`, no [T, S] matrix at all (online softmax, recomputing
-backward); temporaries linear in T.
-`cudnn`: cuDNN flash attention through `jax.nn.dot_product_attention` (GPU, bf16/fp16, equal
-query/key and value head dims).
-`auto`: `dot` below `AUTO_BLOCKWISE_MIN_LENGTH` query positions, `blockwise` from there on.
+backward); temporaries linear in T. Every backend; the CPU's long-sequence path.
+`cudnn`: cuDNN flash attention (`cudnn.attend_cudnn`): GPU, bfloat16/float16, head dims padded to
+one multiple of 8 (MLA's v padded to the q/k dim; the cost is in that module).
+`splash`: the Pallas TPU splash-attention kernel (`splash.attend_splash`): TPU, any float dtype,
+unequal q/k and v head dims taken as they are.
+`auto`: per platform traced for (`expertax.platform`), from `evidence.AUTO` (docs/design/
+attention.md): CPU `dot` below `AUTO_BLOCKWISE_MIN_LENGTH` query positions, `blockwise` from
+there; GPU `cudnn` where dtype and head dims allow it, else the CPU rule; TPU `splash` from
+`AUTO_BLOCKWISE_MIN_LENGTH` positions, `dot` below.
 Keys/values may have fewer heads than queries (GQA): the H query heads are viewed as G groups
 of J = H/G heads, keys never repeated.
 """
@@ -19,22 +24,21 @@ import jax
 import jax.numpy as jnp
 
 from expertax import platform
+from expertax.config.checks import ATTENTION_PLATFORMS
+from expertax.nn.attention import cudnn, evidence
 from expertax.nn.attention.blockwise import MASKED_SCORE, attend_blockwise
+from expertax.nn.attention.splash import attend_splash
 
-IMPLEMENTATIONS = ("auto", "dot", "blockwise", "cudnn")
+IMPLEMENTATIONS = ("auto", "dot", "blockwise", "cudnn", "splash")
 
-# Sequence length from which `auto` picks `blockwise`. Measured 2026-11 with
-# benchmarks/attention.py on the shared 2-core x86 CPU host (load average 7-9 from other jobs, so
-# repeated runs of one setting differed by up to 3x), forward+backward of one attention call with
-# deepseek3-small head dims (H=16, Q=96, V=64), B=1, float32. blockwise/dot time: T=128-384
-# between 0.4 and 1.3 (no clear winner: one block, same work); T=512 0.3-0.9; T=768 0.5 (block
-# 256); T=1024 0.35-0.5; T=2048 0.2; T=4096 0.19 (dot 30 s, 3.1 GiB temps; blockwise 5.5 s,
-# 0.18 GiB). Not measured on GPU, where the loops' per-iteration cost may move the crossover up.
+# Sequence length from which `auto` picks `blockwise` (CPU, GPU without cuDNN) or `splash` (TPU).
+# Measured 2026-11 with benchmarks/attention.py on the shared 2-core x86 CPU host (load average
+# 7-9 from other jobs, so repeated runs of one setting differed by up to 3x), forward+backward of
+# one attention call with deepseek3-small head dims (H=16, Q=96, V=64), B=1, float32.
+# blockwise/dot time: T=128-384 between 0.4 and 1.3 (no clear winner: one block, same work);
+# T=512 0.3-0.9; T=768 0.5 (block 256); T=1024 0.35-0.5; T=2048 0.2; T=4096 0.19 (dot 30 s,
+# 3.1 GiB temps; blockwise 5.5 s, 0.18 GiB). Not measured on GPU or TPU (see evidence.AUTO).
 AUTO_BLOCKWISE_MIN_LENGTH = 512
-
-# Head dims cuDNN flash attention takes (Hopper and later; 128 before): multiples of 8 up to 256.
-CUDNN_MAX_HEAD_DIM = 256
-CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def attend_dot(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> jax.Array:
@@ -59,32 +63,18 @@ def attend_dot(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> 
     return out.reshape(b, t, h, v_BSGO.shape[-1])
 
 
-def attend_cudnn(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> jax.Array:
-    """cuDNN flash attention. Packed documents go in as a boolean [B, 1, T, S] mask (cuDNN takes
-    it as a bias, so that case materializes one [T, S] matrix per sequence, not per head)."""
-    on = platform.current()
-    if on != "gpu":
-        raise ValueError(
-            f"attention_impl=cudnn needs a GPU; this run's platform is {on}: "
-            "use attention_impl=auto, dot or blockwise"
-        )
-    qk_dim, v_dim = q_BTHQ.shape[-1], v_BSGO.shape[-1]
-    if qk_dim != v_dim:
-        raise ValueError(
-            f"attention_impl=cudnn needs equal query/key and value head dims (jax.nn."
-            f"dot_product_attention); got {qk_dim} and {v_dim}: use attention_impl=blockwise"
-        )
-    if q_BTHQ.dtype not in CUDNN_DTYPES:
-        raise ValueError(
-            f"attention_impl=cudnn needs bfloat16 or float16 activations, got {q_BTHQ.dtype}: "
-            "set dtype=bfloat16 or use attention_impl=blockwise"
-        )
-    mask = None
-    if segment_ids_BT is not None:
-        mask = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(
-        q_BTHQ, k_BSGQ, v_BSGO, mask=mask, scale=scale, is_causal=True, implementation="cudnn"
-    )
+def resolve(impl: str, *, length: int, qk_dim: int, v_dim: int, dtype, on: str | None = None):
+    """The concrete implementation `impl` stands for on platform `on` (default: the platform
+    being traced for); anything but `auto` is returned as it is."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attention_impl={impl!r}: use one of {', '.join(IMPLEMENTATIONS)}")
+    if impl != "auto":
+        return impl
+    on = on or platform.current()
+    choice = evidence.AUTO.get(on, evidence.AUTO["cpu"])
+    if choice.kernel == "cudnn" and cudnn.unusable_because(qk_dim, v_dim, dtype) is None:
+        return "cudnn"
+    return choice.long if length >= AUTO_BLOCKWISE_MIN_LENGTH else choice.short
 
 
 def attend(
@@ -98,9 +88,23 @@ def attend(
 ) -> jax.Array:
     """Causal attention by the implementation `impl` (config key `attention_impl`); returns
     [B, T, H, O]. Scores and softmax in float32 for every implementation but cuDNN's own."""
-    if impl == "auto":
-        impl = "blockwise" if q_BTHQ.shape[1] >= AUTO_BLOCKWISE_MIN_LENGTH else "dot"
-    kernels = {"dot": attend_dot, "blockwise": attend_blockwise, "cudnn": attend_cudnn}
-    if impl in kernels:
-        return kernels[impl](q_BTHQ, k_BSGQ, v_BSGO, scale=scale, segment_ids_BT=segment_ids_BT)
-    raise ValueError(f"attention_impl={impl!r}: use one of {', '.join(IMPLEMENTATIONS)}")
+    impl = resolve(
+        impl,
+        length=q_BTHQ.shape[1],
+        qk_dim=q_BTHQ.shape[-1],
+        v_dim=v_BSGO.shape[-1],
+        dtype=q_BTHQ.dtype,
+    )
+    needs, on = ATTENTION_PLATFORMS.get(impl), platform.current()
+    if needs is not None and on != needs:
+        raise ValueError(
+            f"attention_impl={impl} needs a {needs.upper()}; this program is traced for {on}: "
+            "use attention_impl=auto, dot or blockwise"
+        )
+    kernels = {
+        "dot": attend_dot,
+        "blockwise": attend_blockwise,
+        "cudnn": cudnn.attend_cudnn,
+        "splash": attend_splash,
+    }
+    return kernels[impl](q_BTHQ, k_BSGQ, v_BSGO, scale=scale, segment_ids_BT=segment_ids_BT)

@@ -1,6 +1,7 @@
 """Blockwise attention against the dot kernel: outputs and gradients (packed documents, GQA, MLA
 head dims, lengths that are not a multiple of the block), the custom VJP against finite
-differences, the causal skip, linear temp memory, and the `attention_impl` dispatch and checks."""
+differences, the causal skip, linear temp memory, and `auto`'s CPU threshold (the dispatch and the
+config checks: test_kernel.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from expertax.config import ConfigError, load_config
+from expertax.config import load_config
 from expertax.nn.attention import blockwise, kernel
 from expertax.nn.attention.blockwise import attend_blockwise
 from expertax.nn.attention.kernel import attend, attend_dot
@@ -168,32 +169,6 @@ def test_auto_picks_dot_below_and_blockwise_from_the_threshold():
     threshold = kernel.AUTO_BLOCKWISE_MIN_LENGTH
     assert "name=_blocked_attention" not in jaxpr_text(threshold - 1)
     assert "name=_blocked_attention" in jaxpr_text(threshold)
-
-
-def test_dispatch_refuses_unknown_and_unavailable_implementations():
-    q = jnp.zeros((1, 8, 2, 8), jnp.bfloat16)
-    with pytest.raises(ValueError, match="attention_impl='flash'"):
-        attend(q, q, q, scale=0.5, impl="flash")
-    if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="attention_impl=cudnn needs a GPU"):
-            attend(q, q, q, scale=0.5, impl="cudnn")
-
-
-@pytest.mark.parametrize(
-    "overrides,words",
-    [
-        ({"model_name": "deepseek3-tiny", "dtype": "bfloat16"}, ["attention_impl=cudnn", "48"]),
-        ({"model_name": "mixtral-tiny", "dtype": "float32"}, ["attention_impl=cudnn", "float32"]),
-        ({"model_name": "mixtral-tiny", "head_dim": 20}, ["attention_impl=cudnn", "20"]),
-    ],
-)
-def test_cudnn_config_check_names_key_and_value(overrides, words):
-    with pytest.raises(ConfigError) as err:
-        load_config(overrides={**overrides, "attention_impl": "cudnn"})
-    for w in words:
-        assert w in str(err.value)
-    # control: the same config with the blockwise kernel is accepted
-    load_config(overrides={**overrides, "attention_impl": "blockwise"})
 
 
 @pytest.mark.parametrize("t,max_block", [(20, 512), (512, 512), (513, 512), (768, 512), (45, 16)])

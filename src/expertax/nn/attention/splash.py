@@ -1,0 +1,183 @@
+"""Splash attention: the Pallas TPU flash-attention kernel of `jax.experimental.pallas.ops.tpu.
+splash_attention`, causal, with packed-document segment ids, GQA and MLA's unequal head dims.
+
+The kernel works on one sequence, heads first ([H, T, Q] queries, [G, S, Q] keys, [G, S, O]
+values); this wrapper transposes each sequence to that layout, `vmap`s over the batch and
+transposes the [H, T, O] result back. What it takes, and what the wrapper does about it:
+- Causal mask: a `CausalMask` per head, turned by the library, at trace time and in NumPy, into a
+  map of which [block, block] tiles are empty, partial or full; empty tiles (above the diagonal)
+  are skipped in the forward and both backward kernels, so about half the tile pairs of a long
+  sequence are never computed. No [T, S] mask exists anywhere.
+- Segment ids: `SegmentIds(q=[T], kv=[S])` int32 per sequence, compared inside each tile; they
+  never form a [T, S] matrix either.
+- GQA: keys and values with G heads, G dividing H (query head h reads kv head h // (H / G)), so
+  keys are never repeated; MLA passes G = H.
+- Head dims: query/key dim Q and value dim O may differ (MLA's 192 and 128, DeepSeek-V3): the
+  kernel has its own value head dim, so nothing is padded. Mosaic compiled Q, O in {20, 32, 48,
+  64, 96, 128, 192} for v5p (benchmarks/attention_targets.py); TPU memory tiles pad a minor dim
+  below a multiple of 128 in any case (192 is stored as 256), kernel or not.
+- Sequence length: the block sizes (rows of queries and keys per tile) must be multiples of 128
+  that divide the length. The length is padded to a multiple of 128 and the block is the largest
+  of 512, 256, 128 that divides it (or the whole padded length when it is at most 512). Padded
+  keys come after every real query, so causality already hides them; padded query rows are
+  dropped. A length that is a multiple of 128 costs nothing.
+- Softmax scale: the kernel has none; queries are multiplied by it first, in their own dtype
+  (one more rounding of q in bfloat16 than `attend_dot`, which scales the float32 scores).
+- Numerics: scores, softmax statistics and accumulators in float32 inside the kernel; output in
+  the query dtype.
+
+Under a mesh (`jax.set_mesh` and a rules table), a Pallas kernel is opaque to XLA's partitioner,
+so the call runs in a `shard_map`: batch and heads split as the rules say (`batch`, `act_heads`,
+the same split for query and kv heads so that each device keeps whole GQA groups) and the length
+whole (a length split by the rules is all-gathered at the boundary).
+
+`interpret=True` runs the same kernel in Pallas' interpreter on any backend: that is how the CPU
+tests check its numerics against `attend_dot`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
+
+from expertax.sharding.rules import current_rules, logical_to_spec
+
+LANES = 128  # the kernel's tiles are multiples of the TPU's 128 lanes
+MAX_BLOCK = 512
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def block_size(length: int) -> int:
+    """Rows per tile for a sequence of `length` (see the module docstring)."""
+    padded = _round_up(length, LANES)
+    if padded <= MAX_BLOCK:
+        return padded
+    return next(b for b in (MAX_BLOCK, 256, LANES) if padded % b == 0)
+
+
+def visited_tiles(length: int) -> tuple[int, int]:
+    """(tiles the causal kernel computes, tiles in the [T, S] grid) per head: n (n + 1) / 2 of
+    n^2, n = the padded length / block (the diagonal tiles are partial, computed whole)."""
+    n = _round_up(length, LANES) // block_size(length)
+    return n * (n + 1) // 2, n * n
+
+
+def _kernel(heads: int, length: int, block: int, interpret: bool):
+    """The kernel for `heads` query heads and a padded length. Its block maps are NumPy work at
+    trace time (0.2 s at H=128, T=4096) that become arrays of the trace, so a kernel is built
+    per trace, never cached across traces."""
+    mask = splash_lib.MultiHeadMask([splash_lib.CausalMask((length, length))] * heads)
+    sizes = splash_lib.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    return splash_lib.make_splash_mha(
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
+
+
+def _pad_length(x, length: int):
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, length - x.shape[1])
+    return jnp.pad(x, pad)
+
+
+def _at_default_precision(fn):
+    """`fn` with its forward and backward traced at DEFAULT matmul precision. Mosaic refuses a
+    16-bit matmul at HIGHEST ("Bad lhs type"; jax 0.10.2, libtpu 0.0.42.1), which a global
+    `jax_default_matmul_precision=highest` asks for; 16-bit products are exact in the kernel's
+    float32 accumulators at DEFAULT, so nothing changes by it. The backward kernels are traced
+    when the gradient is taken, outside this call: hence a custom VJP that traces both under
+    the setting."""
+
+    @jax.custom_vjp
+    def call(*args):
+        with jax.default_matmul_precision("default"):
+            return fn(*args)
+
+    def forward(*args):
+        with jax.default_matmul_precision("default"):
+            return jax.vjp(fn, *args)
+
+    def backward(vjp, d_out):
+        with jax.default_matmul_precision("default"):
+            return vjp(d_out)
+
+    call.defvjp(forward, backward)
+    return call
+
+
+def _attend_local(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT, *, scale: float, interpret: bool):
+    """One device's sequences and heads, whole lengths; returns [B, T, H, O]."""
+    t, h = q_BTHQ.shape[1], q_BTHQ.shape[2]
+    block = block_size(t)
+    padded = _round_up(t, block)
+    q_BTHQ = (q_BTHQ * jnp.asarray(scale, q_BTHQ.dtype)).astype(q_BTHQ.dtype)
+    q, k, v = (_pad_length(x, padded) for x in (q_BTHQ, k_BSGQ, v_BSGO))
+    seg = None if segment_ids_BT is None else _pad_length(segment_ids_BT, padded)
+
+    def batch(q_BTHQ, k_BSGQ, v_BSGO, seg_BT):
+        # Built inside the traced function: its block maps must be arrays of this trace.
+        kernel = _kernel(h, padded, block, interpret)
+
+        def one(q_THQ, k_SGQ, v_SGO, seg_T):
+            ids = None if seg_T is None else splash_lib.SegmentIds(q=seg_T, kv=seg_T)
+            heads_first = (jnp.swapaxes(x, 0, 1) for x in (q_THQ, k_SGQ, v_SGO))
+            return jnp.swapaxes(kernel(*heads_first, segment_ids=ids), 0, 1)
+
+        in_axes = (0, 0, 0, None if seg_BT is None else 0)
+        return jax.vmap(one, in_axes=in_axes)(q_BTHQ, k_BSGQ, v_BSGO, seg_BT)
+
+    if jnp.dtype(q.dtype).itemsize == 2:
+        batch = _at_default_precision(batch)
+    out = batch(q, k, v, seg)
+    return out[:, :t]
+
+
+def attend_splash(
+    q_BTHQ: jax.Array,
+    k_BSGQ: jax.Array,
+    v_BSGO: jax.Array,
+    *,
+    scale: float,
+    segment_ids_BT: jax.Array | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal splash attention; same arguments and result ([B, T, H, O]) as `kernel.attend_dot`.
+
+    Keys cover the same positions as the queries (S = T: training, not decoding)."""
+    if k_BSGQ.shape[1] != q_BTHQ.shape[1]:
+        raise ValueError(
+            f"attention_impl=splash attends a sequence to itself; got {q_BTHQ.shape[1]} query "
+            f"and {k_BSGQ.shape[1]} key positions"
+        )
+    local = functools.partial(_attend_local, scale=scale, interpret=interpret)
+    rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return local(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT)
+    # Heads split by what divides the kv heads, for queries and keys alike (whole GQA groups).
+    b, t, g, qd = k_BSGQ.shape
+    spec = logical_to_spec(("batch", None, "act_heads", None), rules, mesh, (b, t, g, qd))
+    seg_spec = jax.sharding.PartitionSpec(spec[0] if len(spec) else None)
+    # check_vma=False: the Pallas call declares no varying-axes types (jax 0.10 refuses it with
+    # the check on); the gradients under a partly replicating mesh are checked against
+    # attend_dot in tests/unit/nn/attention/test_splash.py.
+    fn = jax.shard_map(
+        local,
+        in_specs=(spec, spec, spec, None if segment_ids_BT is None else seg_spec),
+        out_specs=spec,
+        check_vma=False,
+    )
+    return fn(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT)
