@@ -53,7 +53,7 @@ import numpy as np
 from expertax import hostmem
 from expertax.config import load_config
 from expertax.convert import write_hf
-from expertax.decoding import bytes_per_token, generate
+from expertax.decoding import bytes_per_token, generate, prepare
 from expertax.models import decoder
 from expertax.nn.param import is_spec
 
@@ -110,7 +110,7 @@ class Runner:
 
 def expertax_runner(name: str, params, c, *, speculative: bool = False) -> Runner:
     device = jax.devices()[0]
-    params = jax.device_put(params, device)
+    params = prepare(params, c, devices=[device])  # the layers unstacked once, not per call
 
     def call(prompts: np.ndarray, n: int):
         t0 = time.perf_counter()

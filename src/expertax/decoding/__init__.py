@@ -2,7 +2,7 @@
 engine. See docs/design/generate.md."""
 
 from expertax.decoding.cache import bytes_per_token, values_per_token
-from expertax.decoding.loop import Generation, check_request, decoding_config, generate
+from expertax.decoding.loop import Generation, check_request, decoding_config, generate, prepare
 
 __all__ = [
     "Generation",
@@ -10,5 +10,6 @@ __all__ = [
     "check_request",
     "decoding_config",
     "generate",
+    "prepare",
     "values_per_token",
 ]

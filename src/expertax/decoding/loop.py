@@ -180,6 +180,10 @@ def generate(
     rules), so a model too large for one device is sharded as in training. `max_length`: the
     positions the model takes (default: `position_limit`). `fp8_weights`: hold the layers'
     matrices in fp8 with block scales (decoding/fp8.py), half the memory of bfloat16.
+
+    `params` are the model's (stacked, as trained) or `prepare`'s output for the same config
+    and devices: decoding holds the layers unstacked (decoding/weights.py), a copy `generate`
+    makes on every call unless given prepared parameters.
     """
     check_request(
         config,
@@ -211,7 +215,8 @@ def generate(
         float(top_p), -1 if eos_id is None else int(eos_id), mla_cache, speculative,
     )  # fmt: skip
     with programs.context(mesh, rules):
-        params = weights.layered(params, c, mesh, rules, fp8_weights=fp8_weights)
+        if not weights.is_layered(params):
+            params = weights.layered(params, c, mesh, rules, fp8_weights=fp8_weights)
         batch_sh = NamedSharding(mesh, PartitionSpec(batch_spec[0] if len(batch_spec) else None))
         out = run(
             params,
@@ -229,3 +234,14 @@ def generate(
         result_lp.append([float(x) for x in logprobs[i, : len(row)]])
         finished.append(eos_id is not None and bool(row) and row[-1] == eos_id)
     return Generation(result_tokens, result_lp, finished, int(proposed), int(accepted))
+
+
+def prepare(params: decoder.Decoder, config: Config, *, devices=None, fp8_weights: bool = False):
+    """The parameters as `generate` holds them (one buffer per layer on the model's mesh over
+    `devices`, fp8 when asked), to pass to repeated `generate` calls with the same config and
+    devices."""
+    c = decoding_config(config)
+    mesh = make_mesh(c, devices)
+    rules = config_rules(c)
+    with programs.context(mesh, rules):
+        return weights.layered(params, c, mesh, rules, fp8_weights=fp8_weights)

@@ -23,6 +23,7 @@ from expertax.decoding import (
     bytes_per_token,
     generate,
     model,
+    prepare,
     programs,
     sample,
     values_per_token,
@@ -114,6 +115,8 @@ def test_gqa_cache_greedy_equals_no_cache(mixtral, sparse):
     want_tokens, want_lps = oracle(decoding_config(c), params, PROMPTS, NEW)
     assert g.tokens == want_tokens
     np.testing.assert_allclose(np.array(g.logprobs), np.array(want_lps), **tol())
+    prepared = prepare(params, c, devices=_one())  # the layers unstacked once, reused
+    assert generate(prepared, c, PROMPTS, max_new_tokens=NEW, devices=_one()).tokens == g.tokens
 
 
 def test_sharded_mesh_equals_one_device(mixtral):
