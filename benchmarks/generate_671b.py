@@ -9,7 +9,7 @@ the total against the chip's memory. A TPU compile that does not fit is refused 
 with the bytes it needs; that figure is reported.
 
 Run: PYTHONPATH=src python benchmarks/generate_671b.py [--targets tpu:v5p-16 gpu:h200x8]
-     [--layouts fsdp8 ep8] [--weights fp8 bfloat16] [--batch 64] [--prompt 2048] [--new 2048]
+     [--layouts fsdp8 ep8] [--weights fp8 bfloat16] [--batch 32] [--prompt 1024] [--new 1024]
      [--out benchmarks/results/generate]
 Each compile runs in its own process (about 10 GiB of host memory, minutes on 2 cores).
 """
@@ -124,9 +124,9 @@ def main() -> int:
     p.add_argument("--targets", nargs="+", default=["tpu:v5p-16", "gpu:h200x8"])
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--weights", nargs="+", default=["fp8", "bfloat16"])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--prompt", type=int, default=2048)
-    p.add_argument("--new", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--new", type=int, default=1024)
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--one-target", help=argparse.SUPPRESS)

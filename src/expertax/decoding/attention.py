@@ -29,11 +29,17 @@ from expertax.sharding import constrain
 F32 = jnp.float32
 
 
-def step(p, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dtype, form: str):
-    """Attention output [B, T, D] of the new tokens and the updated layer cache."""
+def step(p, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dtype, form: str, slots=None):
+    """Attention output [B, T, D] of the new tokens and the updated layer cache. `slots`
+    (static): the queries read only the first `slots` slots (a prefill: the prompt's), else
+    all."""
     if c.attention_type == "mla":
-        return _mla(p, x_BTD, c, positions_BT, start_B, lc, dtype, form)
-    return _gqa(p, x_BTD, c, positions_BT, start_B, lc, dtype)
+        return _mla(p, x_BTD, c, positions_BT, start_B, lc, dtype, form, slots)
+    return _gqa(p, x_BTD, c, positions_BT, start_B, lc, dtype, slots)
+
+
+def _read(lc: LayerCache, slots) -> LayerCache:
+    return lc if slots is None else LayerCache(lc.k[:, :slots], lc.v[:, :slots])
 
 
 def _softmax(scores, mask_B1TS, dtype):
@@ -53,7 +59,7 @@ def _attend_heads(q_BTHQ, k_BSGQ, v_BSGO, positions_BT, scale: float):
     return out.reshape(b, t, h, v_BSGO.shape[-1])
 
 
-def _gqa(p: gqa.GQA, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dtype):
+def _gqa(p: gqa.GQA, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dtype, slots):
     q = project(x_BTD, p.wq.astype(dtype))
     k = project(x_BTD, p.wk.astype(dtype))
     v = project(x_BTD, p.wv.astype(dtype))
@@ -61,11 +67,12 @@ def _gqa(p: gqa.GQA, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dt
     q = constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
     k = rope.apply(k, cos, sin)
     lc = constrain_layer(LayerCache(write(lc.k, k, start_B), write(lc.v, v, start_B)), c)
-    out = _attend_heads(q, lc.k, lc.v, positions_BT, rope.softmax_scale(c))
+    seen = _read(lc, slots)
+    out = _attend_heads(q, seen.k, seen.v, positions_BT, rope.softmax_scale(c))
     return project(out, p.wo.astype(dtype), 2), lc
 
 
-def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: str):
+def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: str, slots):
     nope, rdim, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
     q_BTHQ = constrain(mla.queries(p, x_BTD, c, dtype), ("batch", "length", "act_heads", None))
     kv_a = project(x_BTD, p.wkv_a.astype(dtype))
@@ -83,7 +90,8 @@ def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: s
         lc = LayerCache(write(lc.k, k, start_B), write(lc.v, kv_BTHZ[..., nope:], start_B))
         lc = constrain_layer(lc, c)
         q = jnp.concatenate([q_BTHQ[..., :nope], q_rope], -1)
-        out = _attend_heads(q, lc.k, lc.v, positions_BT, scale)
+        seen = _read(lc, slots)
+        out = _attend_heads(q, seen.k, seen.v, positions_BT, scale)
         return project(out, p.wo.astype(dtype), 2), lc
 
     lc = LayerCache(write(lc.k, latent_BTR, start_B), write(lc.v, k_rope_BTQ, start_B))
@@ -91,9 +99,10 @@ def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: s
     w_uk_RHN, w_uv_RHO = wkv_b[..., :nope], wkv_b[..., nope:]
     # The queries in latent space: W_UK^T q_nope per head, [B, T, H, Rkv].
     q_lat = jnp.einsum("bthn,rhn->bthr", q_BTHQ[..., :nope], w_uk_RHN, preferred_element_type=F32)
-    scores = jnp.einsum("bthr,bsr->bhts", q_lat.astype(dtype), lc.k, preferred_element_type=F32)
-    scores += jnp.einsum("bthq,bsq->bhts", q_rope, lc.v, preferred_element_type=F32)
-    probs = _softmax(scores * F32(scale), visible(positions_BT, lc.k.shape[1]), dtype)
-    out_lat = jnp.einsum("bhts,bsr->bthr", probs, lc.k, preferred_element_type=F32)
+    seen = _read(lc, slots)
+    scores = jnp.einsum("bthr,bsr->bhts", q_lat.astype(dtype), seen.k, preferred_element_type=F32)
+    scores += jnp.einsum("bthq,bsq->bhts", q_rope, seen.v, preferred_element_type=F32)
+    probs = _softmax(scores * F32(scale), visible(positions_BT, seen.k.shape[1]), dtype)
+    out_lat = jnp.einsum("bhts,bsr->bthr", probs, seen.k, preferred_element_type=F32)
     out_BTHO = jnp.einsum("bthr,rho->btho", out_lat.astype(dtype), w_uv_RHO)
     return project(out_BTHO, p.wo.astype(dtype), 2), lc

@@ -113,9 +113,17 @@ def quantize(params, prefix: tuple[str, ...] = ()):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def dequantize(tree, dtype):
-    """Every Fp8 leaf of `tree` (a layer's parameters) as an array in `dtype`; a tree without
-    one is returned as it is."""
-    return jax.tree.map(
+def dequantize(tree, dtype, anchor):
+    """(every Fp8 leaf of `tree` (a layer's parameters) as an array in `dtype`, `anchor`).
+
+    The fp8 values pass an optimization barrier with `anchor` (the layer's input activations)
+    first: the weights do not change inside the decode loop, and without the barrier XLA hoists
+    their dequantization out of the loop, holding every layer's weights in `dtype` at once.
+    A tree without Fp8 leaves is returned as it is."""
+    if not any(is_fp8(x) for x in jax.tree.leaves(tree, is_leaf=is_fp8)):
+        return tree, anchor
+    tree, anchor = jax.lax.optimization_barrier((tree, anchor))
+    deq = jax.tree.map(
         lambda x: dequantize_array(x, dtype) if is_fp8(x) else x, tree, is_leaf=is_fp8
     )
+    return deq, anchor

@@ -21,13 +21,14 @@ from expertax.nn.moe import layer as moe_layer
 from expertax.sharding import constrain
 
 
-def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form):
+def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form,
+               slots=None):  # fmt: skip
     """One decoder layer over the cache: (x, updated layer cache). fp8 weights (decoding/fp8.py)
     are dequantized here, one layer at a time."""
-    p = fp8.dequantize(p, dtype)
+    p, x_BTD = fp8.dequantize(p, dtype, x_BTD)
     eps = c.normalization_layer_epsilon
     h = norm.rms_norm(p.attn_norm, x_BTD, eps)
-    out, lc = attention.step(p.attn, h, c, positions_BT, start_B, lc, dtype, form)
+    out, lc = attention.step(p.attn, h, c, positions_BT, start_B, lc, dtype, form, slots)
     x_BTD = x_BTD + out
     h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
     if p.moe is not None:
@@ -38,12 +39,13 @@ def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, start_B, lc, dt
     return constrain(x_BTD + y, decoder.ACT_BTD), lc
 
 
-def _layers(layers, caches: list[LayerCache], x_BTD, c: Config, positions_BT, start_B, form):
+def _layers(layers, caches: list[LayerCache], x_BTD, c: Config, positions_BT, start_B, form,
+            slots):  # fmt: skip
     """A layer stack unrolled (decoding/weights.py): (x, the layers' updated caches)."""
     dtype = jnp.dtype(c.dtype)
     new = []
     for p, lc in zip(layers or [], caches, strict=True):
-        x_BTD, lc = block_step(p, x_BTD, c, positions_BT, start_B, lc, dtype, form)
+        x_BTD, lc = block_step(p, x_BTD, c, positions_BT, start_B, lc, dtype, form, slots)
         new.append(lc)
     return x_BTD, new
 
@@ -53,13 +55,16 @@ def positions(start_B: jax.Array, t: int) -> jax.Array:
     return start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-def main_step(params: decoder.Decoder, tokens_BT, start_B, cache: Cache, c: Config, form: str):
+def main_step(params: decoder.Decoder, tokens_BT, start_B, cache: Cache, c: Config, form: str,
+              slots=None):  # fmt: skip
     """The main model over T new tokens per sequence at positions start_b ..: the final-normed
     hidden states [B, T, D] (what the output head and MTP module 1 read) and the cache."""
     positions_BT = positions(start_B, tokens_BT.shape[1])
     x_BTD = decoder.embed_tokens(params, tokens_BT, c)
-    x_BTD, dense = _layers(params.dense_layers, cache.dense, x_BTD, c, positions_BT, start_B, form)
-    x_BTD, moe = _layers(params.moe_layers, cache.moe, x_BTD, c, positions_BT, start_B, form)
+    x_BTD, dense = _layers(
+        params.dense_layers, cache.dense, x_BTD, c, positions_BT, start_B, form, slots
+    )
+    x_BTD, moe = _layers(params.moe_layers, cache.moe, x_BTD, c, positions_BT, start_B, form, slots)
     h_BTD = norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon)
     return h_BTD, cache._replace(dense=dense, moe=moe)
 
@@ -69,19 +74,20 @@ def logits(params: decoder.Decoder, h_BXD, c: Config) -> jax.Array:
     return project(h_BXD, decoder.output_head(params, c), preferred_element_type=jnp.float32)
 
 
-def mtp_step(params: decoder.Decoder, h_BTD, next_BT, start_B, cache: Cache, c: Config, form):
+def mtp_step(params: decoder.Decoder, h_BTD, next_BT, start_B, cache: Cache, c: Config, form,
+             slots=None):  # fmt: skip
     """MTP module 1 (models/mtp.py) over T positions: at position i it reads the main model's
     hidden state h_i and the embedding of t_(i+1) (`next_BT`) and its head input predicts
     t_(i+2). Returns the head input [B, T, D] and the cache."""
     assert params.mtp is not None and cache.mtp is not None
     dtype = jnp.dtype(c.dtype)
     eps = c.normalization_layer_epsilon
-    layer = fp8.dequantize(params.mtp, dtype)  # module 1 (decoding/weights.py)
+    layer, h_BTD = fp8.dequantize(params.mtp, dtype, h_BTD)  # module 1 (decoding/weights.py)
     lc = cache.mtp
     e_BTD = norm.rms_norm(layer.enorm, decoder.embed_tokens(params, next_BT, c), eps)
     hn_BTD = norm.rms_norm(layer.hnorm, h_BTD, eps)
     cat_BTX = jnp.concatenate([e_BTD.astype(dtype), hn_BTD.astype(dtype)], axis=-1)
     x_BTD = constrain(project(cat_BTX, layer.eh_proj.astype(dtype)), decoder.ACT_BTD)
     positions_BT = positions(start_B, next_BT.shape[1])
-    x_BTD, lc = block_step(layer.block, x_BTD, c, positions_BT, start_B, lc, dtype, form)
+    x_BTD, lc = block_step(layer.block, x_BTD, c, positions_BT, start_B, lc, dtype, form, slots)
     return norm.rms_norm(layer.head_norm, x_BTD, eps), cache._replace(mtp=lc)

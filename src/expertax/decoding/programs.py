@@ -100,8 +100,8 @@ def _prefill(params, prompts_BP, lengths_B, c, *, form, speculative, extra: int,
     b, p_len = prompts_BP.shape
     cache = kv.allocate(c, b, p_len + budget + extra, form, mtp=speculative)
 
-    def main(tokens_BC, start_B, cache):
-        return model.main_step(params, tokens_BC, start_B, cache, c, form)
+    def main(tokens_BC, start_B, cache):  # attention over the prompt's slots only
+        return model.main_step(params, tokens_BC, start_B, cache, c, form, slots=p_len)
 
     h_BPD, cache = _in_chunks(main, cache, prompts_BP)
     logits_BV = model.logits(params, _at(h_BPD, lengths_B - 1), c)
@@ -157,7 +157,7 @@ def _speculative_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperat
     next_BP = jnp.where(idx_P[None] == lengths_B[:, None] - 1, first_B[:, None], shifted_BP)
 
     def mtp(h_BCD, next_BC, start_B, cache):
-        return model.mtp_step(params, h_BCD, next_BC, start_B, cache, c, form)
+        return model.mtp_step(params, h_BCD, next_BC, start_B, cache, c, form, slots=p_len)
 
     x_BPD, cache = _in_chunks(mtp, cache, h_BPD, next_BP)
     draft_B = jnp.argmax(model.logits(params, _at(x_BPD, lengths_B - 1), c), -1).astype(jnp.int32)
