@@ -25,7 +25,8 @@ pytestmark = pytest.mark.distributed
     ],
 )
 def test_parity_full_matrix(model, extra, tmp_path, capfd):
-    """The whole layout matrix (24 layouts on 8 devices, 2 with the paged stash, 4 with
+    """3 steps of the whole layout matrix (the deep-model tests, test_parity_deep.py, train
+    longer and deeper) (24 layouts on 8 devices, 2 with the paged stash, 4 with
     expert-as-TP rules, 6 pipelined); CI runs it after the default suite. Both models have 2
     pipelined (MoE) layers: the 3 two-stage pipelines run, the 4-stage and circular ones are
     skipped (deepseek3-tiny keeps its 3 layers so that its dense layer runs outside the
@@ -40,7 +41,7 @@ def test_parity_full_matrix(model, extra, tmp_path, capfd):
             *extra,
             "max_target_length=32",
             "--steps",
-            "5",
+            "3",
             "--json",
             str(path),
         ]

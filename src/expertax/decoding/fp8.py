@@ -98,10 +98,12 @@ def quantize_array(w: jax.Array) -> Fp8:
 
 
 def dequantize_array(f: Fp8, dtype) -> jax.Array:
-    shape = f.q.shape
-    blk = block(shape[-1])
-    w_NB = f.q.astype(jnp.float32).reshape(*shape[:-1], shape[-1] // blk, blk)
-    return (w_NB * f.scale[..., None]).reshape(shape).astype(dtype)
+    """The weight in `dtype`, computed in `dtype` (e4m3 values are exact in bfloat16; the
+    scale is rounded to it): no float32 copy of the weight is made on the way."""
+    blk = block(f.q.shape[-1])
+    # The scales repeated along the last axis, not the weight reshaped into blocks: a reshape of
+    # the minor axis is a relayout (a copy of the weight) on TPU.
+    return f.q.astype(dtype) * jnp.repeat(f.scale.astype(dtype), blk, axis=-1)
 
 
 def quantize(params, prefix: tuple[str, ...] = ()):
