@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax import platform
+from expertax.nn.moe.vma import varying_like
 
 BACKENDS = ("auto", "ragged_dot", "tiled")
 
@@ -324,30 +325,6 @@ def _remainder_tiles(rem, rem_start, tiles: tuple[int, ...]):
         is_tail = split & (tail == k)
         count = (one & (fit(rem) == k)) | (split & (head == k)) | is_tail
         yield count.astype(jnp.int32), rem_start + jnp.where(is_tail, head_rows, 0), tile
-
-
-def varying_like(x, *refs):
-    """`x` marked as varying over every manual (shard_map) axis any of `refs` varies over.
-
-    A loop carry initialised with `jnp.zeros` is invariant inside `shard_map`, while the body's
-    output varies with the local weights or `axis_index`; `while_loop` needs equal types.
-    """
-
-    def varying(a):
-        return getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
-
-    return varying_over(x, frozenset().union(*(varying(r) for r in refs)))
-
-
-def varying_axes(x) -> frozenset:
-    """The manual (shard_map) axes `x` varies over (none outside a shard_map)."""
-    return getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
-
-
-def varying_over(x, axes):
-    """`x` marked as varying over the manual (shard_map) axes `axes` it does not vary over yet."""
-    missing = frozenset(axes) - varying_axes(x)
-    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
 def _tile_rows_mask(row0, row1, tile: int, n: int):
