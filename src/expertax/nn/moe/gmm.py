@@ -13,6 +13,8 @@ Backends (`backend=`, the `gmm_impl` config key):
   runs the same loop for the input gradient (weights used transposed) and, for the weight
   gradient, adds every item's partial product into its group's slice of one `[E, D, F]` buffer
   in place; the backward pass costs what the forward costs, twice.
+- `tokamax_triton`, `tokamax_mosaic_gpu` (GPU), `megablox` (TPU): maintained kernels, one per
+  matmul, forward, input and weight gradients (`gmm_kernels.py`); refused elsewhere.
 - `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
   (see docs/design/gmm.md).
 
@@ -36,9 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax import platform
+from expertax.nn.moe import gmm_kernels
 from expertax.nn.moe.vma import varying_like
 
-BACKENDS = ("auto", "ragged_dot", "tiled")
+BACKENDS = ("auto", "ragged_dot", "tiled", *gmm_kernels.KERNELS)
 
 # Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, docs/design/gmm.md).
 # platform: (choice, measured on, date, evidence)
@@ -66,13 +69,20 @@ DEFAULT_TILE_ROWS = 512
 DEFAULT_TILE_ROWS_MIN = 8
 
 
-def resolve_backend(backend: str) -> str:
-    """The concrete backend `auto` stands for on the current default JAX backend."""
+def resolve_backend(backend: str, on: str | None = None) -> str:
+    """The concrete backend `backend` stands for on platform `on` (default: the platform being
+    traced for, `expertax.platform.current()`): `auto` is `MEASURED`'s choice there."""
     if backend not in BACKENDS:
         raise ValueError(f"gmm backend={backend!r}; valid: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    return MEASURED.get(platform.current(), ("tiled",))[0]
+    return MEASURED.get(on or platform.current(), ("tiled",))[0]
+
+
+def check_backend(backend: str, on: str) -> None:
+    """ConfigError (key `gmm_impl`) when `backend`, resolved for platform `on`, cannot run there
+    or its library is not installed: before any compilation."""
+    gmm_kernels.check(resolve_backend(backend, on), on)
 
 
 def gmm(
@@ -128,6 +138,9 @@ def gmm(
             gmm, group_offset=group_offset, backend=backend, preferred_element_type=out_dtype
         )
         return _given(fn, lhs_MD, rhs_EDF, group_sizes_E, given.astype(out_dtype))
+    if backend in gmm_kernels.KERNELS:
+        args = (lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, _EXPECTED_ROWS.get())
+        return gmm_kernels.gmm(backend, *args)
     if group_offset is None:
         return jax.lax.ragged_dot(lhs_MD, rhs_EDF, group_sizes_E, preferred_element_type=out_dtype)
     # ragged_dot's group_offset is not implemented everywhere; select the local groups instead.
@@ -152,7 +165,8 @@ def gmm_glu(gate_MF, up_MF, rhs_EFD, group_sizes_E, **kw):
     dot, and its VJP turns each tile's hidden gradient into the gate's and up's at once, so
     neither the `[M, F]` hidden activation nor its gradient is ever a buffer (the gate and up
     are the residuals, as they are of the first matmuls) and the SwiGLU works on the routed
-    rows only. Other backends compute `glu` on all M rows, then the grouped matmul.
+    rows only. Other backends compute `glu` on all M rows (one elementwise pass, not a matmul),
+    then the grouped matmul.
     """
     return gmm((gate_MF, up_MF), rhs_EFD, group_sizes_E, prologue=glu, **kw)
 
