@@ -121,7 +121,7 @@ def _tokamax(name: str, text: str, shape, expected: int | None) -> GroupedKernel
     if tgmm:  # [M, K] x [M, N] -> [G, K, N], rows contracted per group
         groups = _num_groups(sizes)
         m, k, n = lhs[0], lhs[1], rhs[1]
-        if tuple(shape) != (groups, k, n):
+        if math.prod(shape) != groups * k * n:  # [G, K, N] ([K, N] where XLA drops G = 1)
             return None
         block = config.get("block_k") or config.get("tile_m")
     else:  # [M, K] x [G, ..] -> [M, N]

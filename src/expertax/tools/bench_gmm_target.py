@@ -245,12 +245,14 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.from_json:
         rows: list[dict] = []
-        machine: dict = {}
+        pieces = []
         for path in args.from_json.split(","):
             with open(path) as fh:
                 saved = json.load(fh)
             rows += saved["rows"]
-            machine = machine or saved["machine"]
+            pieces.append(saved["machine"])
+        loads = dict.fromkeys(m["loadavg"] for m in pieces)  # one per piece, in order
+        machine = {**pieces[0], "loadavg": " / ".join(loads)}
     else:
         rows, machine = _run(args)
     print(format_table(rows))
