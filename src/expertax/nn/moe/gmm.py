@@ -44,7 +44,8 @@ from expertax.nn.moe.vma import varying_like
 BACKENDS = ("auto", "ragged_dot", "tiled", *gmm_kernels.KERNELS)
 
 # Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, docs/design/gmm.md).
-# platform: (choice, measured on, date, evidence)
+# platform: (choice, measured on, date, evidence). GPU and TPU: COMPILED for the target without
+# the hardware (FLOPs, temporaries and kernels read from the compiled program; no time).
 MEASURED = {
     "cpu": (
         "tiled",
@@ -56,13 +57,34 @@ MEASURED = {
         "ragged_dot 0.12-0.14x at E=8 (2026-11-23 run: expands to E dense matmuls)",
     ),
     "gpu": (
-        "tiled",
-        "UNMEASURED",
-        "-",
-        "no GPU was available; tiled is the only backend here "
-        "whose cost does not grow with E. Measure before trusting.",
+        "tokamax_triton",
+        "COMPILED ONLY for gpu:h100x8 (XLA:GPU without a GPU), jax 0.10.2, tokamax 0.0.12, bf16; "
+        "no time measured",
+        "2026-11-26",
+        "expertax bench gmm --target gpu:h100x8 (benchmarks/results/gmm/target-"
+        "gpu-h100x8-*-2026-11-26.json), D=2048 F=1024 E=8..256: tokamax_triton is 3 Pallas Triton"
+        " kernels (gmm, gmm, tgmm), compiled/routed FLOPs at balanced routing 1.0 at 256-512 "
+        "rows/expert, 1.67 at 64, 6.0 at 16 (fwd+bwd; its 128-row blocks), worst case for the "
+        "buffer <= 1.5 at >= 256 rows, temporaries < 1 MiB; tokamax_mosaic_gpu (Hopper only) "
+        "1.0-5.3, temporaries a transposed copy of the rows (<= 0.29x the outputs); ragged_dot "
+        "expands to E dense matmuls (E x the FLOPs, 1-2 GiB temporaries at E=64); tiled 1.0 but a"
+        " while loop of per-item kernels and an f32 [E, D, F] temporary (1.1-2.0x the outputs). "
+        "Triton over Mosaic GPU: sm80+, and tokamax's own H100 autotuning data (shipped with it, "
+        "timed by tokamax, not by us) has Triton's weight-gradient kernel 2.6-6.2x faster and the"
+        " three kernels at DeepSeek-V3's expert shapes 68.5 vs 121.5 ms. Time it on a GPU.",
     ),
-    "tpu": ("tiled", "UNMEASURED", "-", "no TPU was available"),
+    "tpu": (
+        "megablox",
+        "COMPILED ONLY for tpu:v5p-16 (libtpu without a TPU), jax 0.10.2, bf16; no time measured",
+        "2026-11-26",
+        "expertax bench gmm --target tpu:v5p-16 (benchmarks/results/gmm/target-"
+        "tpu-v5p-16-*-2026-11-26.json), D=2048 F=1024 E=8..256: megablox is 3 Pallas Mosaic "
+        "kernels (gmm, gmm, tgmm) with its row tile at the rows per expert, compiled/routed FLOPs"
+        " 1.0 at balanced routing in every regime, worst case for the buffer <= 2.0, temporaries "
+        "a few MiB; ragged_dot's forward and input gradient are Mosaic kernels (1.0) but its "
+        "weight gradient a convolution over all experts ((E + 2) / 3 fwd+bwd); tiled 1.0 but "
+        "while loops and an f32 [E, D, F] temporary (1.1-2.1x the outputs). Time it on a TPU.",
+    ),
 }
 
 DEFAULT_TILE_ROWS = 512
