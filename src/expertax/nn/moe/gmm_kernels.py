@@ -25,9 +25,10 @@ What the wrapper adds to the kernels:
 - `group_offset`: megablox takes it; tokamax refuses it, so the rows are rolled to put the local
   groups first, and rolled back (two copies of the rows);
 - bfloat16 operands accumulate in float32 inside every kernel; the result is `out_dtype`;
-- inside expertax's `shard_map` (vma checking on), a Pallas call's output carries no varying
+- inside expertax's `shard_map` with vma checking, a Pallas call's output carries no varying
   axes and the checker refuses it: the kernels run in a nested `shard_map` over no axes with the
-  check off, and their results are typed as varying over the operands' axes;
+  check off, and their results are typed as varying over the operands' axes (the pipeline's
+  MoE `shard_map` runs unchecked: there they are called directly);
 - tokamax reads the GPU generation from JAX's default device: while tracing for a GPU target on
   a CPU machine, the target's device (`platform.device()`) is the default for the call;
 - megablox needs the rows to be a multiple of its row tile; other row counts are zero-padded.
@@ -86,11 +87,11 @@ def interpret():
 
 def _interpret_mode():
     """megablox's `interpret` argument: Pallas's generic interpreter (the faster one at test
-    sizes), or inside a shard_map its TPU interpreter (the generic one retraces the kernel at
-    lowering with the operands' varying-axes types and fails on its own loop carries)."""
+    sizes), or inside a vma-checked shard_map its TPU interpreter (the generic one retraces the
+    kernel at lowering with the operands' varying-axes types and fails on its own carries)."""
     if not _INTERPRET.get():
         return False
-    if not jax.sharding.get_abstract_mesh().manual_axes:
+    if not _checks_vma():
         return True
     return importlib.import_module("jax.experimental.pallas.tpu").InterpretParams()
 
@@ -203,11 +204,12 @@ def _rows_between(y, start, end):
 
 
 def _unchecked(fn, *args):
-    """`fn(*args)` (one kernel call), inside a `shard_map` run in a nested `shard_map` over no
-    axes without vma checking (a Pallas call's outputs carry no varying axes), its result typed
-    as varying over the operands' axes."""
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    if not manual:
+    """`fn(*args)` (one kernel call); inside a `shard_map` that checks vma types, run in a nested
+    `shard_map` over no axes without the check (a Pallas call's outputs carry no varying axes),
+    its result typed as varying over the operands' axes. A `shard_map` without the check (the
+    MoE's under the pipeline, whose stage vmap would split the nested one's operands again over
+    the pipeline axis) calls `fn` directly."""
+    if not _checks_vma():
         return fn(*args)
     axes = frozenset().union(*(varying_axes(a) for a in args))
     specs = tuple(PartitionSpec() for _ in args)
@@ -215,6 +217,13 @@ def _unchecked(fn, *args):
         fn, in_specs=specs, out_specs=PartitionSpec(), axis_names=frozenset(), check_vma=False
     )
     return varying_over(inner(*args), axes)
+
+
+def _checks_vma() -> bool:
+    """Whether the code is traced inside a `shard_map` with vma checking: there `axis_index`
+    varies over its axis, without the check it has no varying axes (the probe is dead code)."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return bool(manual) and bool(varying_axes(jax.lax.axis_index(manual[0])))
 
 
 # ---------------------------------------------------------------------------------------------
