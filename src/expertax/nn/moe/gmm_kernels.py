@@ -262,9 +262,11 @@ class Tokamax(_Kernels):
                     implementation=self.implementation,
                 )
             except NotImplementedError as e:  # e.g. Mosaic GPU kernels on a pre-Hopper GPU
+                other = "tokamax_triton or " if self.implementation == "mosaic_gpu" else ""
+                device = jax.config.jax_default_device or jax.devices()[0]
                 raise ConfigError(
-                    f"gmm_impl=tokamax_{self.implementation}: tokamax refused these operands "
-                    f"({e}); try gmm_impl=tokamax_triton or gmm_impl=tiled"
+                    f"gmm_impl=tokamax_{self.implementation}: tokamax refused these operands on "
+                    f"{getattr(device, 'device_kind', device)} ({e}); try gmm_impl={other}tiled"
                 ) from None
 
 
