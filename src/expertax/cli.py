@@ -311,7 +311,7 @@ COMMANDS: dict[str, tuple[str, Callable]] = {
         "(CKPT_DIR: a from-hf OUT_DIR or a training run folder)",
         cmd_convert,
     ),
-    "bench": ("benchmarks: expertax bench gmm [--json PATH] [--quick] ...", cmd_bench),
+    "bench": ("benchmarks: expertax bench gmm [--json PATH] [--quick] [--target T] ...", cmd_bench),
     "report": (
         "plots and an index.html of a run folder: expertax report RUN_DIR [--layer I] [--out DIR]",
         cmd_report,

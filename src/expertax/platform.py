@@ -3,8 +3,9 @@
 A train step compiled for a TPU slice or for GPUs from a CPU machine (`--target`) traces with the
 CPU as JAX's default backend; every backend decision (the all-to-all implementation, the grouped
 matmul's and attention's kernels, host offload, the planner's notes) must follow the mesh's
-devices instead. `Trainer.context()` sets the platform of its mesh for the code traced under it;
-outside such a context `current()` is the default backend's.
+devices instead. `Trainer.context()` sets the platform of its mesh (and one of its devices) for
+the code traced under it; outside such a context `current()` is the default backend's and
+`device()` is None.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 
 ACCELERATORS = ("gpu", "tpu")
 _CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("platform", default=None)
+_DEVICE: contextvars.ContextVar = contextvars.ContextVar("platform_device", default=None)
 
 
 def normalize(platform: str) -> str:
@@ -37,12 +39,22 @@ def current() -> str:
     return _CURRENT.get() or normalize(jax.default_backend())
 
 
+def device():
+    """A device of the platform being traced for (the innermost `use()` that named one), or None.
+
+    Kernel libraries that read the GPU generation from JAX's default device (tokamax) need one
+    of the target's devices while a program for it is traced on a CPU machine."""
+    return _DEVICE.get()
+
+
 @contextlib.contextmanager
-def use(platform: str):
+def use(platform: str, device=None):
     token = _CURRENT.set(normalize(platform))
+    device_token = _DEVICE.set(device)
     try:
         yield
     finally:
+        _DEVICE.reset(device_token)
         _CURRENT.reset(token)
 
 

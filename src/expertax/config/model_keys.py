@@ -160,11 +160,15 @@ class MoESection(_Section):
     float32_weight_sum: bool = _key(
         TRAINING, True, description="Combine the K expert outputs in float32 (else in `dtype`)."
     )
-    gmm_impl: Literal["auto", "ragged_dot", "tiled"] = _key(
+    gmm_impl: Literal[
+        "auto", "ragged_dot", "tiled", "tokamax_triton", "tokamax_mosaic_gpu", "megablox"
+    ] = _key(
         LAYOUT,
         "auto",
-        description="Grouped-matmul backend of the sparse path; auto picks per platform from "
-        "the measurements recorded in nn/moe/gmm.py.",
+        description="Grouped-matmul backend of the sparse path: tiled (pure JAX loops, any "
+        "platform), ragged_dot (jax.lax.ragged_dot), tokamax_triton / tokamax_mosaic_gpu (GPU "
+        "kernels, extra 'gpu'), megablox (TPU kernels); auto picks per platform from the "
+        "evidence recorded in nn/moe/gmm.py (MEASURED).",
     )
     gmm_tile_rows: int = _key(LAYOUT, 512, gt=0, description="tiled gmm: rows per full tile.")
     gmm_tile_rows_min: int = _key(

@@ -95,7 +95,7 @@ def fit_search(
     fits_topology = None
     if target_devices is not None:
         fits_topology = lambda shape: buildable(shape, target_devices)
-    with platform.use(on):
+    with platform.use(on, target_devices[0] if target_devices else None):
         pool = candidates(
             c, devices, allow_drops=allow_drops, pinned_host=pinned, buildable=fits_topology
         )

@@ -13,6 +13,10 @@ multiply-add:
 - cuBLAS custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`: the dot dimension numbers in
   the backend config) and cuDNN forward convolutions (window and dim_labels; the backward
   ones are listed in `opaque`);
+- grouped-matmul kernels (tokamax's Triton / Mosaic GPU / Mosaic TPU, megablox) from their
+  tiling and, for the group sizes only known at run time, at the balanced rows per group the
+  program names (`rows~R`) or else the worst case for the buffer (planner/kernels.py; both are
+  in `kernels`, and `worst_flops` counts every kernel at its worst case);
 - `tpu_custom_call` (Mosaic kernels: TPU's native `ragged_dot` is one) by the kernel's own
   `cost_estimate.flops`; a ragged dot without one as 2 x M x K x N of its rows (M = lhs rows);
   other kernels without an estimate are listed in `opaque`, not counted.
@@ -40,6 +44,7 @@ import re
 from collections import Counter
 
 from expertax.planner.hlo import Instruction, Module, parse_hlo
+from expertax.planner.kernels import GroupedKernel, grouped_kernel
 
 _EXPECTED_RE = re.compile(r"trips~(\d+)")
 
@@ -62,6 +67,8 @@ class FlopCount:
     expected_trip_counts: list[Loop]  # data-dependent loops counted at their expected count
     by_op_name: dict[str, int]  # weighted flops by the op_name metadata of the dot/convolution
     opaque: list[tuple[str, str, str]]  # (instruction, custom-call target, op_name) not counted
+    kernels: list[GroupedKernel] = dataclasses.field(default_factory=list)  # each call once
+    worst_flops: int = 0  # `flops` with every grouped kernel at its worst case for the buffer
 
     def matching(self, substring: str) -> int:
         """Weighted flops of the instructions whose op_name contains `substring`."""
@@ -174,15 +181,25 @@ class _Counter:
         self.comps: dict[str, list[Instruction]] = {}
         for ins in module.instructions.values():
             self.comps.setdefault(ins.computation, []).append(ins)
-        self.memo: dict[str, tuple[int, int, Counter[str]]] = {}
+        self.memo: dict[str, tuple[int, int, Counter[str], int]] = {}
         self.trips: dict[str, int | None] = {}
         self.body_flops: dict[str, int] = {}
         self.opaque: list[tuple[str, str, str]] = []
         self.expected: dict[str, int] = {}  # loops counted by their `trips~N` scope
+        self.kernels: dict[str, GroupedKernel] = {}
         self.fused_by = _fused_by(module)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return _dims(self.m.instructions[name].shape)
+
+    def operand_dims(self, ins: Instruction) -> list[tuple[int, ...]]:
+        out = []
+        for op in ins.operands:
+            try:
+                out.append(self.shape(op))
+            except (KeyError, ValueError):
+                out.append(())
+        return out
 
     def own(self, ins: Instruction) -> int:
         op = ins.opcode
@@ -199,6 +216,12 @@ class _Counter:
         if op != "custom-call":
             return 0
         target = (m.group(1) if (m := _TARGET_RE.search(ins.attrs)) else "").lower()
+        kernel = grouped_kernel(
+            ins.name, target, ins.op_name, _dims(ins.shape), self.operand_dims(ins)
+        )
+        if kernel is not None:
+            self.kernels[ins.name] = kernel
+            return kernel.flops
         contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
         if target.startswith("__cublas$") and contracting:
             dims = [int(x.strip('" ')) for x in contracting.group(1).split(",") if x.strip()]
@@ -217,17 +240,20 @@ class _Counter:
             self.opaque.append((ins.name, target, ins.op_name))
         return 0
 
-    def cost(self, comp: str) -> tuple[int, int, Counter[str]]:
-        """(weighted flops, flops with loop bodies once, weighted flops by op_name)."""
+    def cost(self, comp: str) -> tuple[int, int, Counter[str], int]:
+        """(weighted flops, flops with loop bodies once, weighted flops by op_name, weighted
+        flops the grouped kernels add at their worst case beyond what they are counted at)."""
         if comp in self.memo:
             return self.memo[comp]
-        self.memo[comp] = (0, 0, Counter())  # a recursive call graph: count nothing twice
-        total, once, by_op = 0, 0, Counter[str]()
+        self.memo[comp] = (0, 0, Counter(), 0)  # a recursive call graph: count nothing twice
+        total, once, by_op, extra = 0, 0, Counter[str](), 0
         for ins in self.comps.get(comp, []):
             f = self.own(ins)
             total, once = total + f, once + f
             if f:
                 by_op[ins.op_name] += f
+            if (kernel := self.kernels.get(ins.name)) is not None:
+                extra += kernel.worst_flops - kernel.flops
             called = _called(ins)
             if ins.opcode == "while":
                 n = self.trips[ins.name] = trip_count(self.m, ins, self.fused_by)
@@ -241,11 +267,11 @@ class _Counter:
                 parts = [(max(costs, key=lambda t: t[0]), 1)] if costs else []
             else:
                 parts = [(self.cost(c), 1) for _, c in called]
-            for (t, o, ops), mult in parts:
-                total, once = total + t * mult, once + o
+            for (t, o, ops, x), mult in parts:
+                total, once, extra = total + t * mult, once + o, extra + x * mult
                 for name, g in ops.items():
                     by_op[name or ins.op_name] += g * mult
-        self.memo[comp] = (total, once, by_op)
+        self.memo[comp] = (total, once, by_op, extra)
         return self.memo[comp]
 
 
@@ -365,7 +391,7 @@ def count_flops(hlo_text: str) -> FlopCount:
     """The FLOPs of one compiled program, per device, from its optimized HLO text."""
     module = parse_hlo(hlo_text)
     counter = _Counter(module)
-    total, once, by_op = counter.cost(module.entry)
+    total, once, by_op, worst_extra = counter.cost(module.entry)
     loops = [
         Loop(
             name,
@@ -384,4 +410,6 @@ def count_flops(hlo_text: str) -> FlopCount:
         expected_trip_counts=[lp for lp in loops if lp.expected],
         by_op_name=dict(by_op),
         opaque=counter.opaque,
+        kernels=list(counter.kernels.values()),
+        worst_flops=total + worst_extra,
     )

@@ -192,7 +192,14 @@ def memory_report(
 
 def layer_residuals(c: Config, trainer) -> tuple[list, dict | None]:
     """What each layer stack saves for the backward pass (`residuals.py`; the MoE stack's under
-    the paged stash from `stash.py`), and the stash report (None without the stash)."""
+    the paged stash from `stash.py`), and the stash report (None without the stash). The layers
+    are traced for the mesh's platform (its grouped-matmul backend), without its mesh."""
+    on = platform.use(platform.of_mesh(trainer.mesh), trainer.mesh.devices.flat[0])
+    with on:
+        return _layer_residuals(c, trainer)
+
+
+def _layer_residuals(c: Config, trainer) -> tuple[list, dict | None]:
     local_batch = trainer.global_batch // batch_shards(trainer.mesh)
     mb_rows = memory_pipeline.microbatch_rows(c, trainer.global_batch, batch_shards(trainer.mesh))
     with platform.use(platform.of_mesh(trainer.mesh)):  # `auto` picks as in the step's trace

@@ -10,7 +10,9 @@ run, whichever is longer. Rows of the default backend are labelled `auto`. Combi
 predicted time per call exceeds `--max-call-s` are skipped and listed with a note.
 
 Run: `expertax bench gmm [--json PATH] [--quick]` or `python -m expertax.tools.bench_gmm`.
-Bad flag values exit with status 2 and one line naming the flag, like config errors.
+With `--target tpu:...|gpu:...` the backends are compiled for that target instead, nothing timed
+(`bench_gmm_target.py`). Bad flag values exit with status 2 and one line naming the flag, like
+config errors.
 """
 
 from __future__ import annotations
@@ -364,6 +366,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    if any(a == "--target" or a.startswith("--target=") for a in argv):
+        from expertax.tools import bench_gmm_target
+
+        return bench_gmm_target.main(argv)
     args = _parser().parse_args(argv)
     if args.quick:
         args.experts, args.rows, args.shapes = "8,64", "4096", "512x1024"

@@ -24,7 +24,7 @@ from expertax.config.checks import ConfigError, check_attention_platform
 from expertax.config.schema import Config
 from expertax.models import decoder, init_params
 from expertax.nn import param
-from expertax.nn.moe import strategy
+from expertax.nn.moe import gmm, strategy
 from expertax.parallel import remat
 from expertax.sharding import logical_to_spec, make_mesh, use_rules
 from expertax.train import optimizer
@@ -128,7 +128,8 @@ class Trainer:
 
 @contextlib.contextmanager
 def _mesh_and_rules(mesh, rules):
-    with jax.set_mesh(mesh), use_rules(rules), platform.use(platform.of_mesh(mesh)):
+    on = platform.use(platform.of_mesh(mesh), mesh.devices.flat[0])
+    with jax.set_mesh(mesh), use_rules(rules), on:
         yield
 
 
@@ -139,6 +140,7 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     rules = config_rules(c)
     if c.is_moe and c.sparse_matmul:
         strategy.moe_specs(rules)  # a rules table the MoE layer cannot compute: ConfigError
+        gmm.check_backend(c.gmm_impl, platform.of_mesh(mesh))  # kernels the mesh can run
     spec_tree = decoder.spec(c)
     tx = optimizer.make(c, spec_tree)
     param_sh = param.shardings(spec_tree, mesh, rules)

@@ -44,9 +44,9 @@ from expertax.nn.moe.exchange import (
     make_plan,
     padded_block_rows,
 )
-from expertax.nn.moe.gmm import varying_over
 from expertax.nn.moe.stash import Stash
 from expertax.nn.moe.strategy import EXPERT, moe_specs, resolve_a2a_impl
+from expertax.nn.moe.vma import varying_over
 from expertax.nn.param import params_dataclass
 from expertax.sharding.rules import current_rules
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.moe.gmm import varying_axes, varying_over
 from expertax.nn.moe.strategy import EXPERT
+from expertax.nn.moe.vma import varying_axes, varying_over
 from expertax.nn.param import params_dataclass
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ Backends (`backend=`, the `gmm_impl` config key):
   runs the same loop for the input gradient (weights used transposed) and, for the weight
   gradient, adds every item's partial product into its group's slice of one `[E, D, F]` buffer
   in place; the backward pass costs what the forward costs, twice.
+- `tokamax_triton`, `tokamax_mosaic_gpu` (GPU), `megablox` (TPU): maintained kernels, one per
+  matmul, forward, input and weight gradients (`gmm_kernels.py`); refused elsewhere.
 - `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
   (see docs/design/gmm.md).
 
@@ -36,11 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax import platform
+from expertax.nn.moe import gmm_kernels
+from expertax.nn.moe.vma import varying_like
 
-BACKENDS = ("auto", "ragged_dot", "tiled")
+BACKENDS = ("auto", "ragged_dot", "tiled", *gmm_kernels.KERNELS)
 
 # Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, docs/design/gmm.md).
-# platform: (choice, measured on, date, evidence)
+# platform: (choice, measured on, date, evidence). GPU and TPU: COMPILED for the target without
+# the hardware (FLOPs, temporaries and kernels read from the compiled program; no time).
 MEASURED = {
     "cpu": (
         "tiled",
@@ -52,26 +57,54 @@ MEASURED = {
         "ragged_dot 0.12-0.14x at E=8 (2026-11-23 run: expands to E dense matmuls)",
     ),
     "gpu": (
-        "tiled",
-        "UNMEASURED",
-        "-",
-        "no GPU was available; tiled is the only backend here "
-        "whose cost does not grow with E. Measure before trusting.",
+        "tokamax_triton",
+        "COMPILED ONLY for gpu:h100x8 (XLA:GPU without a GPU), jax 0.10.2, tokamax 0.0.12, bf16; "
+        "no time measured",
+        "2026-11-26",
+        "expertax bench gmm --target gpu:h100x8 (benchmarks/results/gmm/target-"
+        "gpu-h100x8-*-2026-11-26.json), D=2048 F=1024 E=8..256: tokamax_triton is 3 Pallas Triton"
+        " kernels (gmm, gmm, tgmm), compiled/routed FLOPs at balanced routing 1.0 at 256-512 "
+        "rows/expert, 1.67 at 64, 6.0 at 16 (fwd+bwd; its 128-row blocks), worst case for the "
+        "buffer <= 1.5 at >= 256 rows, temporaries < 1 MiB; tokamax_mosaic_gpu (Hopper only) "
+        "1.0-5.3, temporaries a transposed copy of the rows (<= 0.29x the outputs); ragged_dot "
+        "expands to E dense matmuls (E x the FLOPs, 1-2 GiB temporaries at E=64); tiled 1.0 but a"
+        " while loop of per-item kernels and an f32 [E, D, F] temporary (1.1-2.0x the outputs). "
+        "Triton over Mosaic GPU: sm80+, and tokamax's own H100 autotuning data (shipped with it, "
+        "timed by tokamax, not by us) has Triton's weight-gradient kernel 2.6-6.2x faster and the"
+        " three kernels at DeepSeek-V3's expert shapes 68.5 vs 121.5 ms. Time it on a GPU.",
     ),
-    "tpu": ("tiled", "UNMEASURED", "-", "no TPU was available"),
+    "tpu": (
+        "megablox",
+        "COMPILED ONLY for tpu:v5p-16 (libtpu without a TPU), jax 0.10.2, bf16; no time measured",
+        "2026-11-26",
+        "expertax bench gmm --target tpu:v5p-16 (benchmarks/results/gmm/target-"
+        "tpu-v5p-16-*-2026-11-26.json), D=2048 F=1024 E=8..256: megablox is 3 Pallas Mosaic "
+        "kernels (gmm, gmm, tgmm) with its row tile at the rows per expert, compiled/routed FLOPs"
+        " 1.0 at balanced routing in every regime, worst case for the buffer <= 2.0, temporaries "
+        "a few MiB; ragged_dot's forward and input gradient are Mosaic kernels (1.0) but its "
+        "weight gradient a convolution over all experts ((E + 2) / 3 fwd+bwd); tiled 1.0 but "
+        "while loops and an f32 [E, D, F] temporary (1.1-2.1x the outputs). Time it on a TPU.",
+    ),
 }
 
 DEFAULT_TILE_ROWS = 512
 DEFAULT_TILE_ROWS_MIN = 8
 
 
-def resolve_backend(backend: str) -> str:
-    """The concrete backend `auto` stands for on the current default JAX backend."""
+def resolve_backend(backend: str, on: str | None = None) -> str:
+    """The concrete backend `backend` stands for on platform `on` (default: the platform being
+    traced for, `expertax.platform.current()`): `auto` is `MEASURED`'s choice there."""
     if backend not in BACKENDS:
         raise ValueError(f"gmm backend={backend!r}; valid: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    return MEASURED.get(platform.current(), ("tiled",))[0]
+    return MEASURED.get(on or platform.current(), ("tiled",))[0]
+
+
+def check_backend(backend: str, on: str) -> None:
+    """ConfigError (key `gmm_impl`) when `backend`, resolved for platform `on`, cannot run there
+    or its library is not installed: before any compilation."""
+    gmm_kernels.check(resolve_backend(backend, on), on)
 
 
 def gmm(
@@ -127,6 +160,9 @@ def gmm(
             gmm, group_offset=group_offset, backend=backend, preferred_element_type=out_dtype
         )
         return _given(fn, lhs_MD, rhs_EDF, group_sizes_E, given.astype(out_dtype))
+    if backend in gmm_kernels.KERNELS:
+        args = (lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, _EXPECTED_ROWS.get())
+        return gmm_kernels.gmm(backend, *args)
     if group_offset is None:
         return jax.lax.ragged_dot(lhs_MD, rhs_EDF, group_sizes_E, preferred_element_type=out_dtype)
     # ragged_dot's group_offset is not implemented everywhere; select the local groups instead.
@@ -151,7 +187,8 @@ def gmm_glu(gate_MF, up_MF, rhs_EFD, group_sizes_E, **kw):
     dot, and its VJP turns each tile's hidden gradient into the gate's and up's at once, so
     neither the `[M, F]` hidden activation nor its gradient is ever a buffer (the gate and up
     are the residuals, as they are of the first matmuls) and the SwiGLU works on the routed
-    rows only. Other backends compute `glu` on all M rows, then the grouped matmul.
+    rows only. Other backends compute `glu` on all M rows (one elementwise pass, not a matmul),
+    then the grouped matmul.
     """
     return gmm((gate_MF, up_MF), rhs_EFD, group_sizes_E, prologue=glu, **kw)
 
@@ -324,30 +361,6 @@ def _remainder_tiles(rem, rem_start, tiles: tuple[int, ...]):
         is_tail = split & (tail == k)
         count = (one & (fit(rem) == k)) | (split & (head == k)) | is_tail
         yield count.astype(jnp.int32), rem_start + jnp.where(is_tail, head_rows, 0), tile
-
-
-def varying_like(x, *refs):
-    """`x` marked as varying over every manual (shard_map) axis any of `refs` varies over.
-
-    A loop carry initialised with `jnp.zeros` is invariant inside `shard_map`, while the body's
-    output varies with the local weights or `axis_index`; `while_loop` needs equal types.
-    """
-
-    def varying(a):
-        return getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
-
-    return varying_over(x, frozenset().union(*(varying(r) for r in refs)))
-
-
-def varying_axes(x) -> frozenset:
-    """The manual (shard_map) axes `x` varies over (none outside a shard_map)."""
-    return getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
-
-
-def varying_over(x, axes):
-    """`x` marked as varying over the manual (shard_map) axes `axes` it does not vary over yet."""
-    missing = frozenset(axes) - varying_axes(x)
-    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
 def _tile_rows_mask(row0, row1, tile: int, n: int):

@@ -54,8 +54,9 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn.moe import gmm as gmm_mod
-from expertax.nn.moe.gmm import glu, varying_like
+from expertax.nn.moe.gmm import glu
 from expertax.nn.moe.stash import Stash, run_ffn
+from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
 
 

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from expertax.nn.moe.gmm import varying_like
+from expertax.nn.moe.vma import varying_like
 
 ROW_CHUNK = 256  # rows per loop iteration (read at trace time, when `chunk` is not given)
 

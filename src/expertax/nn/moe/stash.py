@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
-from expertax.nn.moe.gmm import varying_like
+from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
 
 WRITE, READ = "write", "read"
