@@ -26,7 +26,8 @@ from expertax.sharding.rules import logical_to_spec, use_rules
 @contextlib.contextmanager
 def context(mesh, rules):
     """The mesh, the sharding rules and the platform the programs are traced for."""
-    with jax.set_mesh(mesh), use_rules(rules), platform.use(platform.of_mesh(mesh)):
+    on = platform.use(platform.of_mesh(mesh), mesh.devices.flat[0])
+    with jax.set_mesh(mesh), use_rules(rules), on:
         yield
 
 
