@@ -124,7 +124,7 @@ def _predicted_s(backend: str, experts: int, flops: float, dense_gflops: float) 
     return None
 
 
-def _positive_ints(flag: str, text: str, sep: str = ",") -> list[int]:
+def positive_ints(flag: str, text: str, sep: str = ",") -> list[int]:
     try:
         values = [int(v) for v in text.split(sep)]
     except ValueError:
@@ -147,10 +147,10 @@ def check_args(args) -> None:
     _choices("--backends", args.backends, gmm_lib.BACKENDS[1:])
     _choices("--groups", args.groups, GROUPINGS)
     _choices("--passes", args.passes, PASSES)
-    _positive_ints("--experts", args.experts)
-    _positive_ints("--rows", args.rows)
+    positive_ints("--experts", args.experts)
+    positive_ints("--rows", args.rows)
     for shape in args.shapes.split(","):
-        if len(_positive_ints("--shapes", shape, "x")) != 2:
+        if len(positive_ints("--shapes", shape, "x")) != 2:
             raise ConfigError(f"--shapes={args.shapes!r}: each shape is DxF, e.g. 512x1024")
     if args.repeats < 1:
         raise ConfigError(f"--repeats={args.repeats}: use at least 1")
@@ -158,9 +158,9 @@ def check_args(args) -> None:
 
 def run_grid(args) -> tuple[list[dict], dict]:
     default = gmm_lib.resolve_backend("auto")
-    shapes = [tuple(_positive_ints("--shapes", s, "x")) for s in args.shapes.split(",")]
-    rows_list = _positive_ints("--rows", args.rows)
-    experts_list = _positive_ints("--experts", args.experts)
+    shapes = [tuple(positive_ints("--shapes", s, "x")) for s in args.shapes.split(",")]
+    rows_list = positive_ints("--rows", args.rows)
+    experts_list = positive_ints("--experts", args.experts)
     backends = args.backends.split(",")
     bw_gbps, fresh_gbps = copy_bandwidth_gbps()
     dense = {p: _dense_fn(p) for p in PASSES}

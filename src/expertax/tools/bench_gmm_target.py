@@ -31,6 +31,7 @@ import platform as host
 import time
 
 from expertax.config import ConfigError
+from expertax.tools.bench_gmm import positive_ints
 
 PASSES = ("fwd", "fwd_bwd")
 DEFAULT_BACKENDS = {
@@ -60,16 +61,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _ints(flag: str, text: str, sep: str = ",") -> list[int]:
-    try:
-        values = [int(v) for v in text.split(sep)]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ConfigError(f"{flag}={text!r}: use positive integers separated by {sep!r}")
-    return values
-
-
 def _grid(args, on: str):
     from expertax.nn.moe import gmm as gmm_lib
 
@@ -81,9 +72,9 @@ def _grid(args, on: str):
     passes = args.passes.split(",")
     if any(p not in PASSES for p in passes):
         raise ConfigError(f"--passes={args.passes!r}: use {', '.join(PASSES)}")
-    d, f = _ints("--shape", args.shape, "x")[:2]
-    experts = _ints("--experts", args.experts)
-    per = _ints("--rows-per-expert", args.rows_per_expert)
+    d, f = positive_ints("--shape", args.shape, "x")[:2]
+    experts = positive_ints("--experts", args.experts)
+    per = positive_ints("--rows-per-expert", args.rows_per_expert)
     return [(b, e, r, p) for b in backends for e in experts for r in per for p in passes], (d, f)
 
 
