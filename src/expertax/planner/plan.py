@@ -202,7 +202,8 @@ def layer_residuals(c: Config, trainer) -> tuple[list, dict | None]:
 def _layer_residuals(c: Config, trainer) -> tuple[list, dict | None]:
     local_batch = trainer.global_batch // batch_shards(trainer.mesh)
     mb_rows = memory_pipeline.microbatch_rows(c, trainer.global_batch, batch_shards(trainer.mesh))
-    with platform.use(platform.of_mesh(trainer.mesh)):  # `auto` picks as in the step's trace
+    device = trainer.mesh.devices.flat[0]  # `auto` picks as in the step's trace
+    with platform.use(platform.of_mesh(trainer.mesh), device):
         return _stack_residuals(c, trainer, local_batch, mb_rows)
 
 

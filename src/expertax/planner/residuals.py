@@ -181,7 +181,8 @@ def layer_residuals(
     x_index = len(jax.tree.leaves(block))  # the flat position of `x` among the inputs
     # An attention kernel for one platform is traced for it (a trace only: nothing compiles).
     kernel_platform = ATTENTION_PLATFORMS.get(c.attention_impl)
-    with platform.use(kernel_platform) if kernel_platform else contextlib.nullcontext():
+    kernel_ctx = platform.use(kernel_platform, platform.device()) if kernel_platform else None
+    with kernel_ctx or contextlib.nullcontext():
         sources = residual_sources(loss, block, x, ids, ids)
     out = []
     for src in sources:
