@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -26,3 +27,14 @@ def compiled_text(spec: str, fn, *shapes) -> str:
     args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one) for s in shapes]
     with platform.use(t.platform):
         return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def call_shapes(t: int, h: int = 4, g: int = 2, qd: int = 96, od: int = 64) -> tuple:
+    """bfloat16 q [1, T, H, qd], k [1, T, G, qd], v [1, T, G, od] and int32 segment ids [1, T]."""
+    bf = jnp.bfloat16
+    return (
+        jax.ShapeDtypeStruct((1, t, h, qd), bf),
+        jax.ShapeDtypeStruct((1, t, g, qd), bf),
+        jax.ShapeDtypeStruct((1, t, g, od), bf),
+        jax.ShapeDtypeStruct((1, t), jnp.int32),
+    )

@@ -15,7 +15,7 @@ import pytest
 from expertax.nn.attention import cudnn
 from expertax.nn.attention.kernel import attend, attend_dot
 from tests.tolerances import tol
-from tests.unit.nn.attention.targets import compiled_text, needs_cudnn
+from tests.unit.nn.attention.targets import call_shapes, compiled_text, needs_cudnn
 
 # name: (B, T, H, G, Q, O, packed, dtype)
 CASES = {
@@ -145,30 +145,20 @@ def _fwd_bwd(impl, segments):
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
-def _shapes(t, h, g, qd, od):
-    bf = jnp.bfloat16
-    return (
-        jax.ShapeDtypeStruct((1, t, h, qd), bf),
-        jax.ShapeDtypeStruct((1, t, g, qd), bf),
-        jax.ShapeDtypeStruct((1, t, g, od), bf),
-        jax.ShapeDtypeStruct((1, t), jnp.int32),
-    )
-
-
 @needs_cudnn
 def test_compiles_for_h100_with_mla_dims_padded():
     """q/k 96, v 64 (deepseek3-small): v padded to 96 into cuDNN's forward and backward calls,
     the packed-document mask as the bias variant; the dot program (control) has none."""
-    text = compiled_text("gpu:h100x8", _fwd_bwd("cudnn", True), *_shapes(128, 4, 4, 96, 64))
+    text = compiled_text("gpu:h100x8", _fwd_bwd("cudnn", True), *call_shapes(128, 4, 4, 96, 64))
     targets = {re.search(r'custom_call_target="([^"]+)"', line)[1] for line in _fmha_lines(text)}
     assert targets == {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}
     assert all(",96]" in line and ",64]" not in line for line in _fmha_lines(text))
-    control = compiled_text("gpu:h100x8", _fwd_bwd("dot", True), *_shapes(128, 4, 4, 96, 64))
+    control = compiled_text("gpu:h100x8", _fwd_bwd("dot", True), *call_shapes(128, 4, 4, 96, 64))
     assert not _fmha_lines(control)
 
 
 @needs_cudnn
 def test_compiles_for_h100_gqa_causal_without_bias():
-    text = compiled_text("gpu:h100x8", _fwd_bwd("cudnn", False), *_shapes(128, 4, 2, 64, 64))
+    text = compiled_text("gpu:h100x8", _fwd_bwd("cudnn", False), *call_shapes(128, 4, 2, 64, 64))
     targets = {re.search(r'custom_call_target="([^"]+)"', line)[1] for line in _fmha_lines(text)}
     assert targets == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}

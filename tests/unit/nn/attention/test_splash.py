@@ -18,7 +18,7 @@ from expertax.nn.attention.kernel import attend, attend_dot
 from expertax.sharding import make_mesh, use_rules
 from expertax.train.trainer import build_trainer
 from tests.tolerances import tol
-from tests.unit.nn.attention.targets import compiled_text, needs_tpu
+from tests.unit.nn.attention.targets import call_shapes, compiled_text, needs_tpu
 
 # name: (B, T, H, G, Q, O, packed, max block)
 CASES = {
@@ -153,25 +153,15 @@ def _fwd_bwd(impl):
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
-def _shapes(t, h=4, g=2, qd=96, od=64):
-    bf = jnp.bfloat16
-    return (
-        jax.ShapeDtypeStruct((1, t, h, qd), bf),
-        jax.ShapeDtypeStruct((1, t, g, qd), bf),
-        jax.ShapeDtypeStruct((1, t, g, od), bf),
-        jax.ShapeDtypeStruct((1, t), jnp.int32),
-    )
-
-
 @needs_tpu
 def test_auto_compiles_the_kernel_for_tpu_from_the_threshold():
     """For a v5p chip, `auto` at AUTO_BLOCKWISE_MIN_LENGTH positions is splash: the forward,
     dq and dkv Mosaic kernels in the program (GQA, q/k 96 and v 64, packed documents); one
     position fewer is the dot kernel, with none (the control)."""
     t = kernel.AUTO_BLOCKWISE_MIN_LENGTH
-    text = compiled_text("tpu:v5p-8", _fwd_bwd("auto"), *_shapes(t))
+    text = compiled_text("tpu:v5p-8", _fwd_bwd("auto"), *call_shapes(t))
     assert text.count('custom_call_target="tpu_custom_call"') >= 3
-    short = compiled_text("tpu:v5p-8", _fwd_bwd("auto"), *_shapes(t - 1))
+    short = compiled_text("tpu:v5p-8", _fwd_bwd("auto"), *call_shapes(t - 1))
     assert "tpu_custom_call" not in short
 
 
