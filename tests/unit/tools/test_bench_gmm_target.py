@@ -31,8 +31,8 @@ KEYS = {
 def test_target_rows_and_the_markdown_from_json(tmp_path, capsys):
     """16 experts of 64 rows, [1024, 256] x [16, 256, 512]: XLA:GPU's ragged_dot is a dense
     matmul over all 16 experts (16x the routed FLOPs: the negative control), tokamax's Triton
-    kernel computes 128-row blocks (2x at balanced routing; the worst case for the buffer adds
-    one block per group boundary)."""
+    kernel computes 64-row blocks, its row block capped at the rows per expert (1x at balanced
+    routing; the worst case for the buffer adds one block per group boundary)."""
     path, md = tmp_path / "t.json", tmp_path / "t.md"
     grid = ["--experts", "16", "--rows-per-expert", "64", "--shape", "256x512", "--passes", "fwd"]
     backends = ["--backends", "tokamax_triton,ragged_dot"]
@@ -45,8 +45,8 @@ def test_target_rows_and_the_markdown_from_json(tmp_path, capsys):
         assert r["routed_flops"] == 2 * 1024 * 256 * 512
     assert rows["ragged_dot"]["flops_ratio"] == 16.0 and "dot" in rows["ragged_dot"]["kernel"]
     triton = rows["tokamax_triton"]
-    assert triton["flops_ratio"] == 2.0 and triton["kernel"].startswith("tokamax:triton gmm")
-    assert triton["worst_flops"] == 2 * (8 + 15) * 128 * 256 * 512  # ceil(M/b) + G - 1 blocks
+    assert triton["flops_ratio"] == 1.0 and triton["kernel"] == "tokamax:triton gmm (row block 64)"
+    assert triton["worst_flops"] == 2 * (16 + 15) * 64 * 256 * 512  # ceil(M/b) + G - 1 blocks
     assert triton["temp_bytes"] < 1024 * 512 * 2  # under the output's size
     capsys.readouterr()
     assert (

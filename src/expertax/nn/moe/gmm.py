@@ -63,9 +63,10 @@ MEASURED = {
         "2026-11-26",
         "expertax bench gmm --target gpu:h100x8 (benchmarks/results/gmm/target-"
         "gpu-h100x8-*-2026-11-26.json), D=2048 F=1024 E=8..256: tokamax_triton is 3 Pallas Triton"
-        " kernels (gmm, gmm, tgmm), compiled/routed FLOPs at balanced routing 1.0 at 256-512 "
-        "rows/expert, 1.67 at 64, 6.0 at 16 (fwd+bwd; its 128-row blocks), worst case for the "
-        "buffer <= 1.5 at >= 256 rows, temporaries < 1 MiB; tokamax_mosaic_gpu (Hopper only) "
+        " kernels (gmm, gmm, tgmm), compiled/routed FLOPs at balanced routing 1.0 in every "
+        "regime (16-512 rows/expert, fwd and fwd+bwd: its row block capped at the rows per "
+        "expert, 16-128; with tokamax's default 128-row block it was 6.0 at 16, 1.67 at 64), "
+        "worst case for the buffer <= 2.0, temporaries < 1 MiB; tokamax_mosaic_gpu (Hopper only) "
         "1.0-5.3, temporaries a transposed copy of the rows (<= 0.29x the outputs); ragged_dot "
         "expands to E dense matmuls (E x the FLOPs, 1-2 GiB temporaries at E=64); tiled 1.0 but a"
         " while loop of per-item kernels and an f32 [E, D, F] temporary (1.1-2.0x the outputs). "

@@ -65,6 +65,9 @@ TOKAMAX_IMPLEMENTATION = {"tokamax_triton": "triton", "tokamax_mosaic_gpu": "mos
 MEGABLOX_MIN_ROWS = 16
 MEGABLOX_MAX_ROWS = 512
 MEGABLOX_MAX_KN = 1024
+# tokamax's row block (Triton's block_m for gmm, block_k for tgmm; Mosaic GPU's block_m) is
+# capped at the rows per group under balanced routing, down to 16 rows (Triton's smallest dot).
+TOKAMAX_MIN_ROWS = 16
 
 _RAGGED = jax.lax.RaggedDotDimensionNumbers
 _GMM_DIMS = _RAGGED((([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -133,7 +136,7 @@ def gmm(backend, lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, expect
             blox = Megablox(megablox_row_tile(m, rows), _interpret_mode())
             end = jnp.minimum(start + jnp.sum(local_X), m)
             return _kernel_gmm(blox, lhs_MD, rhs_EDF, sizes_E, offset, start, end, out_dtype)
-        kern = Tokamax(TOKAMAX_IMPLEMENTATION[backend])
+        kern = Tokamax(TOKAMAX_IMPLEMENTATION[backend], tokamax_row_block(rows))
         end = jnp.minimum(jnp.sum(local_X), m)
         if group_offset is None:
             return _kernel_gmm(kern, lhs_MD, rhs_EDF, local_X, offset, 0, end, out_dtype)
@@ -141,6 +144,13 @@ def gmm(backend, lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, expect
         rolled = jnp.roll(lhs_MD, -start, axis=0)
         out = _kernel_gmm(kern, rolled, rhs_EDF, local_X, offset, 0, end, out_dtype)
         return jnp.roll(out, start, axis=0)
+
+
+def tokamax_row_block(rows_per_group: float) -> int:
+    """The largest row block tokamax's kernels may take for groups of `rows_per_group` rows:
+    the expected rows as a power of two, at least TOKAMAX_MIN_ROWS (see Tokamax)."""
+    rows = max(1, int(rows_per_group))
+    return max(TOKAMAX_MIN_ROWS, 1 << (rows.bit_length() - 1))
 
 
 def megablox_row_tile(m: int, rows_per_group: float) -> int:
@@ -232,10 +242,18 @@ def _checks_vma() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Tokamax(_Kernels):
-    """tokamax's ragged dot with one implementation ("triton" or "mosaic_gpu"); its tile sizes
-    are tokamax's (its autotuning cache for the GPU and shapes, else its heuristics)."""
+    """tokamax's ragged dot with one implementation ("triton" or "mosaic_gpu").
 
-    implementation: str
+    Its configuration is tokamax's own (its autotuning cache for the GPU and shapes, else its
+    heuristics) with the row block capped at `row_block`: each group is covered by whole row
+    blocks, so a 128-row block over a group of 16 rows computes 8x its rows (the heuristics'
+    Triton block_m is 128, its weight-gradient block_k 32; Mosaic GPU's block_m 64). Mosaic
+    GPU's Hopper kernel keeps its block: a warpgroup's MMA takes 64 rows at least.
+    `implementation` may also be a callable, which tokamax calls as is (tests' stand-ins).
+    """
+
+    implementation: object
+    row_block: int = 128
 
     def gmm(self, lhs, rhs, sizes, offset, out_dtype, transpose_rhs):
         dims = _GMM_T_DIMS if transpose_rhs else _GMM_DIMS
@@ -253,21 +271,39 @@ class Tokamax(_Kernels):
             flags.mark_as_parsed()
         with _on_target_device():
             try:
+                impl = self._op(lhs, rhs, sizes, dims, out_dtype)
                 return tokamax.ragged_dot_general(
-                    lhs,
-                    rhs,
-                    sizes,
-                    dims,
-                    preferred_element_type=out_dtype,
-                    implementation=self.implementation,
+                    lhs, rhs, sizes, dims, preferred_element_type=out_dtype, implementation=impl
                 )
             except NotImplementedError as e:  # e.g. Mosaic GPU kernels on a pre-Hopper GPU
-                other = "tokamax_triton or " if self.implementation == "mosaic_gpu" else ""
+                name = self.implementation
+                other = "tokamax_triton or " if name == "mosaic_gpu" else ""
                 device = jax.config.jax_default_device or jax.devices()[0]
                 raise ConfigError(
-                    f"gmm_impl=tokamax_{self.implementation}: tokamax refused these operands on "
+                    f"gmm_impl=tokamax_{name}: tokamax refused these operands on "
                     f"{getattr(device, 'device_kind', device)} ({e}); try gmm_impl={other}tiled"
                 ) from None
+
+    def _op(self, lhs, rhs, sizes, dims, out_dtype):
+        """tokamax's op for `implementation` with its configuration, the row block capped."""
+        if not isinstance(self.implementation, str):
+            return self.implementation
+        api = importlib.import_module("tokamax._src.ops.ragged_dot.api")
+        op = api.IMPLEMENTATIONS[self.implementation]
+        if self.implementation != "triton":
+            return op
+        bound = op.bind(
+            lhs,
+            rhs,
+            group_sizes=sizes,
+            ragged_dot_dimension_numbers=dims,
+            precision=jax.lax.Precision.DEFAULT,
+            preferred_element_type=out_dtype,
+        )
+        config = bound.default_config
+        field = "block_m" if dims.rhs_group_dimensions else "block_k"
+        block = min(getattr(config, field), self.row_block)
+        return op.replace(config=dataclasses.replace(config, **{field: block}))
 
 
 def _on_target_device():

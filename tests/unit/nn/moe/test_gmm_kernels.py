@@ -298,6 +298,23 @@ def test_kernels_compile_for_the_target(spec, backend, impl):
     assert mem.temp_size_in_bytes <= 1.25 * mem.output_size_in_bytes  # the issue's target
 
 
+@pytest.mark.parametrize("per_expert", (16, 64))
+@pytest.mark.parametrize(
+    "spec, backend",
+    [
+        pytest.param("gpu:h100x8", "tokamax_triton", marks=needs_gpu),
+        pytest.param("tpu:v5p-16", "megablox", marks=needs_tpu),
+    ],
+)
+def test_auto_kernels_cost_the_routed_rows_at_few_rows_per_expert(spec, backend, per_expert):
+    """`auto`'s kernels at 16 and 64 rows per expert: their row block follows the rows (not
+    tokamax's default 128 rows, 8x the work at 16), compiled FLOPs within the issue's 1.1."""
+    count, routed, _ = _compile_for(spec, backend, m=8 * per_expert, per_expert=per_expert)
+    assert {k.block for k in count.kernels if k.op == "gmm"} == {per_expert}
+    assert all(k.block <= max(per_expert, 16) for k in count.kernels)
+    assert routed <= count.flops <= 1.1 * routed
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("spec, backend, impl", EP_TARGETS)
 def test_kernels_compile_inside_expert_parallel_shard_map(spec, backend, impl):
