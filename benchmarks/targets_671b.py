@@ -51,6 +51,18 @@ def run(args: list[str], log: Path) -> tuple[int, float]:
     return rc, time.perf_counter() - t0
 
 
+def host_line() -> dict:
+    """The host's description, printed as the first JSON line."""
+    host = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "load": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(json.dumps({"host": host}), flush=True)
+    return host
+
+
 def kv(overrides: dict) -> list[str]:
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
 
@@ -78,13 +90,7 @@ def main(argv=None) -> int:
     BASE.extend(args.extra)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    host = {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "load": os.getloadavg(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    print(json.dumps({"host": host}), flush=True)
+    host = host_line()
     rows: list[dict] = []
     for target in args.targets:
         name = target.replace(":", "-")

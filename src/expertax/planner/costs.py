@@ -28,6 +28,9 @@ METHOD = (
 )
 
 
+TOP_OPS = 24  # the report's largest FLOP sources by op_name
+
+
 def model_flops_per_device(c: Config, global_batch: int, devices: int) -> float:
     return train_flops_per_token(c) * global_batch * c.max_target_length / devices
 
@@ -42,6 +45,8 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
         "compiled_flops_method": None,
         "flops_ratio": None,
         "loops": [],
+        "kernels": [],
+        "flops_by_op_name": {},
         "cost_analysis_flops": None,
         "roofline_seconds": None,
         "roofline_method": None,
@@ -61,6 +66,18 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
             {"op": x.name, "trips": x.trip_count, "where": x.op_name, "expected": x.expected}
             for x in count.loops
         ],
+        kernels=[
+            {
+                "kernel": k.describe(),
+                "rows": k.rows,
+                "groups": k.groups,
+                "expected_rows": k.expected_rows,
+                "flops": k.flops,
+                "worst_flops": k.worst_flops,
+            }
+            for k in count.kernels
+        ],
+        flops_by_op_name=dict(sorted(count.by_op_name.items(), key=lambda kv: -kv[1])[:TOP_OPS]),
     )
     if count.expected_trip_counts:
         out["compiled_flops_method"] += (
