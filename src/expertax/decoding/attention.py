@@ -15,6 +15,9 @@ leaves it once per step, instead of expanding every cached token to H heads.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -27,6 +30,40 @@ from expertax.nn.linear import project
 from expertax.sharding import constrain
 
 F32 = jnp.float32
+
+
+class Absorbed(NamedTuple):
+    """MLA's `wkv_b` [Rkv, H, Qn+O] as decoding holds it (decoding/weights.py): its key half as
+    `uk` [H, Qn, Rkv] and its value half as `uv` [H, Rkv, O], the layouts of the absorbed
+    products. Sliced from `wkv_b` inside the step, each half is a strided copy per layer and
+    step (XLA's batched matmul wants the head axis first): measured on deepseek3-small, 24
+    copies of 1 MiB in every decode step."""
+
+    uk: Any
+    uv: Any
+
+
+def absorb(wkv_b_RHZ, nope: int) -> Absorbed:
+    return Absorbed(
+        jnp.transpose(wkv_b_RHZ[..., :nope], (1, 2, 0)),
+        jnp.transpose(wkv_b_RHZ[..., nope:], (1, 0, 2)),
+    )
+
+
+def absorb_spec(spec, nope: int) -> Absorbed:
+    """`absorb`'s parameter declarations (shapes and logical axes) for `wkv_b`'s spec."""
+    (r, h, z), (ar, ah, az) = spec.shape, spec.axes
+    return Absorbed(
+        dataclasses.replace(spec, shape=(h, nope, r), axes=(ah, az, ar)),
+        dataclasses.replace(spec, shape=(h, r, z - nope), axes=(ah, ar, az)),
+    )
+
+
+def _halves(wkv_b, nope: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """(uk [H, Qn, Rkv], uv [H, Rkv, O]) in `dtype` from either form of `wkv_b`."""
+    if not isinstance(wkv_b, Absorbed):
+        wkv_b = absorb(wkv_b, nope)
+    return wkv_b.uk.astype(dtype), wkv_b.uv.astype(dtype)
 
 
 def step(p, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dtype, form: str, slots=None):
@@ -80,10 +117,11 @@ def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: s
     cos, sin = rope.cos_sin(c, positions_BT, rdim)
     q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
     k_rope_BTQ = rope.apply(kv_a[..., None, r:], cos, sin)[:, :, 0]
-    wkv_b = p.wkv_b.astype(dtype)  # [Rkv, H, Qn+O]
+    uk_HNR, uv_HRO = _halves(p.wkv_b, nope, dtype)
     scale = rope.softmax_scale(c)
     if form == "plain":
-        kv_BTHZ = project(latent_BTR, wkv_b)
+        wkv_b = jnp.concatenate([uk_HNR.transpose(2, 0, 1), uv_HRO.transpose(1, 0, 2)], -1)
+        kv_BTHZ = project(latent_BTR, wkv_b)  # [Rkv, H, Qn+O]
         h = kv_BTHZ.shape[2]
         k_rope_BTHQ = jnp.broadcast_to(k_rope_BTQ[:, :, None], (*k_rope_BTQ.shape[:2], h, rdim))
         k = jnp.concatenate([kv_BTHZ[..., :nope], k_rope_BTHQ], -1)
@@ -96,13 +134,12 @@ def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: s
 
     lc = LayerCache(write(lc.k, latent_BTR, start_B), write(lc.v, k_rope_BTQ, start_B))
     lc = constrain_layer(lc, c)
-    w_uk_RHN, w_uv_RHO = wkv_b[..., :nope], wkv_b[..., nope:]
     # The queries in latent space: W_UK^T q_nope per head, [B, T, H, Rkv].
-    q_lat = jnp.einsum("bthn,rhn->bthr", q_BTHQ[..., :nope], w_uk_RHN, preferred_element_type=F32)
+    q_lat = jnp.einsum("bthn,hnr->bthr", q_BTHQ[..., :nope], uk_HNR, preferred_element_type=F32)
     seen = _read(lc, slots)
     scores = jnp.einsum("bthr,bsr->bhts", q_lat.astype(dtype), seen.k, preferred_element_type=F32)
     scores += jnp.einsum("bthq,bsq->bhts", q_rope, seen.v, preferred_element_type=F32)
     probs = _softmax(scores * F32(scale), visible(positions_BT, seen.k.shape[1]), dtype)
     out_lat = jnp.einsum("bhts,bsr->bthr", probs, seen.k, preferred_element_type=F32)
-    out_BTHO = jnp.einsum("bthr,rho->btho", out_lat.astype(dtype), w_uv_RHO)
+    out_BTHO = jnp.einsum("bthr,hro->btho", out_lat.astype(dtype), uv_HRO)
     return project(out_BTHO, p.wo.astype(dtype), 2), lc

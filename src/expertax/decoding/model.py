@@ -8,31 +8,36 @@ stack is one `lax.scan` over (layer weights, layer cache).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.decoding import attention, fp8
+from expertax.decoding import moe as decode_moe
 from expertax.decoding.cache import Cache, LayerCache
 from expertax.models import decoder
 from expertax.nn import mlp, norm
 from expertax.nn.linear import project
-from expertax.nn.moe import layer as moe_layer
 from expertax.sharding import constrain
 
 
 def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form,
                slots=None):  # fmt: skip
     """One decoder layer over the cache: (x, updated layer cache). fp8 weights (decoding/fp8.py)
-    are dequantized here, one layer at a time."""
-    p, x_BTD = fp8.dequantize(p, dtype, x_BTD)
+    are dequantized here, one layer at a time (per-expert MoE weights: only the chosen
+    experts', decoding/moe.py)."""
+    experts = p.moe if decode_moe.is_unstacked(p.moe) else None
+    p, x_BTD = fp8.dequantize(p if experts is None else dataclasses.replace(p, moe=None),
+                              dtype, x_BTD)  # fmt: skip
     eps = c.normalization_layer_epsilon
     h = norm.rms_norm(p.attn_norm, x_BTD, eps)
     out, lc = attention.step(p.attn, h, c, positions_BT, start_B, lc, dtype, form, slots)
     x_BTD = x_BTD + out
     h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
-    if p.moe is not None:
-        y, _ = moe_layer.apply(p.moe, h, c, dtype)
+    if (layer_moe := p.moe if experts is None else experts) is not None:
+        y = decode_moe.apply(layer_moe, h, c, dtype)
     else:
         assert p.mlp is not None
         y = mlp.apply(p.mlp, h, dtype)

@@ -18,12 +18,14 @@ layer axis).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.decoding import fp8
+from expertax.decoding import attention, fp8
+from expertax.decoding import moe as decode_moe
 from expertax.models import decoder
 from expertax.nn import param
 
@@ -33,10 +35,22 @@ def layer_specs(c: Config, *, fp8_weights: bool):
     dense = decoder.block_spec(c, moe=False) if c.num_dense_layers else None
     moe = decoder.block_spec(c, moe=True) if c.num_moe_layers else None
     mtp = decoder.mtp_spec(c) if c.mtp_num_layers else None
+    dense, moe, mtp = (_absorbed(t, c, attention.absorb_spec) for t in (dense, moe, mtp))
     if fp8_weights:
         dense, moe = fp8.spec(dense), fp8.spec(moe)
         mtp = fp8.spec(mtp, prefix=("mtp",))
     return dense, moe, mtp
+
+
+def _absorbed(layer, c: Config, how):
+    """A layer's tree (Block or MTP module; specs or arrays) with MLA's `wkv_b` as
+    `attention.Absorbed` (`how`: `attention.absorb` or `absorb_spec`)."""
+    if layer is None or c.attention_type != "mla":
+        return layer
+    if hasattr(layer, "block"):  # an MTP module
+        return dataclasses.replace(layer, block=_absorbed(layer.block, c, how))
+    attn = dataclasses.replace(layer.attn, wkv_b=how(layer.attn.wkv_b, c.qk_nope_head_dim))
+    return dataclasses.replace(layer, attn=attn)
 
 
 def _top_specs(c: Config) -> decoder.Decoder:
@@ -53,28 +67,43 @@ def layered(params: decoder.Decoder, c: Config, mesh, rules, *, fp8_weights: boo
     def cut(stacked, spec, n: int, prefix=()):
         if stacked is None or spec is None:
             return None
-        take = _cutter(spec, mesh, rules, fp8_weights, prefix)
+        take = _cutter(spec, c, mesh, rules, fp8_weights, prefix)
         return [take(stacked, jnp.int32(i)) for i in range(n)]
 
     mtp = cut(params.mtp, mtp_spec, 1, ("mtp",)) if params.mtp is not None else None
-    return dataclasses.replace(
+    out = dataclasses.replace(
         out,
         dense_layers=cut(params.dense_layers, dense_spec, c.num_dense_layers),
         moe_layers=cut(params.moe_layers, moe_spec, c.num_moe_layers),
         mtp=None if mtp is None else mtp[0],
     )
+    return _experts_unstacked(out) if mesh.size == 1 else out
+
+
+def _experts_unstacked(params: decoder.Decoder) -> decoder.Decoder:
+    """On one device, every MoE layer's experts as separate arrays (decoding/moe.py)."""
+
+    def block(b: decoder.Block) -> decoder.Block:
+        return b if b.moe is None else dataclasses.replace(b, moe=decode_moe.unstack(b.moe))
+
+    mtp = params.mtp
+    if mtp is not None:
+        mtp = dataclasses.replace(mtp, block=block(mtp.block))
+    layers: Any = params.moe_layers  # a list here (`layered`)
+    unstacked: Any = layers and [block(b) for b in layers]
+    return dataclasses.replace(params, moe_layers=unstacked, mtp=mtp)
 
 
 _CUTTERS: dict = {}
 
 
-def _cutter(spec, mesh, rules, fp8_weights: bool, prefix):
+def _cutter(spec, c: Config, mesh, rules, fp8_weights: bool, prefix):
     """The jitted program that cuts layer i out of a stack (one per layer spec and mesh)."""
     key = (repr(spec), mesh, repr(sorted(rules.items())), fp8_weights, prefix)
     if key not in _CUTTERS:
 
         def one(tree, i):
-            layer = jax.tree.map(lambda a: a[i], tree)
+            layer = _absorbed(jax.tree.map(lambda a: a[i], tree), c, attention.absorb)
             return fp8.quantize(layer, prefix=prefix) if fp8_weights else layer
 
         _CUTTERS[key] = jax.jit(one, out_shardings=param.shardings(spec, mesh, rules))

@@ -7,13 +7,15 @@ of each 128-value block's largest magnitude, and it must quantize the layers' ma
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from expertax import generate, init_params, load_config
-from expertax.decoding import fp8, programs
+from expertax.decoding import attention, fp8, programs
 from expertax.decoding.loop import decoding_config
 from expertax.models import decoder
 from expertax.nn.param import is_spec
@@ -59,9 +61,35 @@ def test_only_layer_matrices_are_quantized(deepseek):
     assert not any(names[k] for k in kept)
 
 
+def _round_trip_absorbed(wkv_b_LRHZ, nope):
+    """MLA's wkv_b through decoding's fp8 form: its absorbed halves quantized (their own last
+    axes, decoding/attention.Absorbed), dequantized, and put back in the [Rkv, H, Z] layout."""
+
+    def one(w):
+        uk, uv = (
+            fp8.dequantize_array(fp8.quantize_array(h), jnp.float32)
+            for h in attention.absorb(w, nope)
+        )
+        return jnp.concatenate([uk.transpose(2, 0, 1), uv.transpose(1, 0, 2)], -1)
+
+    return jax.vmap(one)(wkv_b_LRHZ)
+
+
 def test_fp8_decoding_equals_the_dequantized_model(deepseek):
     c, params = deepseek
     ref, _ = fp8.dequantize(fp8.quantize(params), jnp.float32, None)
+    nope = c.qk_nope_head_dim
+    for stack in ("dense_layers", "moe_layers"):
+        layers = getattr(params, stack)
+        attn = getattr(ref, stack).attn
+        attn = dataclasses.replace(attn, wkv_b=_round_trip_absorbed(layers.attn.wkv_b, nope))
+        stacked = dataclasses.replace(getattr(ref, stack), attn=attn)
+        ref = dataclasses.replace(ref, **{stack: stacked})
+    mtp_attn = dataclasses.replace(
+        ref.mtp.block.attn, wkv_b=_round_trip_absorbed(params.mtp.block.attn.wkv_b, nope)
+    )
+    block = dataclasses.replace(ref.mtp.block, attn=mtp_attn)
+    ref = dataclasses.replace(ref, mtp=dataclasses.replace(ref.mtp, block=block))
     prompts = [[1, 5, 9, 3, 7], [2, 4]]
     want = generate(ref, c, prompts, max_new_tokens=5, devices=jax.devices()[:1])
     got = generate(

@@ -85,7 +85,7 @@ def _apply_stashed(
         out_BTD, stats, stash = ep.apply(
             p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype, stash, imposed_BTK
         )
-        return _finish(p, x_BTD, out_BTD, c, dtype), stats, stash
+        return finish(p, x_BTD, out_BTD, c, dtype), stats, stash
     if c.sparse_matmul:
         imposed_NK = None if imposed_BTK is None else imposed_BTK.reshape(b * t, -1)
         (out_ND, chosen_NK), sums, stash = chunks.over_rows(
@@ -105,7 +105,7 @@ def _apply_stashed(
     counts_E, prob_sum_E, dropped = sums
     stats = router.balance_stats(counts_E, prob_sum_E, b * t, c, dropped)
     stats = dataclasses.replace(stats, chosen_BTK=chosen_BTK)
-    return _finish(p, x_BTD, out_BTD, c, dtype), stats, stash
+    return finish(p, x_BTD, out_BTD, c, dtype), stats, stash
 
 
 def _sparse_chunk(p: MoE, rows, c: Config, dtype, stash: Stash | None):
@@ -137,7 +137,7 @@ def _einsum_chunk(p: MoE, chunk, c: Config, dtype):
     return (out_BTD, chosen_BTK), (routing.counts_E, routing.prob_sum_E, dropped)
 
 
-def _finish(p: MoE, x_BTD, out_BTD, c: Config, dtype):
+def finish(p: MoE, x_BTD, out_BTD, c: Config, dtype):
     """Constrain the routed experts' output and add the shared experts."""
     out_BTD = constrain(out_BTD, ("batch", "length", "act_embed"))
     if p.shared is not None:

@@ -1,0 +1,141 @@
+"""The MoE layer at decode time on one device: each routed row through its expert's own weights.
+
+A decode step routes a handful of rows (batch x new tokens x K). Training's grouped matmul reads
+an expert's weights out of the stacked `[E, D, F]` array with a dynamic slice, which XLA:CPU
+copies before the dot (one copy of every chosen expert's three matrices per step: the copies
+cost more than the matmuls, which only read the weights once), and its row tiles are at least 8
+rows where a decode step has one or two per expert (XLA:CPU's matrix-vector product is several
+times faster than its 8-row product at these shapes). On one device decoding therefore holds each
+MoE layer's experts as separate arrays (`unstack`, decoding/weights.py) and a decode step runs
+one loop over the routed (row, slot) pairs, each a `lax.switch` on the chosen expert whose
+branch multiplies the row by that expert's arrays in place: each chosen expert's weights are
+read, not copied, and only the chosen experts' fp8 weights are dequantized.
+
+Prefills (more routed rows than `PER_ROW_MAX`) sort the rows by expert and run each expert's rows
+in tiles, one `lax.switch` per tile (`_grouped`): each expert's weights are read once per tile,
+never copied. Under a mesh of several devices
+the experts stay stacked and sharded, and every step runs training's MoE layer
+(expert-parallel as configured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from expertax.config.schema import Config
+from expertax.decoding import fp8
+from expertax.nn.moe import layer as moe_layer
+from expertax.nn.moe import router
+from expertax.nn.moe.gmm import glu
+
+# Routed (row, slot) pairs up to which a step takes the per-row path (a decode step: batch x
+# 1-2 tokens x K); beyond it the rows are a prefill's and go through the grouped tiles.
+PER_ROW_MAX = 64
+EXPERTS = ("wi_0", "wi_1", "wo")
+F32 = jnp.float32
+
+
+def unstack(p: moe_layer.MoE) -> moe_layer.MoE:
+    """The layer with each expert matrix ([E, ...], or its Fp8) as a tuple of E per-expert ones."""
+
+    def split(w):
+        e = jax.tree.leaves(w)[0].shape[0]
+        return tuple(jax.tree.map(lambda a, i=i: a[i], w) for i in range(e))
+
+    return dataclasses.replace(p, **{k: split(getattr(p, k)) for k in EXPERTS})
+
+
+def is_unstacked(p: moe_layer.MoE | None) -> bool:
+    return p is not None and isinstance(p.wi_0, tuple) and not fp8.is_fp8(p.wi_0)
+
+
+def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype):
+    """The MoE layer's output [B, T, D] (`moe_layer.apply`'s, shared experts included)."""
+    if not is_unstacked(p):  # dequantized with the rest of the layer (decoding/model.py)
+        return moe_layer.apply(p, x_BTD, c, dtype)[0]
+    b, t, d = x_BTD.shape
+    shared, x_BTD = fp8.dequantize(p.shared, dtype, x_BTD)
+    x_ND = x_BTD.reshape(b * t, d).astype(dtype)
+    routing = router.route(p.router, x_ND, c)
+    branches = [_ffn(w, dtype) for w in zip(p.wi_0, p.wi_1, p.wo, strict=True)]
+    if b * t * c.num_experts_per_tok <= PER_ROW_MAX:
+        out_ND = _per_row(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
+    else:
+        out_ND = _grouped(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
+    out_BTD = out_ND.astype(dtype).reshape(b, t, d)
+    return moe_layer.finish(dataclasses.replace(p, shared=shared), x_BTD, out_BTD, c, dtype)
+
+
+def _ffn(w, dtype):
+    """One expert's SwiGLU FFN on rows [R, D] -> float32 [R, D], its fp8 weights (if any)
+    dequantized where it runs."""
+
+    def ffn(x_RD):
+        wi_0, wi_1, wo = (fp8.dequantize_array(a, dtype) if fp8.is_fp8(a) else a for a in w)
+        gate = jnp.dot(x_RD, wi_0.astype(dtype), preferred_element_type=F32).astype(dtype)
+        up = jnp.dot(x_RD, wi_1.astype(dtype), preferred_element_type=F32).astype(dtype)
+        return jnp.dot(glu(gate, up), wo.astype(dtype), preferred_element_type=F32)
+
+    return ffn
+
+
+def _weighted(y_RD, weight_R, dtype):
+    """An expert output in `dtype` (as training's), times its routing weight, in float32."""
+    return y_RD.astype(dtype).astype(F32) * weight_R[:, None]
+
+
+def _per_row(branches, x_ND, experts_NK, weights_NK, dtype):
+    """sum_k weight[n, k] * ffn_{expert[n, k]}(x[n]) for every row, float32 [N, D]: one
+    matrix-vector product per routed row."""
+    n, k = experts_NK.shape
+
+    def body(i, out_ND):
+        row, slot = i // k, i % k
+        x_1D = jax.lax.dynamic_slice_in_dim(x_ND, row, 1)
+        y_1D = jax.lax.switch(experts_NK[row, slot], branches, x_1D)
+        y_1D = _weighted(y_1D, weights_NK[row, slot][None], dtype)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out_ND, jax.lax.dynamic_slice_in_dim(out_ND, row, 1) + y_1D, row, 0
+        )
+
+    return jax.lax.fori_loop(0, n * k, body, jnp.zeros((n, x_ND.shape[1]), F32))
+
+
+def _grouped(branches, x_ND, experts_NK, weights_NK, dtype):
+    """`_per_row`'s sum for a prefill: the routed rows sorted by expert, each expert's rows in
+    tiles of `tile` rows (the rows per expert under balanced routing as a power of two, 8 to
+    128), one `lax.switch` per tile; the outputs scatter-added back to their tokens."""
+    n, k = experts_NK.shape
+    e, m = len(branches), n * k
+    tile = min(128, max(8, 1 << max(0, (m // e).bit_length() - 1)), m)
+    flat = experts_NK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows_MD = x_ND[order // k]
+    weight_M = weights_NK.reshape(-1)[order]
+    sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)
+    ends = jnp.cumsum(sizes)
+    tiles = (sizes + tile - 1) // tile
+    cum = jnp.cumsum(tiles)
+    cap = -(-m // tile) + e  # at most one partial tile per expert
+
+    def body(i, out_MD):
+        g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e - 1).astype(jnp.int32)
+        row0 = ends[g] - sizes[g] + (i - (cum[g] - tiles[g])) * tile
+        start = jnp.minimum(row0, m - tile)
+        r = start + jnp.arange(tile)
+        mask = ((r >= row0) & (r < ends[g]))[:, None]
+        x = jax.lax.dynamic_slice_in_dim(rows_MD, start, tile)
+        y = _weighted(
+            jax.lax.switch(g, branches, x),
+            jax.lax.dynamic_slice(weight_M, (start,), (tile,)),
+            dtype,
+        )
+        old = jax.lax.dynamic_slice_in_dim(out_MD, start, tile)
+        return jax.lax.dynamic_update_slice_in_dim(out_MD, jnp.where(mask, y, old), start, 0)
+
+    count = jnp.minimum(cum[-1], cap)
+    out_MD = jax.lax.fori_loop(0, count, body, jnp.zeros((m, x_ND.shape[1]), F32))
+    return jnp.zeros((n, x_ND.shape[1]), F32).at[order // k].add(out_MD)

@@ -1,0 +1,70 @@
+"""The decode-time MoE layer on one device (decoding/moe.py) against training's MoE layer.
+
+The per-row path (each routed row through its expert's own arrays, a `lax.switch` per row) and
+the prefill path (the experts stacked back inside the program) must compute what
+`nn.moe.layer.apply` computes with the stacked weights: the same routing (sigmoid with groups
+and bias, softmax), the same weights and shared experts; fp8 experts dequantized per branch
+must match the dequantized stacked layer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from expertax import init_params, load_config
+from expertax.decoding import fp8
+from expertax.decoding import moe as decode_moe
+from expertax.nn.moe import layer as moe_layer
+from tests.tolerances import tol
+
+
+def _layer(model_name: str):
+    c = load_config(overrides=dict(model_name=model_name, dtype="float32", weight_dtype="float32"))
+    p = init_params(c).moe_layers
+    one = jax.tree.map(lambda a: a[0], p.moe)
+    if one.router.bias is not None:  # a balancing bias that moves the choice
+        bias = jax.random.normal(jax.random.key(3), one.router.bias.shape) * 0.1
+        one = dataclasses.replace(one, router=dataclasses.replace(one.router, bias=bias))
+    return c, one
+
+
+@pytest.mark.parametrize("model_name", ["deepseek3-tiny", "mixtral-tiny"])
+@pytest.mark.parametrize("tokens", [(3, 1), (2, 2), (4, 40)])  # decode, speculative, prefill
+def test_unstacked_layer_equals_training_layer(model_name, tokens):
+    c, p = _layer(model_name)
+    b, t = tokens
+    x = jax.random.normal(jax.random.key(1), (b, t, c.base_emb_dim), jnp.float32)
+    want, _ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(p, x)
+    unstacked = decode_moe.unstack(p)
+    assert decode_moe.is_unstacked(unstacked) and len(unstacked.wi_0) == c.num_experts
+    per_row = b * t * c.num_experts_per_tok <= decode_moe.PER_ROW_MAX
+    assert per_row == (t < 40)
+    got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32))(unstacked, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(jnp.float32))
+
+
+def test_fp8_experts_dequantized_per_branch():
+    c, p = _layer("deepseek3-tiny")
+    q = fp8.quantize(p, prefix=("moe_layers", "moe"))
+    assert fp8.is_fp8(q.wi_0) and fp8.is_fp8(q.shared.wo) and not fp8.is_fp8(q.router.w)
+    deq = fp8.dequantize(q, jnp.float32, None)[0]
+    x = jax.random.normal(jax.random.key(2), (3, 1, c.base_emb_dim), jnp.float32)
+    want, _ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(deq, x)
+    got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32))(decode_moe.unstack(q), x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(jnp.float32))
+
+
+def test_one_device_decoding_holds_experts_unstacked():
+    from expertax.decoding import prepare
+
+    c = load_config(
+        overrides=dict(model_name="deepseek3-tiny", dtype="float32", weight_dtype="float32")
+    )
+    one = prepare(init_params(c), c, devices=jax.devices()[:1])
+    assert all(decode_moe.is_unstacked(b.moe) for b in one.moe_layers)
+    two = prepare(init_params(c), c, devices=jax.devices()[:2])
+    assert not any(decode_moe.is_unstacked(b.moe) for b in two.moe_layers)
