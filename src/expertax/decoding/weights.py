@@ -12,7 +12,10 @@ unrolled with one cache buffer per layer (decoding/model.py), updated in place.
 trees and `mtp` as MTP module 1 alone (the one that drafts); with `fp8_weights`, the layers'
 matrices are quantized on the way (decoding/fp8.py). Each layer is cut from the stacked array by
 one small jitted program per stack into that layer's own sharding (the stacked one less the
-layer axis).
+layer axis). Two more layouts for the decode step, made on the way:
+- MLA's `wkv_b` as its absorbed halves (`attention.Absorbed`: [H, Qn, Rkv] and [H, Rkv, O]),
+  with fp8 blocks along those halves' last axes;
+- on one device, each MoE layer's experts as separate arrays (decoding/moe.py).
 """
 
 from __future__ import annotations
