@@ -59,13 +59,6 @@ def absorb_spec(spec, nope: int) -> Absorbed:
     )
 
 
-def _halves(wkv_b, nope: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """(uk [H, Qn, Rkv], uv [H, Rkv, O]) in `dtype` from either form of `wkv_b`."""
-    if not isinstance(wkv_b, Absorbed):
-        wkv_b = absorb(wkv_b, nope)
-    return wkv_b.uk.astype(dtype), wkv_b.uv.astype(dtype)
-
-
 def step(p, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dtype, form: str, slots=None):
     """Attention output [B, T, D] of the new tokens and the updated layer cache. `slots`
     (static): the queries read only the first `slots` slots (a prefill: the prompt's), else
@@ -117,7 +110,7 @@ def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: s
     cos, sin = rope.cos_sin(c, positions_BT, rdim)
     q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
     k_rope_BTQ = rope.apply(kv_a[..., None, r:], cos, sin)[:, :, 0]
-    uk_HNR, uv_HRO = _halves(p.wkv_b, nope, dtype)
+    uk_HNR, uv_HRO = p.wkv_b.uk.astype(dtype), p.wkv_b.uv.astype(dtype)  # decoding/weights.py
     scale = rope.softmax_scale(c)
     if form == "plain":
         wkv_b = jnp.concatenate([uk_HNR.transpose(2, 0, 1), uv_HRO.transpose(1, 0, 2)], -1)

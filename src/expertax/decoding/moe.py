@@ -119,7 +119,6 @@ def _grouped(branches, x_ND, experts_NK, weights_NK, dtype):
     ends = jnp.cumsum(sizes)
     tiles = (sizes + tile - 1) // tile
     cum = jnp.cumsum(tiles)
-    cap = -(-m // tile) + e  # at most one partial tile per expert
 
     def body(i, out_MD):
         g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e - 1).astype(jnp.int32)
@@ -136,6 +135,5 @@ def _grouped(branches, x_ND, experts_NK, weights_NK, dtype):
         old = jax.lax.dynamic_slice_in_dim(out_MD, start, tile)
         return jax.lax.dynamic_update_slice_in_dim(out_MD, jnp.where(mask, y, old), start, 0)
 
-    count = jnp.minimum(cum[-1], cap)
-    out_MD = jax.lax.fori_loop(0, count, body, jnp.zeros((m, x_ND.shape[1]), F32))
+    out_MD = jax.lax.fori_loop(0, cum[-1], body, jnp.zeros((m, x_ND.shape[1]), F32))
     return jnp.zeros((n, x_ND.shape[1]), F32).at[order // k].add(out_MD)
