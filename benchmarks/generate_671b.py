@@ -10,7 +10,7 @@ with the bytes it needs; that figure is reported.
 
 Run: PYTHONPATH=src python benchmarks/generate_671b.py [--targets tpu:v5p-16 gpu:h200x8]
      [--layouts fsdp8 ep8] [--weights fp8 bfloat16] [--batch 32] [--prompt 1024] [--new 1024]
-     [--out benchmarks/results/generate]
+     [--prefill-chunk 512] [--out benchmarks/results/generate]
 Each compile runs in its own process (about 10 GiB of host memory, minutes on 2 cores).
 """
 
@@ -57,6 +57,7 @@ def one(args) -> dict:
         "batch": args.batch,
         "prompt": args.prompt,
         "new_tokens": args.new,
+        "prefill_chunk": args.prefill_chunk or programs.PREFILL_CHUNK,
         "kv_bytes_per_token": bytes_per_token(c, "compressed"),
         "kv_cache_gib_total": bytes_per_token(c, "compressed")
         * args.batch
@@ -74,6 +75,7 @@ def one(args) -> dict:
             prompt_len=args.prompt,
             budget=args.new,
             fp8_weights=args.one_weights == "fp8",
+            prefill_chunk=args.prefill_chunk,
         )
     except Exception as e:  # noqa: BLE001 - the compiler's refusal is the result
         text = str(e)
@@ -127,6 +129,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--new", type=int, default=1024)
+    p.add_argument("--prefill-chunk", type=int, default=None, help="default: decoding's 512")
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--one-target", help=argparse.SUPPRESS)
@@ -148,6 +151,8 @@ def main() -> int:
                 cmd = [sys.executable, __file__, "--one-target", target, "--one-layout", layout,
                        "--one-weights", weights, "--batch", str(args.batch), "--prompt",
                        str(args.prompt), "--new", str(args.new)]  # fmt: skip
+                if args.prefill_chunk:
+                    cmd += ["--prefill-chunk", str(args.prefill_chunk)]
                 try:
                     out = subprocess.run(
                         cmd, capture_output=True, text=True, timeout=args.timeout

@@ -516,6 +516,12 @@ def _generate_parser(sub) -> argparse.ArgumentParser:
         help="hold the layers' matrices in fp8 with block scales (half of bfloat16's memory)",
     )
     gen.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt positions per prefill step (default 512); smaller holds less memory",
+    )
+    gen.add_argument(
         "--tokenizer",
         help="a tokenizer.json (or its folder), instead of the run's tokenizer_path or the model "
         "directory's tokenizer.json",

@@ -3,11 +3,30 @@
 Each sequence is x_t = (a + b*t) mod V with a, b drawn per sequence, so a model can learn to
 continue it from context and the loss falls. Any process can make any row: multi-process runs
 and resumes give exactly the same global batches.
+
+Its text is the numbers themselves (`number_tokenizer`): token id i is the word "i", so a run
+trained on it reads the prompt "3 5 7 9 11" and writes "13 15 17 ..." (`expertax generate`).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import tokenizers
+from tokenizers import models, pre_tokenizers
+
+# The word the number tokenizer stands for anything that is not a whole number below the
+# vocabulary size; it is not in the vocabulary, so encoding such a word is refused.
+NOT_A_NUMBER = "<not a number>"
+
+
+def number_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
+    """A `tokenizers` word-level tokenizer of the synthetic data's text: id i <-> the word "i"
+    (0 .. vocab_size - 1), words split on whitespace, decoded joined by spaces; no special
+    tokens (the synthetic sequences have no BOS or EOS)."""
+    vocab = {str(i): i for i in range(vocab_size)}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=NOT_A_NUMBER))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
 
 
 class SyntheticData:

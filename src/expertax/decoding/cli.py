@@ -21,7 +21,7 @@ from typing import Any
 
 from expertax.config.checks import ConfigError
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
-from expertax.decoding.source import Source, load_params, open_source
+from expertax.decoding.source import SYNTHETIC_TOKENIZER, Source, load_params, open_source
 from expertax.sharding.mesh import make_mesh
 
 # The command's sampling flags, as `generate`'s keyword arguments.
@@ -34,6 +34,7 @@ SETTINGS = (
     "mla_cache",
     "speculative",
     "fp8_weights",
+    "prefill_chunk",
 )
 
 
@@ -96,7 +97,19 @@ def make_prompts(entries: Sequence[tuple[str, Any]], source: Source) -> list[Pro
                 "(a run folder's tokenizer_path, a model directory's tokenizer.json); give "
                 "--tokenizer PATH, or the prompt as token ids with --prompt-ids 1,15,27"
             )
-        ids = source.tokenizer.encode(value, add_special_tokens=False).ids
+        try:
+            ids = source.tokenizer.encode(value, add_special_tokens=False).ids
+        except Exception as e:  # the Rust side raises a bare Exception (an unknown word)
+            hint = (
+                f"; this run's text is whole numbers from 0 to {source.config.vocab_size - 1} "
+                'separated by spaces, e.g. "3 5 7 9 11"'
+                if source.tokenizer_path == SYNTHETIC_TOKENIZER
+                else ""
+            )
+            raise ConfigError(
+                f"--prompt {value!r}: the tokenizer ({source.tokenizer_path}) cannot encode it "
+                f"({e}){hint}"
+            ) from None
         bos = [] if source.bos_id is None else [source.bos_id]
         prompts.append(Prompt(value, bos + list(ids)))
     return prompts

@@ -95,6 +95,7 @@ def check_request(
     mla_cache: str,
     speculative: bool,
     max_length: int | None = None,
+    prefill_chunk: int | None = None,
 ) -> None:
     """ConfigError naming the setting, its value and what is valid; nothing is compiled."""
     if not prompts:
@@ -140,6 +141,11 @@ def check_request(
     if top_k < 0:
         raise ConfigError(f"top_k={top_k}: must be >= 0 (0 = no top-k filter)")
     kv.check_form(mla_cache)
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ConfigError(
+            f"prefill_chunk={prefill_chunk}: must be at least 1 (prompt positions per prefill "
+            f"step; default {programs.PREFILL_CHUNK})"
+        )
     if speculative:
         if not c.mtp_num_layers:
             raise ConfigError(
@@ -169,6 +175,7 @@ def generate(
     devices=None,
     max_length: int | None = None,
     fp8_weights: bool = False,
+    prefill_chunk: int | None = None,
 ) -> Generation:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
@@ -180,6 +187,8 @@ def generate(
     rules), so a model too large for one device is sharded as in training. `max_length`: the
     positions the model takes (default: `position_limit`). `fp8_weights`: hold the layers'
     matrices in fp8 with block scales (decoding/fp8.py), half the memory of bfloat16.
+    `prefill_chunk`: prompt positions per prefill step (default `programs.PREFILL_CHUNK`);
+    longer prompts are padded to whole chunks. Smaller chunks hold smaller prefill activations.
 
     `params` are the model's (stacked, as trained) or `prepare`'s output for the same config
     and devices: decoding holds the layers unstacked (decoding/weights.py), a copy `generate`
@@ -195,6 +204,7 @@ def generate(
         mla_cache=mla_cache,
         speculative=speculative,
         max_length=max_length,
+        prefill_chunk=prefill_chunk,
     )
     c = decoding_config(config)
     mesh = make_mesh(c, devices)
@@ -204,7 +214,7 @@ def generate(
     n = len(prompt_ids)
     b = math.ceil(n / shards) * shards
     rows = [list(map(int, p)) for p in prompt_ids] + [list(map(int, prompt_ids[0]))] * (b - n)
-    p_len = programs.padded_length(max(len(r) for r in rows))
+    p_len = programs.padded_length(max(len(r) for r in rows), prefill_chunk)
     prompts = np.zeros((b, p_len), np.int32)
     for i, r in enumerate(rows):
         prompts[i, : len(r)] = r
@@ -213,6 +223,7 @@ def generate(
     run = programs.jitted(
         c, mesh, rules, b, p_len, max_new_tokens, float(temperature), int(top_k),
         float(top_p), -1 if eos_id is None else int(eos_id), mla_cache, speculative,
+        prefill_chunk,
     )  # fmt: skip
     with programs.context(mesh, rules):
         if not weights.is_layered(params):

@@ -45,10 +45,11 @@ _RUNS: dict = {}
 
 
 def jitted(c, mesh, rules, b, p_len, budget, temperature, top_k, top_p, eos, form,
-                  speculative):  # fmt: skip
+           speculative, chunk=None):  # fmt: skip
+    chunk = chunk or PREFILL_CHUNK
     rules_key = tuple(sorted((k, tuple(v)) for k, v in rules.items()))
     key = (c.model_dump_json(), mesh, rules_key, b, p_len, budget, temperature, top_k, top_p,
-           eos, form, speculative, PREFILL_CHUNK)  # fmt: skip
+           eos, form, speculative, chunk)  # fmt: skip
     if key not in _RUNS:
         body = _speculative_loop if speculative else _plain_loop
         _RUNS[key] = jax.jit(
@@ -61,6 +62,7 @@ def jitted(c, mesh, rules, b, p_len, budget, temperature, top_k, top_p, eos, for
                 top_p=top_p,
                 eos=eos,
                 form=form,
+                chunk=chunk,
             )  # fmt: skip
         )
     return _RUNS[key]
@@ -71,21 +73,23 @@ def _at(a_BT, index_B):
     return jax.vmap(lambda row, i: row[i])(a_BT, index_B)
 
 
-# Prompts longer than this are prefilled a chunk of positions at a time (one `lax.scan`), so
-# the prefill's activations and attention scores ([B, H, chunk, slots]) are a chunk's.
+# Prompts longer than this (the default of `generate`'s `prefill_chunk`) are prefilled a chunk
+# of positions at a time (one `lax.scan`), so the prefill's activations, MoE row buffers and
+# attention scores ([B, H, chunk, slots]) are a chunk's.
 PREFILL_CHUNK = 512
 
 
-def padded_length(p_len: int) -> int:
+def padded_length(p_len: int, chunk: int | None = None) -> int:
     """The prompt buffer's length: the longest prompt, rounded up to whole prefill chunks."""
-    return p_len if p_len <= PREFILL_CHUNK else math.ceil(p_len / PREFILL_CHUNK) * PREFILL_CHUNK
+    chunk = chunk or PREFILL_CHUNK
+    return p_len if p_len <= chunk else math.ceil(p_len / chunk) * chunk
 
 
-def _in_chunks(fn, cache, *arrays_BP):
+def _in_chunks(fn, cache, chunk: int, *arrays_BP):
     """fn(*chunks [B, C, ...], start_B, cache) -> (out [B, C, D], cache) over the positions
-    of `arrays_BP`, a chunk at a time; returns (out [B, P, D], cache)."""
+    of `arrays_BP`, `chunk` at a time; returns (out [B, P, D], cache)."""
     b, p_len = arrays_BP[0].shape[:2]
-    chunk = min(p_len, PREFILL_CHUNK)
+    chunk = min(p_len, chunk)
 
     def body(cache, i):
         start = i * chunk
@@ -97,23 +101,32 @@ def _in_chunks(fn, cache, *arrays_BP):
     return jnp.moveaxis(outs, 0, 1).reshape(b, p_len, -1), cache
 
 
-def _prefill(params, prompts_BP, lengths_B, c, *, form, speculative, extra: int, budget: int):
+def _prefill(params, prompts_BP, lengths_B, c, *, form, speculative, extra: int, budget: int,
+             chunk: int):  # fmt: skip
     b, p_len = prompts_BP.shape
     cache = kv.allocate(c, b, p_len + budget + extra, form, mtp=speculative)
 
     def main(tokens_BC, start_B, cache):  # attention over the prompt's slots only
         return model.main_step(params, tokens_BC, start_B, cache, c, form, slots=p_len)
 
-    h_BPD, cache = _in_chunks(main, cache, prompts_BP)
+    h_BPD, cache = _in_chunks(main, cache, chunk, prompts_BP)
     logits_BV = model.logits(params, _at(h_BPD, lengths_B - 1), c)
     return h_BPD, logits_BV, cache
 
 
 def _plain_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, top_k, top_p,
-                eos, form):  # fmt: skip
+                eos, form, chunk):  # fmt: skip
     b = prompts_BP.shape[0]
     _, logits_BV, cache = _prefill(
-        params, prompts_BP, lengths_B, c, form=form, speculative=False, extra=0, budget=budget
+        params,
+        prompts_BP,
+        lengths_B,
+        c,
+        form=form,
+        speculative=False,
+        extra=0,
+        budget=budget,
+        chunk=chunk,
     )
 
     def pick(logits_BV, i):
@@ -145,11 +158,19 @@ def _plain_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, t
 
 
 def _speculative_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, top_k,
-                      top_p, eos, form):  # fmt: skip
+                      top_p, eos, form, chunk):  # fmt: skip
     del key, temperature, top_k, top_p  # greedy only (check_request)
     b, p_len = prompts_BP.shape
     h_BPD, logits_BV, cache = _prefill(
-        params, prompts_BP, lengths_B, c, form=form, speculative=True, extra=2, budget=budget
+        params,
+        prompts_BP,
+        lengths_B,
+        c,
+        form=form,
+        speculative=True,
+        extra=2,
+        budget=budget,
+        chunk=chunk,
     )
     first_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     # MTP over the prompt: position i reads t_(i+1) (the first new token at len_b - 1).
@@ -160,7 +181,7 @@ def _speculative_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperat
     def mtp(h_BCD, next_BC, start_B, cache):
         return model.mtp_step(params, h_BCD, next_BC, start_B, cache, c, form, slots=p_len)
 
-    x_BPD, cache = _in_chunks(mtp, cache, h_BPD, next_BP)
+    x_BPD, cache = _in_chunks(mtp, cache, chunk, h_BPD, next_BP)
     draft_B = jnp.argmax(model.logits(params, _at(x_BPD, lengths_B - 1), c), -1).astype(jnp.int32)
 
     width = budget + 2
@@ -219,17 +240,19 @@ def _speculative_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperat
 
 def compile_for(
     c: Config, mesh, *, batch: int, prompt_len: int, budget: int, form: str = "compressed",
-    speculative: bool = False, fp8_weights: bool = False,
+    speculative: bool = False, fp8_weights: bool = False, prefill_chunk: int | None = None,
 ):  # fmt: skip
-    """The greedy decoding program (prefill of `batch` x `prompt_len`, `budget` new tokens)
-    lowered and compiled for `mesh` (any platform; nothing runs). `c` is a decoding config
-    (loop.decoding_config); `batch` is rounded up to the batch shards."""
+    """The greedy decoding program (prefill of `batch` x `prompt_len` in `prefill_chunk`
+    positions at a time, `budget` new tokens) lowered and compiled for `mesh` (any platform;
+    nothing runs). `c` is a decoding config (loop.decoding_config); `batch` is rounded up to the
+    batch shards."""
     rules = config_rules(c)
     batch_spec = logical_to_spec(("batch", "length"), rules, mesh)
     shards = first_dim_shards(batch_spec, mesh)
     b = math.ceil(batch / shards) * shards
-    prompt_len = padded_length(prompt_len)
-    run = jitted(c, mesh, rules, b, prompt_len, budget, 0.0, 0, 1.0, -1, form, speculative)
+    prompt_len = padded_length(prompt_len, prefill_chunk)
+    run = jitted(c, mesh, rules, b, prompt_len, budget, 0.0, 0, 1.0, -1, form, speculative,
+                 prefill_chunk)  # fmt: skip
     params = weights.abstract_layered(c, mesh, rules, fp8_weights=fp8_weights)
     first = PartitionSpec(batch_spec[0] if len(batch_spec) else None)
     prompts = jax.ShapeDtypeStruct(

@@ -5,7 +5,8 @@ tokenizer and the special token ids, all without reading a parameter, so every r
 before the weights are read or anything compiles; `load_params` reads the parameters.
 
 - A run folder (`<base_output_directory>/<run_name>`): its config.yml, the parameters of its
-  latest complete checkpoint, the tokenizer of its `tokenizer_path` key.
+  latest complete checkpoint, the tokenizer of its `tokenizer_path` key; a run on synthetic
+  data reads and writes its numbers as text (`data.synthetic.number_tokenizer`).
 - A model directory (`expertax convert from-hf` output, train/model_dir.py): its config.yml and
   parameters (read straight into the decoding mesh's shardings), its `tokenizer.json` (copied
   from the HF folder by from-hf), and from hf_config.json the BOS/EOS ids and
@@ -25,6 +26,7 @@ from jax.sharding import Mesh
 from expertax.config.checks import ConfigError
 from expertax.config.loader import build_config, config_rules, parse_overrides, read_yaml
 from expertax.config.schema import LAYOUT, MODEL, Config, key_kind
+from expertax.data.synthetic import number_tokenizer
 from expertax.data.tokenizer import DocumentEncoder, load_tokenizer
 from expertax.decoding.loop import DECODING_KEYS, decoding_config
 from expertax.models import decoder
@@ -131,7 +133,8 @@ def _saved_config(path: Path, kind: str) -> tuple[Config, int | None, dict | Non
 def _tokenizer(
     path: Path, kind: str, c: Config, given: str | None
 ) -> tuple[tokenizers.Tokenizer | None, str | None]:
-    """--tokenizer, else the run's tokenizer_path, else the model directory's tokenizer.json."""
+    """--tokenizer, else the run's tokenizer_path (a synthetic-data run: its numbers as words),
+    else the model directory's tokenizer.json."""
     if given:
         try:
             return load_tokenizer(given), given
@@ -142,6 +145,8 @@ def _tokenizer(
             return load_tokenizer(c.tokenizer_path), c.tokenizer_path
         except ValueError as e:
             raise ConfigError(f"the run's {e}; give the tokenizer with --tokenizer PATH") from None
+    if kind == RUN and c.dataset_type == "synthetic":
+        return number_tokenizer(c.vocab_size), SYNTHETIC_TOKENIZER
     file = path / model_dir.TOKENIZER_FILES[0]
     if kind == MODEL_DIR and file.is_file():
         try:
@@ -149,6 +154,10 @@ def _tokenizer(
         except ValueError as e:
             raise ConfigError(f"SOURCE {str(path)!r}: {e}") from None
     return None, None
+
+
+# `Source.tokenizer_path` of a synthetic-data run (its tokenizer is made, not read).
+SYNTHETIC_TOKENIZER = "synthetic data's numbers (token id i is the word 'i')"
 
 
 def _hf_id(hf: dict | None, key: str) -> int | None:

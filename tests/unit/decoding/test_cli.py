@@ -70,6 +70,7 @@ class World:
     model: Path  # its `convert from-hf` model directory
     run: Path  # a run folder of the same model: step 2 holds `old`, step 4 `params`
     bare: Path  # a model directory without a tokenizer
+    synthetic: Path  # a run folder on synthetic data (no tokenizer_path): step 4 holds `params`
     tok: tokenizers.Tokenizer
     params: object
     old: object
@@ -98,7 +99,13 @@ def world(tmp_path_factory) -> World:
         for step, p in ((2, old), (4, params)):
             ck.maybe_save(step, {"params": jax.tree.map(jax.numpy.asarray, p)}, {}, force=True)
     model_dir.save(root / "bare", converted, params, source="test")
-    return World(root, hf, root / "model", run, root / "bare", tok, params, old)
+    synthetic = root / "synthetic"
+    synthetic.mkdir()
+    assert converted.dataset_type == "synthetic" and not converted.tokenizer_path
+    (synthetic / "config.yml").write_text(config_to_yaml(converted))
+    with checkpoint.Checkpointer(synthetic / "checkpoints", period_steps=1, max_to_keep=1) as ck:
+        ck.maybe_save(4, {"params": jax.tree.map(jax.numpy.asarray, params)}, {}, force=True)
+    return World(root, hf, root / "model", run, root / "bare", synthetic, tok, params, old)
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -116,12 +123,18 @@ def encoded(tok, text: str) -> list[int]:
     return [BOS, *tok.encode(text, add_special_tokens=False).ids]
 
 
-def test_text_and_id_prompts_from_a_model_directory(world, capsys, tmp_path):
+def run_json(capsys, tmp_path, *argv) -> tuple[str, dict]:
+    """A greedy run of `NEW` tokens that succeeds: (what it printed, its --json document)."""
     out_json = tmp_path / "out.json"
-    flags = f"--prompt-ids 5,6,7 --max-new-tokens {NEW} --json {out_json}".split()
-    rc, out, _ = run_cli(capsys, world.model, "--prompt", "w1 w2 w3", *flags)
+    rc, out, _ = run_cli(capsys, *argv, "--max-new-tokens", NEW, "--json", out_json)
     assert rc == 0
-    doc = json.loads(out_json.read_text())
+    return out, json.loads(out_json.read_text())
+
+
+def test_text_and_id_prompts_from_a_model_directory(world, capsys, tmp_path):
+    out, doc = run_json(
+        capsys, tmp_path, world.model, "--prompt", "w1 w2 w3", "--prompt-ids", "5,6,7"
+    )
     prompts = [encoded(world.tok, "w1 w2 w3"), [5, 6, 7]]
     assert [r["prompt_ids"] for r in doc["results"]] == prompts
     assert [r["prompt"] for r in doc["results"]] == ["w1 w2 w3", None]
@@ -169,6 +182,25 @@ def test_a_run_folder_decodes_its_latest_checkpoint_with_its_tokenizer(world, ca
     assert json.loads(out_json.read_text())["results"] == doc["results"]
 
 
+def test_a_synthetic_data_run_reads_and_writes_its_numbers_as_text(world, capsys, tmp_path):
+    """No tokenizer_path, synthetic data: token id i is the word "i" both ways, no BOS."""
+    argv = (world.synthetic, "--prompt", " 5  6\t7 ", "--prompt-ids", "5,6,7")
+    out, doc = run_json(capsys, tmp_path, *argv)
+    assert [r["prompt_ids"] for r in doc["results"]] == [[5, 6, 7], [5, 6, 7]]
+    c = source.open_source(world.synthetic, []).config
+    ref = reference(c, world.params, [[5, 6, 7]]).tokens[0]
+    assert [r["ids"] for r in doc["results"]] == [ref, ref]
+    assert doc["results"][0]["text"] == " ".join(map(str, ref))
+    assert doc["tokenizer"] == source.SYNTHETIC_TOKENIZER
+    lines = out.splitlines()
+    assert lines[1] == "[0] prompt (3 tokens):  5  6\t7 "
+    assert lines[2].endswith(" ".join(map(str, ref))), lines[2]
+    # anything but whole numbers below vocab_size is refused before the weights are read
+    for bad in ("5 six 7", "5 64"):
+        with pytest.raises(ConfigError, match="whole numbers from 0 to 63 separated by spaces"):
+            gen_cli.make_prompts([("text", bad)], source.open_source(world.synthetic, []))
+
+
 def test_sampling_settings_reach_generate(world, capsys, tmp_path):
     out_json = tmp_path / "out.json"
     flags = "--temperature 4 --top-k 9 --top-p 0.95 --seed 3 --prompt-ids 5,6,7".split()
@@ -212,6 +244,8 @@ REFUSED = [
     (["--prompt", "w1"], "hf", "is neither: give a training run folder"),
     (["--prompt", "w1"], "fresh", "without a complete checkpoint"),
     (["--prompt", "w1"], "bare", "text needs a tokenizer"),
+    (["--prompt", "5 six"], "synthetic", "cannot encode it"),
+    (["--prompt-ids", "1", "--prefill-chunk", "0"], "model", "prefill_chunk=0: must be at least"),
     (["--prompt-ids", "1", "base_emb_dim=64"], "model", "base_emb_dim=64: a model key"),
     (["--prompt-ids", "1", "learning_rate=0.1"], "model", "learning_rate=0.1: a training key"),
     (["--prompt-ids", "1", "tokenizer_path=t.json"], "model", "with --tokenizer PATH"),
