@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
+from expertax.decoding import joint
 from expertax.decoding.cache import LayerCache, constrain_layer, visible, write
 from expertax.nn import norm, rope
 from expertax.nn.attention import gqa, mla
@@ -102,10 +103,20 @@ def _gqa(p: gqa.GQA, x_BTD, c: Config, positions_BT, start_B, lc: LayerCache, dt
     return project(out, p.wo.astype(dtype), 2), lc
 
 
+def _down_projections(p: mla.MLA, x_BTD, c: Config, dtype):
+    """(per-head queries [B, T, H, Qn+Qr] before RoPE, `wkv_a`'s output [B, T, Rkv+Qr]); with
+    `wq_a` and `wkv_a` joined (decoding/joint.py), one product for both."""
+    if not joint.is_joint(p.wq_a):
+        return mla.queries(p, x_BTD, c, dtype), project(x_BTD, p.wkv_a.astype(dtype))
+    both = project(x_BTD, p.wq_a.w.astype(dtype))
+    low_BTR = norm.rms_norm(p.q_norm, both[..., : c.q_lora_rank], c.normalization_layer_epsilon)
+    return project(low_BTR, p.wq_b.astype(dtype)), both[..., c.q_lora_rank :]
+
+
 def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: str, slots):
     nope, rdim, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-    q_BTHQ = constrain(mla.queries(p, x_BTD, c, dtype), ("batch", "length", "act_heads", None))
-    kv_a = project(x_BTD, p.wkv_a.astype(dtype))
+    q_BTHQ, kv_a = _down_projections(p, x_BTD, c, dtype)
+    q_BTHQ = constrain(q_BTHQ, ("batch", "length", "act_heads", None))
     latent_BTR = norm.rms_norm(p.kv_norm, kv_a[..., :r], c.normalization_layer_epsilon)
     cos, sin = rope.cos_sin(c, positions_BT, rdim)
     q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.decoding import attention, fp8
+from expertax.decoding import attention, fp8, joint
 from expertax.decoding import moe as decode_moe
 from expertax.decoding.cache import Cache, LayerCache
 from expertax.models import decoder
@@ -40,7 +40,7 @@ def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, start_B, lc, dt
         y = decode_moe.apply(layer_moe, h, c, dtype)
     else:
         assert p.mlp is not None
-        y = mlp.apply(p.mlp, h, dtype)
+        y = (joint.glu_mlp if joint.is_joint(p.mlp.wi_0) else mlp.apply)(p.mlp, h, dtype)
     return constrain(x_BTD + y, decoder.ACT_BTD), lc
 
 

@@ -4,18 +4,23 @@ A decode step routes a handful of rows (batch x new tokens x K). Training's grou
 an expert's weights out of the stacked `[E, D, F]` array with a dynamic slice, which XLA:CPU
 copies before the dot (one copy of every chosen expert's three matrices per step: the copies
 cost more than the matmuls, which only read the weights once), and its row tiles are at least 8
-rows where a decode step has one or two per expert (XLA:CPU's matrix-vector product is several
-times faster than its 8-row product at these shapes). On one device decoding therefore holds each
-MoE layer's experts as separate arrays (`unstack`, decoding/weights.py) and a decode step runs
-one loop over the routed (row, slot) pairs, each a `lax.switch` on the chosen expert whose
-branch multiplies the row by that expert's arrays in place: each chosen expert's weights are
-read, not copied, and only the chosen experts' fp8 weights are dequantized.
+rows where a decode step has one or two per expert (XLA:CPU's 8-row product is several times
+slower per row than its matrix-vector product at these shapes, its 2-row product about as fast
+as one row). On one device decoding therefore holds each MoE layer's experts as separate arrays
+(`unstack`, decoding/weights.py) and multiplies rows by them in place, in a `lax.switch` on the
+expert whose branch reads that expert's arrays: each chosen expert's weights are read, not
+copied, and only the chosen experts' fp8 weights are dequantized.
 
-Prefills (more routed rows than `PER_ROW_MAX`) sort the rows by expert and run each expert's rows
-in tiles, one `lax.switch` per tile (`_grouped`): each expert's weights are read once per tile,
-never copied. Under a mesh of several devices
-the experts stay stacked and sharded, and every step runs training's MoE layer
-(expert-parallel as configured).
+- One token (a batch-1 decode step: its K experts are distinct): one loop over its K routed
+  rows, a `lax.switch` each (`_per_row`).
+- More tokens (larger batches, speculative steps, prefills): the routed rows sorted by expert,
+  each expert's rows in tiles of the rows per expert under balanced routing (a power of two,
+  `MIN_TILE` to 128), one `lax.switch` per tile (`_grouped`): an expert that several rows chose
+  is read once per tile, not once per row (deepseek3-small, batch 8: 128 -> 101 ms per step
+  with 2-row tiles against a switch per row).
+
+Under a mesh of several devices the experts stay stacked and sharded, and every step runs
+training's MoE layer (expert-parallel as configured).
 """
 
 from __future__ import annotations
@@ -26,26 +31,31 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.decoding import fp8
+from expertax.decoding import fp8, joint
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe import router
 from expertax.nn.moe.gmm import glu
 
-# Routed (row, slot) pairs up to which a step takes the per-row path (a decode step: batch x
-# 1-2 tokens x K); beyond it the rows are a prefill's and go through the grouped tiles.
-PER_ROW_MAX = 64
+# The fewest rows per `_grouped` tile (decode steps of a few tokens: one or two rows per expert).
+MIN_TILE = 2
 EXPERTS = ("wi_0", "wi_1", "wo")
 F32 = jnp.float32
 
 
 def unstack(p: moe_layer.MoE) -> moe_layer.MoE:
-    """The layer with each expert matrix ([E, ...], or its Fp8) as a tuple of E per-expert ones."""
+    """The layer with each expert matrix ([E, ...], or its Fp8) as a tuple of E per-expert ones;
+    float weights with each expert's `wi_0` and `wi_1` joined (decoding/joint.py: `wi_0` a
+    tuple of Joint [D, 2F], `wi_1` a tuple of None)."""
 
     def split(w):
         e = jax.tree.leaves(w)[0].shape[0]
         return tuple(jax.tree.map(lambda a, i=i: a[i], w) for i in range(e))
 
-    return dataclasses.replace(p, **{k: split(getattr(p, k)) for k in EXPERTS})
+    out = dataclasses.replace(p, **{k: split(getattr(p, k)) for k in EXPERTS})
+    if fp8.is_fp8(p.wi_0):
+        return out
+    wi = tuple(joint.join(a, b) for a, b in zip(out.wi_0, out.wi_1, strict=True))
+    return dataclasses.replace(out, wi_0=wi, wi_1=(None,) * len(wi))
 
 
 def is_unstacked(p: moe_layer.MoE | None) -> bool:
@@ -61,17 +71,23 @@ def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype):
     x_ND = x_BTD.reshape(b * t, d).astype(dtype)
     routing = router.route(p.router, x_ND, c)
     branches = [_ffn(w, dtype) for w in zip(p.wi_0, p.wi_1, p.wo, strict=True)]
-    if b * t * c.num_experts_per_tok <= PER_ROW_MAX:
+    if b * t == 1:
         out_ND = _per_row(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
     else:
         out_ND = _grouped(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
     out_BTD = out_ND.astype(dtype).reshape(b, t, d)
+    if shared is not None and joint.is_joint(shared.wi_0):
+        out_BTD = out_BTD + joint.glu_mlp(shared, x_BTD, dtype)
+        shared = None
     return moe_layer.finish(dataclasses.replace(p, shared=shared), x_BTD, out_BTD, c, dtype)
 
 
 def _ffn(w, dtype):
     """One expert's SwiGLU FFN on rows [R, D] -> float32 [R, D], its fp8 weights (if any)
     dequantized where it runs."""
+
+    if joint.is_joint(w[0]):
+        return lambda x_RD: joint.expert_ffn(w[0], w[2], x_RD, dtype)
 
     def ffn(x_RD):
         wi_0, wi_1, wo = (fp8.dequantize_array(a, dtype) if fp8.is_fp8(a) else a for a in w)
@@ -105,12 +121,13 @@ def _per_row(branches, x_ND, experts_NK, weights_NK, dtype):
 
 
 def _grouped(branches, x_ND, experts_NK, weights_NK, dtype):
-    """`_per_row`'s sum for a prefill: the routed rows sorted by expert, each expert's rows in
-    tiles of `tile` rows (the rows per expert under balanced routing as a power of two, 8 to
-    128), one `lax.switch` per tile; the outputs scatter-added back to their tokens."""
+    """`_per_row`'s sum for several tokens: the routed rows sorted by expert, each expert's rows
+    in tiles of `tile` rows (the rows per expert under balanced routing as a power of two,
+    `MIN_TILE` to 128), one `lax.switch` per tile; the outputs scatter-added back to their
+    tokens."""
     n, k = experts_NK.shape
     e, m = len(branches), n * k
-    tile = min(128, max(8, 1 << max(0, (m // e).bit_length() - 1)), m)
+    tile = min(128, max(MIN_TILE, 1 << max(0, (m // e).bit_length() - 1)), m)
     flat = experts_NK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     rows_MD = x_ND[order // k]

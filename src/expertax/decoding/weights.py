@@ -15,7 +15,8 @@ one small jitted program per stack into that layer's own sharding (the stacked o
 layer axis). Two more layouts for the decode step, made on the way:
 - MLA's `wkv_b` as its absorbed halves (`attention.Absorbed`: [H, Qn, Rkv] and [H, Rkv, O]),
   with fp8 blocks along those halves' last axes;
-- on one device, each MoE layer's experts as separate arrays (decoding/moe.py).
+- on one device, each MoE layer's experts as separate arrays (decoding/moe.py), and float
+  matrices that read the same input joined into one (decoding/joint.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.decoding import attention, fp8
+from expertax.decoding import attention, fp8, joint
 from expertax.decoding import moe as decode_moe
 from expertax.models import decoder
 from expertax.nn import param
@@ -80,21 +81,34 @@ def layered(params: decoder.Decoder, c: Config, mesh, rules, *, fp8_weights: boo
         moe_layers=cut(params.moe_layers, moe_spec, c.num_moe_layers),
         mtp=None if mtp is None else mtp[0],
     )
-    return _experts_unstacked(out) if mesh.size == 1 else out
+    return _one_device(out, c) if mesh.size == 1 else out
 
 
-def _experts_unstacked(params: decoder.Decoder) -> decoder.Decoder:
-    """On one device, every MoE layer's experts as separate arrays (decoding/moe.py)."""
+def _one_device(params: decoder.Decoder, c: Config) -> decoder.Decoder:
+    """On one device, every MoE layer's experts as separate arrays (decoding/moe.py) and, for
+    float weights, the matrices that read the same input joined (decoding/joint.py)."""
 
     def block(b: decoder.Block) -> decoder.Block:
-        return b if b.moe is None else dataclasses.replace(b, moe=decode_moe.unstack(b.moe))
+        if b.moe is not None:
+            b = dataclasses.replace(b, moe=decode_moe.unstack(b.moe))
+        if any(fp8.is_fp8(x) for x in jax.tree.leaves(b, is_leaf=fp8.is_fp8)):
+            return b
+        if c.attention_type == "mla":
+            b = dataclasses.replace(b, attn=joint.mla(b.attn))
+        if b.mlp is not None:
+            b = dataclasses.replace(b, mlp=joint.mlp(b.mlp))
+        if b.moe is not None and b.moe.shared is not None:
+            shared = joint.mlp(b.moe.shared)
+            b = dataclasses.replace(b, moe=dataclasses.replace(b.moe, shared=shared))
+        return b
 
     mtp = params.mtp
     if mtp is not None:
         mtp = dataclasses.replace(mtp, block=block(mtp.block))
-    layers: Any = params.moe_layers  # a list here (`layered`)
-    unstacked: Any = layers and [block(b) for b in layers]
-    return dataclasses.replace(params, moe_layers=unstacked, mtp=mtp)
+    dense: Any = params.dense_layers  # lists here (`layered`)
+    moe: Any = params.moe_layers
+    dense, moe = (layers and [block(b) for b in layers] for layers in (dense, moe))
+    return dataclasses.replace(params, dense_layers=dense, moe_layers=moe, mtp=mtp)
 
 
 _CUTTERS: dict = {}

@@ -1,7 +1,7 @@
 """The decode-time MoE layer on one device (decoding/moe.py) against training's MoE layer.
 
-The per-row path (each routed row through its expert's own arrays, a `lax.switch` per row) and
-the prefill path (the experts stacked back inside the program) must compute what
+The per-row path (one token: each routed row through its expert's own arrays, a `lax.switch`
+per row) and the grouped path (more tokens: each expert's rows in tiles) must compute what
 `nn.moe.layer.apply` computes with the stacked weights: the same routing (sigmoid with groups
 and bias, softmax), the same weights and shared experts; fp8 experts dequantized per branch
 must match the dequantized stacked layer."""
@@ -33,18 +33,24 @@ def _layer(model_name: str):
 
 
 @pytest.mark.parametrize("model_name", ["deepseek3-tiny", "mixtral-tiny"])
-@pytest.mark.parametrize("tokens", [(3, 1), (2, 2), (4, 40)])  # decode, speculative, prefill
-def test_unstacked_layer_equals_training_layer(model_name, tokens):
+# decode at batch 1 and 3, speculative, prefill
+@pytest.mark.parametrize("tokens", [(1, 1), (3, 1), (2, 2), (4, 40)])
+def test_unstacked_layer_equals_training_layer(model_name, tokens, monkeypatch):
     c, p = _layer(model_name)
     b, t = tokens
+    ran = []
+    for path in ("_per_row", "_grouped"):
+        real = getattr(decode_moe, path)
+        monkeypatch.setattr(
+            decode_moe, path, lambda *a, real=real, path=path: (ran.append(path), real(*a))[1]
+        )
     x = jax.random.normal(jax.random.key(1), (b, t, c.base_emb_dim), jnp.float32)
     want, _ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(p, x)
     unstacked = decode_moe.unstack(p)
     assert decode_moe.is_unstacked(unstacked) and len(unstacked.wi_0) == c.num_experts
-    per_row = b * t * c.num_experts_per_tok <= decode_moe.PER_ROW_MAX
-    assert per_row == (t < 40)
     got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32))(unstacked, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(jnp.float32))
+    assert ran == ["_per_row" if b * t == 1 else "_grouped"]
 
 
 def test_fp8_experts_dequantized_per_branch():

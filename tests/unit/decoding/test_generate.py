@@ -22,6 +22,7 @@ from expertax.config.loader import config_rules
 from expertax.decoding import (
     bytes_per_token,
     generate,
+    joint,
     model,
     prepare,
     programs,
@@ -97,8 +98,12 @@ def test_mla_cache_greedy_equals_no_cache(deepseek, deepseek_oracle, form):
 
 def test_chunked_prefill(deepseek, deepseek_oracle, monkeypatch):
     """Prompts prefilled 4 positions at a time (the longest, 9, padded to 12), with the MTP
-    module's prefill chunked alike (speculative decoding)."""
+    module's prefill chunked alike (speculative decoding): the default chunk lowered, and the
+    `prefill_chunk` setting."""
     c, params = deepseek
+    g = generate(params, c, PROMPTS, max_new_tokens=NEW, devices=_one(), speculative=True,
+                 prefill_chunk=4)  # fmt: skip
+    assert g.tokens == deepseek_oracle[0]
     monkeypatch.setattr(programs, "PREFILL_CHUNK", 4)
     g = generate(params, c, PROMPTS, max_new_tokens=NEW, devices=_one(), speculative=True)
     assert g.tokens == deepseek_oracle[0]
@@ -128,6 +133,28 @@ def test_sharded_mesh_equals_one_device(mixtral):
     eight = generate(params, c8, PROMPTS, max_new_tokens=NEW)
     assert eight.tokens == one.tokens
     np.testing.assert_allclose(np.array(eight.logprobs), np.array(one.logprobs), **tol())
+
+
+def test_one_device_joins_the_matrices_that_read_the_same_input(deepseek):
+    """decoding/joint.py: on one device, float weights only; the joined matrix holds the parts
+    side by side (the greedy tests above run this layout against the no-cache oracle)."""
+    c, params = deepseek
+    one = prepare(params, c, devices=_one())
+    layer = one.moe_layers[0]
+    assert joint.is_joint(layer.attn.wq_a) and layer.attn.wkv_a is None
+    want = np.concatenate([params.moe_layers.attn.wq_a[0], params.moe_layers.attn.wkv_a[0]], -1)
+    np.testing.assert_array_equal(np.asarray(layer.attn.wq_a.w), want)
+    assert joint.is_joint(layer.moe.shared.wi_0) and layer.moe.shared.wi_1 is None
+    assert all(map(joint.is_joint, layer.moe.wi_0)) and set(layer.moe.wi_1) == {None}
+    assert joint.is_joint(one.dense_layers[0].mlp.wi_0)
+    assert joint.is_joint(one.mtp.block.attn.wq_a)
+    w0, w1 = params.moe_layers.moe.wi_0[0, 3], params.moe_layers.moe.wi_1[0, 3]
+    np.testing.assert_array_equal(np.asarray(layer.moe.wi_0[3].w), np.concatenate([w0, w1], -1))
+    sharded = prepare(params, c)  # 8 devices: the layouts the sharding rules name
+    assert not joint.is_joint(sharded.moe_layers[0].attn.wq_a)
+    assert not joint.is_joint(sharded.dense_layers[0].mlp.wi_0)
+    quantized = prepare(params, c, devices=_one(), fp8_weights=True)
+    assert not any(joint.is_joint(x) for x in jax.tree.leaves(quantized, is_leaf=joint.is_joint))
 
 
 def test_compressed_and_plain_mla_logits_agree(deepseek):
