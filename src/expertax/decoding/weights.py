@@ -26,9 +26,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from expertax.config.schema import Config
-from expertax.decoding import attention, fp8, joint
+from expertax.decoding import attention, fp8, joint, model
 from expertax.decoding import moe as decode_moe
 from expertax.models import decoder
 from expertax.nn import param
@@ -67,6 +68,11 @@ def layered(params: decoder.Decoder, c: Config, mesh, rules, *, fp8_weights: boo
     dense_spec, moe_spec, mtp_spec = layer_specs(c, fp8_weights=fp8_weights)
     params = jax.device_put(params, param.shardings(decoder.spec(c), mesh, rules))
     out = dataclasses.replace(params, dense_layers=None, moe_layers=None, mtp=None)
+    if out.lm_head is not None:  # over the vocabulary (decoding/model.py, `head_spec`)
+        spec = model.head_spec(mesh, rules, out.lm_head.shape)
+        out = dataclasses.replace(
+            out, lm_head=jax.device_put(out.lm_head, NamedSharding(mesh, spec))
+        )
 
     def cut(stacked, spec, n: int, prefix=()):
         if stacked is None or spec is None:
@@ -143,6 +149,15 @@ def abstract_layered(c: Config, mesh, rules, *, fp8_weights: bool = False):
         )
 
     top = structs(_top_specs(c))
+    if top.lm_head is not None:
+        head = top.lm_head
+        spec = model.head_spec(mesh, rules, head.shape)
+        top = dataclasses.replace(
+            top,
+            lm_head=jax.ShapeDtypeStruct(
+                head.shape, head.dtype, sharding=NamedSharding(mesh, spec)
+            ),
+        )
     dense, moe = structs(dense_spec), structs(moe_spec)
     return dataclasses.replace(
         top,

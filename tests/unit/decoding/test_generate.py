@@ -157,6 +157,22 @@ def test_one_device_joins_the_matrices_that_read_the_same_input(deepseek):
     assert not any(joint.is_joint(x) for x in jax.tree.leaves(quantized, is_leaf=joint.is_joint))
 
 
+def test_sharded_output_head_is_held_over_the_vocabulary(mixtral):
+    """decoding/model.py `head_spec`: under a mesh the head [D, V] is sharded along V, and the
+    decode program multiplies by each device's slice instead of gathering the whole head (the
+    sharded greedy run equals one device's: test_sharded_mesh_equals_one_device)."""
+    c, params = mixtral
+    c8 = decoding_config(_config("mixtral-tiny", ici_fsdp_parallelism=2, ici_expert_parallelism=4))
+    head = prepare(params, c8).lm_head
+    assert head.sharding.spec[0] is None and head.sharding.spec[1] is not None
+    assert head.addressable_shards[0].data.shape == (c.base_emb_dim, c.vocab_size // 8)
+    mesh = make_mesh(c8, jax.devices())
+    text = programs.compile_for(c8, mesh, batch=8, prompt_len=4, budget=3).as_text()
+    d, v = c.base_emb_dim, c.vocab_size
+    gathers = [line for line in text.splitlines() if "all-gather(" in line]
+    assert gathers and not [g for g in gathers if f"[{d},{v}]" in g.split("all-gather(")[0]]
+
+
 def test_compressed_and_plain_mla_logits_agree(deepseek):
     """The absorbed (latent) and the plain (per-head) cache: prefill then one decode step."""
     c, params = deepseek
