@@ -3,7 +3,7 @@
 The same parameters and the same layer arithmetic as `models/decoder.py` (pre-norm blocks,
 the MoE layer through `nn/moe/layer.py`, so its dispatch, routing bias and expert parallelism
 are training's), with attention reading and writing the cache (decoding/attention.py). Each
-stack is one `lax.scan` over (layer weights, layer cache).
+stack runs unrolled over its layers' own weights and cache buffers (decoding/weights.py).
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ unrolled with one cache buffer per layer (decoding/model.py), updated in place.
 trees and `mtp` as MTP module 1 alone (the one that drafts); with `fp8_weights`, the layers'
 matrices are quantized on the way (decoding/fp8.py). Each layer is cut from the stacked array by
 one small jitted program per stack into that layer's own sharding (the stacked one less the
-layer axis). Two more layouts for the decode step, made on the way:
+layer axis). More layouts for the decode step, made on the way:
 - MLA's `wkv_b` as its absorbed halves (`attention.Absorbed`: [H, Qn, Rkv] and [H, Rkv, O]),
   with fp8 blocks along those halves' last axes;
+- the output head `lm_head` over its vocabulary axis (`model.head_spec`);
 - on one device, each MoE layer's experts as separate arrays (decoding/moe.py), and float
   matrices that read the same input joined into one (decoding/joint.py).
 """
@@ -68,11 +69,9 @@ def layered(params: decoder.Decoder, c: Config, mesh, rules, *, fp8_weights: boo
     dense_spec, moe_spec, mtp_spec = layer_specs(c, fp8_weights=fp8_weights)
     params = jax.device_put(params, param.shardings(decoder.spec(c), mesh, rules))
     out = dataclasses.replace(params, dense_layers=None, moe_layers=None, mtp=None)
-    if out.lm_head is not None:  # over the vocabulary (decoding/model.py, `head_spec`)
-        spec = model.head_spec(mesh, rules, out.lm_head.shape)
-        out = dataclasses.replace(
-            out, lm_head=jax.device_put(out.lm_head, NamedSharding(mesh, spec))
-        )
+    if out.lm_head is not None:
+        head = jax.device_put(out.lm_head, _head_sharding(mesh, rules, out.lm_head.shape))
+        out = dataclasses.replace(out, lm_head=head)
 
     def cut(stacked, spec, n: int, prefix=()):
         if stacked is None or spec is None:
@@ -88,6 +87,11 @@ def layered(params: decoder.Decoder, c: Config, mesh, rules, *, fp8_weights: boo
         mtp=None if mtp is None else mtp[0],
     )
     return _one_device(out, c) if mesh.size == 1 else out
+
+
+def _head_sharding(mesh, rules, shape_DV) -> NamedSharding:
+    """The output head over its vocabulary axis (decoding/model.py, `head_spec`)."""
+    return NamedSharding(mesh, model.head_spec(mesh, rules, shape_DV))
 
 
 def _one_device(params: decoder.Decoder, c: Config) -> decoder.Decoder:
@@ -149,14 +153,10 @@ def abstract_layered(c: Config, mesh, rules, *, fp8_weights: bool = False):
         )
 
     top = structs(_top_specs(c))
-    if top.lm_head is not None:
-        head = top.lm_head
-        spec = model.head_spec(mesh, rules, head.shape)
+    if (head := top.lm_head) is not None:
+        sharding = _head_sharding(mesh, rules, head.shape)
         top = dataclasses.replace(
-            top,
-            lm_head=jax.ShapeDtypeStruct(
-                head.shape, head.dtype, sharding=NamedSharding(mesh, spec)
-            ),
+            top, lm_head=jax.ShapeDtypeStruct(head.shape, head.dtype, sharding=sharding)
         )
     dense, moe = structs(dense_spec), structs(moe_spec)
     return dataclasses.replace(
