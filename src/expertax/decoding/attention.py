@@ -139,11 +139,26 @@ def _mla(p: mla.MLA, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form: s
     lc = LayerCache(write(lc.k, latent_BTR, start_B), write(lc.v, k_rope_BTQ, start_B))
     lc = constrain_layer(lc, c)
     # The queries in latent space: W_UK^T q_nope per head, [B, T, H, Rkv].
-    q_lat = jnp.einsum("bthn,hnr->bthr", q_BTHQ[..., :nope], uk_HNR, preferred_element_type=F32)
+    q_lat = _per_head(q_BTHQ[..., :nope], uk_HNR, F32)
     seen = _read(lc, slots)
     scores = jnp.einsum("bthr,bsr->bhts", q_lat.astype(dtype), seen.k, preferred_element_type=F32)
     scores += jnp.einsum("bthq,bsq->bhts", q_rope, seen.v, preferred_element_type=F32)
-    probs = _softmax(scores * F32(scale), visible(positions_BT, seen.k.shape[1]), dtype)
-    out_lat = jnp.einsum("bhts,bsr->bthr", probs, seen.k, preferred_element_type=F32)
-    out_BTHO = jnp.einsum("bthr,hro->btho", out_lat.astype(dtype), uv_HRO)
+    probs_BHTS = _softmax(scores * F32(scale), visible(positions_BT, seen.k.shape[1]), dtype)
+    b, h, t, s = probs_BHTS.shape
+    out_lat = jnp.einsum(
+        "bms,bsr->bmr", probs_BHTS.reshape(b, h * t, s), seen.k, preferred_element_type=F32
+    )
+    out_lat_BTHR = out_lat.reshape(b, h, t, -1).transpose(0, 2, 1, 3)
+    out_BTHO = _per_head(out_lat_BTHR.astype(dtype), uv_HRO, None)
     return project(out_BTHO, p.wo.astype(dtype), 2), lc
+
+
+def _per_head(x_BTHI, w_HIO, preferred):
+    """[B, T, H, I] x [H, I, O] -> [B, T, H, O], one matrix product per head over the B x T
+    rows, the heads leading: XLA:CPU runs the batched product with the heads as its batch and
+    canonical row-major operands in one library call, where the same einsum with the heads in
+    the middle took 3-4 x longer at 8 rows (deepseek3-small, batch 8: 0.36 -> 0.10 ms)."""
+    b, t, h, i = x_BTHI.shape
+    x_HMI = x_BTHI.reshape(b * t, h, i).transpose(1, 0, 2)
+    y_HMO = jnp.einsum("hmi,hio->hmo", x_HMI, w_HIO, preferred_element_type=preferred)
+    return y_HMO.transpose(1, 0, 2).reshape(b, t, h, -1)
