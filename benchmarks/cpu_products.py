@@ -1,11 +1,12 @@
-"""XLA:CPU's matrix products at decode shapes: the read bandwidth of `x[M, K] @ w[K, N]`.
+"""Matrix products at decode shapes on CPU: the read bandwidth of `x[M, K] @ w[K, N]`.
 
 A decode step on one CPU device is a chain of products of one to a few rows by weights it
 reads once, so its speed is the bandwidth these products reach. Each case jits a chain of
 products by distinct float32 weights (about 200-400 MB in all, more than this host's caches
 keep from one call to the next; each product's output summed into the next input so that none
-is skipped) and reports `K x N x 4 bytes / time per product`, the minimum over 5 rounds. The
-baseline in the same run: torch's `linear` on the same shapes, as many threads as cores.
+is skipped) and reports `K x N x 4 bytes / time per product`, the minimum over 5 rounds, for
+three libraries in the same run: XLA:CPU's dot, torch's `linear` (as many threads as cores),
+and expertax's own kernel (decoding/rowdot.py, an XLA FFI custom call in the same jitted chain).
 
 Rows 1, 2, 4, 8 (batch 1, speculative steps, batch 8) at the shapes of deepseek3-small's decode
 step: routed and shared expert SwiGLU [1024, 512] (wi_0|wi_1 joined) and [256, 1024], MLA
@@ -64,6 +65,22 @@ def _xla(ws, rows: int, k: int) -> float:
     return _best(lambda: f(x, ws).block_until_ready()) / len(ws)
 
 
+def _rowdot(ws, rows: int, k: int) -> float:
+    from expertax.decoding import rowdot
+
+    if not rowdot.available():
+        raise SystemExit(f"expertax's CPU kernel is unavailable: {rowdot.reason()}")
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k), np.float32))
+
+    def chain(x, ws):
+        for w in ws:
+            x = x + jnp.sum(rowdot.rows(x, [w]), axis=1, keepdims=True) * 1e-9
+        return x
+
+    f = jax.jit(chain)
+    return _best(lambda: f(x, ws).block_until_ready()) / len(ws)
+
+
 def _torch(ws_np, rows: int, k: int) -> float:
     import torch
 
@@ -111,17 +128,20 @@ def main() -> None:
         ws = [jnp.asarray(w) for w in ws_np]
         row = {"shape": f"{k}x{n}", "mib": k * n * 4 / 2**20}
         for m in ROWS:
-            for lib, fn in (("xla", _xla), ("torch", _torch)):
-                s = fn(ws if lib == "xla" else ws_np, m, k)
+            for lib, fn in (("xla", _xla), ("torch", _torch), ("rowdot", _rowdot)):
+                s = fn(ws_np if lib == "torch" else ws, m, k)
                 gbs = k * n * 4 / s / 1e9
                 emit({"shape": [k, n], "rows": m, "lib": lib, "ms": s * 1e3, "gb_s": gbs})
                 row[f"{lib}{m}"] = gbs
         table.append(row)
         del ws, ws_np
-    print("\n| weights [K, N] | MiB | " + " | ".join(f"{m} row(s) xla / torch GB/s" for m in ROWS))
+    libs = "xla / torch / rowdot"
+    print("\n| weights [K, N] | MiB | " + " | ".join(f"{m} row(s) {libs} GB/s" for m in ROWS))
     print("|---|---:|" + "---:|" * len(ROWS))
     for r in table:
-        cells = " | ".join(f"{r[f'xla{m}']:.1f} / {r[f'torch{m}']:.1f}" for m in ROWS)
+        cells = " | ".join(
+            f"{r[f'xla{m}']:.1f} / {r[f'torch{m}']:.1f} / {r[f'rowdot{m}']:.1f}" for m in ROWS
+        )
         print(f"| {r['shape']} | {r['mib']:.2f} | {cells} |")
 
 

@@ -14,7 +14,9 @@ the whole call at max_new_tokens=1, host-side work included. `same_tokens`: the 
 tokens identical on both sides (float32: 1, or a near-tie away from it; bfloat16 rounds
 differently in the two libraries). The calls of the two libraries alternate (`--repeats` rounds,
 the order reversed every other round), so that a slow spell of a shared machine falls on both.
-The target: expertax decode tokens/s >= 2 x transformers'.
+The target: expertax decode tokens/s >= 2 x transformers'. `expertax-xla` is expertax with XLA's
+products in place of our CPU kernel (decoding/rowdot.py, `EXPERTAX_ROWDOT=0`), in the same run
+(`--no-xla` skips it).
 
 `--speculative` adds expertax with one MTP module (mtp_num_layers=1, the same main weights):
 greedy speculative decoding against plain greedy decoding of that model. The weights are random,
@@ -27,7 +29,7 @@ compressed and plain) are printed too, and DeepSeek-V3 671B's from its config al
 
 Run: PYTHONPATH=src python benchmarks/generate.py [--models deepseek3-small,mixtral-tiny]
      [--batches 1 8] [--dtypes bfloat16 float32] [--prompt-length 64] [--new-tokens 64]
-     [--repeats 3] [--speculative] [--hugepages on|off] [--json PATH]
+     [--repeats 3] [--speculative] [--no-xla] [--hugepages on|off] [--json PATH]
 Prints JSON lines (the first one the host's), then Markdown tables; `--json` appends the lines
 to a file as they come (benchmarks/results/generate/<date>.jsonl for BENCHMARKS.md). Measure
 alone.
@@ -53,7 +55,7 @@ import numpy as np
 from expertax import hostmem
 from expertax.config import load_config
 from expertax.convert import write_hf
-from expertax.decoding import bytes_per_token, generate, prepare
+from expertax.decoding import bytes_per_token, generate, prepare, rowdot
 from expertax.models import decoder
 from expertax.nn.param import is_spec
 
@@ -108,11 +110,18 @@ class Runner:
     call: object
 
 
-def expertax_runner(name: str, params, c, *, speculative: bool = False) -> Runner:
+def expertax_runner(
+    name: str, params, c, *, speculative: bool = False, kernel: bool = True
+) -> Runner:
+    """`kernel=False`: XLA's products instead of our CPU kernel (decoding/rowdot.py)."""
     device = jax.devices()[0]
     params = prepare(params, c, devices=[device])  # the layers unstacked once, not per call
 
     def call(prompts: np.ndarray, n: int):
+        if kernel:
+            os.environ.pop(rowdot.SWITCH, None)
+        else:
+            os.environ[rowdot.SWITCH] = "0"
         t0 = time.perf_counter()
         out = generate(
             params,
@@ -184,7 +193,10 @@ def run_model(name: str, dtype: str, args, hf_path: Path, params_f32) -> list[di
     length = args.prompt_length + args.new_tokens + 2  # the speculative loop's 2 extra slots
     c = model_config(name, dtype, length, mtp=False)
     params = cast(params_f32, dtype)
-    runners = [expertax_runner("expertax", dataclasses.replace(params, mtp=None), c)]
+    plain = dataclasses.replace(params, mtp=None)
+    runners = [expertax_runner("expertax", plain, c)]
+    if not args.no_xla:
+        runners.append(expertax_runner("expertax-xla", plain, c, kernel=False))
     if not args.no_torch:
         runners.append(transformers_runner(load_transformers(hf_path, dtype)))
     if args.speculative:
@@ -246,14 +258,17 @@ def kv_table(models: list[str], dtypes: list[str]) -> list[str]:
 
 def table(records: list[dict]) -> list[str]:
     lines = [
-        "| model | dtype | batch | expertax decode tok/s | transformers decode tok/s | ratio | "
+        "| model | dtype | batch | expertax decode tok/s | expertax, XLA's products | "
+        "transformers decode tok/s | ratio | "
         "expertax prefill s | transformers prefill s | same tokens | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         ex, hf = r["expertax"], r.get("transformers", {})
+        xla = r.get("expertax-xla", {})
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['batch']} | {ex['decode_tokens_per_s']} | "
+            f"{xla.get('decode_tokens_per_s', '-')} | "
             f"{hf.get('decode_tokens_per_s', '-')} | {r.get('decode_ratio', '-')} | "
             f"{ex['prefill_s']} | {hf.get('prefill_s', '-')} | {r.get('same_tokens', '-')} | "
             f"{r['load_average'][0]} |"
@@ -293,6 +308,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds, interleaved")
     ap.add_argument("--speculative", action="store_true", help="also MTP speculative decoding")
     ap.add_argument("--no-torch", action="store_true", help="time expertax only")
+    ap.add_argument(
+        "--no-xla", action="store_true", help="skip expertax with XLA's products (no CPU kernel)"
+    )
     ap.add_argument("--hugepages", choices=("on", "off"), default="on")
     ap.add_argument("--json", help="also append the JSON lines to this file")
     args = ap.parse_args()

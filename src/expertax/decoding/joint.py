@@ -12,6 +12,9 @@ along the output axis (`Joint`), and run as one product whose output is split:
 - every SwiGLU (the dense layers' MLP, the shared experts, each routed expert on one device):
   `wi_0` and `wi_1` [D, F] as `wi_0 = Joint([D, 2F])`, `wi_1 = None`.
 
+On one CPU device the products are our kernel's (decoding/rowdot.py), which splits any matrix
+over the cores; a joined matrix is still one call in place of two.
+
 Only where the decode step runs on one device and the weights are not fp8 (`layered` in
 decoding/weights.py): sharded weights keep the layouts their sharding rules name, and fp8 block
 scales need not line up with the parts.
@@ -25,7 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from expertax.nn.linear import project
+from expertax.decoding.rowdot import project
 from expertax.nn.moe.gmm import glu
 
 F32 = jnp.float32
@@ -68,6 +71,6 @@ def glu_mlp(p, x_BTD, dtype):
 def expert_ffn(wi: Joint, wo, x_RD, dtype):
     """One routed expert's SwiGLU on rows [R, D] -> float32 [R, D] (decoding/moe.py's `_ffn`
     for joined weights)."""
-    h = jnp.dot(x_RD, wi.w.astype(dtype), preferred_element_type=F32).astype(dtype)
+    h = project(x_RD, wi.w.astype(dtype), preferred_element_type=F32).astype(dtype)
     f = h.shape[-1] // 2
-    return jnp.dot(glu(h[:, :f], h[:, f:]), wo.astype(dtype), preferred_element_type=F32)
+    return project(glu(h[:, :f], h[:, f:]), wo.astype(dtype), preferred_element_type=F32)

@@ -19,9 +19,9 @@ from expertax.config.schema import Config
 from expertax.decoding import attention, fp8, joint
 from expertax.decoding import moe as decode_moe
 from expertax.decoding.cache import Cache, LayerCache
+from expertax.decoding.rowdot import project
 from expertax.models import decoder
 from expertax.nn import mlp, norm
-from expertax.nn.linear import project
 from expertax.sharding import constrain
 from expertax.sharding.rules import current_rules, logical_to_spec
 

@@ -19,6 +19,13 @@ copied, and only the chosen experts' fp8 weights are dequantized.
   is read once per tile, not once per row (deepseek3-small, batch 8: 128 -> 101 ms per step
   with 2-row tiles against a switch per row).
 
+With our CPU kernel (decoding/rowdot.py: float32, one CPU device, at most `rowdot.MAX_ROWS`
+tokens, i.e. decode steps), neither: two kernel calls take every routed row with its expert's
+weights where they are (joined `wi`, then `wo`), the rows that chose one expert read its weights
+together, and a shared expert of a routed expert's shapes rides in the same calls as one more
+expert of weight 1 (`_by_kernel`; deepseek3-small, batch 1: 13 of 28 ms per token in the
+branches' products before it).
+
 Under a mesh of several devices the experts stay stacked and sharded, and every step runs
 training's MoE layer (expert-parallel as configured).
 """
@@ -31,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.decoding import fp8, joint
+from expertax.decoding import fp8, joint, rowdot
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe import router
 from expertax.nn.moe.gmm import glu
@@ -71,7 +78,14 @@ def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype):
     x_ND = x_BTD.reshape(b * t, d).astype(dtype)
     routing = router.route(p.router, x_ND, c)
     branches = [_ffn(w, dtype) for w in zip(p.wi_0, p.wi_1, p.wo, strict=True)]
-    if b * t == 1:
+    wi = [w.w for w in p.wi_0] if all(joint.is_joint(w) for w in p.wi_0) else None
+    if wi is not None and rowdot.applies(b * t, x_ND, *wi, *p.wo):
+        same = shared is not None and joint.is_joint(shared.wi_0)
+        same = same and shared.wi_0.w.shape == wi[0].shape and shared.wo.shape == p.wo[0].shape
+        with_shared = shared if same else None
+        out_ND = _by_kernel(wi, p.wo, x_ND, routing, dtype, with_shared)
+        shared = None if same else shared
+    elif b * t == 1:
         out_ND = _per_row(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
     else:
         out_ND = _grouped(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
@@ -101,6 +115,27 @@ def _ffn(w, dtype):
 def _weighted(y_RD, weight_R, dtype):
     """An expert output in `dtype` (as training's), times its routing weight, in float32."""
     return y_RD.astype(dtype).astype(F32) * weight_R[:, None]
+
+
+def _by_kernel(wi, wo, x_ND, routing, dtype, shared=None):
+    """`_per_row`'s sum by our CPU kernel (decoding/rowdot.py): every routed row multiplied by
+    its expert's joined `wi` and its `wo` where they are, the rows that chose one expert
+    together; with `shared` (a joined shared expert of a routed one's shapes), each token's row
+    through it as one more expert of weight 1, in the same two calls."""
+    experts_NK, weights_NK = routing.experts_NK, routing.weights_NK
+    n, k = experts_NK.shape
+    ids_M, weight_M = experts_NK.reshape(-1), weights_NK.reshape(-1)
+    x_MD = jnp.repeat(x_ND, k, axis=0)
+    if shared is not None:
+        wi, wo = [*wi, shared.wi_0.w], [*wo, shared.wo]
+        ids_M = jnp.concatenate([ids_M, jnp.full((n,), len(wo) - 1, ids_M.dtype)])
+        weight_M = jnp.concatenate([weight_M, jnp.ones((n,), weight_M.dtype)])
+        x_MD = jnp.concatenate([x_MD, x_ND])
+    h_MF = rowdot.rows(x_MD, wi, ids_M).astype(dtype)
+    f = h_MF.shape[-1] // 2
+    y_MD = _weighted(rowdot.rows(glu(h_MF[:, :f], h_MF[:, f:]), wo, ids_M), weight_M, dtype)
+    out_ND = y_MD[: n * k].reshape(n, k, -1).sum(axis=1)
+    return out_ND if shared is None else out_ND + y_MD[n * k :]
 
 
 def _per_row(branches, x_ND, experts_NK, weights_NK, dtype):

@@ -19,7 +19,7 @@ from expertax import platform
 from expertax.config.loader import config_rules
 from expertax.config.schema import Config
 from expertax.decoding import cache as kv
-from expertax.decoding import model, sample, weights
+from expertax.decoding import model, rowdot, sample, weights
 from expertax.sharding.rules import logical_to_spec, use_rules
 
 
@@ -27,7 +27,7 @@ from expertax.sharding.rules import logical_to_spec, use_rules
 def context(mesh, rules):
     """The mesh, the sharding rules and the platform the programs are traced for."""
     on = platform.use(platform.of_mesh(mesh), mesh.devices.flat[0])
-    with jax.set_mesh(mesh), use_rules(rules), on:
+    with jax.set_mesh(mesh), use_rules(rules), on, rowdot.use(rowdot.wanted(mesh)):
         yield
 
 
@@ -49,7 +49,7 @@ def jitted(c, mesh, rules, b, p_len, budget, temperature, top_k, top_p, eos, for
     chunk = chunk or PREFILL_CHUNK
     rules_key = tuple(sorted((k, tuple(v)) for k, v in rules.items()))
     key = (c.model_dump_json(), mesh, rules_key, b, p_len, budget, temperature, top_k, top_p,
-           eos, form, speculative, chunk)  # fmt: skip
+           eos, form, speculative, chunk, rowdot.wanted(mesh))  # fmt: skip
     if key not in _RUNS:
         body = _speculative_loop if speculative else _plain_loop
         _RUNS[key] = jax.jit(
