@@ -5,9 +5,10 @@
 // The weights are the call's remaining operands, each [K, N] or [G, K, N] (G matrices); their
 // matrices are numbered in operand order and `ids` picks one per row. Rows that pick the same
 // matrix are multiplied together, up to 8 at a time, so each matrix is read from memory once per
-// 8 rows. The work is cut into (row block, column range) items that XLA's intra-op thread pool
-// and the calling thread take in turn. Each item streams its columns of W row after row, four
-// rows of W at a time, with the outputs for its columns accumulated in a small buffer.
+// 8 rows. The work is cut into items, each a row block and a range of W's rows (partial sums,
+// added up at the end) or of its columns, that our helper threads and the calling thread take
+// in turn. Each item streams its part of W row after row, two or four rows of W at a time, with
+// the outputs accumulated in a small buffer.
 
 #include <algorithm>
 #include <atomic>
@@ -137,7 +138,7 @@ struct Work {
     kBlocks[it.rows](xs, it.w + it.k0 * n_dim, it.k1 - it.k0, n_dim, it.c0, it.c1, ys);
   }
 
-  // Takes items until none is left; returns how many this thread ran.
+  // Takes items until none is left.
   void Drain() {
     const int64_t n = static_cast<int64_t>(items.size());
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
@@ -261,9 +262,10 @@ ffi::Error RowDotImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
   const int64_t threads = Helpers::Get().size() + 1;
   const int64_t bytes = static_cast<int64_t>(blocks.size()) * k_dim * n_dim * 4;
   const int64_t blocks_n = static_cast<int64_t>(blocks.size());
-  // About four items per thread. Where a row block's outputs fit its accumulators (N x rows
-  // <= kAccFloats), an item is a range of w's rows, read as one contiguous stretch, whose
-  // partial sums are added up at the end; else a range of columns.
+  // An item is a range of w's rows, read as one contiguous stretch, whose partial sums are
+  // added up at the end: one per thread for blocks of 3 or more rows (their partial sums cost
+  // more), about four per thread for 1-2 rows. Wide 1-2-row blocks (N x rows > kAccFloats)
+  // are cut into column ranges instead.
   int64_t pieces = 1;
   bool by_rows = false;
   if (threads > 1 && bytes >= kParallelBytes) {

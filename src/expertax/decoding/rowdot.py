@@ -2,10 +2,10 @@
 
 A decode step multiplies one to a few rows by every weight it holds: products bound by reading
 the weights from memory. XLA:CPU runs a 1-row product of a matrix up to 2 MiB on one thread and
-its 2-8-row products at 7-13 GB/s (BENCHMARKS.md, "XLA:CPU's products at decode shapes"; torch's
-are no faster), where this host's two cores read 28 GB/s. No library that JAX can call provides
-such products, so expertax has its own: `rowdot.cc`, an XLA FFI custom call that streams each
-weight once per 8 rows, on XLA's intra-op threads and the calling one. A row can pick its matrix
+its 2-8-row products at 8-20 GB/s (BENCHMARKS.md, "Products at decode shapes"), where this
+host's two cores read 28-30 GB/s. No library that JAX can call provides faster ones, so expertax
+has its own: `rowdot.cc`, an XLA FFI custom call that streams each weight once per 8 rows, on
+its own helper threads and the calling one. A row can pick its matrix
 out of several (`ids`): a MoE layer's routed rows read their experts' weights in place, the rows
 that chose one expert together, and MLA's absorbed products run per head in one call.
 
