@@ -3,9 +3,12 @@
 DeepSeek-V3's 671B parameters take 1.34 TB in bfloat16, more than 8 H200s (1.13 TB) or a v5p-16
 slice (8 chips, 760 GiB) hold; in fp8 they take half. `fp8_weights=True` keeps every matrix of
 the decoder layers and the MTP modules (attention projections, dense and shared MLPs, routed
-experts, `eh_proj`) as float8_e4m3fn with one float32 scale per 128 values along its last axis
-(the whole axis when it is not a multiple of 128): finer blocks than the hub's 128 x 128, so the
-rounding error is at most the hub format's. Embeddings, the output head, norms and the router
+experts, `eh_proj`) as float8_e4m3fn with one float32 scale per 128 values along its input axis,
+the second to last (the whole axis when it is not a multiple of 128): finer blocks than the
+hub's 128 x 128, so the rounding error is at most the hub format's. The scales of a [..., K, N]
+weight are [..., K / 128, N], their minor axis the weight's own: blocks along the minor axis
+would give the scales a minor axis of N / 128 (16 for a routed expert of DeepSeek-V3), which a
+TPU pads to 128 in every buffer that holds them. Embeddings, the output head, norms and the router
 (and its bias) stay in their own dtype, as in the hub checkpoint. Each layer's weights are
 dequantized to `dtype` where the layer runs (`dequantize`, decoding/model.py).
 
@@ -34,15 +37,16 @@ class Fp8(NamedTuple):
     """One quantized weight."""
 
     q: Any  # float8_e4m3fn, the weight's shape
-    scale: Any  # float32 [*shape[:-1], blocks of the last axis]
+    scale: Any  # float32 [*shape[:-2], blocks of the second to last axis, shape[-1]]
 
 
 def is_fp8(x) -> bool:
     return isinstance(x, Fp8)
 
 
-def block(last: int) -> int:
-    return BLOCK if last % BLOCK == 0 else last
+def block(rows: int) -> int:
+    """The block length along an input axis of `rows` values."""
+    return BLOCK if rows % BLOCK == 0 else rows
 
 
 def _names(path) -> list[str]:
@@ -67,7 +71,8 @@ def spec(tree, prefix: tuple[str, ...] = ()):
     def one(path, s: ParamSpec):
         if not quantized(path, s.shape, prefix):
             return s
-        scale_shape = (*s.shape[:-1], s.shape[-1] // block(s.shape[-1]))
+        k, n = s.shape[-2:]
+        scale_shape = (*s.shape[:-2], k // block(k), n)
         return Fp8(s, ParamSpec(scale_shape, s.axes, "ones", weight_decay=False))
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_spec)
@@ -88,22 +93,23 @@ def abstract(tree, dtype) -> Any:
 
 
 def quantize_array(w: jax.Array) -> Fp8:
-    last = w.shape[-1]
-    blk = block(last)
-    w_NB = w.astype(jnp.float32).reshape(*w.shape[:-1], last // blk, blk)
-    amax = jnp.max(jnp.abs(w_NB), axis=-1)
+    """`w` [..., K, N] as e4m3 values and a scale per block of `block(K)` values of its K axis."""
+    *lead, k, n = w.shape
+    blk = block(k)
+    w_KBN = w.astype(jnp.float32).reshape(*lead, k // blk, blk, n)
+    amax = jnp.max(jnp.abs(w_KBN), axis=-2)
     scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q = (w_NB / scale[..., None]).astype(E4M3).reshape(w.shape)
+    q = (w_KBN / scale[..., None, :]).astype(E4M3).reshape(w.shape)
     return Fp8(q, scale)
 
 
 def dequantize_array(f: Fp8, dtype) -> jax.Array:
     """The weight in `dtype`, computed in `dtype` (e4m3 values are exact in bfloat16; the
     scale is rounded to it): no float32 copy of the weight is made on the way."""
-    blk = block(f.q.shape[-1])
-    # The scales repeated along the last axis, not the weight reshaped into blocks: a reshape of
-    # the minor axis is a relayout (a copy of the weight) on TPU.
-    return f.q.astype(dtype) * jnp.repeat(f.scale.astype(dtype), blk, axis=-1)
+    blk = block(f.q.shape[-2])
+    # The scales repeated along the K axis (a broadcast that keeps the minor axis), not the
+    # weight reshaped into blocks.
+    return f.q.astype(dtype) * jnp.repeat(f.scale.astype(dtype), blk, axis=-2)
 
 
 def quantize(params, prefix: tuple[str, ...] = ()):

@@ -14,7 +14,7 @@ matrices are quantized on the way (decoding/fp8.py). Each layer is cut from the 
 one small jitted program per stack into that layer's own sharding (the stacked one less the
 layer axis). More layouts for the decode step, made on the way:
 - MLA's `wkv_b` as its absorbed halves (`attention.Absorbed`: [H, Qn, Rkv] and [H, Rkv, O]),
-  with fp8 blocks along those halves' last axes;
+  with fp8 blocks along those halves' second to last axes;
 - the output head `lm_head` over its vocabulary axis (`model.head_spec`);
 - on one device, each MoE layer's experts as separate arrays (decoding/moe.py), and float
   matrices that read the same input joined into one (decoding/joint.py).

@@ -33,19 +33,20 @@ def deepseek():
 
 
 def test_rounding_within_e4m3_precision():
-    w = jax.random.normal(jax.random.key(0), (3, 64, 256), jnp.float32)
-    w = w * jnp.logspace(-3, 1, 256)[None, None, :]  # blocks of very different magnitudes
+    w = jax.random.normal(jax.random.key(0), (3, 256, 64), jnp.float32)
+    w = w * jnp.logspace(-3, 1, 256)[None, :, None]  # blocks of very different magnitudes
     q = fp8.quantize_array(w)
-    assert q.q.dtype == jnp.float8_e4m3fn and q.scale.shape == (3, 64, 2)
+    # Blocks of 128 along the input axis K, the scales [E, K / 128, N] (a wide minor axis).
+    assert q.q.dtype == jnp.float8_e4m3fn and q.scale.shape == (3, 2, 64)
     back = fp8.dequantize_array(q, jnp.float32)
-    amax = jnp.max(jnp.abs(w.reshape(3, 64, 2, 128)), axis=-1, keepdims=True)
-    err = jnp.abs(back - w).reshape(3, 64, 2, 128)
+    amax = jnp.max(jnp.abs(w.reshape(3, 2, 128, 64)), axis=-2, keepdims=True)
+    err = jnp.abs(back - w).reshape(3, 2, 128, 64)
     # e4m3: 3 mantissa bits, half an ulp of relative error for normal values; the smallest
     # values of a block (subnormal after scaling) err by at most 2^-10 of the block's max.
-    bound = jnp.maximum(jnp.abs(w.reshape(3, 64, 2, 128)) * 2.0**-4, amax * 2.0**-10)
+    bound = jnp.maximum(jnp.abs(w.reshape(3, 2, 128, 64)) * 2.0**-4, amax * 2.0**-10)
     assert bool(jnp.all(err <= bound * 1.0001))
-    odd = fp8.quantize_array(jnp.ones((5, 576)))  # not a multiple of 128: one block per row
-    assert odd.scale.shape == (5, 1)
+    odd = fp8.quantize_array(jnp.ones((576, 5)))  # not a multiple of 128: one block per column
+    assert odd.scale.shape == (1, 5)
 
 
 def test_only_layer_matrices_are_quantized(deepseek):
