@@ -69,7 +69,13 @@ def test_routing_flips_explain_the_deep_model_difference():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(r["flips"]) == 4 and sum(r["flips"]) > 0, r
+    assert len(r["flips"]) == 4 and r["imposed_diff"] <= r["bound"], r
+    if sum(r["flips"]) == 0:
+        # The near-ties come from the host's vectorised rounding: some hosts' XLA:CPU code
+        # rounds the two layouts alike (an AMD Zen 4 VM: losses 1e-6 apart, no flips). Then the
+        # layout must agree with the reference without anything imposed.
+        assert r["free_diff"] <= r["bound"], r
+        return
     assert r["free_diff"] > 3 * r["bound"]
     assert r["imposed_diff"] <= r["bound"]
     # With every layer's inputs computed from the reference's routing, the layout's routers still
@@ -91,10 +97,13 @@ def test_parity_cli_deep_model_with_imposed_routing(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]  # every layout passes
     out = run.stdout
-    assert "routing flips; within tolerance under the reference's routing: step 0's forward)" in out
     report = json.loads(path.read_text())
     bound = report["tolerance"] * 10.0
     assert all(r["imposed_loss_diff"] <= bound for r in report["rows"])
-    assert sum(report["rows"][0]["routing_flips"]) > 0
+    # EP=2's near-tie flips depend on the host's rounding (test above); where they happen, the
+    # table names them and passes the layout on the imposed comparison.
+    if sum(report["rows"][0]["routing_flips"]) > 0:
+        said = "routing flips; within tolerance under the reference's routing: step 0's forward)"
+        assert said in out
