@@ -77,7 +77,6 @@ def test_routing_flips_explain_the_deep_model_difference():
         assert r["free_diff"] <= r["bound"], r
         return
     assert r["free_diff"] > 3 * r["bound"]
-    assert r["imposed_diff"] <= r["bound"]
     # With every layer's inputs computed from the reference's routing, the layout's routers still
     # prefer other experts somewhere: the near-ties are in the layout's own rounding.
     assert r["imposed_flips"] > 0
