@@ -7,7 +7,10 @@ coordinator_address / num_processes / process_id keys) on LOCAL_DEVICES simulate
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(sys.argv[1])}"
+# the test processes' flags (tests/xla_flags.py; this script runs without the package on its path)
+os.environ["XLA_FLAGS"] = (
+    f"--xla_force_host_platform_device_count={int(sys.argv[1])} --xla_backend_optimization_level=0"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from expertax.config import ConfigError, load_config
 from expertax.parallel import remat
 from expertax.tools import parity
 from expertax.train.trainer import build_trainer
+from tests.xla_flags import TOLERANCE_ONLY_CODEGEN, with_devices
 
 pytestmark = pytest.mark.distributed
 
@@ -49,6 +53,19 @@ def _check_rows(rows, tol, ref_scale, n):
         }
         assert r["max_abs_loss_diff"] <= tol * ref_scale, r
         assert r["tokens_per_s_per_device"] > 0
+
+
+def parity_child(argv: list[str], json_path) -> subprocess.CompletedProcess:
+    """`expertax parity ARGV --json JSON_PATH` in a child on 8 devices with the tolerance-only
+    code generation (tests/xla_flags.py): parity compares losses within tolerance, and each
+    layout compiles in about 0.6 x the time. Its stdout and stderr are captured (stderr also
+    holds XLA's own warnings)."""
+    return subprocess.run(
+        [sys.executable, "-m", "expertax.cli", "parity", *argv, "--json", str(json_path)],
+        env=dict(os.environ, XLA_FLAGS=with_devices(8, TOLERANCE_ONLY_CODEGEN)),
+        capture_output=True,
+        text=True,
+    )
 
 
 def _swap_expert_shards(ep: int):

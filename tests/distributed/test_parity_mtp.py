@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from expertax import cli
-from tests.distributed.test_parity import _check_rows
+from tests.distributed.test_parity import _check_rows, parity_child
 
 pytestmark = pytest.mark.distributed
 
@@ -20,15 +19,14 @@ LAYOUTS = ["sparse-ep4-fsdp2", "sparse-ring-pp2-ep2-fsdp2"]
 
 
 @pytest.mark.extended
-def test_parity_with_mtp(tmp_path, capsys):
+def test_parity_with_mtp(tmp_path):
+    """In a child with the tolerance-only code generation (`parity_child`)."""
     path = tmp_path / "parity.json"
     args = ["model_name=deepseek3-tiny", "mtp_num_layers=1", "max_target_length=32"]
-    rc = cli.main(
-        ["parity", *args, "--steps", "3", "--layouts", ",".join(LAYOUTS), "--json", str(path)]
-    )
-    assert rc == 0
+    run = parity_child([*args, "--steps", "3", "--layouts", ",".join(LAYOUTS)], path)
+    assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(path.read_text())
     _check_rows(report["rows"], report["tolerance"], 10.0, len(LAYOUTS))
     staged = [r for r in report["rows"] if r["pp"] == 2]
     assert len(staged) == 1
-    assert "| sparse | True | - | 2 | 2 | 2 | 1 | 1 | no | default |" in capsys.readouterr().out
+    assert "| sparse | True | - | 2 | 2 | 2 | 1 | 1 | no | default |" in run.stdout

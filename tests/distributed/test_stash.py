@@ -2,7 +2,8 @@
 plain stack for the all-to-all and the ring at EP=2/4/8 with FSDP, balanced and skewed routing,
 with layers that overflow; a run with the stash resumes bitwise.
 
-The default run keeps one case and one overflow case; the whole grid is `extended`.
+The grid covers every pair of (strategy, mesh, routing) values (`CASES`). The default run keeps
+one case and one overflow case; the rest is `extended`.
 """
 
 from __future__ import annotations
@@ -39,16 +40,21 @@ MESHES = {
     "ep8": {"ici_expert_parallelism": 8, "ici_fsdp_parallelism": 1},
 }
 DEFAULT = {("mixtral-tiny", "a2a", "ep4-fsdp2", "balanced")}
-# Every (strategy, mesh, routing) runs on one of the models: deepseek3-tiny (shared experts, a
-# dense first layer, group-limited sigmoid routing: the same stash code, three times the
-# compile) a covering subset, each strategy, mesh and routing at least once; mixtral-tiny the
-# rest, and the default case.
-DEEPSEEK = {
-    ("a2a", "ep4-fsdp2", "balanced"),
-    ("ring", "ep8", "skewed"),
-    ("a2a", "ep2-fsdp2-data2", "skewed"),
-    ("ring", "ep2-fsdp2-data2", "balanced"),
-}
+# The grid of (strategy, mesh, routing) pairwise: mixtral-tiny runs each strategy on each mesh
+# (a compile each), the routing alternating so that every strategy and every mesh meets both
+# routings (a second routing on the same compile would cost little but add no code path);
+# deepseek3-tiny (shared experts, a dense first layer, group-limited sigmoid routing: the same
+# stash code, three times the compile) runs the all-to-all on the mesh with every axis, skewed.
+# Its ring runs under the stash in the overflow and fused-FFN tests below.
+CASES = [
+    ("mixtral-tiny", "a2a", "ep4-fsdp2", "balanced"),
+    ("mixtral-tiny", "ring", "ep4-fsdp2", "skewed"),
+    ("mixtral-tiny", "a2a", "ep2-fsdp2-data2", "balanced"),
+    ("mixtral-tiny", "ring", "ep2-fsdp2-data2", "skewed"),
+    ("mixtral-tiny", "a2a", "ep8", "skewed"),
+    ("mixtral-tiny", "ring", "ep8", "balanced"),
+    ("deepseek3-tiny", "a2a", "ep2-fsdp2-data2", "skewed"),
+]
 
 
 def skewed(p):
@@ -83,16 +89,9 @@ def compare(model, strategy, mesh, routing, **extra):
 
 
 def _cases():
-    for model in ("deepseek3-tiny", "mixtral-tiny"):
-        for strategy in ("a2a", "ring"):
-            for mesh in MESHES:
-                for routing in ("balanced", "skewed"):
-                    case = (model, strategy, mesh, routing)
-                    on_deepseek = (strategy, mesh, routing) in DEEPSEEK
-                    if (model == "deepseek3-tiny") != on_deepseek and case not in DEFAULT:
-                        continue
-                    marks = () if case in DEFAULT else (pytest.mark.extended,)
-                    yield pytest.param(*case, marks=marks, id="-".join(case))
+    for case in CASES:
+        marks = () if case in DEFAULT else (pytest.mark.extended,)
+        yield pytest.param(*case, marks=marks, id="-".join(case))
 
 
 @pytest.mark.parametrize("model, strategy, mesh, routing", list(_cases()))
@@ -106,10 +105,10 @@ def test_stash_gradients_bitwise_under_expert_parallelism(model, strategy, mesh,
 @pytest.mark.parametrize(
     "strategy, factor, overflowing",
     [
+        # each strategy and each factor once (tests/unit/nn/moe/test_stash.py overflows
+        # every layer and some without expert parallelism)
         ("a2a", 0.6, "some"),
         pytest.param("ring", 0.01, "all", marks=pytest.mark.extended),
-        pytest.param("a2a", 0.01, "all", marks=pytest.mark.extended),
-        pytest.param("ring", 0.6, "some", marks=pytest.mark.extended),
     ],
 )
 def test_overflowing_layers_under_expert_parallelism(strategy, factor, overflowing):

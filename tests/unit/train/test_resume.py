@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tests.conftest import TINY_MOE
+from tests.xla_flags import with_devices
 
 from expertax.config import ConfigError, load_config
 from expertax.train import checkpoint
@@ -150,7 +151,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_same_command
     from step 0 to the end, with the losses of the killed attempt, and keeps its metrics."""
     args = [f"{k}={v}" for k, v in {**TINY, "steps": 400, "checkpoint_period": 1000}.items()]
     args += [f"base_output_directory={tmp_path}", "run_name=r"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, XLA_FLAGS=with_devices(1))
     cmd = [sys.executable, "-m", "expertax.cli", "train", *args]
     metrics = tmp_path / "r" / "metrics.jsonl"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
