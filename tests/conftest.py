@@ -5,18 +5,11 @@ optimisation is off (`--xla_backend_optimization_level=0`, about a fifth less CP
 suite). The HLO programs, their fusions and buffer assignments (what the planner and the program
 checks read) are the ones a user's run compiles; only the machine code is less optimised. The
 tolerances are the same at both levels (the suite passes at both). tests/xla_flags.py has the
-flags, and the cheaper code generation that children of tolerance-only tests use.
+flags, and the cheaper code generation that children of tolerance-only tests use."""
 
-Python's collector runs less often (a first-generation threshold of 100,000 objects instead of
-700): tracing a train step allocates many short-lived objects, and at the default the collector
-took about a sixth of the tracing time."""
-
-import gc
 import os
 
 from tests.xla_flags import with_devices
-
-gc.set_threshold(100_000, 50, 100)
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + with_devices(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,8 +1,10 @@
 """The XLA flags of the test processes (tests/conftest.py says why). Child processes that set
 XLA_FLAGS themselves add them too.
 
-`CHEAP_CPU_CODEGEN` (every test process): LLVM's optimisation off. The HLO programs, their fusions
-and buffer assignments are a user's; only the machine code is less optimised.
+`CHEAP_CPU_CODEGEN` (every test process but the children of test_parity_deep.py, which need
+XLA:CPU's default code: `with_devices(n, codegen="")`): LLVM's optimisation off. The HLO
+programs, their fusions and buffer assignments are a user's; only the machine code is less
+optimised.
 
 `TOLERANCE_ONLY_CODEGEN` (children of tests that compare losses within a tolerance, such as the
 whole parity matrix): XLA:CPU's fusions emitted by its direct LLVM IR emitters instead of its MLIR
@@ -17,4 +19,4 @@ TOLERANCE_ONLY_CODEGEN = f"{CHEAP_CPU_CODEGEN} --xla_cpu_use_fusion_emitters=fal
 
 def with_devices(n: int, codegen: str = CHEAP_CPU_CODEGEN) -> str:
     """XLA_FLAGS for a test process with `n` simulated CPU devices."""
-    return f"--xla_force_host_platform_device_count={n} {codegen}"
+    return f"--xla_force_host_platform_device_count={n} {codegen}".strip()

@@ -7,10 +7,9 @@ coordinator_address / num_processes / process_id keys) on LOCAL_DEVICES simulate
 import os
 import sys
 
-# the test processes' flags (tests/xla_flags.py; this script runs without the package on its path)
-os.environ["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={int(sys.argv[1])} --xla_backend_optimization_level=0"
-)
+from tests.xla_flags import with_devices  # the repository root is on PYTHONPATH
+
+os.environ["XLA_FLAGS"] = with_devices(int(sys.argv[1]))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

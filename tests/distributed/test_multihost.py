@@ -49,7 +49,9 @@ def test_two_processes_train_like_one(tmp_path):
     keys = {**MODEL, "base_output_directory": str(tmp_path), "run_name": "multi"}
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(SRC), str(SRC.parent), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     env.pop("XLA_FLAGS", None)
     children = [

@@ -55,14 +55,16 @@ def _check_rows(rows, tol, ref_scale, n):
         assert r["tokens_per_s_per_device"] > 0
 
 
-def parity_child(argv: list[str], json_path) -> subprocess.CompletedProcess:
-    """`expertax parity ARGV --json JSON_PATH` in a child on 8 devices with the tolerance-only
-    code generation (tests/xla_flags.py): parity compares losses within tolerance, and each
-    layout compiles in about 0.6 x the time. Its stdout and stderr are captured (stderr also
-    holds XLA's own warnings)."""
+def parity_child(
+    argv: list[str], json_path, codegen: str = TOLERANCE_ONLY_CODEGEN
+) -> subprocess.CompletedProcess:
+    """`expertax parity ARGV --json JSON_PATH` in a child on 8 devices, by default with the
+    tolerance-only code generation (tests/xla_flags.py): parity compares losses within
+    tolerance, and each layout compiles in about 0.6 x the time. Its stdout and stderr are
+    captured (stderr also holds XLA's own warnings)."""
     return subprocess.run(
         [sys.executable, "-m", "expertax.cli", "parity", *argv, "--json", str(json_path)],
-        env=dict(os.environ, XLA_FLAGS=with_devices(8, TOLERANCE_ONLY_CODEGEN)),
+        env=dict(os.environ, XLA_FLAGS=with_devices(8, codegen)),
         capture_output=True,
         text=True,
     )

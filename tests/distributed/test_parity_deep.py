@@ -15,6 +15,8 @@ import pytest
 from expertax.config import load_config
 from expertax.data.synthetic import SyntheticData
 from expertax.tools import parity, parity_routing
+from tests.distributed.test_parity import parity_child
+from tests.xla_flags import with_devices
 
 pytestmark = pytest.mark.distributed
 
@@ -25,7 +27,7 @@ def default_level_env() -> dict:
     """The environment with XLA:CPU at its default backend optimisation level: the near-ties
     these tests need come from the vectorised code's rounding, and at the tests' level 0
     (conftest.py) the layouts round alike (no flips on this model and batch)."""
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return dict(os.environ, XLA_FLAGS=with_devices(8, codegen=""))
 
 
 def probe_flips() -> dict:
@@ -89,13 +91,8 @@ def test_parity_cli_deep_model_with_imposed_routing(tmp_path):
     and explains."""
     path = tmp_path / "parity.json"
     layouts = "sparse-padded-ep2,dense-ep2-tp2-data2,sparse-padded-ep2-fsdp2-tp2-eptp"
-    argv = ["parity", *DEEP, "--steps", "1", "--layouts", layouts, "--impose-routing"]
-    run = subprocess.run(
-        [sys.executable, "-m", "expertax.cli", *argv, "--json", str(path)],
-        env=default_level_env(),
-        capture_output=True,
-        text=True,
-    )
+    argv = [*DEEP, "--steps", "1", "--layouts", layouts, "--impose-routing"]
+    run = parity_child(argv, path, codegen="")  # XLA:CPU's default code (default_level_env)
     assert run.returncode == 0, run.stderr[-3000:]  # every layout passes
     out = run.stdout
     report = json.loads(path.read_text())
