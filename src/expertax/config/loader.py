@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -57,20 +59,30 @@ def config_rules(c: Config) -> dict[str, tuple[str, ...]]:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping; a config key's plain (unquoted) value is read as its key's type takes it
+    (`run_name: off` is the string "off", not YAML's boolean; see `typed_value`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
+        node = yaml.compose(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
+    for key_node, value_node in node.value if isinstance(node, yaml.MappingNode) else ():
+        plain = isinstance(value_node, yaml.ScalarNode) and value_node.style is None
+        key = key_node.value
+        if plain and key in data:
+            data[key] = typed_value(key, value_node.value, data[key])
     return data
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """`key=value` strings to a dict; values are parsed as YAML scalars (1, 1e-3, true, bf16)."""
+    """`key=value` strings to a dict; values are parsed as YAML scalars (1, 1e-3, true, bf16),
+    except where the key's type would not take that reading and takes text (`typed_value`)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -78,10 +90,44 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         try:
-            out[key] = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
-            out[key] = raw
+            value = raw
+        out[key] = typed_value(key, raw.strip(), value)
     return out
+
+
+def typed_value(key: str, text: str, parsed: Any) -> Any:
+    """What the user typed for config key `key`: YAML's reading `parsed` where the key's type
+    takes it, else the text itself where the key takes text. `run_name=off` is "off" (YAML 1.1
+    reads a boolean, which a string key would refuse), `run_name=1e3` "1e3", `run_name=007`
+    "007"; `steps=10` stays 10 and `use_ring_of_experts=off` stays False."""
+    field = Config.model_fields.get(key)
+    if field is None or isinstance(parsed, str):
+        return parsed
+    accepted = _accepted_types(field.annotation)
+    if any(type(parsed) is t for t in accepted):
+        return parsed
+    if str in accepted:
+        return text
+    if isinstance(parsed, bool):  # pydantic would take YAML's `on`/`off` as the number 1/0
+        kinds = " or ".join(sorted(t.__name__ for t in accepted if t is not type(None)))
+        raise ConfigError(f"{key}={text!r}: expects {kinds or 'a value'}, not a yes/no word")
+    return parsed
+
+
+def _accepted_types(annotation: Any) -> set[type]:
+    """The Python types of the values a field's annotation takes (a float field takes ints)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return {type(v) for v in typing.get_args(annotation)}
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_accepted_types(a) for a in typing.get_args(annotation)))
+    if annotation is float:
+        return {float, int}
+    if annotation is None or annotation is type(None):
+        return {type(None)}
+    return {annotation} if isinstance(annotation, type) else set()
 
 
 def _check_known_keys(values: Mapping[str, Any], source: str) -> None:

@@ -53,6 +53,26 @@ def test_overrides_are_typed_and_compose_over_files(tmp_path):
     assert parse_overrides(["a=true", "b=3", "c=x"]) == {"a": True, "b": 3, "c": "x"}
 
 
+@pytest.mark.parametrize("typed", ["off", "yes", "no", "on", "1e3", "007", "12", "1.5", "null"])
+def test_a_string_key_is_what_the_user_typed(typed, tmp_path):
+    assert load_config(overrides=[f"run_name={typed}"]).run_name == typed
+    f = tmp_path / "mine.yml"
+    f.write_text(f"run_name: {typed}\n")
+    assert load_config(f).run_name == typed
+    # Quoted in a file, YAML already reads text; other kinds of keys keep YAML's reading.
+    f.write_text(f"run_name: '{typed}'\nuse_ring_of_experts: off\nsteps: 12\n")
+    c = load_config(f, overrides=["learning_rate=3", "sparse_matmul=off"])
+    assert c.run_name == typed and c.use_ring_of_experts is False and c.steps == 12
+    assert c.learning_rate == 3.0 and c.sparse_matmul is False
+
+
+def test_a_non_string_key_still_refuses_text():
+    with pytest.raises(ConfigError, match="steps='off': expects int, not a yes/no word"):
+        load_config(overrides=["steps=off"])
+    with pytest.raises(ConfigError, match="learning_rate='on': expects float or int"):
+        load_config(overrides=["learning_rate=on"])
+
+
 def test_configs_dir_holds_models_and_parallel_presets():
     assert (configs_dir() / "parallel" / "default.yml").is_file()
 
