@@ -18,6 +18,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from expertax import startup  # the standard library only, like this module
+
 # Only the standard library at import time (see `command`); expertax's modules load in the commands.
 
 
@@ -63,6 +65,7 @@ def cmd_train(args) -> int:
     from expertax.train import distributed
 
     distributed.initialize(cfg)  # before any JAX backend use
+    startup.start_backends()
     from expertax.train.loop import train
     from expertax.train.step import NonFiniteError
 
@@ -85,6 +88,7 @@ def cmd_parity(args) -> int:
             "trains on this machine's devices: add --compile-only to compile for the target"
         )
     cfg = config_from_args(args.config)
+    startup.start_backends()
     from expertax.tools import parity
 
     chosen = [parity.parse_layout(n) for n in args.layouts.split(",")] if args.layouts else None
@@ -123,6 +127,7 @@ def _parity_compile_only(args) -> int:
     target = _target(argparse.Namespace(target=args.target or "cpu"))
     if target.is_cpu:
         _use_simulated_devices(8, args.argv)
+    startup.start_backends()
     cfg = config_from_args(args.config)
     from expertax.tools import parity, parity_compile
 
@@ -152,6 +157,7 @@ def cmd_convert(args) -> int:
     from expertax.config import ConfigError
     from expertax.convert import convert_from_hf, convert_to_hf
 
+    startup.start_backends()
     try:  # user errors (bad paths, unsupported configs) print one line, like config errors
         if args.direction == "from-hf":
             if args.fp8:
@@ -211,6 +217,7 @@ def cmd_memory(args) -> int:
         if args.devices < 1:
             raise ConfigError(f"--devices={args.devices}: use a positive number of devices")
         _use_simulated_devices(args.devices, args.argv)
+    startup.start_backends()
     if args.fit:
         return _memory_fit(cfg, args, target)
     import time
@@ -288,6 +295,7 @@ def cmd_report(args) -> int:
 def cmd_generate(args) -> int:
     from expertax.decoding.cli import run
 
+    startup.start_backends()
     return run(args)
 
 
@@ -543,6 +551,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: this process's arguments) and run the subcommand; a user error
     prints one line and returns 2."""
+    startup.prepare()  # before anything imports JAX
     from expertax.config import ConfigError
 
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -77,3 +77,25 @@ def test_the_command_module_imports_no_jax_before_its_reexecution():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_private_module_of_jax_or_a_library_is_imported():
+    """No `jax._src` (nor any `_src` / underscore package of a library) in expertax's imports or
+    import_module strings; the one private name read (tokamax's op table) is a guarded constant
+    in nn/moe/gmm_kernels.py with its own test."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+                names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            for name in names:
+                if not name.startswith("expertax") and any(
+                    part.startswith("_") and not part.startswith("__") for part in name.split(".")
+                ):
+                    found.append(f"{path.relative_to(SRC)}: {name}")
+    assert found == []

@@ -21,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import logging
 import math
 import os
 import sys
 from pathlib import Path
 
+from expertax import startup
 from expertax.config.checks import ConfigError
 
 GIB = 1024**3
@@ -177,16 +177,19 @@ def _topology_devices(platform: str, topology: str, target_config: str) -> tuple
     from jax.experimental import topologies
 
     try:
-        if platform == "tpu":
-            # libtpu takes a machine-wide lock on load; compile-only use needs no exclusive
-            # access (a test run's workers, a fit search beside a training): let them share it.
-            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-            desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
-        else:
-            config = (HERE / target_config).read_text()
-            desc = topologies.get_topology_desc(
-                platform="cuda", target_config=config, topology=topology
-            )
+        # The compilers' native start-up logs what a machine without the hardware lacks.
+        with startup.quiet_native_logs():
+            if platform == "tpu":
+                # libtpu takes a machine-wide lock on load; compile-only use needs no exclusive
+                # access (a test run's workers, a fit search beside a training): share it.
+                os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+                startup.compile_only_tpu_environment(_slice_name(topology))
+                desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+            else:
+                config = (HERE / target_config).read_text()
+                desc = topologies.get_topology_desc(
+                    platform="cuda", target_config=config, topology=topology
+                )
     except Exception as e:  # noqa: BLE001 - the compiler's own refusal, reworded
         raise ConfigError(
             f"the {platform.upper()} compiler cannot describe the topology {topology}: "
@@ -195,20 +198,26 @@ def _topology_devices(platform: str, topology: str, target_config: str) -> tuple
     return tuple(desc.devices)
 
 
+def _slice_name(topology: str) -> str:
+    """Cloud TPU's accelerator type of a libtpu topology: "v5p:8x8x8" -> "v5p-1024"."""
+    kind, _, grid = topology.partition(":")
+    chip = next(c for c in CHIPS.values() if c.libtpu_name == kind)
+    return f"{kind}-{math.prod(int(n) for n in grid.split('x')) * chip.cores_per_chip}"
+
+
 def prepare_process(target: Target) -> None:
     """Before JAX starts a backend: compile-only targets run on the CPU backend (with libtpu
-    or the CUDA plugin installed JAX would otherwise try to start a TPU or GPU client)."""
+    or the CUDA plugin installed JAX would otherwise try to start a TPU or GPU client), unless
+    the user chose the platforms ($JAX_PLATFORMS)."""
     if not target.is_cpu:
         check_compiler(target)
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if "JAX_PLATFORMS" not in os.environ or startup.chosen_platforms() is not None:
+            os.environ["JAX_PLATFORMS"] = "cpu"
         if target.platform == "tpu":
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        # Without a GPU the CUDA plugin's start-up fails and JAX logs its traceback as a
-        # warning; the compile-only topology needs no running client.
-        logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
         # JAX reads JAX_PLATFORMS when it is imported, and the command's config modules import
-        # it first: with no platforms chosen it would start every plugin, and the CUDA plugin,
-        # failing to load CUDA on a machine without a GPU, then registers no compiler either.
+        # it first: with other platforms chosen it would start their plugins, and the CUDA
+        # plugin, failing to load CUDA on a machine without a GPU, then registers no compiler.
         jax = sys.modules.get("jax")
-        if jax is not None and not jax.config.jax_platforms:
+        if jax is not None and jax.config.jax_platforms != os.environ["JAX_PLATFORMS"]:
             jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])

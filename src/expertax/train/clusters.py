@@ -7,8 +7,8 @@ jax/_src/clusters/) needs for the same launcher, so that a launcher found here a
 MPICH/Intel MPI's Hydra, a Kubernetes Job without the `kubernetes` package) are found all the same,
 so that such a job is refused with a hint instead of running one independent training per process.
 
-Detection is instant and local: environment variables, one `find_spec`, and JAX's own flag
-for a Cloud TPU VM (set when `import jax` found libtpu and TPU chips). Nothing here opens a
+Detection is instant and local: environment variables, `find_spec`s, and the TPU chips on this
+machine's PCI bus (what JAX checks before it looks for a TPU pod). Nothing here opens a
 connection or touches a JAX backend; the metadata-server and Kubernetes-API lookups that some
 launchers need are JAX's, during `jax.distributed.initialize()`, and only where the launcher was
 found.
@@ -21,6 +21,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from expertax import startup
 from expertax.config.checks import ConfigError
 
 # SLURM (srun): JAX needs all five; the coordinator is the step's first node, its port derived
@@ -189,12 +190,9 @@ def _kubernetes(env: Mapping[str, str]) -> Found | None:
 
 
 def on_cloud_tpu_vm() -> bool:
-    """JAX's own answer, fixed at `import jax`: libtpu is installed and TPU chips are attached."""
-    try:
-        from jax._src import cloud_tpu_init
-    except ImportError:  # pragma: no cover - a JAX that moved it
-        return False
-    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+    """What JAX's own detection requires before it looks for a TPU pod: libtpu is installed and
+    TPU chips are attached to this machine (read from its PCI devices, `startup.accelerators`)."""
+    return importlib.util.find_spec("libtpu") is not None and "tpu" in startup.accelerators()
 
 
 def kubernetes_client_installed() -> bool:

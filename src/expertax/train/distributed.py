@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
-from jax._src import distributed as jax_distributed
 
+from expertax import startup
 from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
 from expertax.train import clusters
@@ -188,11 +188,12 @@ def plan(c: Config, found: Sequence[Found] | None = None) -> ProcessLayout | Fou
 
 
 def _joined(f: Found) -> ProcessLayout:
-    state = jax_distributed.global_state
-    if state.client is not None:  # JAX's own numbers, which are the ones in effect
-        return ProcessLayout(
-            state.coordinator_address or "", state.num_processes, state.process_id, f.name
-        )
+    """The layout JAX joined through launcher `f`: JAX's own count and index, which are the ones
+    in effect (the backends start here, as they would at the next use of JAX)."""
+    if jax.distributed.is_initialized():
+        startup.start_backends()
+        address = os.environ.get(ENV_COORDINATOR, "")  # JAX keeps the one it derived to itself
+        return ProcessLayout(address, jax.process_count(), jax.process_index(), f.name)
     n, i = f.num_processes, f.process_id  # (jax.distributed.initialize was replaced: tests)
     return ProcessLayout("", -1 if n is None else n, -1 if i is None else i, f.name)
 

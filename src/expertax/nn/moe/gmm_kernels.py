@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -269,7 +270,7 @@ class Tokamax(_Kernels):
         flags = importlib.import_module("absl.flags").FLAGS
         if not flags.is_parsed():
             flags.mark_as_parsed()
-        with _on_target_device():
+        with _on_target_device(), _without_cache_miss_warnings():
             try:
                 impl = self._op(lhs, rhs, sizes, dims, out_dtype)
                 return tokamax.ragged_dot_general(
@@ -288,8 +289,7 @@ class Tokamax(_Kernels):
         """tokamax's op for `implementation` with its configuration, the row block capped."""
         if not isinstance(self.implementation, str):
             return self.implementation
-        api = importlib.import_module("tokamax._src.ops.ragged_dot.api")
-        op = api.IMPLEMENTATIONS[self.implementation]
+        op = tokamax_op(self.implementation)
         if self.implementation != "triton":
             return op
         bound = op.bind(
@@ -304,6 +304,44 @@ class Tokamax(_Kernels):
         field = "block_m" if dims.rhs_group_dimensions else "block_k"
         block = min(getattr(config, field), self.row_block)
         return op.replace(config=dataclasses.replace(config, **{field: block}))
+
+
+class _CacheMissFilter(logging.Filter):
+    """Drops tokamax's "Autotuning cache miss" warning: a shape its shipped autotuning data does
+    not hold gets its heuristics' config, which is what a compile without the GPU (which cannot
+    autotune) always uses; the warning repeats the op's whole repr for every kernel call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Autotuning cache miss")
+
+
+_CACHE_MISS_FILTER = _CacheMissFilter()
+
+
+@contextlib.contextmanager
+def _without_cache_miss_warnings():
+    log = logging.getLogger("absl")  # tokamax logs through absl.logging
+    log.addFilter(_CACHE_MISS_FILTER)
+    try:
+        yield
+    finally:
+        log.removeFilter(_CACHE_MISS_FILTER)
+
+
+# tokamax's name for its op objects by implementation, the one private name expertax reads.
+TOKAMAX_PRIVATE_OPS = ("tokamax._src.ops.ragged_dot.api", "IMPLEMENTATIONS")
+
+
+def tokamax_op(implementation: str):
+    """tokamax's ragged-dot op object for `implementation` ("triton", "mosaic_gpu").
+
+    Why a private name: capping the Triton kernel's row block (`Tokamax`) needs the op object,
+    to bind it to the operands, read its default config and replace the block; tokamax's public
+    API takes an op object as `implementation` but exports none, and its public route to one
+    (`tokamax.autotuning.get_bound_args`) lowers a whole program per call. This is the one place
+    expertax reads it; tests/unit/nn/moe/test_gmm_kernels.py fails when it moves."""
+    module, name = TOKAMAX_PRIVATE_OPS
+    return getattr(importlib.import_module(module), name)[implementation]
 
 
 def _on_target_device():

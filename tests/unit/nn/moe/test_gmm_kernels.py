@@ -203,6 +203,18 @@ def test_missing_library_names_the_extra(monkeypatch):
         gmm_kernels.check("tokamax_triton", "gpu")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("tokamax") is None, reason="needs expertax[gpu]")
+def test_the_private_tokamax_name_is_where_expertax_reads_it():
+    """gmm_kernels.tokamax_op reads tokamax's private table of op objects (its docstring says
+    why): when tokamax moves it, this fails, not a user's compile."""
+    import tokamax
+
+    for name in gmm_kernels.TOKAMAX_IMPLEMENTATION.values():
+        op = gmm_kernels.tokamax_op(name)
+        assert isinstance(op, tokamax.Op) and callable(op.bind)
+        assert hasattr(op, "config") and callable(op.replace)
+
+
 def test_train_config_refused_before_compiling():
     """A mesh of CPU devices cannot run megablox: build_trainer refuses it (no compile)."""
     from expertax.config import load_config
