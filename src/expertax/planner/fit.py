@@ -76,12 +76,13 @@ def fit_search(
     compile_fn: Callable[[Config, float], Any] | None = None,
     log=None,
     hardware=None,
+    offload: bool = True,
 ) -> dict:
     """Search, compile best-first, and return the `fit` report (see the module docstring).
 
     `hardware` (targets.Target, TPU or GPU): compile for its devices, search only the meshes its
     topology can lay out, and estimate for its platform. `compile_fn` returns the peak bytes or
-    (peak bytes, extra figures for the report)."""
+    (peak bytes, extra figures for the report). `offload=False` leaves host offload out."""
     check_inputs(c, devices, hbm_gib, headroom, allow_drops)
     target_devices = hardware.devices() if hardware is not None else None
     if compile_fn is None:
@@ -91,7 +92,7 @@ def fit_search(
     budget = hbm_gib * GIB
     target = budget * (1 - headroom / 100)
     t0 = time.perf_counter()
-    pinned = remat.backend_has_pinned_host(target_devices)
+    pinned = offload and remat.backend_has_pinned_host(target_devices)
     fits_topology = None
     if target_devices is not None:
         fits_topology = lambda shape: buildable(shape, target_devices)
