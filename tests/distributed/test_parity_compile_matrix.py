@@ -4,7 +4,7 @@ budget holds, so these are marked `compile_matrix` and run on demand,
 `python -m pytest -m compile_matrix`). deepseek3-tiny's matrix for a TPU v5p slice here,
 mixtral-tiny's for 8 H100s in test_parity_compile_matrix_gpu.py (a file each, for two xdist
 workers). The default run compiles representative layouts on both targets
-(test_parity_compile.py); the tables of every layout are in BENCHMARKS.md."""
+(test_parity_compile.py); the tables of every layout are in docs/design/parity.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A decode step multiplies one to a few rows by every weight it holds: products bound by reading
 the weights from memory. XLA:CPU runs a 1-row product of a matrix up to 2 MiB on one thread and
-its 2-8-row products at 8-20 GB/s (BENCHMARKS.md, "Products at decode shapes"), where this
+its 2-8-row products at 8-20 GB/s (docs/design/generate.md, "Products at decode shapes"), where this
 host's two cores read 28-30 GB/s. No library that JAX can call provides faster ones, so expertax
 has its own: `rowdot.cc`, an XLA FFI custom call that streams each weight once per 8 rows, on
 its own helper threads and the calling one. A row can pick its matrix
