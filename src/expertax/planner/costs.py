@@ -88,6 +88,14 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
         out["compiled_flops_method"] += (
             f"; {len(count.unknown_trip_counts)} loop(s) of unknown trip count counted once"
         )
+    if count.flop_free_loops:
+        out["compiled_flops_method"] += (
+            f"; {len(count.flop_free_loops)} data-dependent loop(s) without a matmul"
+        )
+    if count.opaque:
+        out["compiled_flops_method"] += f"; {len(count.opaque)} kernel(s) not counted"
+    out["unknown_loops"] = len(count.unknown_trip_counts)
+    out["opaque_kernels"] = len(count.opaque)
     if on != "tpu":
         return out
     try:
@@ -116,9 +124,30 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
             "loop scaling of the FLOPs) / its HBM bandwidth); the compiler's own optimal_seconds "
             f"is {optimal:.3g} for this program (its data-dependent loops have no cost)"
         )
-    if out["roofline_seconds"] and out["peak_flops_per_s"]:
+    why = _no_bound(count, model)
+    if why is not None:  # the count misses work: a bound from it would be too high
+        out["roofline_seconds"] = None
+        out["roofline_method"] = f"no roofline: {why}"
+    elif out["roofline_seconds"] and out["peak_flops_per_s"]:
         out["mfu_bound"] = model / (out["roofline_seconds"] * out["peak_flops_per_s"])
     return out
+
+
+def _no_bound(count, model: float) -> str | None:
+    """Why the compiled count cannot bound MFU: a loop with matmuls of unknown trip count or a
+    kernel the counter cannot read (both counted short), or fewer FLOPs than the model's (the
+    program computes at least what the model does, so a short count misses something)."""
+    if count.unknown_trip_counts:
+        return f"{len(count.unknown_trip_counts)} loop(s) with matmuls of unknown trip count"
+    if count.opaque:
+        names = ", ".join(sorted({t for _, t, _ in count.opaque}))
+        return f"{len(count.opaque)} kernel(s) the FLOP count cannot read ({names})"
+    if count.flops < model:
+        return (
+            f"the compiled count ({count.flops / 1e12:.1f} TFLOP) is below the model's "
+            f"({model / 1e12:.1f} TFLOP): some work is not counted"
+        )
+    return None
 
 
 def _flop(n: float) -> str:

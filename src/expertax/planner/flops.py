@@ -46,13 +46,13 @@ from collections import Counter
 from expertax.planner.hlo import Instruction, Module, parse_hlo
 from expertax.planner.kernels import GroupedKernel, grouped_kernel
 
-_EXPECTED_RE = re.compile(r"trips~(\d+)")
+_EXPECTED_RE = re.compile(r"trips~(\d+(?:\.\d+)?)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
     name: str  # the while instruction
-    trip_count: int | None  # None: could not be read (counted once)
+    trip_count: float | None  # None: could not be read (counted once); a `trips~N` mean
     op_name: str
     body_flops: int  # flops of one trip through the body (nested loops at their counts)
     expected: bool = False  # a data-dependent count, taken from the loop's `trips~N` scope
@@ -68,6 +68,9 @@ class FlopCount:
     by_op_name: dict[str, int]  # weighted flops by the op_name metadata of the dot/convolution
     opaque: list[tuple[str, str, str]]  # (instruction, custom-call target, op_name) not counted
     kernels: list[GroupedKernel] = dataclasses.field(default_factory=list)  # each call once
+    # loops of unknown trip count without a matmul in their body (data-dependent row loops):
+    # their count does not change `flops`
+    flop_free_loops: list[Loop] = dataclasses.field(default_factory=list)
     worst_flops: int = 0  # `flops` with every grouped kernel at its worst case for the buffer
 
     def matching(self, substring: str) -> int:
@@ -182,10 +185,10 @@ class _Counter:
         for ins in module.instructions.values():
             self.comps.setdefault(ins.computation, []).append(ins)
         self.memo: dict[str, tuple[int, int, Counter[str], int]] = {}
-        self.trips: dict[str, int | None] = {}
+        self.trips: dict[str, float | None] = {}
         self.body_flops: dict[str, int] = {}
         self.opaque: list[tuple[str, str, str]] = []
-        self.expected: dict[str, int] = {}  # loops counted by their `trips~N` scope
+        self.expected: dict[str, float] = {}  # loops counted by their `trips~N` scope
         self.kernels: dict[str, GroupedKernel] = {}
         self.fused_by = _fused_by(module)
 
@@ -199,6 +202,15 @@ class _Counter:
                 out.append(self.shape(op))
             except (KeyError, ValueError):
                 out.append(())
+        return out
+
+    def float_operand_dims(self, ins: Instruction) -> list[tuple[int, ...]]:
+        """Dimensions of the floating-point array operands (a kernel's data, not its masks)."""
+        out = []
+        for op in ins.operands:
+            ref = self.m.instructions.get(op)
+            if ref is not None and re.match(r"\s*(bf16|f16|f32|f64|f8\w*)\[", ref.shape):
+                out.append(_dims(ref.shape))
         return out
 
     def own(self, ins: Instruction) -> int:
@@ -228,6 +240,9 @@ class _Counter:
             return _dot_flops(_dims(ins.shape), self.shape(ins.operands[0]), dims)
         if target in ("__cudnn$convforward", "__cudnn$convbiasactivationforward"):
             return _conv_flops(ins, self.shape(ins.operands[0]), self.shape(ins.operands[1]))
+        attention = _attention_kernel_flops(ins, target, self.float_operand_dims(ins))
+        if attention is not None:
+            return attention
         if target == "tpu_custom_call":
             est = re.search(r'"cost_estimate":\{"flops":"?(\d+)', ins.attrs)
             if est:
@@ -258,7 +273,7 @@ class _Counter:
             if ins.opcode == "while":
                 n = self.trips[ins.name] = trip_count(self.m, ins, self.fused_by)
                 if n is None and (hint := _EXPECTED_RE.findall(ins.op_name)):
-                    n = int(hint[-1])  # the program's own balanced-routing count
+                    n = float(hint[-1])  # the program's own count: balanced routing, a mean
                     self.expected[ins.name] = n
                 parts = [(self.cost(c), 1 if n is None else n) for _, c in called]
                 self.body_flops[ins.name] = sum(self.cost(c)[0] for k, c in called if k == "body")
@@ -273,6 +288,41 @@ class _Counter:
                     by_op[name or ins.op_name] += g * mult
         self.memo[comp] = (total, once, by_op, extra)
         return self.memo[comp]
+
+
+# Flash-attention kernels, by the matmuls per (query, key) pair each computes: 2 x (Q + V)
+# forward (scores, values); splash's backward is two kernels, dq (scores again, dO V^T, dS K:
+# 2Q + V) and dk/dv (scores, dO V^T, P^T dO, dS^T Q: 2Q + 2V); cuDNN's backward is one kernel
+# (scores, dO V^T, P^T dO, dS K, dS^T Q: 3Q + 2V).
+_SPLASH_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
+
+
+def _attention_kernel_flops(ins: Instruction, target: str, operands) -> int | None:
+    """FLOPs of a flash-attention kernel (Pallas TPU splash, cuDNN fused attention) from its
+    operand shapes, counting the causal pairs (T(T+1)/2 per sequence and head: expertax's
+    attention is causal; masked blocks a kernel skips are not work, as the model counts them),
+    or the full T x S pairs for a cuDNN call whose mask is not causal; None for other calls."""
+    splash = _SPLASH_RE.search(ins.name) if target == "tpu_custom_call" else None
+    cudnn = target.startswith("__cudnn$fmha")
+    if splash is None and not cudnn:
+        return None
+    qkv = [d for d in operands if len(d) >= 3][:3]
+    if len(qkv) < 3:
+        return None
+    q, k, v = qkv
+    if splash is not None:  # [..., heads, T, head dim]
+        t, s, qd, vd = q[-2], k[-2], q[-1], v[-1]
+        heads = math.prod(q[:-2])
+        per_pair = {"fwd": qd + vd, "dq": 2 * qd + vd, "dkv": 2 * qd + 2 * vd}[splash.group(1)]
+        causal = True
+    else:  # [B, T, heads, head dim]
+        t, s, qd, vd = q[1], k[1], q[-1], v[-1]
+        heads = q[0] * q[2]
+        per_pair = 3 * qd + 2 * vd if "backward" in target else qd + vd
+        # A boolean (bias) mask, packed documents' form, is applied to every pair computed.
+        causal = re.search(r'"mask_type":\s*"(CAUSAL|PADDING_CAUSAL)', ins.attrs) is not None
+    pairs = t * (t + 1) // 2 if causal and t == s else t * s
+    return 2 * heads * pairs * per_pair
 
 
 def _int_literal(ins: Instruction) -> int | None:
@@ -403,13 +453,15 @@ def count_flops(hlo_text: str) -> FlopCount:
         for name, n in counter.trips.items()
     ]
     return FlopCount(
-        flops=total,
+        flops=round(total),  # a `trips~N` mean may be fractional
         flops_once=once,
         loops=loops,
-        unknown_trip_counts=[lp for lp in loops if lp.trip_count is None],
+        # A loop whose body has no matmul leaves the count the same whatever its trips.
+        unknown_trip_counts=[lp for lp in loops if lp.trip_count is None and lp.body_flops],
+        flop_free_loops=[lp for lp in loops if lp.trip_count is None and not lp.body_flops],
         expected_trip_counts=[lp for lp in loops if lp.expected],
-        by_op_name=dict(by_op),
+        by_op_name={k: round(v) for k, v in by_op.items()},
         opaque=counter.opaque,
         kernels=list(counter.kernels.values()),
-        worst_flops=total + worst_extra,
+        worst_flops=round(total + worst_extra),
     )

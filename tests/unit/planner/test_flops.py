@@ -346,3 +346,55 @@ def test_ragged_dot_on_gpu_is_dense_over_experts():
     """XLA:GPU expands ragged_dot to a matmul per expert over every row: E x the routed flops."""
     r = count_flops(ragged("gpu").as_text())
     assert r.flops > E / 2 * 2 * M * K * N
+
+
+# --- attention kernels and causal loops ----------------------------------------------------------
+
+
+def _attention_grad(impl: str, target: str, b=1, t=512, h=4, g=2, qd=64, vd=64):
+    """The compiled forward + backward of one causal attention call on one device, and its
+    causal (query, key) pairs."""
+    from expertax import platform
+    from expertax.nn.attention.kernel import attend
+
+    devices = target_devices(target)[:1]
+    mesh = jax.make_mesh((1,), ("a",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+    q = sds(mesh, (b, t, h, qd), P())
+    k = sds(mesh, (b, t, g, qd), P())
+    v = sds(mesh, (b, t, g, vd), P())
+
+    def loss(q, k, v):
+        return attend(q, k, v, scale=0.125, impl=impl).astype(jnp.float32).sum()
+
+    with platform.use(target, devices[0]), jax.set_mesh(mesh):
+        text = compiled(jax.grad(loss, argnums=(0, 1, 2)), q, k, v).as_text()
+    pairs = b * h * t * (t + 1) // 2
+    return count_flops(text), pairs
+
+
+def test_splash_attention_kernels_are_counted():
+    """Splash's forward (Q + V per pair), dq (2Q + V) and dk/dv (2Q + 2V) kernels, causal pairs;
+    none left opaque. MLA's unequal head dims (q/k 96, v 64)."""
+    r, pairs = _attention_grad("splash", "tpu", qd=96, vd=64)
+    assert not r.opaque
+    assert r.flops == 2 * pairs * (5 * 96 + 4 * 64)  # the program holds nothing else
+
+
+def test_cudnn_attention_kernels_are_counted():
+    """cuDNN's forward (Q + V per pair) and its one backward kernel (3Q + 2V), causal pairs."""
+    pytest.importorskip("nvidia.cudnn")
+    r, pairs = _attention_grad("cudnn", "gpu")
+    assert not r.opaque
+    assert r.flops == 2 * pairs * (4 * 64 + 3 * 64)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_blockwise_causal_loops_count_their_mean_trips(target):
+    """The blockwise kernel's inner loops run to the diagonal (a trip count from the block
+    index): each is counted at its mean over the blocks (`trips~N`), so the total is exact."""
+    r, pairs = _attention_grad("blockwise", target, t=2048, qd=64, vd=64)
+    assert not r.unknown_trip_counts and r.expected_trip_counts
+    blocks = 4  # 2048 / 512: block pairs at or below the diagonal, whole blocks computed
+    block_pairs = 4 * (blocks * (blocks + 1) // 2) * 512 * 512
+    # forward 2 dots, backward 5, per computed pair of a block
+    assert r.flops == 2 * block_pairs * (2 * 64 + 5 * 64)

@@ -74,6 +74,13 @@ def _num_key_blocks(i, bq: int, bk: int, nk: int):
     return jnp.minimum(nk, ((i + 1) * bq - 1) // bk + 1)
 
 
+def _trips(total: int, loops: int) -> str:
+    """The `trips~N` scope of a causal inner loop: its mean trip count over the `loops` runs of
+    its enclosing scan (`total` trips in all), so that the compiled program's FLOP count
+    (planner/flops.py) multiplies its body by the trips it really makes."""
+    return f"trips~{total / loops:.6g}"
+
+
 def _first_query_block(j, bq: int, bk: int):
     """First query block that sees key block j: the one holding row j * bk."""
     return (j * bk) // bq
@@ -109,7 +116,10 @@ def _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
             jnp.zeros((b, g, r, bq), jnp.float32),
             jnp.zeros((b, g, r, bq, vd), jnp.float32),
         )
-        m, row_sum, acc = jax.lax.fori_loop(0, _num_key_blocks(i, bq, bk, nk), one_key_block, init)
+        visits = sum(min(nk, ((n + 1) * bq - 1) // bk + 1) for n in range(nq))
+        with jax.named_scope(_trips(visits, nq)):
+            trips = _num_key_blocks(i, bq, bk, nk)
+            m, row_sum, acc = jax.lax.fori_loop(0, trips, one_key_block, init)
         out = (acc / row_sum[..., None]).astype(v_blocks.dtype)
         return None, (out, m + jnp.log(row_sum))
 
@@ -175,7 +185,9 @@ def _backward(scale, res, d_out):
             jnp.zeros(v_blk.shape, jnp.float32),
         )
         first = _first_query_block(j, bq, bk)
-        dq_acc, dk, dv = jax.lax.fori_loop(first, nq, one_query_block, init)
+        visits = sum(nq - _first_query_block(n, bq, bk) for n in range(nk))
+        with jax.named_scope(_trips(visits, nk)):
+            dq_acc, dk, dv = jax.lax.fori_loop(first, nq, one_query_block, init)
         return dq_acc, (dk.astype(k_blk.dtype), dv.astype(v_blk.dtype))
 
     _, b, g, r, _, qd = q_blocks.shape
