@@ -83,7 +83,8 @@ def train_step(ctx) -> None:
     compiled = trainer.compile()
     compile_s = time.perf_counter() - t0
     xla = planner.xla_figures(compiled)
-    compiled_peak = planner.device_peak(c, trainer.abstract_state(), xla)[0]
+    on = jax.devices()[0].platform.replace("cuda", "gpu")
+    compiled_peak = planner.device_peak(c, trainer.abstract_state(), xla, on=on)[0]
     state = trainer.init_state()
     step = compiled  # the program the plan was read from
     data = SyntheticData(

@@ -275,6 +275,7 @@ def _memory_fit(cfg, args, target) -> int:
         headroom=args.headroom,
         allow_drops=args.allow_drops,
         max_compiles=args.max_compiles,
+        minutes=args.fit_minutes,
         hardware=None if target.is_cpu else target,
     )
     print(fit.format_fit(result))
@@ -418,6 +419,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     memory.add_argument(
         "--max-compiles", type=int, default=12, help="--fit: compile at most this many candidates"
+    )
+    memory.add_argument(
+        "--fit-minutes",
+        type=float,
+        default=30.0,
+        help="--fit: start no compile that would end past this many minutes of search",
     )
     convert = sub.add_parser("convert", help=COMMANDS["convert"][0])
     convert.add_argument("direction", choices=("from-hf", "to-hf"))

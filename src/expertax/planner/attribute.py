@@ -77,7 +77,7 @@ _COLLECTIVES = {
 }
 
 
-def _describe(module, shapes, buf: hlo.LiveBuffer, host_names: set[str]) -> dict:
+def _describe(module, shapes, buf: hlo.LiveBuffer, host_names: set[str], stacks=()) -> dict:
     """One live buffer as a top_buffers entry."""
     instr = module.instructions.get(buf.instruction)
     text = shapes.get((buf.instruction, buf.index)) or (instr.shape if instr else "")
@@ -116,6 +116,8 @@ def _describe(module, shapes, buf: hlo.LiveBuffer, host_names: set[str]) -> dict
     elif src is not instr:
         what = "copy" if instr.opcode == "fusion" else instr.opcode  # a fusion that only copies
         entry["note"] = f"{what} of {src.name}"
+    if not entry["name"] and (stacked := _stacked_residual(shape, stacks)):
+        entry["name"] = stacked
     if not entry["source"] and not entry["name"]:
         entry["why"] = _why_no_source(module, instr, src, shape)
     if entry["name"] in host_names or any(
@@ -123,6 +125,21 @@ def _describe(module, shapes, buf: hlo.LiveBuffer, host_names: set[str]) -> dict
     ):
         entry["placement"] = "host"
     return entry
+
+
+def _stacked_residual(shape: hlo.Shape, stacks) -> str:
+    """The saved residual a buffer is the layer scan's stack of ([layers, *its shape], its
+    dtype): XLA builds these stacks (and their host copies, when offloaded) without a Python
+    source line. `stacks`: (name, dtype, per-layer shape, layers) of the config's residuals."""
+    names = [
+        name
+        for name, dtype, dims, layers in stacks
+        if layers > 1 and shape.dtype == dtype and tuple(shape.dims) == (layers, *dims)
+    ]
+    if not names:
+        return ""
+    layers = shape.dims[0]
+    return f"{' or '.join(dict.fromkeys(names))} (the layer scan's stack of {layers} layers)"
 
 
 def _why_no_source(module, instr, src, shape: hlo.Shape) -> str:
@@ -166,11 +183,12 @@ def _shaped_like_parameters(module, shape: hlo.Shape) -> list[str]:
     return sorted(out)[:4]
 
 
-def attribute_peak(dump_dir: str, top: int, host_names=()) -> dict:
+def attribute_peak(dump_dir: str, top: int, host_names=(), stacks=()) -> dict:
     """The `top` largest buffers alive at the peak of the module dumped in `dump_dir`.
 
     `host_names`: checkpoint names and argument paths (e.g. "state.opt_state") the config places
-    on host, for the placement column (XLA:CPU prints no host memory space). Never raises for an
+    on host, for the placement column (XLA:CPU prints no host memory space); `stacks`: the
+    residuals whose layer-scan stacks are named (`_stacked_residual`). Never raises for an
     unreadable dump: {"unavailable": why} instead.
     """
     try:
@@ -182,7 +200,7 @@ def attribute_peak(dump_dir: str, top: int, host_names=()) -> dict:
         with open(files["hlo"]) as f:
             module = hlo.parse_hlo(f.read())
         ranked = sorted(peak.buffers, key=lambda b: -b.bytes)[:top]
-        buffers = [_describe(module, shapes, b, set(host_names)) for b in ranked]
+        buffers = [_describe(module, shapes, b, set(host_names), stacks) for b in ranked]
     except (OSError, ValueError, KeyError, IndexError) as e:
         return {"unavailable": f"{type(e).__name__}: {e}", "top_buffers": []}
     return {
@@ -195,7 +213,7 @@ def attribute_peak(dump_dir: str, top: int, host_names=()) -> dict:
     }
 
 
-def compile_and_attribute(trainer, top: int, host_names=()):
+def compile_and_attribute(trainer, top: int, host_names=(), stacks=()):
     """Compile the train step abstractly; with `top` > 0, also attribute its peak (XLA's dumps
     go to a temporary folder, removed afterwards)."""
     with trainer.context():
@@ -207,7 +225,7 @@ def compile_and_attribute(trainer, top: int, host_names=()):
         options = {"xla_dump_to": tmp, "xla_dump_hlo_as_text": True}
         with trainer.context(), _persistent_cache_off():
             compiled = lowered.compile(compiler_options=options)
-        return compiled, attribute_peak(tmp, top, host_names)
+        return compiled, attribute_peak(tmp, top, host_names, stacks)
 
 
 @contextlib.contextmanager

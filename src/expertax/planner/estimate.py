@@ -1,13 +1,28 @@
-"""The fit search's analytic estimate of a candidate's peak bytes per device: the state from the
-shardings the trainer would build (on an abstract mesh, no devices), the saved residuals of
-`residuals.layer_residuals` (traced once per remat preset at one sequence per device, scaled by
-the batch per device), and a model of the temporaries (one layer's gathered weights and their
-gradients, plus the largest of: the attention scores, the logits of a vocab tile, the MoE dispatch
-buffers of a token chunk). It only ranks and prunes; the compiled figure decides.
+"""The fit search's analytic estimate of a candidate's bytes per device, as terms the search
+calibrates one by one against what it compiles (`calibrate.py`):
+
+- `args`: the parameters and optimizer state the step holds in device memory (its arguments),
+  from the shardings the trainer would build, on an abstract mesh (no devices);
+- `grads`: the gradients, one buffer per parameter in `grad_dtype`;
+- `residual_device` / `residual_host`: the saved activations by placement, from
+  `residuals.layer_residuals` (one layer traced per remat choice at one sequence per device,
+  scaled by the batch per device), or the paged stash's buffers;
+- `working`: what one layer's compute holds besides: its weights gathered for compute (and
+  their gradients), then the largest of the attention kernel's working set, a vocab tile's
+  logits and the MoE layer's dispatch buffers of one token chunk (the sorted rows, the
+  exchange's receive buffer and the kernels' outputs: `ROW_BUFFERS` of them per platform, as
+  the compiled programs hold them; with several chunks, the local experts' weight gradients the
+  chunk loop accumulates);
+- `state_host`: optimizer state and parameters offloaded to pinned host memory (copied to the
+  device for the update: the update's bytes are `update`).
+
+`Terms.peak(ratios)` is their sum with each term scaled by its calibration ratio. The estimate
+only ranks and prunes; the compiled program decides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -21,6 +36,7 @@ from expertax.config.schema import MESH_AXES, Config
 from expertax.models import decoder
 from expertax.nn import param
 from expertax.nn.attention.kernel import AUTO_BLOCKWISE_MIN_LENGTH
+from expertax.nn.moe import stash as stash_mod
 from expertax.parallel import remat
 from expertax.planner import plan
 from expertax.planner.residuals import layer_residuals
@@ -28,8 +44,15 @@ from expertax.sharding.rules import logical_to_spec
 
 GIB = plan.GIB
 CHUNKS_KEY = "num_moe_token_chunks"
-CPU_EP_ROW_BUFFERS = 9
-BLOCKWISE_BLOCK = 512  # key block of the blockwise kernel, for the temporaries model
+# [rows, D] buffers one MoE layer's backward holds at once, per platform: the receive buffer,
+# the row gathers of the forward replayed and their scatter-adds, the grouped matmuls' input
+# gradients and their sum (read off the compiled 671B programs' peaks with `--top`: 5 on TPU
+# (megablox), 8 on GPU (tokamax); XLA:CPU's padded all-to-all stand-in keeps about nine, in
+# float32).
+ROW_BUFFERS = {"tpu": 5, "gpu": 8, "cpu": 9}
+# [B, T, D] activations of a layer alive in its backward pass besides the saved ones (its
+# input, norms' outputs, the residual stream and their gradients; 8 at the 671B plans' peaks).
+LAYER_ACTIVATIONS = 8
 # Residual names split over the heads (or MLP hidden) axes of the rules: residuals.layer_residuals
 # traces without a mesh, so its shapes are not divided by tensor parallelism.
 _HEAD_SPLIT = {
@@ -48,16 +71,47 @@ _HEAD_SPLIT = {
 # q_lora, kv_lora are all-gathered one layer at a time by the scan).
 _COMPUTE_AXES = ("exp", "heads", "kv_heads", "mlp", "exp_mlp", "vocab")
 
-# ---------------------------------------------------------------------------------------------
-# The analytic estimate.
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """A candidate's estimated bytes per device, by term (module docstring)."""
+
+    args: int
+    grads: int
+    residual_device: int
+    residual_host: int
+    working: int
+    state_host: int
+    update: int  # device bytes the update needs for the offloaded state (0 without)
+
+    def peak(self, ratios: dict[str, float] | None = None) -> int:
+        """Device bytes at the peak, each term times its ratio (default 1)."""
+        r = ratios or {}
+        step = (
+            r.get("args", 1.0) * self.args
+            + self.grads
+            + r.get("residual", 1.0) * self.residual_device
+            + r.get("offload", 0.0) * self.residual_host
+            + r.get("working", 1.0) * self.working
+        )
+        return int(max(step, r.get("args", 1.0) * self.args + self.grads + self.update))
+
+    def host(self, ratios: dict[str, float] | None = None) -> int:
+        """Pinned host bytes per device."""
+        r = ratios or {}
+        return int(r.get("host", 1.0) * self.residual_host + self.state_host)
+
+    def as_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
 
 
 class Estimator:
-    """Peak bytes per device of a candidate, from the config alone (no devices, no compile)."""
+    """Bytes per device of a candidate, from the config alone (no devices, no compile)."""
 
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, on: str | None = None):
         self.c = c
-        self._residuals: dict[tuple, dict[str, int]] = {}
+        self.on = on or platform.current()
+        self._residuals: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
         self._state: dict[tuple, tuple[int, int, int]] = {}
         self._rules: dict[str, dict] = {}
 
@@ -66,23 +120,52 @@ class Estimator:
             self._rules[name] = config_rules(self.c.model_copy(update={"sharding_rules": name}))
         return self._rules[name]
 
-    def residual_bytes(self, preset: str, attention: str, chunks: int) -> dict[str, int]:
-        """Saved residual bytes at one sequence per device, by name (all layers)."""
-        key = (preset, attention, chunks)
+    def residual_bytes(self, o: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+        """Saved residual bytes at one sequence per device, by name (all layers): (device,
+        host), for the remat keys of candidate `o`."""
+        # Token chunks split the MoE layer's named tensors, not their total: one trace serves
+        # every chunk count.
+        keys = ["remat_policy", "attention_impl", "moe_paged_stash", *remat.ALL_NAMES]
+        update = {k: o[k] for k in keys if k in o}
+        key = tuple(sorted(update.items()))
         if key not in self._residuals:
-            update: dict[str, Any] = {"remat_policy": preset, "attention_impl": attention}
-            update[CHUNKS_KEY] = chunks
             c1 = self.c.model_copy(update=update)
-            by_name: dict[str, int] = {}
+            if c1.remat_policy != "custom":  # the preset places every name itself
+                c1 = c1.model_copy(update={n: remat.REMAT for n in remat.ALL_NAMES})
+            device: dict[str, int] = {}
+            host: dict[str, int] = {}
             for moe, layers in ((False, c1.num_dense_layers), (True, c1.num_moe_layers)):
-                if layers:
-                    for r in layer_residuals(c1, moe=moe, batch_local=1):
-                        if r.placement == "device":
-                            # the MTP modules' blocks (models/mtp.py) save what a main one does
-                            n = r.layers + (c1.mtp_num_layers if moe == c1.is_moe else 0)
-                            by_name[r.name] = by_name.get(r.name, 0) + r.bytes * n
-            self._residuals[key] = by_name
+                if not layers:
+                    continue
+                if moe and c1.moe_paged_stash:
+                    self._stash_input(c1, layers, device, host)
+                    continue
+                for r in layer_residuals(c1, moe=moe, batch_local=1):
+                    # the MTP modules' blocks (models/mtp.py) save what a main one does
+                    n = r.layers + (c1.mtp_num_layers if moe == c1.is_moe else 0)
+                    out = host if r.placement == "host" else device
+                    out[r.name] = out.get(r.name, 0) + r.bytes * n
+            self._residuals[key] = (device, host)
         return self._residuals[key]
+
+    def _stash_input(self, c1: Config, layers: int, device: dict, host: dict) -> None:
+        """With the paged stash the MoE stack keeps per layer only its input (its placement);
+        the stash's buffers are added per candidate (`stash_bytes`: they need the mesh)."""
+        x = c1.max_target_length * c1.base_emb_dim * jnp.dtype(c1.dtype).itemsize * layers
+        out = host if getattr(c1, remat.DECODER_LAYER_INPUT) == remat.OFFLOAD else device
+        out[remat.DECODER_LAYER_INPUT] = out.get(remat.DECODER_LAYER_INPUT, 0) + x
+
+    def stash_bytes(self, o: dict[str, Any], shape: dict[str, int]) -> int:
+        """The paged stash's buffers per device (nn/moe/stash.py), for the mesh `shape`."""
+        if not o.get("moe_paged_stash"):
+            return 0
+        c1 = self.c.model_copy(update={k: v for k, v in o.items() if k in Config.model_fields})
+        sizes = {a: n for a, n in shape.items() if n > 1}
+        tokens = int(c1.per_device_batch_size * math.prod(shape.values())) * c1.max_target_length
+        widths = stash_mod.widths(c1, sizes)
+        rows = stash_mod.capacity_rows(c1, c1.num_moe_layers, tokens, sizes)
+        rows += c1.moe_paged_stash_page_rows
+        return rows * sum(widths.values()) * jnp.dtype(c1.dtype).itemsize
 
     def state_bytes(self, shape: dict[str, int], rules_name: str) -> tuple[int, int, int]:
         """(parameter elements, trainable elements, largest layer's elements gathered for
@@ -111,64 +194,81 @@ class Estimator:
             self._state[key] = (elems, trainable, layer)
         return self._state[key]
 
-    def estimate(self, o: dict[str, Any], shape: dict[str, int]) -> int:
+    def terms(self, o: dict[str, Any], shape: dict[str, int]) -> Terms:
         c = self.c
         size = lambda k: jnp.dtype(o.get(k, getattr(c, k))).itemsize
         elems, trainable, layer_elems = self.state_bytes(shape, o["sharding_rules"])
         params = elems * size("weight_dtype")
-        grads = elems * size("grad_dtype")
         opt = trainable * (size("mu_dtype") + size("nu_dtype"))
         rules = self.rules(o["sharding_rules"])
         split = lambda logical, dim: _split(rules, logical, shape, dim)
-        batch_shards = split("batch", 1 << 60)
-        b = max(1, int(c.per_device_batch_size * math.prod(shape.values())) // batch_shards)
-        t, d, dt = c.max_target_length, c.base_emb_dim, jnp.dtype(c.dtype).itemsize
-        chunks = o.get(CHUNKS_KEY, 1)
-        attention = o.get("attention_impl", c.attention_impl)
+        b = max(
+            1, int(c.per_device_batch_size * math.prod(shape.values())) // split("batch", 1 << 60)
+        )
         heads = split("act_heads", c.base_num_query_heads)
-        res = self.residual_bytes(o["remat_policy"], attention, chunks)
-        residuals = b * sum(v // heads if n in _HEAD_SPLIT else v for n, v in res.items())
-        # Temporaries: one layer's weights gathered for compute, in weight dtype and in the
-        # compute dtype, and its gradient; plus the largest transient of the step.
-        gathered = layer_elems * (size("weight_dtype") + dt + size("grad_dtype"))
+        device, host = self.residual_bytes(o)
+        scale = lambda d: b * sum(v // heads if n in _HEAD_SPLIT else v for n, v in d.items())
+        residual_device = scale(device) + self.stash_bytes(o, shape)
+        state_host = 0
+        args = params + opt
+        if o.get("optimizer_memory_host_offload"):
+            args, state_host = args - opt, state_host + opt
+        if o.get("parameter_memory_host_offload"):
+            args, state_host = args - params, state_host + params
+        return Terms(
+            args=args,
+            grads=elems * size("grad_dtype"),
+            residual_device=residual_device,
+            residual_host=scale(host),
+            working=self._working(o, shape, b, heads, layer_elems, size, split, rules),
+            state_host=state_host,
+            update=state_host,  # the offloaded state, copied to the device for the update
+        )
+
+    def _working(self, o, shape, b, heads, layer_elems, size, split, rules) -> int:
+        """One layer's working set in its backward pass (module docstring): the layer's weights
+        gathered in the compute dtype, a few [B, T, D] activations, the attention kernel's
+        saved inputs and outputs (alive while the rest of the layer's backward runs), and the
+        largest of the MoE backward's buffers, the attention backward's and a vocab tile's
+        logits."""
+        c = self.c
+        t, d, dt = c.max_target_length, c.base_emb_dim, jnp.dtype(c.dtype).itemsize
+        gathered = layer_elems * dt
+        activations = LAYER_ACTIVATIONS * b * t * d * dt
         h = c.base_num_query_heads // heads
-        if _resolve_attention(attention, t) == "dot":
-            attn = b * h * t * t * 4 * 2
-        else:
-            attn = b * h * t * min(t, BLOCKWISE_BLOCK) * 4 * 2
-        v = c.vocab_size // split("act_vocab", c.vocab_size)
-        logits = b * (t // o["num_vocab_tiling"]) * v * 4 * 3
+        qk, v = c.qk_head_dim, c.attn_v_head_dim
+        attention = o.get("attention_impl", c.attention_impl)
+        if _resolve_attention(attention, t, self.on) == "dot":
+            saved = b * h * t * t * 4  # the float32 scores
+        else:  # q, k, v, the output, its float32 copy (flash kernels' residuals)
+            saved = b * h * t * (2 * qk * dt + 2 * v * dt + 4 * v)
+        vocab = c.vocab_size // split("act_vocab", c.vocab_size)
+        logits = b * (t // o["num_vocab_tiling"]) * vocab * 4 * 3
         moe = 0
         if c.is_moe:
             e, k = shape["expert"], c.num_experts_per_tok
+            chunks = o.get(CHUNKS_KEY, 1)
             n_tok = b * t
             if e > 1 and c.sparse_matmul and "expert" in rules.get("batch", ()):
-                rows = e * n_tok * min(k, c.num_experts // e)
+                rows = e * n_tok * min(k, c.num_experts // e)  # the dropless receive buffer
                 factor = o.get("ragged_buffer_factor", c.ragged_buffer_factor)
                 if factor > 0:
                     rows = min(rows, math.ceil(factor * n_tok * k))
             else:
                 rows = n_tok * k
             f = c.base_moe_mlp_dim // split("exp_mlp", c.base_moe_mlp_dim)
-            # XLA:CPU's padded all-to-all stand-in runs the exchange in float32 and keeps about
-            # nine [rows, D] buffers at once (their source lines in nn/moe/ep.py, measured by
-            # `expertax memory --top` on deepseek3-671b at expert=8); elsewhere about four.
-            copies, row_dt = (CPU_EP_ROW_BUFFERS, 4) if platform.current() == "cpu" else (4, dt)
-            moe = (rows // chunks) * (copies * d * row_dt + 3 * f * dt)
+            row_dt = 4 if self.on == "cpu" else dt  # XLA:CPU exchanges bf16 rows in float32
+            moe = (rows // chunks) * (ROW_BUFFERS.get(self.on, 5) * d * row_dt + 3 * f * dt)
+            if chunks > 1:  # the chunk loop sums the local experts' weight gradients
+                local = c.num_experts // max(1, split("exp", c.num_experts))
+                moe += 3 * local * d * f * size("grad_dtype")
             if c.float32_weight_sum:
                 moe += n_tok * k * d * 4 // chunks
-        transient = max(attn, logits, moe)
-        device_state = params + grads + opt
-        offloaded = 0
-        if o.get("optimizer_memory_host_offload"):
-            device_state -= opt
-            offloaded += opt
-        if o.get("parameter_memory_host_offload"):
-            device_state -= params
-            offloaded += params
-        # Offloaded state is copied to device memory for the step: at the update, after the
-        # activations are freed (the larger of the two phases).
-        return int(device_state + max(residuals + gathered + transient, offloaded))
+        return int(gathered + activations + saved + max(moe, saved, logits))
+
+    def estimate(self, o: dict[str, Any], shape: dict[str, int]) -> int:
+        """The uncalibrated peak bytes per device."""
+        return self.terms(o, shape).peak()
 
 
 def _shard_elems(shape, axes, rules, mesh) -> int:
@@ -190,7 +290,9 @@ def _split(rules, logical: str, shape: dict[str, int], dim: int) -> int:
     return out
 
 
-def _resolve_attention(impl: str, t: int) -> str:
+def _resolve_attention(impl: str, t: int, on: str = "cpu") -> str:
+    """`auto`'s kernel by length (dot below AUTO_BLOCKWISE_MIN_LENGTH, a flash kernel from
+    there: blockwise, splash or cuDNN, whose temporaries are linear in T alike)."""
     if impl == "auto":
         return "blockwise" if t >= AUTO_BLOCKWISE_MIN_LENGTH else "dot"
     return impl

@@ -1,11 +1,15 @@
-"""`expertax memory --fit`: find a layout, remat and offload under which the train step fits.
+"""`expertax memory --fit`: the fastest plan whose compiled step fits the device and host memory.
 
-The candidates (`space.py`) each get an analytic estimate (`estimate.py`), only for ranking and
-pruning. Candidates whose estimate meets the budget with the requested headroom are ranked by what
-they cost (drops, then offload, then bfloat16 moments, then recompute share, rules, chunks, tiles)
-and then by estimate, and compiled AOT best-first (`plan.device_peak` of the compiled step); the
-search stops at the first whose compiled peak fits with the headroom. After each compile the
-remaining estimates are rescaled by the smallest compiled/estimated ratio seen and pruned again.
+The candidates (`space.py`: layouts, rules, remat presets and per-name placement ladders with
+host offload and the paged stash, token chunks, vocab tiles, attention, moments, state offload)
+each get an analytic estimate by term (`estimate.py`) and a step-time estimate (`steptime.py`).
+The search then repeats, while the time budget (`minutes`) and `max_compiles` allow:
+1. scale each candidate's terms by the calibration of what has been compiled (`calibrate.py`);
+2. of those estimated to fit the device budget less the headroom and the host's memory (and, once
+   a plan fits, estimated faster than it), compile the one with the least estimated step time;
+3. record its compiled peak and host bytes, and learn from them.
+A candidate that fits is the answer unless a faster one may still fit; a program the compiler
+refuses for memory is a miss; any other error is shown as an error, and the search goes on.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from expertax import platform, progress
 from expertax.config import ConfigError, build_config, load_config
 from expertax.config.schema import Config
 from expertax.parallel import remat
-from expertax.planner import plan
+from expertax.planner import plan, steptime
+from expertax.planner.calibrate import Calibration, Measured
 from expertax.planner.costs import format_costs, step_costs
 from expertax.planner.estimate import CHUNKS_KEY
 from expertax.planner.space import Candidate, candidates, check_inputs
@@ -27,28 +32,20 @@ from expertax.sharding.mesh import buildable
 from expertax.train.trainer import build_trainer
 
 GIB = plan.GIB
-
-
-def _like_a_miss(x: Candidate, compiled: list[Candidate], target: float) -> bool:
-    """Whether the estimate cannot tell `x` from a compiled candidate of the same layout that
-    missed the target (within 1%): levers the estimate sees as no change (e.g. vocab tiles when
-    the logits are not at the peak) are not compiled again."""
-    return any(
-        y.peak_device_bytes is not None
-        and y.peak_device_bytes > target
-        and y.layout == x.layout
-        and abs(x.estimate_bytes - y.estimate_bytes) <= 0.01 * y.estimate_bytes
-        for y in compiled
-    )
+TOP = 8  # rows of the table
+# How far over the target a calibrated estimate may be and still be compiled when nothing is
+# estimated to fit (the estimate's error the search is built to hold: 15 %).
+MARGIN = 0.15
 
 
 def default_compile(c: Config, hbm_gib: float, devices=None, target=None) -> tuple[int, dict]:
-    """The compiled peak bytes per device of `c` on `devices` (default: JAX's): plan's figure
-    (arguments + outputs - aliased + temporaries, offloaded state taken out once where the
-    compiler counts pinned host with the device), without its residual trace; and the step's
-    compute figures (planner/costs.py). A program the compiler refuses for memory (TPU: in
-    seconds, with the bytes its temporaries need) comes back as state + those bytes."""
+    """The compiled peak bytes per device of `c` on `devices` (default: JAX's) and the figures
+    of the program: {"measured": calibrate.Measured, the compute figures (planner/costs.py),
+    "not_honoured": host placements the program does not hold, "refused": the compiler's
+    words for a program over the chip's memory (TPU: in seconds, with the bytes its
+    temporaries need; the peak is then the state plus those bytes)}."""
     trainer = build_trainer(c, devices)
+    on = platform.of_mesh(trainer.mesh)
     remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
     state = trainer.abstract_state()
     try:
@@ -62,7 +59,12 @@ def default_compile(c: Config, hbm_gib: float, devices=None, target=None) -> tup
     xla = plan.xla_figures(compiled)
     costs = step_costs(compiled, c, trainer, target)
     costs.pop("loops", None)
-    return plan.device_peak(c, state, xla)[0], costs
+    peak, offloaded, offloaded_residuals = plan.device_peak(c, state, xla, on=on)
+    args = xla["argument"] - offloaded
+    measured = Measured(
+        peak, args, peak - args, plan.host_bytes(xla, offloaded, offloaded_residuals)
+    )
+    return peak, {**costs, "measured": measured, "not_honoured": plan.not_honoured(c, xla, on)}
 
 
 def fit_search(
@@ -73,136 +75,263 @@ def fit_search(
     headroom: float = 10.0,
     allow_drops: bool = False,
     max_compiles: int = 12,
+    minutes: float = 30.0,
     compile_fn: Callable[[Config, float], Any] | None = None,
     log=None,
     hardware=None,
     offload: bool = True,
 ) -> dict:
-    """Search, compile best-first, and return the `fit` report (see the module docstring).
+    """Search, compile the fastest that may fit, and return the `fit` report (module docstring).
 
     `hardware` (targets.Target, TPU or GPU): compile for its devices, search only the meshes its
-    topology can lay out, and estimate for its platform. `compile_fn` returns the peak bytes or
-    (peak bytes, extra figures for the report). `offload=False` leaves host offload out."""
+    topology can lay out, estimate for its platform and chip, hold the host to its memory.
+    `compile_fn(config, hbm_gib)` returns the peak bytes or (peak bytes, figures as
+    `default_compile`'s). `offload=False` leaves host offload out of the space."""
     check_inputs(c, devices, hbm_gib, headroom, allow_drops)
+    t0 = time.perf_counter()
     target_devices = hardware.devices() if hardware is not None else None
     if compile_fn is None:
         compile_fn = lambda cc, hbm: default_compile(cc, hbm, target_devices, hardware)
     on = hardware.platform if hardware is not None else platform.current()
+    chip = hardware.chip if hardware is not None else None
+    host = getattr(chip, "host", None)
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     budget = hbm_gib * GIB
     target = budget * (1 - headroom / 100)
-    t0 = time.perf_counter()
+    host_budget = host.ram_gib * GIB / host.chips if host is not None else float("inf")
     pinned = offload and remat.backend_has_pinned_host(target_devices)
+    # The GPU compiler without a GPU does not place the state in pinned host memory.
+    state_offload = not (on == "gpu" and hardware is not None)
     fits_topology = None
     if target_devices is not None:
         fits_topology = lambda shape: buildable(shape, target_devices)
     with platform.use(on, target_devices[0] if target_devices else None):
         pool = candidates(
-            c, devices, allow_drops=allow_drops, pinned_host=pinned, buildable=fits_topology
+            c,
+            devices,
+            allow_drops=allow_drops,
+            pinned_host=pinned,
+            state_offload=state_offload,
+            buildable=fits_topology,
+            on=on,
+            chip=chip,
         )
     log(
-        f"[fit] {len(pool)} candidates estimated in {time.perf_counter() - t0:.1f} s; "
-        f"target {_b(target)} ({hbm_gib:g} GiB - {headroom:g}% headroom)"
+        f"[fit] {len(pool)} candidates estimated in {time.perf_counter() - t0:.1f} s; target "
+        f"{_b(target)} ({hbm_gib:g} GiB - {headroom:g}% headroom)"
+        + (
+            f", host {_b(host_budget)} per device ({host.ram_gib:.0f} GiB / {host.chips})"
+            if host
+            else ""
+        )
     )
-    ratio, ratios = 1.0, []
+    cal = Calibration(on)
+    times = steptime.Model(c, chip)
     compiled: list[Candidate] = []
-    tried = set()
-    best = None
+    best: Candidate | None = None
     bar = progress.bar(min(max_compiles, len(pool)), "memory --fit", unit="candidate")
     log = progress.say_above(bar, log, file=sys.stderr)
-    while len(compiled) < max_compiles:
-        live = [
-            x
-            for x in pool
-            if id(x) not in tried
-            and x.estimate_bytes * ratio <= target
-            and not _like_a_miss(x, compiled, target)
-        ]
-        if not live:
-            if compiled:
-                break
-            live = [x for x in pool if id(x) not in tried]  # nothing passes: try the nearest
-            live.sort(key=lambda x: x.estimate_bytes)
-            live = live[:1]
-            if not live:
-                break
-        else:
-            live.sort(key=lambda x: (x.cost, x.estimate_bytes))
-        cand = live[0]
-        tried.add(id(cand))
+    deadline = t0 + 60 * minutes
+    stopped = "no candidate left that may fit"
+    while True:
+        if len(compiled) >= max_compiles:
+            stopped = f"--max-compiles {max_compiles} reached"
+            break
+        spent = [x.seconds for x in compiled if x.seconds]
+        if spent and time.perf_counter() + sum(spent) / len(spent) > deadline:
+            stopped = f"--fit-minutes {minutes:g} would be passed by one more compile"
+            break
+        cand = _next(pool, cal, times, target, host_budget, best)
+        if cand is None:
+            break
         values = {**c.model_dump(), **cand.overrides}
         if values["remat_policy"] != "custom":  # the preset places every name itself
             values.update({n: Config.model_fields[n].default for n in remat.ALL_NAMES})
         try:
             cc = build_config(values)
         except ConfigError as e:
-            cand.error = str(e)
+            cand.error = f"refused: {e}"
             log(f"[fit] skip {cand.describe()}: {e}")
             continue
         n = len(compiled) + 1
         log(
-            f"[fit] compile {n}/{max_compiles}: {cand.describe()} "
-            f"(estimate {_b(ratio * cand.estimate_bytes)}) ..."
+            f"[fit] compile {n}: {cand.describe()} (estimate {_b(cand.estimate_bytes)}, host "
+            f"{_b(cand.estimate_host_bytes)}, step ~{_secs(_seconds(cand))} s) ..."
         )
         t1 = time.perf_counter()
         try:
             result = compile_fn(cc, hbm_gib)
-            cand.peak_device_bytes, cand.extra = (
-                result if isinstance(result, tuple) else (result, {})
-            )
-            if "refused" in cand.extra:
-                cand.error = "refused by the compiler for memory"
-        except Exception as e:  # noqa: BLE001 - a candidate XLA cannot compile is skipped
-            cand.error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-            log(f"[fit]   failed: {cand.error}")
-            continue
-        finally:
+        except Exception as e:  # noqa: BLE001 - shown as an error, the search goes on
+            cand.error = f"ERROR {type(e).__name__}: {e}".splitlines()[0][:300]
             cand.seconds = round(time.perf_counter() - t1, 1)
+            compiled.append(cand)
+            log(f"[fit]   {cand.error}")
             bar.update(1)
+            continue
+        cand.seconds = round(time.perf_counter() - t1, 1)
+        bar.update(1)
+        cand.peak_device_bytes, cand.extra = result if isinstance(result, tuple) else (result, {})
+        measured = cand.extra.pop("measured", None)
+        cand.host_bytes = None if measured is None else measured.host
+        if "refused" in cand.extra:
+            cand.error = "refused by the compiler for memory"
+        cal.add(cand.key, cand.terms, measured)
+        planned = cand.step.model_flops + cand.step.recompute_flops if cand.step else 0
+        if cand.step is not None and cand.extra.get("compiled_flops") and planned:
+            cand.extra["flops_vs_plan"] = cand.extra["compiled_flops"] / planned
+            cand.step = times.compiled(cand.step, cand.extra["compiled_flops"])
         compiled.append(cand)
-        fits = cand.peak_device_bytes <= target
+        fits = _fits(cand, target, host_budget)
         log(
-            f"[fit]   peak {_b(cand.peak_device_bytes)} "
-            f"({'fits' if fits else 'over'}) in {cand.seconds} s"
+            f"[fit]   peak {_b(cand.peak_device_bytes)}"
+            + (f", host {_b(cand.host_bytes)}" if cand.host_bytes else "")
+            + f" ({'fits' if fits else 'over'}; estimate {_error(cand)}) in {cand.seconds} s"
         )
-        if cand.estimate_bytes:  # rescale by the most optimistic compiled/estimated ratio yet
-            ratios.append(cand.peak_device_bytes / cand.estimate_bytes)
-            ratio = min(max(min(ratios), 0.5), 4.0)
-        if fits:
+        for note in cand.extra.get("not_honoured", []):
+            log(f"[fit]   NOT HONOURED: {note}")
+        if fits and (best is None or _seconds(cand) < _seconds(best)):
             best = cand
-            break
     bar.close()
-    closest = best or min(compiled, key=lambda x: x.peak_device_bytes or 0, default=None)
-    ranked = (
-        compiled
-        + sorted(
-            (x for x in pool if x.peak_device_bytes is None and x.estimate_bytes <= target),
-            key=lambda x: (x.cost, x.estimate_bytes),
-        )[: max(0, 12 - len(compiled))]
+    return _report(
+        c,
+        pool,
+        compiled,
+        best,
+        cal,
+        hardware,
+        on,
+        devices,
+        hbm_gib,
+        headroom,
+        target,
+        host_budget,
+        t0,
+        stopped,
     )
+
+
+def _next(pool, cal, times, target, host_budget, best) -> Candidate | None:
+    """The uncompiled candidate with the least estimated step time among those the calibrated
+    estimate says fit (and beat `best`); when none does before anything compiled, the one of
+    least estimated bytes (to learn from)."""
+    live = []
+    ratios: dict[tuple, dict[str, float]] = {}
+    for x in pool:
+        if x.peak_device_bytes is not None or x.error:
+            continue
+        r = ratios.get(x.key)
+        if r is None:
+            r = ratios[x.key] = cal.ratios(x.key)
+        x.estimate_bytes = x.terms.peak(r)
+        x.estimate_host_bytes = x.terms.host(r)
+        x.step = times.of(x.recompute_share, x.terms, r.get("host", 1.0))
+        if x.estimate_bytes <= target and x.estimate_host_bytes <= host_budget:
+            if best is None or x.step.seconds < _seconds(best):
+                live.append(x)
+    if live:
+        return min(live, key=lambda x: (x.step.seconds, x.estimate_bytes))
+    if best is not None:
+        return None
+    # Nothing is estimated to fit: the least estimate, while the estimate's uncertainty leaves
+    # it a chance (before any compile, whatever it is: the search learns from it).
+    rest = [x for x in pool if x.peak_device_bytes is None and not x.error]
+    nearest = min(rest, key=lambda x: x.estimate_bytes, default=None)
+    if nearest is None or (cal.compiled and nearest.estimate_bytes > target * (1 + MARGIN)):
+        return None
+    return nearest
+
+
+def _seconds(x: Candidate) -> float:
+    return x.step.seconds if x.step is not None else float("inf")
+
+
+def _fits(x: Candidate, target: float, host_budget: float) -> bool:
+    if x.peak_device_bytes is None or x.error:
+        return False
+    return x.peak_device_bytes <= target and (x.host_bytes or 0) <= host_budget
+
+
+def _error(x: Candidate) -> str:
+    if not x.peak_device_bytes:
+        return "-"
+    return f"{_b(x.estimate_bytes)}, {100 * (x.estimate_bytes / x.peak_device_bytes - 1):+.1f}%"
+
+
+def _report(
+    c,
+    pool,
+    compiled,
+    best,
+    cal,
+    hardware,
+    on,
+    devices,
+    hbm_gib,
+    headroom,
+    target,
+    host_budget,
+    t0,
+    stopped,
+) -> dict:
+    budget = hbm_gib * GIB
+    rest = sorted(
+        (
+            x
+            for x in pool
+            if x.peak_device_bytes is None
+            and not x.error
+            and x.step is not None
+            and x.estimate_bytes <= target
+            and x.estimate_host_bytes <= host_budget
+        ),
+        key=lambda x: (x.step.seconds, x.estimate_bytes),
+    )
+    fitting = sorted((x for x in compiled if _fits(x, target, host_budget)), key=_seconds)
+    shown = (
+        fitting + [x for x in compiled if x not in fitting] + rest[: max(0, TOP - len(compiled))]
+    )
+    closest = best or min(
+        (x for x in compiled if x.peak_device_bytes),
+        key=lambda x: x.peak_device_bytes,
+        default=None,
+    )
+    host = getattr(getattr(hardware, "chip", None), "host", None)
     return {
         "target": hardware.spec if hardware is not None else on,
         "devices": devices,
         "hbm_gib": hbm_gib,
         "headroom_percent": headroom,
         "target_bytes": int(target),
+        "host_budget_bytes": None if host is None else int(host_budget),
+        "host": None
+        if host is None
+        else {
+            "chips": host.chips,
+            "ram_gib": host.ram_gib,
+            "link": host.link,
+            "link_bytes_per_s": host.link_bytes_per_s,
+            "source": host.source,
+        },
         "searched": len(pool),
         "compiled": len(compiled),
+        "errors": [x.describe() + ": " + x.error for x in compiled if x.error.startswith("ERROR")],
+        "stopped": stopped,
         "seconds": round(time.perf_counter() - t0, 1),
-        "candidates": [x.as_json(budget, target) for x in ranked],
-        "best": _best_json(best or closest, target),
+        "calibration": cal.ratios(best.key if best else None),
+        "assumed_mfu": steptime.ASSUMED_MFU,
+        "candidates": [x.as_json(budget, target) for x in shown],
+        "best": _best_json(closest, target, budget),
         "fits": best is not None,
         "train_line": train_line(c, best.overrides) if best else None,
     }
 
 
-def _best_json(cand: Candidate | None, target: float) -> dict | None:
+def _best_json(cand: Candidate | None, target: float, budget: float) -> dict | None:
     if cand is None:
         return None
     peak = cand.peak_device_bytes
     return {
-        "overrides": dict(cand.overrides),
-        "peak_device_bytes": peak,
+        **cand.as_json(budget, target),
         **{k: v for k, v in cand.extra.items() if k != "refused"},
         "fits": peak is not None and peak <= target,
         "over_bytes": None if peak is None else max(0, int(peak - target)),
@@ -227,40 +356,45 @@ def _fmt_value(v: Any) -> str:
 def format_fit(r: dict) -> str:
     """The ranked table, then the verdict and the train line."""
     unit, size = ("GiB", GIB) if r["hbm_gib"] >= 4 else ("MiB", 1024**2)
-    head = (
-        f"{'#':>2} {'layout':<16} {'remat':<19} {'offload':<10} {'chunks':>6} {'tiles':>5} "
-        f"{'peak ' + unit:>9} {'headroom':>8} {'recompute':>9} {'est ' + unit:>8}"
-    )
+    host = r.get("host")
     lines = [
         f"expertax memory --fit: {r.get('target', 'cpu')}, {r['devices']} devices x "
-        f"{r['hbm_gib']:g} GiB, headroom "
-        f"{r['headroom_percent']:g}% (target {_b(r['target_bytes'])}); "
-        f"{r['searched']} candidates estimated, {r['compiled']} compiled in {r['seconds']} s",
-        head,
+        f"{r['hbm_gib']:g} GiB, headroom {r['headroom_percent']:g}% (target "
+        f"{_b(r['target_bytes'])})"
+        + (
+            f"; host {host['ram_gib']:.0f} GiB per {host['chips']} chips, link {host['link']} "
+            f"{host['link_bytes_per_s'] / 1e9:g} GB/s"
+            if host
+            else ""
+        )
+        + f"; {r['searched']} candidates estimated, {r['compiled']} compiled in {r['seconds']} s "
+        f"({r['stopped']})",
+        f"{'#':>2} {'layout':<16} {'remat':<24} {'offload':<10} {'chunks':>6} {'tiles':>5} "
+        f"{'est ' + unit:>8} {'peak ' + unit:>9} {'est err':>7} {'headroom':>8} "
+        f"{'host/host':>9} {'recomp':>6} {'xfer s':>6} {'step s':>7}",
     ]
+    chips = host["chips"] if host else 1
     for i, x in enumerate(r["candidates"], 1):
-        o = x["overrides"]
-        peak = x["peak_device_bytes"]
-        extra = " ".join(
-            f"{k}={o[k]}" for k in ("attention_impl", "mu_dtype", "ragged_buffer_factor") if k in o
-        )
-        peak_s = "-" if peak is None else f"{peak / size:.2f}"
-        room_s = "-" if peak is None else f"{x['headroom_percent']:.1f}%"
-        lines.append(
-            f"{i:>2} {x['layout']:<16} {x['remat_policy']:<19} {x['offload']:<10} "
-            f"{o.get(CHUNKS_KEY, 1):>6} {o['num_vocab_tiling']:>5} "
-            f"{peak_s:>9} {room_s:>8} "
-            f"{100 * x['recompute_share']:>8.1f}% {x['estimate_bytes'] / size:>8.2f}"
-            + (f"  {extra}" if extra else "")
-            + (f"  ({x['error']})" if x["error"] else "")
-        )
+        lines.append(f"{i:>2} " + _row(x, size, chips))
+    lines.append(
+        "step s: estimated, not measured: (model + recompute FLOPs) at "
+        f"{100 * r['assumed_mfu']:.0f}% of the chip's peak, activation transfers overlapped, "
+        "state transfers not; collectives not modelled. host/host: pinned host bytes per host."
+    )
+    for e in r.get("errors", []):
+        lines.append(f"ERROR: {e}")
     b = r["best"]
     if r["fits"]:
         lines.append(
-            f"FITS: {b['peak_device_bytes'] / size:.2f} {unit} of {r['hbm_gib']:g} GiB per device"
+            f"FITS: {b['peak_device_bytes'] / size:.2f} {unit} of {r['hbm_gib']:g} GiB per device "
+            f"({b['headroom_percent']:.1f}% free), {b['remat']}"
         )
         if b.get("compiled_flops") is not None:
             lines += format_costs(b)
+        if b.get("flops_vs_plan"):
+            lines.append(
+                f"  compiled FLOPs / (the model's + the plan's recompute): {b['flops_vs_plan']:.2f}"
+            )
         lines.append(r["train_line"])
     elif b is not None and b["peak_device_bytes"] is not None:
         lines.append(
@@ -271,6 +405,31 @@ def format_fit(r: dict) -> str:
     else:
         lines.append("NO CANDIDATE FITS: none compiled")
     return "\n".join(lines)
+
+
+def _row(x: dict, size: float, chips: int) -> str:
+    o, peak, step = x["overrides"], x["peak_device_bytes"], x["step"] or {}
+    host_b = x["host_bytes"] if x["host_bytes"] is not None else x["estimate_host_bytes"]
+    keys = ("attention_impl", "mu_dtype", "ragged_buffer_factor")
+    extra = " ".join(f"{k}={o[k]}" for k in keys if k in o)
+    xfer = (step.get("activation_transfer_s") or 0) + (step.get("state_transfer_s") or 0)
+    peak_s = "-" if peak is None else f"{peak / size:.2f}"
+    err = x["estimate_error"]
+    err_s = "-" if err is None else f"{100 * err:+.1f}%"
+    room_s = "-" if peak is None else f"{x['headroom_percent']:.1f}%"
+    return (
+        f"{x['layout']:<16} {x['remat']:<24} {x['offload']:<10} "
+        f"{o.get(CHUNKS_KEY, 1):>6} {o['num_vocab_tiling']:>5} "
+        f"{x['estimate_bytes'] / size:>8.2f} {peak_s:>9} {err_s:>7} {room_s:>8} "
+        f"{host_b * chips / GIB:>8.1f}G {100 * x['recompute_share']:>5.0f}% "
+        f"{_secs(xfer):>6} {_secs(step.get('seconds', 0)):>7}"
+        + (f"  {extra}" if extra else "")
+        + (f"  ({x['error']})" if x["error"] else "")
+    )
+
+
+def _secs(s: float) -> str:
+    return f"{s:.2f}" if s >= 0.1 else f"{1e3 * s:.1f}ms"
 
 
 def _b(n: float) -> str:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 
 from expertax.planner.hlo import Instruction, Module, parse_hlo
 from expertax.planner.kernels import GroupedKernel, grouped_kernel
@@ -54,7 +54,7 @@ class Loop:
     name: str  # the while instruction
     trip_count: float | None  # None: could not be read (counted once); a `trips~N` mean
     op_name: str
-    body_flops: int  # flops of one trip through the body (nested loops at their counts)
+    body_flops: float  # flops of one trip through the body (nested loops at their counts)
     expected: bool = False  # a data-dependent count, taken from the loop's `trips~N` scope
 
 
@@ -184,9 +184,9 @@ class _Counter:
         self.comps: dict[str, list[Instruction]] = {}
         for ins in module.instructions.values():
             self.comps.setdefault(ins.computation, []).append(ins)
-        self.memo: dict[str, tuple[int, int, Counter[str], int]] = {}
+        self.memo: dict[str, tuple[float, int, dict[str, float], float]] = {}
         self.trips: dict[str, float | None] = {}
-        self.body_flops: dict[str, int] = {}
+        self.body_flops: dict[str, float] = {}
         self.opaque: list[tuple[str, str, str]] = []
         self.expected: dict[str, float] = {}  # loops counted by their `trips~N` scope
         self.kernels: dict[str, GroupedKernel] = {}
@@ -255,13 +255,15 @@ class _Counter:
             self.opaque.append((ins.name, target, ins.op_name))
         return 0
 
-    def cost(self, comp: str) -> tuple[int, int, Counter[str], int]:
+    def cost(self, comp: str) -> tuple[float, int, dict[str, float], float]:
         """(weighted flops, flops with loop bodies once, weighted flops by op_name, weighted
         flops the grouped kernels add at their worst case beyond what they are counted at)."""
         if comp in self.memo:
             return self.memo[comp]
-        self.memo[comp] = (0, 0, Counter(), 0)  # a recursive call graph: count nothing twice
-        total, once, by_op, extra = 0, 0, Counter[str](), 0
+        self.memo[comp] = (0, 0, {}, 0)  # a recursive call graph: count nothing twice
+        total: float = 0
+        extra: float = 0
+        once, by_op = 0, defaultdict[str, float](float)
         for ins in self.comps.get(comp, []):
             f = self.own(ins)
             total, once = total + f, once + f
@@ -271,7 +273,8 @@ class _Counter:
                 extra += kernel.worst_flops - kernel.flops
             called = _called(ins)
             if ins.opcode == "while":
-                n = self.trips[ins.name] = trip_count(self.m, ins, self.fused_by)
+                n: float | None = trip_count(self.m, ins, self.fused_by)
+                self.trips[ins.name] = n
                 if n is None and (hint := _EXPECTED_RE.findall(ins.op_name)):
                     n = float(hint[-1])  # the program's own count: balanced routing, a mean
                     self.expected[ins.name] = n

@@ -112,17 +112,22 @@ def format_report(r: dict) -> str:
         + f"): {_fmt(r['peak_device_bytes'])}",
     ]
     if r["offloaded_state_bytes"] or r.get("offloaded_residual_bytes"):
-        cpu = r["backend"] == "cpu"
-        who = "XLA:CPU has one memory and counts" if cpu else "the compiler counts"
         lines.append(
-            f"  ({who} pinned-host bytes as device bytes; the estimate takes out what this "
-            "config places on host)"
+            "  (XLA:CPU has one memory and counts pinned-host bytes as device bytes; the "
+            "estimate takes out what this config places on host)"
+        )
+    lines += [f"  NOT HONOURED: {n}" for n in r.get("not_honoured", [])]
+    if r.get("host_bytes_per_host") is not None:
+        lines.append(
+            f"  pinned host per host: {_fmt(r['host_bytes_per_host'])} of "
+            f"{_fmt(r['host_ram_bytes'])} ({'fits' if r['host_fits'] else 'DOES NOT FIT'}); "
+            f"link {r['host_link']}"
         )
     lines += format_costs(r)
     lines += _format_top_buffers(r)
     lines += [f"note: {n}" for n in r.get("plan_notes", [])]
     if r["hbm_gib"] is not None:
-        verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+        verdict = "FITS" if r["fits"] and r.get("host_fits", True) else "DOES NOT FIT"
         lines.append(
             f"{verdict}: {_fmt(r['peak_device_bytes'])} of {r['hbm_gib']:g} GiB per device "
             f"({100 * r['peak_device_bytes'] / (r['hbm_gib'] * GIB):.1f}%)"

@@ -107,16 +107,21 @@ def xla_figures(compiled) -> dict[str, int]:
     return {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in XLA_FIGURES}
 
 
-def device_peak(c: Config, state, xla: dict[str, int], residuals=()) -> tuple[int, int, int]:
+def device_peak(
+    c: Config, state, xla: dict[str, int], residuals=(), on: str = "cpu"
+) -> tuple[int, int, int]:
     """(peak device bytes, offloaded state bytes taken out, offloaded residual bytes taken out).
 
-    The peak is arguments + outputs - aliased + temporaries. XLA:CPU has one memory: it counts
-    pinned-host arguments with the device ones, so with host offload the donated state (counted
-    once, as arguments + outputs - aliased) and the offloaded remat residuals (in its
-    temporaries) are taken out once; a backend with a host memory space reports them apart.
+    The peak is arguments + outputs - aliased + temporaries, the compiled program's own figure
+    for a TPU or GPU (`on`): what it places in pinned host memory it reports apart, and what it
+    does not place there is device memory whatever the config asked (`not_honoured`). XLA:CPU
+    has one memory and counts pinned-host arguments and offloaded residuals with the device
+    ones: for a CPU plan, a proxy, the donated state the config offloads (counted once, as
+    arguments + outputs - aliased) and the offloaded remat residuals (in its temporaries) are
+    taken out once.
     """
     peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
-    if xla["host_argument"] or xla["host_temp"]:
+    if on != "cpu" or xla["host_argument"] or xla["host_temp"]:
         return peak, 0, 0
     offloaded = (_shard_bytes(state.params) if c.parameter_memory_host_offload else 0) + (
         _shard_bytes(state.opt_state) if c.optimizer_memory_host_offload else 0
@@ -127,9 +132,36 @@ def device_peak(c: Config, state, xla: dict[str, int], residuals=()) -> tuple[in
 
 def host_bytes(xla: dict[str, int], offloaded: int, offloaded_residuals: int) -> int:
     """Pinned-host bytes per device: the compiler's own host figures where it reports them
-    apart (TPU), else what the config places on host (taken out of the device peak)."""
+    apart (TPU, GPU), else what the config places on host (a CPU plan)."""
     own = xla["host_argument"] + xla["host_output"] - xla["host_alias"] + xla["host_temp"]
     return own if own else offloaded + offloaded_residuals
+
+
+def not_honoured(c: Config, xla: dict[str, int], on: str) -> list[str]:
+    """The host placements a TPU or GPU program does not hold in pinned host memory (its host
+    figures are zero where the config asks for some): the GPU compiler without a GPU keeps
+    parameters and optimizer state in device memory (its devices list no memories, so the
+    state's pinned-host shardings compile as device ones). Its peak counts them on device."""
+    if on == "cpu":
+        return []
+    out = []
+    state = [
+        k
+        for k in ("parameter_memory_host_offload", "optimizer_memory_host_offload")
+        if getattr(c, k)
+    ]
+    if state and not xla["host_argument"]:
+        out.append(
+            f"{', '.join(f'{k}=true' for k in state)}: not honoured by this {on.upper()} "
+            "program (no host arguments): the state is in device memory and counted there"
+        )
+    names = [n for n, p in remat.config_placements(c).items() if p == remat.OFFLOAD]
+    if names and not xla["host_temp"]:
+        out.append(
+            f"{', '.join(f'{n}=offload' for n in names)}: not honoured by this {on.upper()} "
+            "program (no host temporaries): counted in device memory"
+        )
+    return out
 
 
 def memory_report(
@@ -148,9 +180,11 @@ def memory_report(
     host_names = {n for n, p in place.items() if p == remat.OFFLOAD}
     host_names |= {"state.params"} if c.parameter_memory_host_offload else set()
     host_names |= {"state.opt_state"} if c.optimizer_memory_host_offload else set()
-    compiled, attribution = compile_and_attribute(trainer, top, host_names)
+    stacks = [(r.name, r.dtype, r.shape, r.layers) for r in residuals]
+    compiled, attribution = compile_and_attribute(trainer, top, host_names, stacks)
     xla = xla_figures(compiled)
-    peak, offloaded, offloaded_residuals = device_peak(c, state, xla, residuals)
+    on = platform.of_mesh(trainer.mesh)
+    peak, offloaded, offloaded_residuals = device_peak(c, state, xla, residuals, on)
     report = {
         **_identity(c, trainer, target),
         "global_batch": trainer.global_batch,
@@ -179,6 +213,8 @@ def memory_report(
         "offloaded_residual_bytes": offloaded_residuals,
         "peak_device_bytes": peak,
         "host_bytes": host_bytes(xla, offloaded, offloaded_residuals),
+        **host_budget(target, host_bytes(xla, offloaded, offloaded_residuals)),
+        "not_honoured": not_honoured(c, xla, on),
         "hbm_gib": hbm_gib,
         "hbm_bytes": None if hbm_gib is None else int(hbm_gib * GIB),
         "fits": None if hbm_gib is None else bool(peak <= hbm_gib * GIB),
@@ -188,6 +224,21 @@ def memory_report(
     }
     report.update(step_costs(compiled, c, trainer, target))
     return report
+
+
+def host_budget(target, host_bytes_per_device: int) -> dict:
+    """Pinned host bytes per host (bytes per device x the chips a host holds) against the
+    host's memory, for a TPU or GPU target (targets.HOSTS); empty for the CPU."""
+    host = getattr(getattr(target, "chip", None), "host", None)
+    if host is None:
+        return {}
+    per_host = host_bytes_per_device * host.chips
+    return {
+        "host_bytes_per_host": per_host,
+        "host_ram_bytes": int(host.ram_gib * GIB),
+        "host_fits": per_host <= host.ram_gib * GIB,
+        "host_link": f"{host.link}, {host.link_bytes_per_s / 1e9:g} GB/s per chip",
+    }
 
 
 def layer_residuals(c: Config, trainer) -> tuple[list, dict | None]:

@@ -1,10 +1,14 @@
 """The fit search's candidate space, for N devices: splits of N over (expert, fsdp, tensor) with
 data = 1 that pass the mesh checks (`sharding.mesh.check_mesh_fit`) and shard something (fsdp
 divides the model width D); every `sharding_rules` preset in configs/parallel/; MoE token chunks
-(`num_moe_token_chunks`); loss vocab tiles (`num_vocab_tiling`); blockwise attention; the remat
-presets, ordered by the share of layer forward FLOPs they recompute; AdamW moments in bfloat16
-(the DeepSeek-V3 recipe); then optimizer and parameter host offload (where the backend has pinned
-host memory); and, only with `allow_drops`, a capped all-to-all receive buffer.
+(`num_moe_token_chunks`); loss vocab tiles (`num_vocab_tiling`); blockwise attention where the
+default would hold whole score matrices; the remat presets and the per-name placement ladders
+with host offload and the paged stash (`placements.py`); AdamW moments in bfloat16 (the
+DeepSeek-V3 recipe); optimizer and parameter host offload where the target's program honours
+them; and, only with `allow_drops`, a capped all-to-all receive buffer.
+
+Each candidate carries its estimate's terms (`estimate.Terms`), its working key (what its
+working set depends on: `calibrate.py`) and its step-time estimate (`steptime.py`).
 """
 
 from __future__ import annotations
@@ -17,23 +21,30 @@ from typing import Any
 from expertax.config import ConfigError, configs_dir
 from expertax.config.schema import Config
 from expertax.parallel import remat
-from expertax.planner.estimate import CHUNKS_KEY, Estimator, _resolve_attention
+from expertax.planner import placements, steptime
+from expertax.planner.estimate import CHUNKS_KEY, Estimator, Terms, _resolve_attention
 from expertax.sharding.mesh import check_mesh_fit
 
 TILES = (1, 4, 16)  # num_vocab_tiling values tried (those dividing max_target_length)
-CHUNKS = (1, 2, 4, 8, 16)
+CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 DROPS_BUFFER_FACTOR = 2.0  # ragged_buffer_factor tried with allow_drops
+PRESETS = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "full")
 
 
 @dataclasses.dataclass
 class Candidate:
-    """One point of the search: the config overrides it sets and what it is estimated to take."""
+    """One point of the search: the config overrides it sets, its estimate and what it cost."""
 
     overrides: dict[str, Any]
-    estimate_bytes: int
+    terms: Terms
+    key: tuple  # the working key (calibrate.py)
+    remat_label: str
     recompute_share: float
-    cost: tuple
+    step: steptime.StepTime | None = None
+    estimate_bytes: int = 0  # the calibrated peak at the time it was compiled (or last ranked)
+    estimate_host_bytes: int = 0
     peak_device_bytes: int | None = None  # the compiled peak (None: not compiled)
+    host_bytes: int | None = None  # the compiled pinned host bytes per device
     seconds: float | None = None
     error: str = ""  # a config check refused it, or the compile failed
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # compute figures, refusal
@@ -68,7 +79,7 @@ class Candidate:
             if k in o
         ]
         return (
-            f"{self.layout} remat={o['remat_policy']} chunks={o.get(CHUNKS_KEY, 1)} "
+            f"{self.layout} remat={self.remat_label} chunks={o.get(CHUNKS_KEY, 1)} "
             f"tiles={o['num_vocab_tiling']} offload={self.offload}"
             + (" " + " ".join(extra) if extra else "")
         )
@@ -79,14 +90,23 @@ class Candidate:
             "overrides": dict(self.overrides),
             "layout": self.layout,
             "remat_policy": self.overrides["remat_policy"],
+            "remat": self.remat_label,
             "offload": self.offload,
             "recompute_share": round(self.recompute_share, 4),
             "estimate_bytes": int(self.estimate_bytes),
+            "estimate_host_bytes": int(self.estimate_host_bytes),
+            "terms": self.terms.as_json(),
+            "step": None if self.step is None else self.step.as_json(),
             "peak_device_bytes": None if peak is None else int(peak),
+            "host_bytes": self.host_bytes,
+            "estimate_error": (
+                None if peak is None or not peak else round(self.estimate_bytes / peak - 1, 4)
+            ),
             "headroom_percent": None if peak is None else round(100 * (1 - peak / budget_bytes), 2),
             "fits": None if peak is None else bool(peak <= target_bytes),
             "seconds": self.seconds,
             "error": self.error,
+            **{k: v for k, v in self.extra.items() if k in ("refused", "not_honoured")},
         }
 
 
@@ -122,63 +142,28 @@ def rules_presets() -> list[str]:
     return sorted(p.stem for p in (configs_dir() / "parallel").glob("*.yml"))
 
 
-def flops_per_token(c: Config, *, moe: bool) -> dict[str, float]:
-    """Forward FLOPs of one layer per token, by part (2 per multiply-add; causal attention)."""
-    d, h, t = c.base_emb_dim, c.base_num_query_heads, c.max_target_length
-    if c.attention_type == "mla":
-        qk, v = c.qk_head_dim, c.v_head_dim
-        q = d * c.q_lora_rank + c.q_lora_rank * h * qk if c.q_lora_rank else d * h * qk
-        qkv = (
-            q
-            + d * (c.kv_lora_rank + c.qk_rope_head_dim)
-            + c.kv_lora_rank * h * (c.qk_nope_head_dim + v)
-        )
-        out = h * v * d
-    else:
-        qk = v = c.head_dim
-        qkv = d * h * qk + 2 * d * c.base_num_kv_heads * qk
-        out = h * v * d
-    kernel = (t / 2) * h * (qk + v)
-    if moe:
-        ffn_in = (c.num_experts_per_tok + c.shared_experts) * 2 * d * c.base_moe_mlp_dim
-        ffn_out = ffn_in / 2
-        ffn_in += d * c.num_experts  # the router
-    else:
-        ffn_in, ffn_out = 2 * d * c.base_mlp_dim, d * c.base_mlp_dim
-    parts = {"qkv": qkv, "out": out, "kernel": kernel, "ffn_in": ffn_in, "ffn_out": ffn_out}
-    return {k: 2.0 * v for k, v in parts.items()}
-
-
-_RECOMPUTED = {  # remat preset -> the parts of a layer's forward its backward pass recomputes
-    "none": (),
-    "minimal": ("ffn_in",),
-    "save_dot_except_mlp": ("kernel", "ffn_in", "ffn_out"),
-    "save_qkv_proj": ("kernel", "out", "ffn_in", "ffn_out"),
-    "save_out_proj": ("qkv", "kernel", "ffn_in", "ffn_out"),
-    "full": ("qkv", "out", "kernel", "ffn_in", "ffn_out"),
-}
-
-
 def recompute_share(c: Config, preset: str) -> float:
     """The fraction of the layers' forward FLOPs the backward pass recomputes under `preset`."""
-    total = recomputed = 0.0
-    for moe, layers in ((False, c.num_dense_layers), (True, c.num_moe_layers)):
-        if not layers:
-            continue
-        parts = flops_per_token(c, moe=moe)
-        total += layers * sum(parts.values())
-        recomputed += layers * sum(parts[p] for p in _RECOMPUTED[preset])
-    return recomputed / total if total else 0.0
+    return steptime.recompute_share(c.model_copy(update={"remat_policy": preset}))
 
 
 def remat_presets(c: Config) -> list[str]:
     """The remat presets from least to most recompute."""
-    names = [p for p in _RECOMPUTED if p == "none" or p in remat.PRESETS]
+    names = [p for p in PRESETS if p == "none" or p in remat.PRESETS]
     return sorted(names, key=lambda p: (recompute_share(c, p), p != "none"))
 
 
+def remat_choices(c: Config, *, offload: bool) -> list[placements.RematChoice]:
+    """Presets, then the placement ladders (host offload only where there is pinned host
+    memory; the paged stash for a sparse MoE model outside a pipeline)."""
+    stash = c.is_moe and c.sparse_matmul and c.pipeline_stages == 1
+    return placements.presets(remat_presets(c)) + placements.ladders(
+        c, offload=offload, stash=stash
+    )
+
+
 # ---------------------------------------------------------------------------------------------
-# The search.
+# The search's inputs.
 
 
 def check_inputs(
@@ -221,14 +206,22 @@ def candidates(
     *,
     allow_drops: bool = False,
     pinned_host: bool = True,
+    state_offload: bool = True,
     buildable: Callable[[dict[str, int]], bool] | None = None,
+    on: str | None = None,
+    chip=None,
 ) -> list[Candidate]:
-    """Every candidate of the space, with its estimate, cost and recompute share; `buildable`
-    (mesh axis sizes -> bool) leaves out layouts the target's topology cannot lay out."""
-    est = Estimator(c)
+    """Every candidate of the space with its estimate's terms and step-time estimate.
+
+    `pinned_host`: the devices have pinned host memory (activation offload is searched);
+    `state_offload`: the target's program holds offloaded parameters and optimizer state in it
+    (the GPU compiler without a GPU does not: plan.not_honoured); `buildable` (mesh axis sizes
+    -> bool) leaves out layouts the target's topology cannot lay out; `on`, `chip`: the platform
+    and chip estimated for."""
+    est = Estimator(c, on)
     t = c.max_target_length
     tiles = [n for n in TILES if t % n == 0]
-    chunks = list(CHUNKS) if c.is_moe else [1]
+    chunks = [n for n in CHUNKS if t % n == 0] if c.is_moe else [1]
     attentions = [c.attention_impl]
     if _resolve_attention(c.attention_impl, t) == "dot":
         attentions.append("blockwise")
@@ -236,7 +229,7 @@ def candidates(
     if (c.mu_dtype, c.nu_dtype) != ("bfloat16", "bfloat16"):
         moments.append({"mu_dtype": "bfloat16", "nu_dtype": "bfloat16"})
     offloads: list[dict[str, Any]] = [{}]
-    if pinned_host:
+    if pinned_host and state_offload:
         offloads += [
             {"optimizer_memory_host_offload": True},
             {"optimizer_memory_host_offload": True, "parameter_memory_host_offload": True},
@@ -244,41 +237,47 @@ def candidates(
     drops: list[dict[str, Any]] = [{}]
     if allow_drops and c.is_moe and c.sparse_matmul:
         drops.append({"ragged_buffer_factor": DROPS_BUFFER_FACTOR})
-    presets = remat_presets(c)
-    shares = {p: recompute_share(c, p) for p in presets}
+    choices = remat_choices(c, offload=pinned_host)
+    shares = {ch.label: _share(c, ch) for ch in choices}
     rules_list = rules_presets()
-    out = []
     shapes = [x for x in layouts(c, devices) if buildable is None or buildable(x)]
+    out = []
     for shape, rules_name in itertools.product(shapes, rules_list):
         if rules_name != "default" and shape["expert"] == 1:
             continue  # the presets differ in how they use `expert`
-        for preset, ch, tile, att, mom, off, drop in itertools.product(
-            presets, chunks, tiles, attentions, moments, offloads, drops
+        for ch, n_chunks, tile, att, mom, off, drop in itertools.product(
+            choices, chunks, tiles, attentions, moments, offloads, drops
         ):
-            o = {
+            o: dict[str, Any] = {
                 "ici_data_parallelism": 1,
                 "ici_fsdp_parallelism": shape["fsdp"],
                 "ici_expert_parallelism": shape["expert"],
                 "ici_tensor_parallelism": shape["tensor"],
                 "sharding_rules": rules_name,
-                "remat_policy": preset,
                 "num_vocab_tiling": tile,
+                CHUNKS_KEY: n_chunks,
+                **ch.as_dict,
             }
-            o[CHUNKS_KEY] = ch
             if att != c.attention_impl:
                 o["attention_impl"] = att
             o.update(mom)
             o.update(off)
             o.update(drop)
-            cost = (
-                len(drop),
-                len(off),
-                len(mom),
-                shares[preset],
-                rules_list.index(rules_name) if rules_name != "default" else -1,
-                ch,
+            terms = est.terms(o, shape)
+            key = (
+                tuple(shape.values()),
+                rules_name,
+                n_chunks,
                 tile,
-                len(o) - 7,
+                att,
+                bool(o.get("moe_paged_stash")),
             )
-            out.append(Candidate(o, est.estimate(o, shape), shares[preset], cost))
+            out.append(Candidate(o, terms, key, ch.label, shares[ch.label]))
     return out
+
+
+def _share(c: Config, choice: placements.RematChoice) -> float:
+    update = choice.as_dict
+    if update.get("remat_policy") != "custom":
+        update = {**update, **dict.fromkeys(remat.ALL_NAMES, remat.REMAT)}
+    return steptime.recompute_share(c.model_copy(update=update))

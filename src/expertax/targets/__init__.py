@@ -34,6 +34,18 @@ HERE = Path(__file__).parent
 
 
 @dataclasses.dataclass(frozen=True)
+class Host:
+    """The host a chip sits in, from public specs: what pinned host memory can hold and how
+    fast it moves. `link_bytes_per_s` is per chip, one direction, nominal."""
+
+    chips: int  # chips per host
+    ram_gib: float  # the host's (the TPU VM's) memory
+    link: str  # the chip's link to host memory
+    link_bytes_per_s: float
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Chip:
     name: str
     platform: str  # "tpu" | "gpu"
@@ -44,6 +56,36 @@ class Chip:
     cores_per_chip: int = 1  # how the slice name counts (v5p-N: N TensorCores, two per chip)
     libtpu_name: str = ""  # the topology name's prefix in libtpu
     target_config: str = ""  # GPU: the GpuTargetConfig file next to this module
+    host: Host | None = None
+
+
+GEN4, GEN5 = 32e9, 64e9  # PCIe x16, per direction, nominal
+DGX = "NVIDIA DGX H100/H200 data sheets: 8 GPUs, 2 TB of system memory, PCIe Gen5 x16 per GPU"
+HOSTS = {
+    "v5p": Host(
+        4,
+        448e9 / GIB,
+        "PCIe (generation not published; Gen4 x16 assumed)",
+        GEN4,
+        "Cloud TPU v5p docs: 4 chips, 208 vCPUs, 448 GB per TPU VM",
+    ),
+    "v5e": Host(
+        8,
+        384e9 / GIB,
+        "PCIe (generation not published; Gen4 x16 assumed)",
+        GEN4,
+        "Cloud TPU v5e docs: ct5lp-hightpu-8t, 8 chips, 224 vCPUs, 384 GB",
+    ),
+    "v6e": Host(
+        8,
+        1536.0,
+        "PCIe Gen5 x16",
+        GEN5,
+        "Cloud TPU v6e docs: 8 chips and 1536 GiB of DRAM per host, PCIe Gen5",
+    ),
+    "h100": Host(8, 2e12 / GIB, "PCIe Gen5 x16", GEN5, DGX),
+    "h200": Host(8, 2e12 / GIB, "PCIe Gen5 x16", GEN5, DGX),
+}
 
 
 CHIPS = {
@@ -67,6 +109,7 @@ CHIPS = {
         target_config="h200.txtpb",
     ),
 }
+CHIPS = {k: dataclasses.replace(v, host=HOSTS[k]) for k, v in CHIPS.items()}
 GPUS_PER_HOST = 8
 EXTRAS = {"tpu": "pip install 'expertax[tpu]' (libtpu)", "gpu": "pip install 'expertax[gpu]'"}
 EXAMPLES = "cpu, tpu:v5p-16, tpu:v5p-1024, tpu:v6e-256, tpu:v5e-256, gpu:h100x8, gpu:h200x128"

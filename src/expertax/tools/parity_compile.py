@@ -203,7 +203,8 @@ def compile_layout(
     xla = plan.xla_figures(compiled)
     offloads = remat.OFFLOAD in remat.config_placements(c).values()
     residuals = plan.layer_residuals(c, trainer)[0] if offloads else ()
-    row["peak_device_bytes"] = plan.device_peak(c, trainer.abstract_state(), xla, residuals)[0]
+    on = platform.of_mesh(trainer.mesh)
+    row["peak_device_bytes"] = plan.device_peak(c, trainer.abstract_state(), xla, residuals, on)[0]
     try:
         costs = step_costs(compiled, c, trainer, target)
     except Exception as e:  # noqa: BLE001 - an informational column: say why it is missing

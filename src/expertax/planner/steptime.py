@@ -1,0 +1,130 @@
+"""The fit search's step-time estimate of a candidate, to rank the plans that fit: the model's
+FLOPs plus what its remat choice recomputes, at an assumed share of the chip's peak, and what its
+host placements move over the host link, overlapped with compute where the schedule allows.
+
+- compute: (model FLOPs + recompute FLOPs) / (peak x `ASSUMED_MFU`); the recompute is the
+  forward FLOPs of the layer parts the backward pass replays (`placements.recomputed_parts`);
+- activations offloaded: written to host in the forward pass and read back in the backward,
+  one layer at a time while other layers compute: they overlap compute and cost only what a
+  layer's transfer takes beyond its compute (`max`);
+- optimizer state and parameters offloaded: moved in (and out) around the update, which waits
+  for them: not overlapped;
+- the link: the chip's to host memory, one direction at its nominal rate (targets.HOSTS; the
+  CPU proxy has none: transfers cost 0 there). Collectives are not modelled: layouts that differ
+  in communication rank by compute and transfers alone.
+
+An estimate for ranking, never a measured time; the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from expertax.config.schema import Config
+from expertax.parallel import remat
+from expertax.planner import placements
+from expertax.planner.estimate import Terms
+from expertax.train.metrics import train_flops_per_token
+
+ASSUMED_MFU = 0.5  # the share of the chip's peak the step's matmuls are assumed to reach
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    model_flops: float  # per device
+    recompute_flops: float
+    compute_s: float
+    activation_transfer_s: float  # overlapped with compute
+    state_transfer_s: float  # not overlapped
+    link: str
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.activation_transfer_s) + self.state_transfer_s
+
+    @property
+    def recompute_share(self) -> float:
+        return self.recompute_flops / self.model_flops if self.model_flops else 0.0
+
+    def as_json(self) -> dict:
+        return {**dataclasses.asdict(self), "seconds": self.seconds}
+
+
+def layer_forward_flops(c: Config, *, moe: bool, t: int | None = None) -> dict[str, float]:
+    """Forward FLOPs of one layer per token, by part (2 per multiply-add; causal attention)."""
+    d, h = c.base_emb_dim, c.base_num_query_heads
+    t = c.max_target_length if t is None else t
+    if c.attention_type == "mla":
+        qk, v = c.qk_head_dim, c.v_head_dim
+        q = d * c.q_lora_rank + c.q_lora_rank * h * qk if c.q_lora_rank else d * h * qk
+        qkv = (
+            q
+            + d * (c.kv_lora_rank + c.qk_rope_head_dim)
+            + c.kv_lora_rank * h * (c.qk_nope_head_dim + v)
+        )
+        out = h * v * d
+    else:
+        qk = v = c.head_dim
+        qkv = d * h * qk + 2 * d * c.base_num_kv_heads * qk
+        out = h * v * d
+    kernel = (t / 2) * h * (qk + v)
+    if moe:
+        ffn_in = (c.num_experts_per_tok + c.shared_experts) * 2 * d * c.base_moe_mlp_dim
+        ffn_out = ffn_in / 2
+        ffn_in += d * c.num_experts  # the router
+    else:
+        ffn_in, ffn_out = 2 * d * c.base_mlp_dim, d * c.base_mlp_dim
+    parts = {"qkv": qkv, "out": out, "kernel": kernel, "ffn_in": ffn_in, "ffn_out": ffn_out}
+    return {k: 2.0 * v for k, v in parts.items()}
+
+
+def recompute_share(c: Config) -> float:
+    """The fraction of the layers' forward FLOPs the backward pass recomputes under `c`'s
+    remat policy (its presets or custom placements, the paged stash's stack included)."""
+    place = remat.config_placements(c)
+    kept = remat.names_kept(c)
+    total = recomputed = 0.0
+    for stack, layers in (("dense", c.num_dense_layers), ("moe", c.num_moe_layers)):
+        if not layers:
+            continue
+        parts = layer_forward_flops(c, moe=stack == "moe")
+        total += layers * sum(parts.values())
+        redo = placements.recomputed_parts(place, kept.get(stack, []))
+        recomputed += layers * sum(parts[p] for p in redo)
+    return recomputed / total if total else 0.0
+
+
+class Model:
+    """The step-time model of one search: the model's FLOPs per device and its layers' forward
+    FLOPs (the same for every candidate of a config), the chip's peak and host link."""
+
+    def __init__(self, c: Config, chip=None):
+        tokens = c.per_device_batch_size * c.max_target_length
+        self.model = train_flops_per_token(c) * tokens
+        self.forward = tokens * sum(
+            n * sum(layer_forward_flops(c, moe=moe).values())
+            for moe, n in ((False, c.num_dense_layers), (True, c.num_moe_layers))
+        )
+        self.peak = chip.peak_bf16_flops if chip is not None else 1e12
+        host = getattr(chip, "host", None)
+        self.rate = host.link_bytes_per_s if host is not None else float("inf")
+        self.link = "none (CPU proxy)" if host is None else f"{host.link}, {self.rate / 1e9:g} GB/s"
+
+    def of(self, share: float, terms: Terms, host_ratio: float = 1.0) -> StepTime:
+        """A candidate whose remat choice recomputes `share` of the layers' forward FLOPs and
+        whose estimate is `terms` (the CPU proxy: a peak of 1 TFLOP/s, transfers free)."""
+        recompute = share * self.forward
+        compute = (self.model + recompute) / (self.peak * ASSUMED_MFU)
+        # Each direction once (written in the forward, read in the backward), a layer's
+        # transfer beside another layer's compute: the step takes the longer of the two.
+        act = host_ratio * terms.residual_host / self.rate
+        state = 2 * terms.state_host / self.rate  # in for the update, the updated state out
+        return StepTime(self.model, recompute, compute, act, state, self.link)
+
+    def compiled(self, step: StepTime, compiled_flops: float | None) -> StepTime:
+        """`step` with its compute from a compiled program's FLOPs (planner/flops.py: what the
+        program computes, its recompute and its kernels' padding included)."""
+        if not compiled_flops:
+            return step
+        compute = compiled_flops / (self.peak * ASSUMED_MFU)
+        return dataclasses.replace(step, compute_s=compute)

@@ -1,0 +1,128 @@
+"""The fit search's parts without a compile: the placement ladders and what they recompute, the
+estimate's terms, the per-term calibration, the step-time estimate and the host budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertax.config import load_config
+from expertax.parallel import remat
+from expertax.planner import calibrate, placements, space, steptime
+from expertax.planner.estimate import Estimator, Terms
+from expertax.targets import CHIPS
+
+SHAPE = {"pipeline": 1, "data": 1, "fsdp": 4, "expert": 2, "tensor": 1}
+BASE = {"sharding_rules": "default", "num_vocab_tiling": 1, "num_moe_token_chunks": 1}
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(overrides={"model_name": "deepseek3-tiny", "per_device_batch_size": 2})
+
+
+def test_ladders_offload_the_tiers_in_order(cfg):
+    choices = {ch.label: ch for ch in placements.ladders(cfg, offload=True, stash=True)}
+    assert [lb for lb in choices if lb.startswith("offload-")] == [
+        f"offload-{k}" for k in range(1, 6)
+    ]
+    first = choices["offload-1"].placements()
+    assert first[remat.DECODER_LAYER_INPUT] == remat.OFFLOAD
+    assert sum(p == remat.OFFLOAD for p in first.values()) == 1
+    second = choices["offload-2"].placements()
+    assert second[remat.OUT_PROJ] == remat.OFFLOAD and second[remat.MLA_Q] == remat.REMAT
+    mixed = choices["input+device-3"].placements()
+    assert mixed[remat.DECODER_LAYER_INPUT] == remat.OFFLOAD and mixed[remat.MLA_Q] == remat.DEVICE
+    # Only names some stack keeps: qkv_proj and mlpwo never are (remat.unkept).
+    for ch in choices.values():
+        place = ch.placements()
+        assert place[remat.QKV_PROJ] == remat.REMAT and place[remat.MLPWO] == remat.REMAT
+    assert choices["stash-all"].as_dict["moe_paged_stash"] is True
+    # Without pinned host memory nothing offloads; without the stash, no stash choices.
+    plain = placements.ladders(cfg, offload=False, stash=False)
+    assert plain == [] and all(not ch.offloads for ch in plain)
+
+
+def test_recompute_falls_along_the_ladder_and_matches_the_presets(cfg):
+    def share(ch):
+        return space._share(cfg, ch)
+
+    ladder = [
+        ch
+        for ch in placements.ladders(cfg, offload=True, stash=False)
+        if ch.label.startswith("offload-")
+    ]
+    shares = [share(ch) for ch in ladder]
+    assert shares == sorted(shares, reverse=True) and shares[-1] == 0.0
+    # The presets, by the parts their saved names spare (the dense MLP's output is never
+    # read by the backward pass, so not even `full` recomputes it).
+    presets = {p: space.recompute_share(cfg, p) for p in space.remat_presets(cfg)}
+    assert presets["full"] == shares[0] > 0.9 and presets["none"] == 0.0
+    assert 0 < presets["minimal"] < presets["save_dot_except_mlp"] < presets["save_out_proj"] < 1
+
+
+def test_terms_move_with_the_levers(cfg):
+    est = Estimator(cfg, "tpu")
+    t = lambda **kw: est.terms({**BASE, "remat_policy": "full", **kw}, SHAPE)
+    full = t()
+    offloaded = t(remat_policy="custom", decoder_layer_input=remat.OFFLOAD)
+    assert offloaded.residual_device < full.residual_device and offloaded.residual_host > 0
+    assert offloaded.residual_host == full.residual_device - offloaded.residual_device
+    opt = t(optimizer_memory_host_offload=True)
+    assert opt.args < full.args and opt.state_host == full.args - opt.args and opt.update > 0
+    chunked = t(num_moe_token_chunks=4)
+    assert chunked.working != full.working
+    stash = t(remat_policy="custom", moe_mlpwo=remat.DEVICE, moe_paged_stash=True)
+    assert stash.residual_device > full.residual_device  # the stash's buffer on top
+    assert full.peak() == full.args + full.grads + full.residual_device + full.working
+
+
+def test_calibration_learns_each_term(cfg):
+    cal = calibrate.Calibration("tpu")
+    prior = {
+        "residual": calibrate.RESIDUAL_PRIOR["tpu"],
+        "offload": calibrate.OFFLOAD_PRIOR["tpu"],
+        "working": calibrate.WORKING_PRIOR["tpu"],
+    }
+    assert cal.ratios() == prior
+    terms = lambda res: Terms(100, 10, res, 0, 50, 0, 0)
+    # Two programs of one working key: temporaries grow 3 bytes per residual byte, and the
+    # rest is twice the modelled working set.
+    for res in (20, 40):
+        temp = 10 + 3 * res + 2 * 50
+        cal.add(("k",), terms(res), calibrate.Measured(100 + temp, 100, temp, 0))
+    r = cal.ratios(("k",))
+    assert r["residual"] == pytest.approx(3.0) and r["working"] == pytest.approx(2.0)
+    assert r["args"] == pytest.approx(1.0) and r["offload"] == calibrate.OFFLOAD_PRIOR["tpu"]
+    assert terms(30).peak(r) == 100 + 10 + 90 + 100
+    # Another key takes the pooled working ratio; a refused program teaches nothing.
+    assert cal.ratios(("other",))["working"] == pytest.approx(2.0)
+    cal.add(("x",), terms(5), None)
+    assert len(cal.compiled) == 2
+
+
+def test_step_time_counts_recompute_and_transfers(cfg):
+    chip = CHIPS["v5p"]
+    model = steptime.Model(cfg, chip)
+    none = model.of(0.0, Terms(1, 1, 0, 0, 1, 0, 0))
+    full = model.of(1.0, Terms(1, 1, 0, 0, 1, 0, 0))
+    assert full.compute_s > none.compute_s and full.recompute_flops > 0 == none.recompute_flops
+    moved = model.of(0.0, Terms(1, 1, 0, 10**12, 1, 0, 0))
+    assert moved.activation_transfer_s == pytest.approx(10**12 / chip.host.link_bytes_per_s)
+    assert moved.seconds == max(moved.compute_s, moved.activation_transfer_s)
+    state = model.of(0.0, Terms(1, 1, 0, 0, 1, 10**12, 10**12))
+    assert state.seconds == pytest.approx(none.compute_s + 2 * 10**12 / chip.host.link_bytes_per_s)
+
+
+def test_gpu_targets_search_no_state_offload(cfg):
+    on_gpu = space.candidates(cfg, 8, state_offload=False, on="gpu")
+    assert on_gpu and not any(x.overrides.get("optimizer_memory_host_offload") for x in on_gpu)
+    assert any(x.terms.residual_host for x in on_gpu)  # activations still offload
+    labels = {x.remat_label for x in on_gpu}
+    assert {"offload-1", "stash-out", "full", "minimal"} <= labels
+    assert {x.overrides["num_moe_token_chunks"] for x in on_gpu} == set(space.CHUNKS)
+
+
+def test_every_target_has_its_host():
+    for name, chip in CHIPS.items():
+        assert chip.host is not None and chip.host.chips in (4, 8), name
+        assert chip.host.ram_gib > 100 and chip.host.link_bytes_per_s > 1e10
