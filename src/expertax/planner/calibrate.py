@@ -43,6 +43,7 @@ OFFLOAD_PRIOR = {"tpu": 1 / 3, "gpu": 0.0, "cpu": 0.0}
 # 1.2 for the 671B TPU plans (the two above, and e8 f64 remat_policy=full with 8 chunks).
 WORKING_PRIOR = {"tpu": 1.05, "gpu": 1.0, "cpu": 1.0}
 RATIO_BOUNDS = (0.25, 4.0)
+WORKING_BOUNDS = (0.1, 20.0)  # a small model's fixed temporaries dwarf its modelled working set
 
 
 @dataclasses.dataclass
@@ -68,8 +69,20 @@ class Measured:
     host: int
 
 
-def _clamp(x: float) -> float:
-    return min(max(x, RATIO_BOUNDS[0]), RATIO_BOUNDS[1])
+def _clamp(x: float, bounds: tuple[float, float] = RATIO_BOUNDS) -> float:
+    return min(max(x, bounds[0]), bounds[1])
+
+
+def _nearest(by_key: dict[tuple, list[float]], key: tuple | None) -> float:
+    """The working ratio for `key`: its own key's, else its layout's (the key's first two
+    entries: mesh shape and rules), else the median over the keys compiled."""
+    if key in by_key:
+        return statistics.median(by_key[key])
+    if key is not None:
+        layout = [v for k, vs in by_key.items() if k[:2] == key[:2] for v in vs]
+        if layout:
+            return statistics.median(layout)
+    return statistics.median(statistics.median(v) for v in by_key.values())
 
 
 class Calibration:
@@ -123,11 +136,9 @@ class Calibration:
             rest = x.measured.temp - t.grads - out["residual"] * t.residual_device
             rest -= out["offload"] * t.residual_host
             if t.working > 0:
-                working.setdefault(x.key, []).append(_clamp(rest / t.working))
+                working.setdefault(x.key, []).append(_clamp(rest / t.working, WORKING_BOUNDS))
         if working:
-            same = working.get(key) if key is not None else None
-            pooled = [statistics.median(v) for v in working.values()]
-            out["working"] = statistics.median(same) if same else statistics.median(pooled)
+            out["working"] = _nearest(working, key)
         host = [
             (x.measured.host - x.terms.state_host) / x.terms.residual_host
             for x in self.compiled

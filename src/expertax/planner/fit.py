@@ -182,6 +182,7 @@ def fit_search(
             cand.step = times.compiled(cand.step, cand.extra["compiled_flops"])
         compiled.append(cand)
         fits = _fits(cand, target, host_budget)
+        cand.extra["over"] = not fits
         log(
             f"[fit]   peak {_b(cand.peak_device_bytes)}"
             + (f", host {_b(cand.host_bytes)}" if cand.host_bytes else "")
@@ -216,6 +217,7 @@ def _next(pool, cal, times, target, host_budget, best) -> Candidate | None:
     least estimated bytes (to learn from)."""
     live = []
     ratios: dict[tuple, dict[str, float]] = {}
+    misses = _compiled(pool)
     for x in pool:
         if x.peak_device_bytes is not None or x.error:
             continue
@@ -226,7 +228,7 @@ def _next(pool, cal, times, target, host_budget, best) -> Candidate | None:
         x.estimate_host_bytes = x.terms.host(r)
         x.step = times.of(x.recompute_share, x.terms, r.get("host", 1.0))
         if x.estimate_bytes <= target and x.estimate_host_bytes <= host_budget:
-            if best is None or x.step.seconds < _seconds(best):
+            if (best is None or x.step.seconds < _seconds(best)) and not _like_a_miss(x, misses):
                 live.append(x)
     if live:
         return min(live, key=lambda x: (x.step.seconds, x.estimate_bytes))
@@ -239,6 +241,24 @@ def _next(pool, cal, times, target, host_budget, best) -> Candidate | None:
     if nearest is None or (cal.compiled and nearest.estimate_bytes > target * (1 + MARGIN)):
         return None
     return nearest
+
+
+def _compiled(pool: list[Candidate]) -> list[Candidate]:
+    return [x for x in pool if x.peak_device_bytes is not None and not x.error]
+
+
+def _like_a_miss(x: Candidate, compiled: list[Candidate]) -> bool:
+    """Whether the estimate cannot tell `x` from a compiled miss of the same layout, remat
+    choice and host offload (within 2 %): levers it sees as no change (moments or vocab tiles
+    when they are not at the peak) are not compiled again."""
+    return any(
+        y.extra.get("over")
+        and y.layout == x.layout
+        and y.remat_label == x.remat_label
+        and y.offload == x.offload
+        and abs(x.estimate_bytes - (y.peak_device_bytes or 0)) <= 0.02 * (y.peak_device_bytes or 0)
+        for y in compiled
+    )
 
 
 def _seconds(x: Candidate) -> float:
