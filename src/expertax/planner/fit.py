@@ -127,6 +127,14 @@ def fit_search(
     )
     cal = Calibration(on)
     times = steptime.Model(c, chip)
+    paddings: dict[tuple, float] = {}
+
+    def padding(x: Candidate) -> float:
+        key = (x.overrides["ici_expert_parallelism"], x.overrides.get(CHUNKS_KEY, 1))
+        if key not in paddings:
+            paddings[key] = steptime.grouped_padding(c, key[0], key[1], on)
+        return paddings[key]
+
     compiled: list[Candidate] = []
     best: Candidate | None = None
     bar = progress.bar(min(max_compiles, len(pool)), "memory --fit", unit="candidate")
@@ -141,7 +149,7 @@ def fit_search(
         if spent and time.perf_counter() + sum(spent) / len(spent) > deadline:
             stopped = f"--fit-minutes {minutes:g} would be passed by one more compile"
             break
-        cand = _next(pool, cal, times, target, host_budget, best)
+        cand = _next(pool, cal, times, target, host_budget, best, padding)
         if cand is None:
             break
         values = {**c.model_dump(), **cand.overrides}
@@ -178,8 +186,11 @@ def fit_search(
         cal.add(cand.key, cand.terms, measured)
         planned = cand.step.model_flops + cand.step.recompute_flops if cand.step else 0
         if cand.step is not None and cand.extra.get("compiled_flops") and planned:
+            # Ranked by the estimate, like every candidate not compiled; the compiled FLOPs'
+            # time is reported beside it.
             cand.extra["flops_vs_plan"] = cand.extra["compiled_flops"] / planned
-            cand.step = times.compiled(cand.step, cand.extra["compiled_flops"])
+            compiled_step = times.compiled(cand.step, cand.extra["compiled_flops"])
+            cand.extra["compiled_step_s"] = compiled_step.seconds
         compiled.append(cand)
         fits = _fits(cand, target, host_budget)
         cand.extra["over"] = not fits
@@ -211,7 +222,7 @@ def fit_search(
     )
 
 
-def _next(pool, cal, times, target, host_budget, best) -> Candidate | None:
+def _next(pool, cal, times, target, host_budget, best, padding) -> Candidate | None:
     """The uncompiled candidate with the least estimated step time among those the calibrated
     estimate says fit (and beat `best`); when none does before anything compiled, the one of
     least estimated bytes (to learn from)."""
@@ -226,7 +237,7 @@ def _next(pool, cal, times, target, host_budget, best) -> Candidate | None:
             r = ratios[x.key] = cal.ratios(x.key)
         x.estimate_bytes = x.terms.peak(r)
         x.estimate_host_bytes = x.terms.host(r)
-        x.step = times.of(x.recompute_share, x.terms, r.get("host", 1.0))
+        x.step = times.of(x.recompute_share, x.terms, r.get("host", 1.0), padding(x))
         if x.estimate_bytes <= target and x.estimate_host_bytes <= host_budget:
             if (best is None or x.step.seconds < _seconds(best)) and not _like_a_miss(x, misses):
                 live.append(x)
@@ -414,6 +425,8 @@ def format_fit(r: dict) -> str:
         if b.get("flops_vs_plan"):
             lines.append(
                 f"  compiled FLOPs / (the model's + the plan's recompute): {b['flops_vs_plan']:.2f}"
+                f"; step at the compiled FLOPs (estimate, not measured): "
+                f"{b['compiled_step_s']:.2f} s"
             )
         lines.append(r["train_line"])
     elif b is not None and b["peak_device_bytes"] is not None:

@@ -106,7 +106,11 @@ class Candidate:
             "fits": None if peak is None else bool(peak <= target_bytes),
             "seconds": self.seconds,
             "error": self.error,
-            **{k: v for k, v in self.extra.items() if k in ("refused", "not_honoured")},
+            **{
+                k: v
+                for k, v in self.extra.items()
+                if k in ("refused", "not_honoured", "flops_vs_plan", "compiled_step_s")
+            },
         }
 
 

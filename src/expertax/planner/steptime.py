@@ -19,6 +19,7 @@ An estimate for ranking, never a measured time; the report says so.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from expertax.config.schema import Config
 from expertax.parallel import remat
@@ -105,16 +106,24 @@ class Model:
             n * sum(layer_forward_flops(c, moe=moe).values())
             for moe, n in ((False, c.num_dense_layers), (True, c.num_moe_layers))
         )
+        # the routed experts' training FLOPs per device (6 per weight of the K experts a token
+        # takes; the recompute of their forward adds a third more, in `of`)
+        d, f, k = c.base_emb_dim, c.base_moe_mlp_dim, c.num_experts_per_tok
+        self.routed = 6 * 3 * d * f * k * tokens * c.num_moe_layers if c.is_moe else 0.0
         self.peak = chip.peak_bf16_flops if chip is not None else 1e12
         host = getattr(chip, "host", None)
         self.rate = host.link_bytes_per_s if host is not None else float("inf")
         self.link = "none (CPU proxy)" if host is None else f"{host.link}, {self.rate / 1e9:g} GB/s"
 
-    def of(self, share: float, terms: Terms, host_ratio: float = 1.0) -> StepTime:
+    def of(
+        self, share: float, terms: Terms, host_ratio: float = 1.0, padding: float = 0.0
+    ) -> StepTime:
         """A candidate whose remat choice recomputes `share` of the layers' forward FLOPs and
-        whose estimate is `terms` (the CPU proxy: a peak of 1 TFLOP/s, transfers free)."""
+        whose estimate is `terms`, its grouped matmuls computing `padding` more than their rows
+        (`grouped_padding`) (the CPU proxy: a peak of 1 TFLOP/s, transfers free)."""
         recompute = share * self.forward
-        compute = (self.model + recompute) / (self.peak * ASSUMED_MFU)
+        waste = padding * self.routed * (1 + share / 3)
+        compute = (self.model + recompute + waste) / (self.peak * ASSUMED_MFU)
         # Each direction once (written in the forward, read in the backward), a layer's
         # transfer beside another layer's compute: the step takes the longer of the two.
         act = host_ratio * terms.residual_host / self.rate
@@ -128,3 +137,21 @@ class Model:
             return step
         compute = compiled_flops / (self.peak * ASSUMED_MFU)
         return dataclasses.replace(step, compute_s=compute)
+
+
+def grouped_padding(c: Config, expert: int, chunks: int, on: str) -> float:
+    """The share of extra work the grouped-matmul kernels of `on` do beyond their rows, under
+    balanced routing with `expert` shards and `chunks` token chunks: each local expert's group
+    of r = tokens x K x expert / E rows (a chunk's) is covered by whole row tiles (megablox on
+    TPU: the largest power of two <= r, 16 to 512; tokamax's Triton kernel on GPU: <= 128; the
+    tiled CPU loop: 512 rows down to 8, nn/moe/gmm.py), so the last tile of a group computes
+    its padding too (planner/kernels.py counts the same in the compiled program)."""
+    if not c.is_moe or not c.sparse_matmul:
+        return 0.0
+    tokens = c.per_device_batch_size * c.max_target_length / chunks
+    r = tokens * c.num_experts_per_tok * max(1, expert) / c.num_experts
+    if r < 1:
+        return 0.0
+    floor = 1 << (int(r).bit_length() - 1)
+    tile = {"tpu": min(512, max(16, floor)), "gpu": min(128, max(16, floor))}.get(on, 8)
+    return math.ceil(r / tile) * tile / r - 1

@@ -126,3 +126,23 @@ def test_every_target_has_its_host():
     for name, chip in CHIPS.items():
         assert chip.host is not None and chip.host.chips in (4, 8), name
         assert chip.host.ram_gib > 100 and chip.host.link_bytes_per_s > 1e10
+
+
+def test_grouped_padding_follows_the_kernels_row_tiles():
+    """Balanced rows per local expert r = tokens x K x expert / E per chunk: megablox (TPU)
+    covers them with power-of-two tiles of 16-512 rows, tokamax's Triton kernel (GPU) with
+    at most 128, so a group of 384 rows costs 512 on TPU (+1/3) and 384 on GPU."""
+    c = load_config(
+        overrides={
+            "model_name": "deepseek3-671b",
+            "per_device_batch_size": 6,
+            "max_target_length": 8192,
+        }
+    )
+    # 6 x 8192 / 64 chunks x 8 x 16 / 256 = 384 rows per group
+    assert steptime.grouped_padding(c, 16, 64, "tpu") == pytest.approx(1 / 3)
+    assert steptime.grouped_padding(c, 16, 64, "gpu") == 0.0
+    assert steptime.grouped_padding(c, 16, 8, "tpu") == 0.0  # 3,072 rows: six tiles of 512
+    model = steptime.Model(c, CHIPS["v5p"])
+    terms = Terms(1, 1, 0, 0, 1, 0, 0)
+    assert model.of(0.5, terms, padding=1 / 3).compute_s > model.of(0.5, terms).compute_s

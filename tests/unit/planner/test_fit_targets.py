@@ -16,7 +16,7 @@ SMALL = dict(
     model_name="deepseek3-tiny",
     base_num_decoder_layers=3,
     per_device_batch_size=2,
-    max_target_length=256,
+    max_target_length=128,
     dtype="bfloat16",
 )
 OFFLOAD_2 = dict(remat_policy="custom", decoder_layer_input="offload", out_proj="offload")
