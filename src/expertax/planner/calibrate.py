@@ -74,14 +74,16 @@ def _clamp(x: float, bounds: tuple[float, float] = RATIO_BOUNDS) -> float:
 
 
 def _nearest(by_key: dict[tuple, list[float]], key: tuple | None) -> float:
-    """The working ratio for `key`: its own key's, else its layout's (the key's first two
-    entries: mesh shape and rules), else the median over the keys compiled."""
+    """The working ratio for `key` (mesh shape, rules, chunks, tiles, attention, stash): its
+    own key's, else that of the keys differing only in chunks and tiles, else its layout's
+    (mesh shape and rules), else the median over the keys compiled."""
     if key in by_key:
         return statistics.median(by_key[key])
     if key is not None:
-        layout = [v for k, vs in by_key.items() if k[:2] == key[:2] for v in vs]
-        if layout:
-            return statistics.median(layout)
+        for same in (lambda k: k[:2] == key[:2] and k[4:] == key[4:], lambda k: k[:2] == key[:2]):
+            near = [v for k, vs in by_key.items() if same(k) for v in vs]
+            if near:
+                return statistics.median(near)
     return statistics.median(statistics.median(v) for v in by_key.values())
 
 
