@@ -189,10 +189,11 @@ def test_the_planner_counts_the_mtp_modules():
     elems = [e.state_bytes(shape, "default")[0] for e in (without, with_mtp)]
     mtp_elems = param.count(param.stack(decoder.mtp_spec(with_mtp.c), 2))
     assert elems[1] - elems[0] >= mtp_elems // 8  # sharded over fsdp=8 (norms replicated)
-    saved = [sum(e.residual_bytes("minimal", "dot", 1).values()) for e in (without, with_mtp)]
+    keys = {"remat_policy": "minimal", "attention_impl": "dot"}
+    saved = [sum(e.residual_bytes(keys)[0].values()) for e in (without, with_mtp)]
     per_moe_layer = saved[0] - sum(
         estimate.Estimator(_config("deepseek3-tiny", 0, base_num_decoder_layers=2))
-        .residual_bytes("minimal", "dot", 1)
+        .residual_bytes(keys)[0]
         .values()
     )
     assert per_moe_layer > 0 and saved[1] - saved[0] == 2 * per_moe_layer
