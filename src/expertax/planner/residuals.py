@@ -26,6 +26,7 @@ from expertax.models import decoder, pipeline
 from expertax.nn import param
 from expertax.parallel import remat
 from expertax.planner import pipeline as memory_pipeline
+from expertax.sharding.rules import current_rules
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,6 +164,31 @@ def layer_residuals(
     place = remat.config_placements(c)
     host = {n for n, p in place.items() if p == remat.OFFLOAD}
     traced = c.model_copy(update={n: remat.DEVICE for n in host})
+    stack = "moe" if moe else "dense"
+    if layers is None:
+        layers = c.num_moe_layers if moe else c.num_dense_layers
+    # A placement on host traces as one on device: the fit search's ladders, which differ in
+    # where the same names go, share one trace. The trace also reads the platform, the device
+    # and the mesh and rules it is traced under.
+    ambient = (platform.current(), platform.device(), jax.sharding.get_abstract_mesh())
+    key = (traced.model_dump_json(), moe, batch_local, repr(ambient), repr(current_rules()))
+    if key not in _TRACED:
+        if len(_TRACED) >= _TRACED_MAX:
+            _TRACED.clear()
+        _TRACED[key] = _trace_layer(traced, moe, batch_local)
+    return [
+        Residual(name, shape, dtype, "host" if name in host else "device", stack, layers)
+        for name, shape, dtype in _TRACED[key]
+    ]
+
+
+_TRACED: dict[tuple, list[tuple[str, tuple[int, ...], str]]] = {}
+_TRACED_MAX = 512
+
+
+def _trace_layer(traced: Config, moe: bool, batch_local: int) -> list[tuple]:
+    """(name, shape, dtype) of what one layer of config `traced` saves, per device."""
+    c = traced
     dtype = jnp.dtype(c.dtype)
     block = param.abstract(decoder.block_spec(c, moe=moe), jnp.dtype(c.weight_dtype))
     t = c.max_target_length
@@ -175,9 +201,6 @@ def layer_residuals(
         lb = stats.lb_loss if stats is not None else 0.0
         return jnp.sum(y.astype(jnp.float32)) + lb
 
-    stack = "moe" if moe else "dense"
-    if layers is None:
-        layers = c.num_moe_layers if moe else c.num_dense_layers
     x_index = len(jax.tree.leaves(block))  # the flat position of `x` among the inputs
     # An attention kernel for one platform is traced for it (a trace only: nothing compiles).
     kernel_platform = ATTENTION_PLATFORMS.get(c.attention_impl)
@@ -196,9 +219,7 @@ def layer_residuals(
             name = f"unnamed: {src.name} at {src.where}"
         else:
             name = "unnamed: a constant"
-        placement = "host" if name in host else "device"
-        shape, dtype_name = tuple(src.aval.shape), str(src.aval.dtype)
-        out.append(Residual(name, shape, dtype_name, placement, stack, layers))
+        out.append((name, tuple(src.aval.shape), str(src.aval.dtype)))
     return out
 
 

@@ -13,6 +13,7 @@ from expertax.config.schema import RematSection
 from expertax.models import decoder, init_params
 from expertax.nn import param
 from expertax.parallel import remat
+from expertax.planner import residuals
 from expertax.planner.residuals import layer_residuals
 from expertax.train.step import loss_fn
 
@@ -237,6 +238,7 @@ def test_every_name_but_qkv_proj_is_produced_somewhere():
 def test_renamed_tag_is_caught(monkeypatch):
     """Negative control: a renamed tag changes the produced names and what a preset saves."""
     monkeypatch.setattr(remat, "OUT_PROJ", "out_projection")
+    monkeypatch.setattr(residuals, "_TRACED", {})  # the traces of the real name are not reused
     c = load_config(overrides=["model_name=llama-tiny", "remat_policy=save_out_proj", *SHORT])
     assert "out_projection" in _produced_names(c)
     assert set(_names(c, False)) != GQA_EXPECTED["save_out_proj"]
