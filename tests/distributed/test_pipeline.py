@@ -153,8 +153,20 @@ CASES = {
     ),
 }
 # The default run has test_parity_pipeline_with_negative_control (mixtral-tiny, pp2 x EP2 x FSDP2
-# against the reference, with a failing control); every case here is in the extended run.
+# against the reference, with a failing control); the extended run has every case here but three
+# that other tests cover (run on demand, -m full_grid): mixtral's pp2 x EP2 x FSDP2 (that parity
+# test), four stages (deepseek3's pp4 case) and remat_policy=none (its gradients test below).
 DEFAULT: tuple[str, ...] = ()
+ON_DEMAND = ("mixtral-pp2-ep2-fsdp2", "mixtral-l4-pp4", "mixtral-l4-pp2-r2-remat-none")
+
+
+def _pipeline_cases():
+    for n in CASES:
+        if n in DEFAULT:
+            yield n
+        else:
+            mark = pytest.mark.full_grid if n in ON_DEMAND else pytest.mark.extended
+            yield pytest.param(n, marks=mark)
 
 
 def _reference_overrides(over: dict) -> dict:
@@ -177,7 +189,7 @@ def _reference(kind: str, model: str, over: dict):
 
 @pytest.mark.parametrize(
     "name",
-    [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.extended) for n in CASES],
+    list(_pipeline_cases()),
 )
 def test_pipeline_trains_like_no_pipeline(name):
     model, over = CASES[name]

@@ -3,7 +3,8 @@ plain stack for the all-to-all and the ring at EP=2/4/8 with FSDP, balanced and 
 with layers that overflow; a run with the stash resumes bitwise.
 
 The grid covers every pair of (strategy, mesh, routing) values (`CASES`). The default run keeps
-one case and one overflow case; the rest is `extended`.
+one case and one overflow case; the extended run two more cases, the resume and the ring's
+overflow; the rest of the grid runs on demand (`-m full_grid`).
 """
 
 from __future__ import annotations
@@ -88,9 +89,20 @@ def compare(model, strategy, mesh, routing, **extra):
     return np.asarray(s1.stash_overflow), np.asarray(s1.stash_factor)
 
 
+# The extended run holds these two of the rest (both strategies, both models, both routings, a
+# second mesh); the other four complete the pairwise grid on demand (-m full_grid).
+EXTENDED = {
+    ("mixtral-tiny", "ring", "ep4-fsdp2", "skewed"),
+    ("deepseek3-tiny", "a2a", "ep2-fsdp2-data2", "skewed"),
+}
+
+
 def _cases():
     for case in CASES:
-        marks = () if case in DEFAULT else (pytest.mark.extended,)
+        if case in DEFAULT:
+            marks = ()
+        else:
+            marks = (pytest.mark.extended if case in EXTENDED else pytest.mark.full_grid,)
         yield pytest.param(*case, marks=marks, id="-".join(case))
 
 
