@@ -24,14 +24,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import pytest  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
-
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one worker more than the machine's cores (at most --maxprocesses). A test
-    alternates between single-threaded Python tracing and XLA work on every core, so a third
-    worker on two cores keeps them busier: 7 % less wall time for tests/unit/decoding on the
-    2-core CI VM (184.6 s against 199.4 s)."""
-    return (os.cpu_count() or 1) + 1
-
 # A shrunk Mixtral with DeepSeek's sigmoid routing and balancing bias (a parameter updated outside
 # the optimizer), shared by the trainer-level tests so they reuse one compiled step.
 TINY_MOE = dict(

@@ -90,7 +90,7 @@ def test_compile_only_target(target, tmp_path, capsys):
     assert f"{target}:" in capsys.readouterr().out
 
 
-@pytest.mark.slow
+@pytest.mark.compile_matrix  # on demand (40-75 s each on 2 cores)
 @pytest.mark.parametrize("target", ["tpu:v5p-16", "gpu:h100x8"])
 def test_compile_only_pipeline(target, tmp_path, capsys):
     """A pipelined all-to-all layout: the ragged exchange inside the stages. (XLA:GPU refused the

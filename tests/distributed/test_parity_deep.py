@@ -55,7 +55,7 @@ def probe_flips() -> dict:
     }
 
 
-@pytest.mark.extended  # 77 s on 2 loaded cores (two probe compiles of a 5-layer model)
+@pytest.mark.full_grid  # on demand: 77 s on 2 loaded cores (two probe compiles of a 5-layer model)
 def test_routing_flips_explain_the_deep_model_difference():
     """deepseek3-tiny with 5 layers (a dense first layer, group-limited top-k), expert-parallel
     over 2 devices: its first-step loss differs from one device's by more than the float32

@@ -3,8 +3,8 @@ plain stack for the all-to-all and the ring at EP=2/4/8 with FSDP, balanced and 
 with layers that overflow; a run with the stash resumes bitwise.
 
 The grid covers every pair of (strategy, mesh, routing) values (`CASES`). The default run keeps
-one case and one overflow case; the extended run two more cases, the resume and the ring's
-overflow; the rest of the grid runs on demand (`-m full_grid`).
+one case and the fused routed FFN; the extended run two more cases, the resume and the
+all-to-all's overflow; the rest runs on demand (`-m full_grid`).
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def test_stash_gradients_bitwise_under_expert_parallelism(model, strategy, mesh,
     [
         # each strategy and each factor once (tests/unit/nn/moe/test_stash.py overflows
         # every layer and some without expert parallelism)
-        ("a2a", 0.6, "some"),
-        pytest.param("ring", 0.01, "all", marks=pytest.mark.extended),
+        pytest.param("a2a", 0.6, "some", marks=pytest.mark.extended),
+        pytest.param("ring", 0.01, "all", marks=pytest.mark.full_grid),
     ],
 )
 def test_overflowing_layers_under_expert_parallelism(strategy, factor, overflowing):

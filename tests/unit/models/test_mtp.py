@@ -109,9 +109,10 @@ OTHER_PATHS = dict(num_vocab_tiling=4, num_moe_token_chunks=2, scan_layers=False
 @pytest.mark.parametrize(
     "model,depth,packed,over",
     [
-        ("deepseek3-tiny", 1, False, {}),
+        # depth 1 on demand (-m full_grid): depth 2 runs the first depth's code too
+        pytest.param("deepseek3-tiny", 1, False, {}, marks=pytest.mark.full_grid),
         ("deepseek3-tiny", 2, True, {}),
-        ("mixtral-tiny", 1, True, {}),
+        pytest.param("mixtral-tiny", 1, True, {}, marks=pytest.mark.full_grid),
         ("mixtral-tiny", 2, False, dict(OTHER_PATHS, remat_policy="full")),
     ],
 )
