@@ -84,7 +84,7 @@ def test_routing_flips_explain_the_deep_model_difference():
     assert r["imposed_flips"] > 0
 
 
-@pytest.mark.extended  # about 2 minutes on 2 cores
+@pytest.mark.full_grid  # on demand: 2-3 minutes on 2 cores
 def test_parity_cli_deep_model_with_imposed_routing(tmp_path):
     """The 5-layer model through `expertax parity --impose-routing` on tensor-parallel layouts
     (GSPMD dense; the all-to-all under expert-as-TP rules) and EP=2, whose flips the table names

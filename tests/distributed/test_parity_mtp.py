@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 LAYOUTS = ["sparse-ep4-fsdp2", "sparse-ring-pp2-ep2-fsdp2"]
 
 
-@pytest.mark.extended
+@pytest.mark.full_grid  # on demand: ~90 s on 2 cores
 def test_parity_with_mtp(tmp_path):
     """In a child with the tolerance-only code generation (`parity_child`)."""
     path = tmp_path / "parity.json"

@@ -206,8 +206,13 @@ def test_pipeline_trains_like_no_pipeline(name):
     assert "collective-permute" in fn.as_text()
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("name", ["deepseek3-l5-pp2-r2-ep2", "mixtral-l4-pp2-r2-remat-none"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("deepseek3-l5-pp2-r2-ep2", marks=pytest.mark.full_grid),  # on demand
+        pytest.param("mixtral-l4-pp2-r2-remat-none", marks=pytest.mark.extended),
+    ],
+)
 def test_pipeline_gradients_equal_no_pipeline(name):
     """The pipeline's own VJP (with repeats and EP) and plain autodiff of its scan
     (remat_policy=none) give the gradients of the unpipelined model (four stages: their training

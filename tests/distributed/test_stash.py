@@ -3,8 +3,10 @@ plain stack for the all-to-all and the ring at EP=2/4/8 with FSDP, balanced and 
 with layers that overflow; a run with the stash resumes bitwise.
 
 The grid covers every pair of (strategy, mesh, routing) values (`CASES`). The default run keeps
-one case and the fused routed FFN; the extended run two more cases, the resume and the
-all-to-all's overflow; the rest runs on demand (`-m full_grid`).
+one case and the fused routed FFN; the extended run two more cases and the ring's fused FFN;
+the rest (the grid's other cases, the overflows under EP, the resume) runs on demand
+(`-m full_grid`; tests/unit/nn/moe/test_stash.py overflows layers without EP in the default
+run).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def test_stash_gradients_bitwise_under_expert_parallelism(model, strategy, mesh,
     [
         # each strategy and each factor once (tests/unit/nn/moe/test_stash.py overflows
         # every layer and some without expert parallelism)
-        pytest.param("a2a", 0.6, "some", marks=pytest.mark.extended),
+        pytest.param("a2a", 0.6, "some", marks=pytest.mark.full_grid),
         pytest.param("ring", 0.01, "all", marks=pytest.mark.full_grid),
     ],
 )
@@ -137,7 +139,7 @@ def test_overflowing_layers_under_expert_parallelism(strategy, factor, overflowi
         assert 0 < over.sum() < len(over)
 
 
-@pytest.mark.extended
+@pytest.mark.full_grid  # on demand: ~110 s on 2 cores
 def test_a_stash_run_resumes_bitwise_and_trains_like_the_plain_one(tmp_path):
     base = {
         "model_name": "deepseek3-tiny",
