@@ -157,7 +157,12 @@ CASES = {
 # that other tests cover (run on demand, -m full_grid): mixtral's pp2 x EP2 x FSDP2 (that parity
 # test), four stages (deepseek3's pp4 case) and remat_policy=none (its gradients test below).
 DEFAULT: tuple[str, ...] = ()
-ON_DEMAND = ("mixtral-pp2-ep2-fsdp2", "mixtral-l4-pp4", "mixtral-l4-pp2-r2-remat-none")
+ON_DEMAND = (
+    "mixtral-pp2-ep2-fsdp2",
+    "mixtral-l4-pp4",
+    "mixtral-l4-pp2-r2-remat-none",
+    "deepseek3-l5-pp2-r2-ep2",  # repeats: mixtral-l4-pp2-r2-ppermute; EP: deepseek3-pp2-mb4-ring-ep2
+)
 
 
 def _pipeline_cases():
