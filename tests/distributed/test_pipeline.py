@@ -161,7 +161,7 @@ ON_DEMAND = (
     "mixtral-pp2-ep2-fsdp2",
     "mixtral-l4-pp4",
     "mixtral-l4-pp2-r2-remat-none",
-    "deepseek3-l5-pp2-r2-ep2",  # repeats: mixtral-l4-pp2-r2-ppermute; EP: deepseek3-pp2-mb4-ring-ep2
+    "deepseek3-l5-pp2-r2-ep2",  # repeats: mixtral r2-ppermute; EP: deepseek3-pp2-mb4-ring-ep2
 )
 
 
