@@ -50,7 +50,7 @@ def balanced_block(length: int, max_block: int) -> int:
     return min(max_block, 8 * _cdiv(_cdiv(length, n), 8))
 
 
-def _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, keys_first=False):
+def _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, offset, keys_first=False):
     """Scaled float32 scores [B, G, J, bq, bk] of query block i against key block j, and the mask
     (True where the pair attends: causal by absolute position, and same segment); with
     `keys_first`, both transposed: [B, G, bk, J, bq]."""
@@ -59,7 +59,7 @@ def _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, keys_first=Fa
         scores = jnp.einsum("bgsq,bgjtq->bgsjt", k_blk, q_blk, preferred_element_type=jnp.float32)
     else:
         scores = jnp.einsum("bgjtq,bgsq->bgjts", q_blk, k_blk, preferred_element_type=jnp.float32)
-    rows_TS = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    rows_TS = offset + i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     cols_TS = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     mask_BTS = (rows_TS >= cols_TS)[None]
     if seg_q_blk is not None:
@@ -69,9 +69,10 @@ def _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, keys_first=Fa
     return scores * jnp.float32(scale), mask_BTS[:, None, None]
 
 
-def _num_key_blocks(i, bq: int, bk: int, nk: int):
-    """Key blocks query block i needs: those holding a column <= its last row (the diagonal)."""
-    return jnp.minimum(nk, ((i + 1) * bq - 1) // bk + 1)
+def _num_key_blocks(i, bq: int, bk: int, nk: int, offset: int):
+    """Key blocks query block i needs: those holding a column <= its last row's key position
+    (the diagonal; query row r sits at key position `offset` + r)."""
+    return jnp.minimum(nk, (offset + (i + 1) * bq - 1) // bk + 1)
 
 
 def _trips(total: int, loops: int) -> str:
@@ -81,12 +82,12 @@ def _trips(total: int, loops: int) -> str:
     return f"trips~{total / loops:.6g}"
 
 
-def _first_query_block(j, bq: int, bk: int):
-    """First query block that sees key block j: the one holding row j * bk."""
-    return (j * bk) // bq
+def _first_query_block(j, bq: int, bk: int, offset: int):
+    """First query block that sees key block j: the one holding key position j * bk."""
+    return jnp.maximum(0, (j * bk - offset) // bq)
 
 
-def _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
+def _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, scale, hint):
     """Blocked inputs -> (out [nq, B, G, J, bq, O] in v's dtype, lse [nq, B, G, J, bq] float32)."""
     nq, b, g, r, bq, _ = q_blocks.shape
     nk, bk, vd = k_blocks.shape[0], k_blocks.shape[3], v_blocks.shape[-1]
@@ -97,7 +98,7 @@ def _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
         def one_key_block(j, carry):
             m_BGJT, l_BGJT, acc_BGJTO = carry
             seg_k_blk = None if seg_k_blocks is None else seg_k_blocks[j]
-            s, mask = _block_scores(q_blk, k_blocks[j], seg_q_blk, seg_k_blk, i, j, scale)
+            s, mask = _block_scores(q_blk, k_blocks[j], seg_q_blk, seg_k_blk, i, j, scale, offset)
             s = jnp.where(mask, s, MASKED_SCORE)
             m_new = jnp.maximum(m_BGJT, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -116,9 +117,9 @@ def _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
             jnp.zeros((b, g, r, bq), jnp.float32),
             jnp.zeros((b, g, r, bq, vd), jnp.float32),
         )
-        visits = sum(min(nk, ((n + 1) * bq - 1) // bk + 1) for n in range(nq))
+        visits = sum(min(nk, (hint + (n + 1) * bq - 1) // bk + 1) for n in range(nq))
         with jax.named_scope(_trips(visits, nq)):
-            trips = _num_key_blocks(i, bq, bk, nk)
+            trips = _num_key_blocks(i, bq, bk, nk, offset)
             m, row_sum, acc = jax.lax.fori_loop(0, trips, one_key_block, init)
         out = (acc / row_sum[..., None]).astype(v_blocks.dtype)
         return None, (out, m + jnp.log(row_sum))
@@ -127,7 +128,7 @@ def _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
     return out, lse
 
 
-def _backward(scale, res, d_out):
+def _backward(scale, hint, res, d_out):
     """FlashAttention-2's backward, computed in the transposed (keys-first) layout.
 
     Each block pair's probabilities and their gradient are formed as [bk, J * bq] (keys first),
@@ -139,7 +140,7 @@ def _backward(scale, res, d_out):
     forward+backward 0.64-0.74x the queries-first time at T=1024-4096, within noise at T=512
     (BENCHMARKS.md).
     """
-    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, out, lse = res
+    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, out, lse = res
     nq, bq = q_blocks.shape[0], q_blocks.shape[4]
     nk, bk = k_blocks.shape[0], k_blocks.shape[3]
     # D_i = rowsum(dO_i * O_i) (FlashAttention-2 Alg. 2 line 4): dS = P * (dP - D).
@@ -154,7 +155,7 @@ def _backward(scale, res, d_out):
             q_blk, do_blk = q_blocks[i], d_out[i]
             seg_q_blk = None if seg_q_blocks is None else seg_q_blocks[i]
             s, mask = _block_scores(
-                q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, keys_first=True
+                q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, offset, keys_first=True
             )
             p = jnp.where(mask, jnp.exp(s - lse[i][:, :, None]), 0.0)
             dv_BGSO += jnp.einsum(
@@ -184,8 +185,8 @@ def _backward(scale, res, d_out):
             jnp.zeros(k_blk.shape, jnp.float32),
             jnp.zeros(v_blk.shape, jnp.float32),
         )
-        first = _first_query_block(j, bq, bk)
-        visits = sum(nq - _first_query_block(n, bq, bk) for n in range(nk))
+        first = _first_query_block(j, bq, bk, offset)
+        visits = sum(nq - max(0, (n * bk - hint) // bq) for n in range(nk))
         with jax.named_scope(_trips(visits, nk)):
             dq_acc, dk, dv = jax.lax.fori_loop(first, nq, one_query_block, init)
         return dq_acc, (dk.astype(k_blk.dtype), dv.astype(v_blk.dtype))
@@ -196,17 +197,23 @@ def _backward(scale, res, d_out):
         one_key_block, dq0, (jnp.arange(nk), k_blocks, v_blocks, seg_k_blocks)
     )
     dq = jnp.moveaxis(dq_t, 3, 5)  # [nq, B, G, J, bq, Q]
-    return dq.astype(q_blocks.dtype), dk, dv, None, None
+    return dq.astype(q_blocks.dtype), dk, dv, None, None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _blocked_attention(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
-    return _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _blocked_attention(
+    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, scale, hint
+):
+    blocks = (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks)
+    return _forward(*blocks, offset, scale, hint)[0]
 
 
-def _blocked_attention_fwd(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale):
-    out, lse = _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale)
-    return out, (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, out, lse)
+def _blocked_attention_fwd(
+    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, scale, hint
+):
+    blocks = (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks)
+    out, lse = _forward(*blocks, offset, scale, hint)
+    return out, (*blocks, offset, out, lse)
 
 
 _blocked_attention.defvjp(_blocked_attention_fwd, _backward)
@@ -232,10 +239,15 @@ def attend_blockwise(
     segment_ids_BT: jax.Array | None = None,
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
+    q_offset: jax.Array | None = None,
+    mean_q_offset: float = 0.0,
 ) -> jax.Array:
     """Causal attention computed block by block; returns [B, T, H, O] in v's dtype.
 
-    Same arguments and result as `kernel.attend_dot`. `block_q` and `block_k` are the largest
+    Same arguments and result as `kernel.attend_dot` (queries the last T of S key positions, or
+    from `q_offset` on; segment ids the keys'; `mean_q_offset`: the offset's mean over a scan of
+    query chunks, for the `trips~N` scopes of the loops, whose counts follow the offset).
+    `block_q` and `block_k` are the largest
     block sizes; `balanced_block` evens them out over the sequence, and a sequence that is still
     not a multiple of the block is padded internally (padded keys lie after every real query, so
     causality already hides them; padded query rows are dropped).
@@ -244,6 +256,9 @@ def attend_blockwise(
         raise ValueError(f"block_q={block_q}, block_k={block_k}: blocks must be positive")
     b, t, h, qd = q_BTHQ.shape
     s, g = k_BSGQ.shape[1], k_BSGQ.shape[2]
+    # query row r at key position offset + r; `hint`, static, counts the loops' trips
+    offset = s - t if q_offset is None else q_offset
+    hint = s - t if q_offset is None else round(mean_q_offset)
     bq, bk = balanced_block(t, block_q), balanced_block(s, block_k)
     # Heads before rows inside a block, so each block's matmuls are batched over B, G, J.
     q_BTGJQ = q_BTHQ.reshape(b, t, g, h // g, qd)
@@ -252,8 +267,12 @@ def attend_blockwise(
     v_blocks = jnp.moveaxis(_to_blocks(v_BSGO, bk), 2, 3)  # [nk, B, G, bk, O]
     seg_q_blocks = seg_k_blocks = None
     if segment_ids_BT is not None:
-        seg_q_blocks = _to_blocks(segment_ids_BT, bq, pad_value=-1)  # [nq, B, bq]
-        seg_k_blocks = _to_blocks(segment_ids_BT[:, :s], bk, pad_value=-1)  # [nk, B, bk]
-    out = _blocked_attention(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, scale)
+        seg_q = jax.lax.dynamic_slice_in_dim(segment_ids_BT, offset, t, axis=1)
+        seg_q_blocks = _to_blocks(seg_q, bq, pad_value=-1)  # [nq, B, bq]
+        seg_k_blocks = _to_blocks(segment_ids_BT, bk, pad_value=-1)  # [nk, B, bk]
+    offset = jnp.asarray(offset, jnp.int32)
+    out = _blocked_attention(
+        q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, scale, hint
+    )
     out_BTGJO = jnp.moveaxis(out, (0, 4), (1, 2)).reshape(b, -1, g, h // g, v_BSGO.shape[-1])
     return out_BTGJO[:, :t].reshape(b, t, h, v_BSGO.shape[-1])

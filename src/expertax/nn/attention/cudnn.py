@@ -110,6 +110,13 @@ def attend_cudnn(
     `flash(q, k, v, mask, scale)` is the call with equal head dims; tests pass a stand-in (the
     same API's XLA implementation) to check the padding, masks and gradients on a CPU."""
     qk_dim, v_dim = q_BTHQ.shape[-1], v_BSGO.shape[-1]
+    if k_BSGQ.shape[1] != q_BTHQ.shape[1]:
+        raise ValueError(
+            f"attention_impl=cudnn with {q_BTHQ.shape[1]} query and {k_BSGQ.shape[1]} key "
+            "positions: jax.nn.dot_product_attention aligns cuDNN's causal mask top-left, and "
+            "a token chunk's queries need it aligned at the end of the keys; use "
+            "num_attention_token_chunks=1 or attention_impl=blockwise"
+        )
     if flash is _cudnn_flash:
         why = unusable_because(qk_dim, v_dim, q_BTHQ.dtype)
         if why:

@@ -20,6 +20,8 @@ of J = H/G heads, keys never repeated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -30,6 +32,8 @@ from expertax.nn.attention.blockwise import MASKED_SCORE, attend_blockwise
 from expertax.nn.attention.splash import attend_splash
 
 IMPLEMENTATIONS = ("auto", "dot", "blockwise", "cudnn", "splash")
+# Kernels whose causal mask takes a query offset known only at run time (chunks.py scans them)
+SCANNED = ("dot", "blockwise")
 
 # Sequence length from which `auto` picks `blockwise` (CPU, GPU without cuDNN) or `splash` (TPU).
 # Measured 2026-11 with benchmarks/attention.py on the shared 2-core x86 CPU host (load average
@@ -41,8 +45,14 @@ IMPLEMENTATIONS = ("auto", "dot", "blockwise", "cudnn", "splash")
 AUTO_BLOCKWISE_MIN_LENGTH = 512
 
 
-def attend_dot(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> jax.Array:
-    """Causal attention with whole score matrices; returns [B, T, H, O]. Softmax in float32."""
+def attend_dot(
+    q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None, q_offset=None
+) -> jax.Array:
+    """Causal attention with whole score matrices; returns [B, T, H, O]. Softmax in float32.
+
+    Query row r sits at key position `q_offset` + r (default S - T: the queries are the last T
+    of the S >= T keys; a traced value in a scan over query chunks); `segment_ids_BT` are the
+    keys' [B, S]."""
     b, t, h, q = q_BTHQ.shape
     g = k_BSGQ.shape[2]
     q_BTGJQ = q_BTHQ.reshape(b, t, g, h // g, q)
@@ -50,12 +60,14 @@ def attend_dot(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> 
         "btgjq,bsgq->bgjts", q_BTGJQ, k_BSGQ, preferred_element_type=jnp.float32
     ) * jnp.float32(scale)
     s = k_BSGQ.shape[1]
-    causal_TS = jax.lax.broadcasted_iota(jnp.int32, (t, s), 0) >= jax.lax.broadcasted_iota(
+    offset = s - t if q_offset is None else q_offset
+    causal_TS = offset + jax.lax.broadcasted_iota(jnp.int32, (t, s), 0) >= jax.lax.broadcasted_iota(
         jnp.int32, (t, s), 1
     )
     mask = causal_TS[None, None, None]
     if segment_ids_BT is not None:
-        same_doc_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+        seg_q_BT = jax.lax.dynamic_slice_in_dim(segment_ids_BT, offset, t, axis=1)
+        same_doc_BTS = seg_q_BT[:, :, None] == segment_ids_BT[:, None, :]
         mask = jnp.logical_and(mask, same_doc_BTS[:, None, None])
     scores = jnp.where(mask, scores, MASKED_SCORE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGO.dtype)
@@ -63,16 +75,27 @@ def attend_dot(q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None) -> 
     return out.reshape(b, t, h, v_BSGO.shape[-1])
 
 
-def resolve(impl: str, *, length: int, qk_dim: int, v_dim: int, dtype, on: str | None = None):
+def resolve(
+    impl: str,
+    *,
+    length: int,
+    qk_dim: int,
+    v_dim: int,
+    dtype,
+    on: str | None = None,
+    chunked: bool = False,
+):
     """The concrete implementation `impl` stands for on platform `on` (default: the platform
-    being traced for); anything but `auto` is returned as it is."""
+    being traced for); anything but `auto` is returned as it is. `chunked`: the queries are a
+    token chunk after earlier keys (`num_attention_token_chunks`), which cuDNN cannot take."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention_impl={impl!r}: use one of {', '.join(IMPLEMENTATIONS)}")
     if impl != "auto":
         return impl
     on = on or platform.current()
     choice = evidence.AUTO.get(on, evidence.AUTO["cpu"])
-    if choice.kernel == "cudnn" and cudnn.unusable_because(qk_dim, v_dim, dtype) is None:
+    usable = not chunked and cudnn.unusable_because(qk_dim, v_dim, dtype) is None
+    if choice.kernel == "cudnn" and usable:
         return "cudnn"
     return choice.long if length >= AUTO_BLOCKWISE_MIN_LENGTH else choice.short
 
@@ -85,26 +108,52 @@ def attend(
     scale: float,
     segment_ids_BT: jax.Array | None = None,
     impl: str = "dot",
+    q_offset: jax.Array | None = None,
+    mean_q_offset: float = 0.0,
 ) -> jax.Array:
     """Causal attention by the implementation `impl` (config key `attention_impl`); returns
-    [B, T, H, O]. Scores and softmax in float32 for every implementation but cuDNN's own."""
+    [B, T, H, O]. Scores and softmax in float32 for every implementation but cuDNN's own. The
+    queries are the last T of the S >= T key positions (S > T: one token chunk of a sequence,
+    `chunks.py`), or, with `q_offset` (a traced int in a scan over query chunks: `dot` and
+    `blockwise` only), start at key position `q_offset` (`mean_q_offset`: its mean over the
+    scan, for the blockwise loops' counted trips); `segment_ids_BT` are the keys' [B, S]."""
     impl = resolve(
         impl,
-        length=q_BTHQ.shape[1],
+        length=k_BSGQ.shape[1],
         qk_dim=q_BTHQ.shape[-1],
         v_dim=v_BSGO.shape[-1],
         dtype=q_BTHQ.dtype,
+        chunked=k_BSGQ.shape[1] != q_BTHQ.shape[1] or q_offset is not None,
     )
+    if q_offset is not None and impl not in SCANNED:
+        raise ValueError(
+            f"attention_impl={impl} builds its causal mask at trace time; a query offset known "
+            f"only at run time (a scan over query chunks) needs one of {', '.join(SCANNED)}"
+        )
     needs, on = ATTENTION_PLATFORMS.get(impl), platform.current()
     if needs is not None and on != needs:
         raise ValueError(
             f"attention_impl={impl} needs a {needs.upper()}; this program is traced for {on}: "
             "use attention_impl=auto, dot or blockwise"
         )
-    kernels = {
+    kernels: dict[str, Callable[..., jax.Array]] = {
         "dot": attend_dot,
         "blockwise": attend_blockwise,
         "cudnn": cudnn.attend_cudnn,
         "splash": attend_splash,
     }
-    return kernels[impl](q_BTHQ, k_BSGQ, v_BSGO, scale=scale, segment_ids_BT=segment_ids_BT)
+    if q_offset is None:
+        return kernels[impl](q_BTHQ, k_BSGQ, v_BSGO, scale=scale, segment_ids_BT=segment_ids_BT)
+    if impl == "blockwise":
+        return attend_blockwise(
+            q_BTHQ,
+            k_BSGQ,
+            v_BSGO,
+            scale=scale,
+            segment_ids_BT=segment_ids_BT,
+            q_offset=q_offset,
+            mean_q_offset=mean_q_offset,
+        )
+    return attend_dot(
+        q_BTHQ, k_BSGQ, v_BSGO, scale=scale, segment_ids_BT=segment_ids_BT, q_offset=q_offset
+    )

@@ -68,11 +68,13 @@ def visited_tiles(length: int) -> tuple[int, int]:
     return n * (n + 1) // 2, n * n
 
 
-def _kernel(heads: int, length: int, block: int, interpret: bool):
-    """The kernel for `heads` query heads and a padded length. Its block maps are NumPy work at
-    trace time (0.2 s at H=128, T=4096) that become arrays of the trace, so a kernel is built
-    per trace, never cached across traces."""
-    mask = splash_lib.MultiHeadMask([splash_lib.CausalMask((length, length))] * heads)
+def _kernel(heads: int, q_length: int, kv_length: int, offset: int, block: int, interpret: bool):
+    """The kernel for `heads` query heads, padded query and key lengths, and the queries' first
+    key position `offset`. Its block maps are NumPy work at trace time (0.2 s at H=128, T=4096)
+    that become arrays of the trace, so a kernel is built per trace, never cached across
+    traces."""
+    causal = splash_lib.CausalMask((q_length, kv_length), offset=offset)
+    mask = splash_lib.MultiHeadMask([causal] * heads)
     sizes = splash_lib.BlockSizes(
         block_q=block,
         block_kv=block,
@@ -120,20 +122,27 @@ def _at_default_precision(fn):
 
 
 def _attend_local(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT, *, scale: float, interpret: bool):
-    """One device's sequences and heads, whole lengths; returns [B, T, H, O]."""
-    t, h = q_BTHQ.shape[1], q_BTHQ.shape[2]
+    """One device's sequences and heads, whole lengths; returns [B, T, H, O]. The queries are
+    the last T of the S key positions; `segment_ids_BT` are the keys' [B, S]."""
+    t, h, s = q_BTHQ.shape[1], q_BTHQ.shape[2], k_BSGQ.shape[1]
     block = block_size(t)
-    padded = _round_up(t, block)
+    padded_q, padded_kv = _round_up(t, block), _round_up(s, block)
     q_BTHQ = (q_BTHQ * jnp.asarray(scale, q_BTHQ.dtype)).astype(q_BTHQ.dtype)
-    q, k, v = (_pad_length(x, padded) for x in (q_BTHQ, k_BSGQ, v_BSGO))
-    seg = None if segment_ids_BT is None else _pad_length(segment_ids_BT, padded)
+    q = _pad_length(q_BTHQ, padded_q)
+    k, v = (_pad_length(x, padded_kv) for x in (k_BSGQ, v_BSGO))
+    seg = None
+    if segment_ids_BT is not None:
+        seg = (
+            _pad_length(segment_ids_BT[:, s - t :], padded_q),
+            _pad_length(segment_ids_BT, padded_kv),
+        )
 
     def batch(q_BTHQ, k_BSGQ, v_BSGO, seg_BT):
         # Built inside the traced function: its block maps must be arrays of this trace.
-        kernel = _kernel(h, padded, block, interpret)
+        kernel = _kernel(h, padded_q, padded_kv, s - t, block, interpret)
 
         def one(q_THQ, k_SGQ, v_SGO, seg_T):
-            ids = None if seg_T is None else splash_lib.SegmentIds(q=seg_T, kv=seg_T)
+            ids = None if seg_T is None else splash_lib.SegmentIds(q=seg_T[0], kv=seg_T[1])
             heads_first = (jnp.swapaxes(x, 0, 1) for x in (q_THQ, k_SGQ, v_SGO))
             return jnp.swapaxes(kernel(*heads_first, segment_ids=ids), 0, 1)
 
@@ -155,13 +164,13 @@ def attend_splash(
     segment_ids_BT: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Causal splash attention; same arguments and result ([B, T, H, O]) as `kernel.attend_dot`.
-
-    Keys cover the same positions as the queries (S = T: training, not decoding)."""
-    if k_BSGQ.shape[1] != q_BTHQ.shape[1]:
+    """Causal splash attention; same arguments and result ([B, T, H, O]) as `kernel.attend_dot`
+    (the queries are the last T of the S >= T key positions: a sequence attending to itself,
+    or one token chunk of it to the keys up to its end)."""
+    if k_BSGQ.shape[1] < q_BTHQ.shape[1]:
         raise ValueError(
-            f"attention_impl=splash attends a sequence to itself; got {q_BTHQ.shape[1]} query "
-            f"and {k_BSGQ.shape[1]} key positions"
+            f"attention_impl=splash: {q_BTHQ.shape[1]} query positions after only "
+            f"{k_BSGQ.shape[1]} key positions; the queries must be the last of the keys"
         )
     local = functools.partial(_attend_local, scale=scale, interpret=interpret)
     rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()

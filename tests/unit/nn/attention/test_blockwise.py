@@ -13,7 +13,7 @@ from expertax.config import load_config
 from expertax.nn.attention import blockwise, kernel
 from expertax.nn.attention.blockwise import attend_blockwise
 from expertax.nn.attention.kernel import attend, attend_dot
-from tests.sharded import on_mesh
+from tests.sharded import assert_model_on_mesh_matches_one_device, two_document_batch
 from tests.tolerances import tol
 
 # name: (B, T, H, G, Q, V, block_q, block_k, packed)
@@ -119,19 +119,26 @@ def test_custom_vjp_against_finite_differences():
     check_grads(fn, (q, k, v), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("offset", [0, 7])
 @pytest.mark.parametrize("bq,bk", [(4, 4), (4, 8), (8, 4), (3, 5)])
-def test_causal_skip_visits_only_blocks_on_or_below_the_diagonal(bq, bk):
+def test_causal_skip_visits_only_blocks_on_or_below_the_diagonal(bq, bk, offset):
     """The forward trip counts and the backward start blocks visit exactly the (query block,
-    key block) pairs that hold at least one pair (row >= column), each once."""
+    key block) pairs that hold at least one pair (row's key position >= column), each once;
+    with `offset`, the queries are the last rows of a longer key sequence."""
     t = 29
-    nq, nk = -(-t // bq), -(-t // bk)
+    s = t + offset
+    nq, nk = -(-t // bq), -(-s // bk)
     # a pair is needed when the query block's last row sees the key block's first column
-    needed = {(i, j) for i in range(nq) for j in range(nk) if i * bq + bq - 1 >= j * bk}
+    needed = {(i, j) for i in range(nq) for j in range(nk) if offset + i * bq + bq - 1 >= j * bk}
     forward = {
-        (i, j) for i in range(nq) for j in range(int(blockwise._num_key_blocks(i, bq, bk, nk)))
+        (i, j)
+        for i in range(nq)
+        for j in range(int(blockwise._num_key_blocks(i, bq, bk, nk, offset)))
     }
     backward = {
-        (i, j) for j in range(nk) for i in range(int(blockwise._first_query_block(j, bq, bk)), nq)
+        (i, j)
+        for j in range(nk)
+        for i in range(int(blockwise._first_query_block(j, bq, bk, offset)), nq)
     }
     assert forward == needed and backward == needed
     assert len(needed) < nq * nk  # something is skipped
@@ -210,7 +217,6 @@ def test_sharded_blockwise_model_equals_one_device_dot(monkeypatch):
     import functools
 
     from expertax import init_params
-    from expertax.train import step as step_lib
 
     monkeypatch.setattr(
         kernel, "attend_blockwise", functools.partial(attend_blockwise, block_q=8, block_k=8)
@@ -220,20 +226,6 @@ def test_sharded_blockwise_model_equals_one_device_dot(monkeypatch):
     c = load_config(overrides={**small, **mesh, "attention_impl": "blockwise"})
     one = load_config(overrides={**small, "ici_fsdp_parallelism": 1, "attention_impl": "dot"})
     p = init_params(one)
-    toks = jax.random.randint(jax.random.key(1), (8, 20), 0, c.vocab_size)
-    batch = {
-        "inputs": toks,
-        "targets": jnp.roll(toks, -1, axis=1),
-        "weights": jnp.ones(toks.shape, jnp.float32),
-        "positions": jnp.broadcast_to(jnp.arange(20), toks.shape),
-        "segment_ids": (jnp.arange(20) >= 7).astype(jnp.int32)[None].repeat(8, 0),
-    }
+    batch = two_document_batch(c.vocab_size, 8, 20, 7)
 
-    def loss_and_grads(c, p, batch):
-        return jax.jit(jax.value_and_grad(lambda p: step_lib.loss_fn(p, batch, c)[0]))(p)
-
-    l1, g1 = loss_and_grads(one, p, batch)
-    (l8, g8), _ = on_mesh(c, p, batch, loss_and_grads)
-    np.testing.assert_allclose(l8, l1, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_model_on_mesh_matches_one_device(c, one, p, batch)

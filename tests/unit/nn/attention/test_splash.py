@@ -140,9 +140,9 @@ def test_block_size_and_visited_tiles(length, block, visited, tiles):
     assert splash.visited_tiles(length) == (visited, tiles)
 
 
-def test_refuses_keys_of_another_length():
+def test_refuses_fewer_keys_than_queries():
     q = jnp.zeros((1, 128, 2, 8))
-    with pytest.raises(ValueError, match="128 query and 64 key positions"):
+    with pytest.raises(ValueError, match="128 query positions after only 64 key positions"):
         splash.attend_splash(q, q[:, :64], q[:, :64], scale=1.0, interpret=True)
 
 
