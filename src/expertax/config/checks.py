@@ -309,6 +309,34 @@ def check_moe_token_chunks(c: Config) -> None:
             )
 
 
+def check_attention_token_chunks(c: Config) -> None:
+    """Query chunks split every sequence evenly; cuDNN cannot take one (cudnn.attend_cudnn)."""
+    n, t = c.num_attention_token_chunks, c.max_target_length
+    if n == 1:
+        return
+    if t % n:
+        divisors = [d for d in range(1, min(t, 64) + 1) if t % d == 0]
+        raise ConfigError(
+            f"num_attention_token_chunks={n} does not divide max_target_length={t}; use a "
+            f"divisor such as {divisors[-4:]}"
+        )
+    place = remat.config_placements(c)
+    offloaded = [name for name in remat.QUERY_CHUNK_NAMES if place[name] == remat.OFFLOAD]
+    if offloaded:
+        raise ConfigError(
+            f"num_attention_token_chunks={n} with {offloaded[0]}=offload: {offloaded[0]} is "
+            "computed inside a query chunk, whose own checkpoint keeps what it saves on device; "
+            f"set {offloaded[0]}=device or remat, or num_attention_token_chunks=1"
+        )
+    if c.attention_impl == "cudnn":
+        raise ConfigError(
+            f"num_attention_token_chunks={n} with attention_impl=cudnn: cuDNN's causal mask "
+            "(through jax.nn.dot_product_attention) is aligned to the first key, and a chunk's "
+            "queries sit after earlier keys; use num_attention_token_chunks=1, or "
+            "attention_impl=auto or blockwise"
+        )
+
+
 def check_paged_stash(c: Config) -> None:
     if not c.moe_paged_stash:
         return
@@ -387,6 +415,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_ragged_buffer,
     check_ring_of_experts,
     check_moe_token_chunks,
+    check_attention_token_chunks,
     check_paged_stash,
     check_placements,
     check_data_files,

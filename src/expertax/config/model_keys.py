@@ -216,6 +216,17 @@ class MoESection(_Section):
         "the balancing statistics stay global. Must divide the tokens per batch shard "
         "(and max_target_length with sparse_matmul=false).",
     )
+    num_attention_token_chunks: int = _key(
+        LAYOUT,
+        1,
+        ge=1,
+        description="Run each attention layer's queries in this many chunks of the sequence "
+        "(keys and values once for the whole sequence; per chunk: the query projection, the "
+        "kernel against the keys up to the chunk's end, the output projection), each under the "
+        "layer's remat policy, so the queries, the kernel's saved output and statistics and the "
+        "output projection's input are one chunk's. Must divide max_target_length; not with "
+        "attention_impl=cudnn (auto then picks blockwise).",
+    )
     moe_paged_stash: bool = _key(
         LAYOUT,
         False,

@@ -47,6 +47,7 @@ DECODING_KEYS = {
     "moe_paged_stash": False,
     "capacity_factor": -1.0,
     "num_moe_token_chunks": 1,
+    "num_attention_token_chunks": 1,
     "num_vocab_tiling": 1,
     "parameter_memory_host_offload": False,
     "optimizer_memory_host_offload": False,

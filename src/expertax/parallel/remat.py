@@ -65,6 +65,10 @@ MLA_Q = "mla_q"
 MLA_KV = "mla_kv"
 PIPELINE_ITERATION_INPUT = "pipeline_iteration_input"
 PIPELINE_STAGE_WEIGHTS = "pipeline_stage_weights"
+# Names tagged inside an attention query chunk's own checkpoint (nn/attention/chunks.py): with
+# num_attention_token_chunks > 1 the chunk saves them itself, on device; host offload of them
+# cannot be honoured there.
+QUERY_CHUNK_NAMES = (QUERY_PROJ, ATTENTION_OUT, MLA_Q, QUERY_WA_PROJ)
 
 ALL_NAMES = (
     DECODER_LAYER_INPUT,

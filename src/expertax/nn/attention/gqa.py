@@ -6,7 +6,7 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import rope
-from expertax.nn.attention.kernel import attend
+from expertax.nn.attention import chunks
 from expertax.nn.linear import project
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
@@ -32,14 +32,21 @@ def spec(c: Config) -> GQA:
 
 
 def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.Array:
-    q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
+    t = x_BTD.shape[1]
     k = remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
     v = remat.tag(project(x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
-    q = constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))
-    out = attend(
-        q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT, impl=c.attention_impl
-    )
-    out = remat.tag(out, remat.ATTENTION_OUT)
-    return remat.tag(project(out, p.wo.astype(dtype), 2), remat.OUT_PROJ)
+
+    def queries_out(x_BTD, positions_BT, q_offset, end):  # a chunk's queries (chunks.py)
+        q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
+        cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
+        q = constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
+        out = chunks.attend_chunk(q, k, v, c, segment_ids_BT, q_offset, end, rope.softmax_scale(c))
+        return project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
+
+    scan = chunks.scanned(c, t, c.head_dim, c.head_dim, dtype)
+    out = chunks.over_queries(queries_out, x_BTD, positions_BT, c, scan=scan)
+    # named here, not inside a chunk: a name inside a chunk's checkpoint is saved by the
+    # chunk, on device, whatever its placement
+    return remat.tag(out, remat.OUT_PROJ)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import norm, rope
-from expertax.nn.attention.kernel import attend
+from expertax.nn.attention import chunks
 from expertax.nn.linear import project
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
@@ -60,8 +60,8 @@ def queries(p: MLA, x_BTD, c: Config, dtype) -> jax.Array:
 
 
 def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.Array:
+    t = x_BTD.shape[1]
     nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
-    q_BTHQ = remat.tag(queries(p, x_BTD, c, dtype), remat.MLA_Q)
     kv_a = remat.tag(project(x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
     latent_BTR, k_rope_BTQ = kv_a[..., : c.kv_lora_rank], kv_a[..., c.kv_lora_rank :]
     latent_BTR = norm.rms_norm(p.kv_norm, latent_BTR, c.normalization_layer_epsilon)
@@ -69,19 +69,25 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.
         project(latent_BTR, p.wkv_b.astype(dtype)), remat.MLA_KV
     )
     k_nope, v_BTHO = kv_BTHZ[..., :nope], kv_BTHZ[..., nope:]
-
     cos, sin = rope.cos_sin(c, positions_BT, rdim)
-    q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
     k_rope = rope.apply(k_rope_BTQ[:, :, None, :], cos, sin)
-    h = q_BTHQ.shape[2]
-    q = remat.tag(jnp.concatenate([q_BTHQ[..., :nope], q_rope], -1), remat.QUERY_PROJ)
+    h = k_nope.shape[2]
     k_rope_BTHQ = jnp.broadcast_to(k_rope, (*k_rope.shape[:2], h, rdim))
     k = remat.tag(jnp.concatenate([k_nope, k_rope_BTHQ], -1), remat.KEY_PROJ)
     v = remat.tag(v_BTHO, remat.VALUE_PROJ)
-    q = constrain(q, ("batch", "length", "act_heads", None))
     k = constrain(k, ("batch", "length", "act_heads", None))
-    out = attend(
-        q, k, v, scale=rope.softmax_scale(c), segment_ids_BT=segment_ids_BT, impl=c.attention_impl
-    )
-    out = remat.tag(out, remat.ATTENTION_OUT)
-    return remat.tag(project(out, p.wo.astype(dtype), 2), remat.OUT_PROJ)
+
+    def queries_out(x_BTD, positions_BT, q_offset, end):  # a chunk's queries (chunks.py)
+        q_BTHQ = remat.tag(queries(p, x_BTD, c, dtype), remat.MLA_Q)
+        cos, sin = rope.cos_sin(c, positions_BT, rdim)
+        q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
+        q = remat.tag(jnp.concatenate([q_BTHQ[..., :nope], q_rope], -1), remat.QUERY_PROJ)
+        q = constrain(q, ("batch", "length", "act_heads", None))
+        out = chunks.attend_chunk(q, k, v, c, segment_ids_BT, q_offset, end, rope.softmax_scale(c))
+        return project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
+
+    scan = chunks.scanned(c, t, c.qk_head_dim, c.v_head_dim, dtype)
+    out = chunks.over_queries(queries_out, x_BTD, positions_BT, c, scan=scan)
+    # named here, not inside a chunk: a name inside a chunk's checkpoint is saved by the
+    # chunk, on device, whatever its placement
+    return remat.tag(out, remat.OUT_PROJ)
