@@ -61,7 +61,8 @@ def _shard_bytes(abstract_tree, dtype=None) -> int:
     for leaf in jax.tree.leaves(abstract_tree):
         sharding = getattr(leaf, "sharding", None)
         shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-        itemsize = jnp.dtype(dtype or leaf.dtype).itemsize
+        # a PRNG key's dtype (key<fry>) is not a NumPy dtype; its own itemsize is its bytes
+        itemsize = jnp.dtype(dtype).itemsize if dtype else leaf.dtype.itemsize
         total += math.prod(shape) * itemsize
     return total
 

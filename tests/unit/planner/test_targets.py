@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from expertax import cli, platform, targets
@@ -90,6 +92,12 @@ def test_compiler_refusals_for_memory_are_recognised():
     why = plan.refused_for_memory(tpu)
     assert "100.50G" in why
     assert plan.refused_peak(why, ()) == int(100.5 * plan.GIB)  # no state: the temporaries
+    # a state holding a PRNG key (the trainer's dropout key): its bytes count, no crash
+    state = {
+        "w": jax.ShapeDtypeStruct((4, 8), jnp.float32),
+        "rng": jax.eval_shape(jax.random.key, 0),
+    }
+    assert plan.refused_peak(why, state) == int(100.5 * plan.GIB) + 4 * 8 * 4 + 8
     assert plan.refused_for_memory(ValueError("shapes do not match")) is None
 
 
