@@ -17,6 +17,7 @@ from expertax.config import config_rules, load_config, load_rules
 from expertax.config.loader import available_models
 from expertax.models import decoder
 from expertax.nn import param
+from expertax.nn.moe import strategy
 from expertax.sharding import MESH_AXES, check_mesh_fit, logical_to_spec, mesh_shape
 
 SLACK = 1.05
@@ -125,6 +126,19 @@ def test_expert_weights_keep_their_layout_for_the_dispatch_shard_map(preset):
     )
     spec2 = logical_to_spec(w.axes, config_rules(c2), mesh, w.shape)
     assert tuple(spec2) == (None, "fsdp", "expert")
+
+
+def test_exp_fsdp_preset_stores_experts_whole_over_expert_and_fsdp():
+    """configs/parallel/exp-fsdp.yml: E over expert and fsdp, D and F whole; inside the MoE
+    layer E over expert alone (the dispatch shard_map's in_specs), as with the default."""
+    c, shape = _config("deepseek3-small", 8, {"expert": 4, "fsdp": 2}, sharding_rules="exp-fsdp")
+    mesh = AbstractMesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES)
+    w = decoder.spec(c).moe_layers.moe.wi_0
+    spec = logical_to_spec(w.axes, config_rules(c), mesh, w.shape)
+    assert tuple(spec) == (None, ("expert", "fsdp"))
+    assert strategy.moe_specs(config_rules(c)).wi == strategy.moe_specs(
+        config_rules(_config("deepseek3-small", 8, {"expert": 4, "fsdp": 2})[0])
+    ).wi
 
 
 def test_mla_projections_are_sharded_in_a_weight_dim_not_layers():
