@@ -74,13 +74,14 @@ def _clamp(x: float, bounds: tuple[float, float] = RATIO_BOUNDS) -> float:
 
 
 def _nearest(by_key: dict[tuple, list[float]], key: tuple | None) -> float:
-    """The working ratio for `key` (mesh shape, rules, chunks, tiles, attention, stash): its
-    own key's, else that of the keys differing only in chunks and tiles, else its layout's
+    """The working ratio for `key` (mesh shape, rules, MoE chunks, tiles, attention chunks,
+    attention, stash): its own key's, else that of the keys differing only in chunks and
+    tiles, else its layout's
     (mesh shape and rules), else the median over the keys compiled."""
     if key in by_key:
         return statistics.median(by_key[key])
     if key is not None:
-        for same in (lambda k: k[:2] == key[:2] and k[4:] == key[4:], lambda k: k[:2] == key[:2]):
+        for same in (lambda k: k[:2] == key[:2] and k[5:] == key[5:], lambda k: k[:2] == key[:2]):
             near = [v for k, vs in by_key.items() if same(k) for v in vs]
             if near:
                 return statistics.median(near)

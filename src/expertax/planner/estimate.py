@@ -12,7 +12,8 @@ calibrates one by one against what it compiles (`calibrate.py`):
   logits and the MoE layer's dispatch buffers of one token chunk (the sorted rows, the
   exchange's receive buffer and the kernels' outputs: `ROW_BUFFERS` of them per platform, as
   the compiled programs hold them; with several chunks, the local experts' weight gradients the
-  chunk loop accumulates);
+  chunk loop accumulates); on GPU, a copy of the stacked expert weights in another layout when
+  their model dim is split (`expert_relayout_elems`);
 - `state_host`: optimizer state and parameters offloaded to pinned host memory (copied to the
   device for the update: the update's bytes are `update`).
 
@@ -44,6 +45,7 @@ from expertax.sharding.rules import logical_to_spec
 
 GIB = plan.GIB
 CHUNKS_KEY = "num_moe_token_chunks"
+ATT_CHUNKS_KEY = "num_attention_token_chunks"
 # [rows, D] buffers one MoE layer's backward holds at once, per platform: the receive buffer,
 # the row gathers of the forward replayed and their scatter-adds, the grouped matmuls' input
 # gradients and their sum (read off the compiled 671B programs' peaks with `--top`: 5 on TPU
@@ -194,6 +196,26 @@ class Estimator:
             self._state[key] = (elems, trainable, layer)
         return self._state[key]
 
+    def expert_relayout_elems(self, shape: dict[str, int], rules_name: str) -> int:
+        """Routed-expert weight elements per device that the GPU program copies into another
+        layout before the layer loop: all of them when their model dim D is split over a mesh
+        axis (the layer's gather over that axis wants D outermost: docs/design/ep.md, "Experts
+        stored whole"), none when D is whole (`exp-fsdp`) or on other platforms."""
+        key = ("relayout", tuple(shape.values()), rules_name)
+        if key not in self._state:
+            n = 0
+            moe = decoder.spec(self.c).moe_layers
+            if self.on == "gpu" and moe is not None and self.c.sparse_matmul:
+                rules = self.rules(rules_name)
+                mesh = AbstractMesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES)
+                for w in (moe.moe.wi_0, moe.moe.wi_1, moe.moe.wo):
+                    spec = logical_to_spec(w.axes, rules, mesh, w.shape)
+                    d_dim = w.axes.index("exp_embed")
+                    if d_dim < len(spec) and spec[d_dim]:
+                        n += _shard_elems(w.shape, w.axes, rules, mesh)
+            self._state[key] = (n, 0, 0)
+        return self._state[key][0]
+
     def terms(self, o: dict[str, Any], shape: dict[str, int]) -> Terms:
         c = self.c
         size = lambda k: jnp.dtype(o.get(k, getattr(c, k))).itemsize
@@ -220,7 +242,8 @@ class Estimator:
             grads=elems * size("grad_dtype"),
             residual_device=residual_device,
             residual_host=scale(host),
-            working=self._working(o, shape, b, heads, layer_elems, size, split, rules),
+            working=self._working(o, shape, b, heads, layer_elems, size, split, rules)
+            + self.expert_relayout_elems(shape, o["sharding_rules"]) * size("weight_dtype"),
             state_host=state_host,
             update=state_host,  # the offloaded state, copied to the device for the update
         )
@@ -239,7 +262,8 @@ class Estimator:
         qk, v = c.qk_head_dim, c.attn_v_head_dim
         attention = o.get("attention_impl", c.attention_impl)
         if _resolve_attention(attention, t, self.on) == "dot":
-            saved = b * h * t * t * 4  # the float32 scores
+            # the float32 scores, of one query chunk (num_attention_token_chunks)
+            saved = b * h * (t // o.get(ATT_CHUNKS_KEY, 1)) * t * 4
         else:  # q, k, v, the output, its float32 copy (flash kernels' residuals)
             saved = b * h * t * (2 * qk * dt + 2 * v * dt + 4 * v)
         vocab = c.vocab_size // split("act_vocab", c.vocab_size)

@@ -1,8 +1,9 @@
 """`expertax memory --fit`: the fastest plan whose compiled step fits the device and host memory.
 
 The candidates (`space.py`: layouts, rules, remat presets and per-name placement ladders with
-host offload and the paged stash, token chunks, vocab tiles, attention, moments, state offload)
-each get an analytic estimate by term (`estimate.py`) and a step-time estimate (`steptime.py`).
+host offload and the paged stash, MoE and attention token chunks, vocab tiles, attention,
+moments, state offload) each get an analytic estimate by term (`estimate.py`) and a step-time
+estimate (`steptime.py`).
 The search then repeats, while the time budget (`minutes`) and `max_compiles` allow:
 1. scale each candidate's terms by the calibration of what has been compiled (`calibrate.py`);
 2. of those estimated to fit the device budget less the headroom and the host's memory (and, once
@@ -26,7 +27,7 @@ from expertax.parallel import remat
 from expertax.planner import plan, steptime
 from expertax.planner.calibrate import Calibration, Measured
 from expertax.planner.costs import format_costs, step_costs
-from expertax.planner.estimate import CHUNKS_KEY
+from expertax.planner.estimate import ATT_CHUNKS_KEY, CHUNKS_KEY
 from expertax.planner.space import Candidate, candidates, check_inputs
 from expertax.sharding.mesh import buildable
 from expertax.train.trainer import build_trainer
@@ -400,7 +401,7 @@ def format_fit(r: dict) -> str:
         )
         + f"; {r['searched']} candidates estimated, {r['compiled']} compiled in {r['seconds']} s "
         f"({r['stopped']})",
-        f"{'#':>2} {'layout':<16} {'remat':<24} {'offload':<10} {'chunks':>6} {'tiles':>5} "
+        f"{'#':>2} {'layout':<16} {'remat':<24} {'offload':<10} {'chunks m/a':>10} {'tiles':>5} "
         f"{'est ' + unit:>8} {'peak ' + unit:>9} {'est err':>7} {'headroom':>8} "
         f"{'host/host':>9} {'recomp':>6} {'xfer s':>6} {'step s':>7}",
     ]
@@ -410,7 +411,8 @@ def format_fit(r: dict) -> str:
     lines.append(
         "step s: estimated, not measured: (model + recompute FLOPs) at "
         f"{100 * r['assumed_mfu']:.0f}% of the chip's peak, activation transfers overlapped, "
-        "state transfers not; collectives not modelled. host/host: pinned host bytes per host."
+        "state transfers not; collectives not modelled. host/host: pinned host bytes per host. "
+        "chunks m/a: MoE / attention token chunks."
     )
     for e in r.get("errors", []):
         lines.append(f"ERROR: {e}")
@@ -450,9 +452,10 @@ def _row(x: dict, size: float, chips: int) -> str:
     err = x["estimate_error"]
     err_s = "-" if err is None else f"{100 * err:+.1f}%"
     room_s = "-" if peak is None else f"{x['headroom_percent']:.1f}%"
+    chunks = f"{o.get(CHUNKS_KEY, 1)}/{o.get(ATT_CHUNKS_KEY, 1)}"
     return (
         f"{x['layout']:<16} {x['remat']:<24} {x['offload']:<10} "
-        f"{o.get(CHUNKS_KEY, 1):>6} {o['num_vocab_tiling']:>5} "
+        f"{chunks:>10} {o['num_vocab_tiling']:>5} "
         f"{x['estimate_bytes'] / size:>8.2f} {peak_s:>9} {err_s:>7} {room_s:>8} "
         f"{host_b * chips / GIB:>8.1f}G {100 * x['recompute_share']:>5.0f}% "
         f"{_secs(xfer):>6} {_secs(step.get('seconds', 0)):>7}"

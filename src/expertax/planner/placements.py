@@ -74,6 +74,10 @@ class RematChoice:
     def offloads(self) -> bool:
         return remat.OFFLOAD in self.placements().values()
 
+    def offloads_any(self, names) -> bool:
+        place = self.placements()
+        return any(place[n] == remat.OFFLOAD for n in names)
+
 
 def _custom(label: str, place: dict[str, str], **extra) -> RematChoice:
     keys = {"remat_policy": "custom", **{n: place.get(n, remat.REMAT) for n in remat.ALL_NAMES}}

@@ -1,11 +1,12 @@
 """The fit search's candidate space, for N devices: splits of N over (expert, fsdp, tensor) with
 data = 1 that pass the mesh checks (`sharding.mesh.check_mesh_fit`) and shard something (fsdp
 divides the model width D); every `sharding_rules` preset in configs/parallel/; MoE token chunks
-(`num_moe_token_chunks`); loss vocab tiles (`num_vocab_tiling`); blockwise attention where the
-default would hold whole score matrices; the remat presets and the per-name placement ladders
-with host offload and the paged stash (`placements.py`); AdamW moments in bfloat16 (the
-DeepSeek-V3 recipe); optimizer and parameter host offload where the target's program honours
-them; and, only with `allow_drops`, a capped all-to-all receive buffer.
+(`num_moe_token_chunks`); attention query chunks (`num_attention_token_chunks`) with the `dot`
+kernel, whose [T, S] scores they split; loss vocab tiles (`num_vocab_tiling`); blockwise
+attention where the default would hold whole score matrices; the remat presets and the per-name
+placement ladders with host offload and the paged stash (`placements.py`); AdamW moments in
+bfloat16 (the DeepSeek-V3 recipe); optimizer and parameter host offload where the target's
+program honours them; and, only with `allow_drops`, a capped all-to-all receive buffer.
 
 Each candidate carries its estimate's terms (`estimate.Terms`), its working key (what its
 working set depends on: `calibrate.py`) and its step-time estimate (`steptime.py`).
@@ -22,11 +23,18 @@ from expertax.config import ConfigError, configs_dir
 from expertax.config.schema import Config
 from expertax.parallel import remat
 from expertax.planner import placements, steptime
-from expertax.planner.estimate import CHUNKS_KEY, Estimator, Terms, _resolve_attention
+from expertax.planner.estimate import (
+    ATT_CHUNKS_KEY,
+    CHUNKS_KEY,
+    Estimator,
+    Terms,
+    _resolve_attention,
+)
 from expertax.sharding.mesh import check_mesh_fit
 
 TILES = (1, 4, 16)  # num_vocab_tiling values tried (those dividing max_target_length)
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
+ATT_CHUNKS = (1, 4, 16)  # num_attention_token_chunks values tried (those dividing the length)
 DROPS_BUFFER_FACTOR = 2.0  # ragged_buffer_factor tried with allow_drops
 PRESETS = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "full")
 
@@ -80,6 +88,7 @@ class Candidate:
         ]
         return (
             f"{self.layout} remat={self.remat_label} chunks={o.get(CHUNKS_KEY, 1)} "
+            f"attention_chunks={o.get(ATT_CHUNKS_KEY, 1)} "
             f"tiles={o['num_vocab_tiling']} offload={self.offload}"
             + (" " + " ".join(extra) if extra else "")
         )
@@ -226,6 +235,7 @@ def candidates(
     t = c.max_target_length
     tiles = [n for n in TILES if t % n == 0]
     chunks = [n for n in CHUNKS if t % n == 0] if c.is_moe else [1]
+    att_chunks = [n for n in ATT_CHUNKS if t % n == 0]
     attentions = [c.attention_impl]
     if _resolve_attention(c.attention_impl, t) == "dot":
         attentions.append("blockwise")
@@ -243,15 +253,25 @@ def candidates(
         drops.append({"ragged_buffer_factor": DROPS_BUFFER_FACTOR})
     choices = remat_choices(c, offload=pinned_host)
     shares = {ch.label: _share(c, ch) for ch in choices}
+    att_share = steptime.attention_chunk_share(c)
     rules_list = rules_presets()
     shapes = [x for x in layouts(c, devices) if buildable is None or buildable(x)]
     out = []
     for shape, rules_name in itertools.product(shapes, rules_list):
         if rules_name != "default" and shape["expert"] == 1:
             continue  # the presets differ in how they use `expert`
-        for ch, n_chunks, tile, att, mom, off, drop in itertools.product(
-            choices, chunks, tiles, attentions, moments, offloads, drops
+        for ch, n_chunks, n_att, tile, att, mom, off, drop in itertools.product(
+            choices, chunks, att_chunks, tiles, attentions, moments, offloads, drops
         ):
+            if n_att > 1 and (
+                _resolve_attention(att, t, est.on) != "dot"
+                or ch.offloads_any(remat.QUERY_CHUNK_NAMES)
+            ):
+                # query chunks bound the dot kernel's [T/n, T] scores; a flash kernel's working
+                # set is linear in T already, and its compiled peak rises with them (the
+                # chunks' inputs and the keys' gradient accumulators: docs/design/attention.md).
+                # Offload inside a chunk is refused (checks.check_attention_token_chunks).
+                continue
             o: dict[str, Any] = {
                 "ici_data_parallelism": 1,
                 "ici_fsdp_parallelism": shape["fsdp"],
@@ -260,6 +280,7 @@ def candidates(
                 "sharding_rules": rules_name,
                 "num_vocab_tiling": tile,
                 CHUNKS_KEY: n_chunks,
+                ATT_CHUNKS_KEY: n_att,
                 **ch.as_dict,
             }
             if att != c.attention_impl:
@@ -273,10 +294,13 @@ def candidates(
                 rules_name,
                 n_chunks,
                 tile,
+                n_att,
                 att,
                 bool(o.get("moe_paged_stash")),
             )
-            out.append(Candidate(o, terms, key, ch.label, shares[ch.label]))
+            replays = n_att > 1 and o["remat_policy"] != "none"  # chunks.over_queries
+            share = shares[ch.label] + (att_share if replays else 0.0)
+            out.append(Candidate(o, terms, key, ch.label, share))
     return out
 
 

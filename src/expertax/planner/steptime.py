@@ -95,6 +95,19 @@ def recompute_share(c: Config) -> float:
     return recomputed / total if total else 0.0
 
 
+def attention_chunk_share(c: Config) -> float:
+    """The forward FLOPs that query chunks (`num_attention_token_chunks` > 1) add to the
+    recompute, as a share of the layers' forward FLOPs: each chunk's backward replays its
+    projections and kernel once more (counted whole: the keys' projections are not replayed,
+    a small overcount)."""
+    total = extra = 0.0
+    for moe, layers in ((False, c.num_dense_layers), (True, c.num_moe_layers)):
+        parts = layer_forward_flops(c, moe=moe)
+        total += layers * sum(parts.values())
+        extra += layers * (parts["qkv"] + parts["out"] + parts["kernel"])
+    return extra / total if total else 0.0
+
+
 class Model:
     """The step-time model of one search: the model's FLOPs per device and its layers' forward
     FLOPs (the same for every candidate of a config), the chip's peak and host link."""

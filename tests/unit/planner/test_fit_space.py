@@ -71,9 +71,28 @@ def test_terms_move_with_the_levers(cfg):
     assert opt.args < full.args and opt.state_host == full.args - opt.args and opt.update > 0
     chunked = t(num_moe_token_chunks=4)
     assert chunked.working != full.working
+    queries = t(num_attention_token_chunks=4)  # a quarter of the queries' kernel residuals
+    assert queries.working < full.working and queries.residual_device == full.residual_device
     stash = t(remat_policy="custom", moe_mlpwo=remat.DEVICE, moe_paged_stash=True)
     assert stash.residual_device > full.residual_device  # the stash's buffer on top
     assert full.peak() == full.args + full.grads + full.residual_device + full.working
+
+
+def test_gpu_estimate_counts_the_expert_weights_relayout_where_their_model_dim_is_split(cfg):
+    """GPU: with the model dim D of the expert weights split over fsdp (the default rules) the
+    program copies the stacked weights into another layout (docs/design/ep.md); with each
+    expert whole (`exp-fsdp`) it does not. TPU: no such copy is counted."""
+    o = {**BASE, "remat_policy": "full"}
+    gpu, tpu = Estimator(cfg, "gpu"), Estimator(cfg, "tpu")
+    moe = 3 * cfg.num_moe_layers * cfg.num_experts * cfg.base_emb_dim * cfg.base_moe_mlp_dim
+    assert gpu.expert_relayout_elems(SHAPE, "default") == moe // 8  # E / expert, D / fsdp
+    assert gpu.expert_relayout_elems(SHAPE, "exp-fsdp") == 0
+    assert tpu.expert_relayout_elems(SHAPE, "default") == 0
+    def diff(est):  # the working set's default - exp-fsdp difference on a platform
+        exp_fsdp = {**o, "sharding_rules": "exp-fsdp"}
+        return est.terms(o, SHAPE).working - est.terms(exp_fsdp, SHAPE).working
+
+    assert diff(gpu) - diff(tpu) == moe // 8 * 4  # the copy, in float32 (weight_dtype)
 
 
 def test_calibration_learns_each_term(cfg):
@@ -120,6 +139,19 @@ def test_gpu_targets_search_no_state_offload(cfg):
     labels = {x.remat_label for x in on_gpu}
     assert {"offload-1", "stash-out", "full", "minimal"} <= labels
     assert {x.overrides["num_moe_token_chunks"] for x in on_gpu} == set(space.CHUNKS)
+
+
+def test_attention_chunks_are_searched_and_cost_a_replay(cfg):
+    found = space.candidates(cfg, 8, on="tpu")
+    by = {}
+    for x in found:
+        o = x.overrides
+        by.setdefault((o["remat_policy"], o["num_attention_token_chunks"]), x)
+    assert {n for _, n in by} == {1, 4, 16}
+    # each chunk's backward replays its projections and kernel (not without remat)
+    assert by[("full", 4)].recompute_share > by[("full", 1)].recompute_share
+    assert by[("none", 4)].recompute_share == by[("none", 1)].recompute_share == 0.0
+    assert by[("full", 16)].terms.working < by[("full", 1)].terms.working
 
 
 def test_every_target_has_its_host():
