@@ -188,6 +188,9 @@ class Estimator:
                     continue
                 block = decoder.block_spec(c, moe=moe)
                 compute_rules = {k: (v if k in _COMPUTE_AXES else ()) for k, v in rules.items()}
+                # the MoE layer computes with its experts split as `act_exp` says (the
+                # dispatch shard_map's in_specs), whatever splits them in storage (exp-fsdp)
+                compute_rules["exp"] = rules.get("act_exp", compute_rules.get("exp", ()))
                 n = sum(
                     _shard_elems(s.shape, s.axes, compute_rules, mesh)
                     for s in jax.tree.leaves(block, is_leaf=param.is_spec)
