@@ -208,10 +208,11 @@ class Estimator:
         if key not in self._state:
             n = 0
             moe = decoder.spec(self.c).moe_layers
-            if self.on == "gpu" and moe is not None and self.c.sparse_matmul:
+            experts = None if moe is None else moe.moe
+            if self.on == "gpu" and experts is not None and self.c.sparse_matmul:
                 rules = self.rules(rules_name)
                 mesh = AbstractMesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES)
-                for w in (moe.moe.wi_0, moe.moe.wi_1, moe.moe.wo):
+                for w in (experts.wi_0, experts.wi_1, experts.wo):
                     spec = logical_to_spec(w.axes, rules, mesh, w.shape)
                     d_dim = w.axes.index("exp_embed")
                     if d_dim < len(spec) and spec[d_dim]:

@@ -91,6 +91,7 @@ def test_gpu_estimate_counts_the_expert_weights_relayout_where_their_model_dim_i
     # either way the MoE layer computes with E split over `expert` alone (act_exp): the layer's
     # gathered weights are the same
     assert gpu.state_bytes(SHAPE, "exp-fsdp")[2] == gpu.state_bytes(SHAPE, "default")[2]
+
     def diff(est):  # the working set's default - exp-fsdp difference on a platform
         exp_fsdp = {**o, "sharding_rules": "exp-fsdp"}
         return est.terms(o, SHAPE).working - est.terms(exp_fsdp, SHAPE).working

@@ -136,9 +136,12 @@ def test_exp_fsdp_preset_stores_experts_whole_over_expert_and_fsdp():
     w = decoder.spec(c).moe_layers.moe.wi_0
     spec = logical_to_spec(w.axes, config_rules(c), mesh, w.shape)
     assert tuple(spec) == (None, ("expert", "fsdp"))
-    assert strategy.moe_specs(config_rules(c)).wi == strategy.moe_specs(
-        config_rules(_config("deepseek3-small", 8, {"expert": 4, "fsdp": 2})[0])
-    ).wi
+    assert (
+        strategy.moe_specs(config_rules(c)).wi
+        == strategy.moe_specs(
+            config_rules(_config("deepseek3-small", 8, {"expert": 4, "fsdp": 2})[0])
+        ).wi
+    )
 
 
 def test_mla_projections_are_sharded_in_a_weight_dim_not_layers():
