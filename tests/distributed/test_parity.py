@@ -86,7 +86,7 @@ def _swap_expert_shards(ep: int):
     return corrupt
 
 
-@pytest.mark.extended  # 150 s on 2 cores: the default run keeps the pipeline parity test
+@pytest.mark.full_grid  # 150 s on 2 cores, on demand: the pipeline parity test has a control
 def test_parity_mixtral_tiny_with_negative_control():
     c = load_config(overrides=["model_name=mixtral-tiny", "base_num_decoder_layers=1", *SMALL])
     names = [
