@@ -153,7 +153,7 @@ CASES = {
     ),
 }
 # The default run has test_parity_pipeline_with_negative_control (mixtral-tiny, pp2 x EP2 x FSDP2
-# against the reference, with a failing control); the extended run has every case here but five
+# against the reference, with a failing control); the extended run has every case here but six
 # that other tests cover (run on demand, -m full_grid): mixtral's pp2 x EP2 x FSDP2 (that parity
 # test), four stages (deepseek3's pp4 case), remat_policy=none (its gradients test below), the
 # deepseek3 repeats with EP and the dense llama (the same stage loop).
@@ -164,6 +164,7 @@ ON_DEMAND = (
     "mixtral-l4-pp2-r2-remat-none",
     "deepseek3-l5-pp2-r2-ep2",  # repeats: mixtral r2-ppermute; EP: deepseek3-pp2-mb4-ring-ep2
     "llama-pp2",  # a dense model's stages: the same stage loop as mixtral's
+    "deepseek3-l5-pp4-fsdp2",  # four stages (as mixtral-l4-pp4)
 )
 
 

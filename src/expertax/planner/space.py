@@ -35,6 +35,8 @@ from expertax.sharding.mesh import check_mesh_fit
 TILES = (1, 4, 16)  # num_vocab_tiling values tried (those dividing max_target_length)
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 ATT_CHUNKS = (1, 4, 16)  # num_attention_token_chunks values tried (those dividing the length)
+# Below this length a `dot` kernel's [T, T] scores are small beside the layer: no query chunks
+ATT_CHUNKS_MIN_LENGTH = 2048
 DROPS_BUFFER_FACTOR = 2.0  # ragged_buffer_factor tried with allow_drops
 PRESETS = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "full")
 
@@ -235,7 +237,7 @@ def candidates(
     t = c.max_target_length
     tiles = [n for n in TILES if t % n == 0]
     chunks = [n for n in CHUNKS if t % n == 0] if c.is_moe else [1]
-    att_chunks = [n for n in ATT_CHUNKS if t % n == 0]
+    att_chunks = [n for n in ATT_CHUNKS if t % n == 0 and t >= ATT_CHUNKS_MIN_LENGTH] or [1]
     attentions = [c.attention_impl]
     if _resolve_attention(c.attention_impl, t) == "dot":
         attentions.append("blockwise")

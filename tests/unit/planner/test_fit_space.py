@@ -145,7 +145,10 @@ def test_gpu_targets_search_no_state_offload(cfg):
     assert {x.overrides["num_moe_token_chunks"] for x in on_gpu} == set(space.CHUNKS)
 
 
-def test_attention_chunks_are_searched_and_cost_a_replay(cfg):
+def test_attention_chunks_are_searched_and_cost_a_replay(cfg, monkeypatch):
+    assert cfg.max_target_length < space.ATT_CHUNKS_MIN_LENGTH  # too short to chunk: none
+    assert {x.overrides["num_attention_token_chunks"] for x in space.candidates(cfg, 8)} == {1}
+    monkeypatch.setattr(space, "ATT_CHUNKS_MIN_LENGTH", cfg.max_target_length)
     found = space.candidates(cfg, 8, on="tpu")
     by = {}
     for x in found:
