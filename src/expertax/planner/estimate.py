@@ -115,6 +115,7 @@ class Estimator:
         self.on = on or platform.current()
         self._residuals: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
         self._state: dict[tuple, tuple[int, int, int]] = {}
+        self._relayout: dict[tuple, int] = {}
         self._rules: dict[str, dict] = {}
 
     def rules(self, name: str) -> dict:
@@ -204,8 +205,8 @@ class Estimator:
         layout before the layer loop: all of them when their model dim D is split over a mesh
         axis (the layer's gather over that axis wants D outermost: docs/design/ep.md, "Experts
         stored whole"), none when D is whole (`exp-fsdp`) or on other platforms."""
-        key = ("relayout", tuple(shape.values()), rules_name)
-        if key not in self._state:
+        key = (tuple(shape.values()), rules_name)
+        if key not in self._relayout:
             n = 0
             moe = decoder.spec(self.c).moe_layers
             experts = None if moe is None else moe.moe
@@ -217,8 +218,8 @@ class Estimator:
                     d_dim = w.axes.index("exp_embed")
                     if d_dim < len(spec) and spec[d_dim]:
                         n += _shard_elems(w.shape, w.axes, rules, mesh)
-            self._state[key] = (n, 0, 0)
-        return self._state[key][0]
+            self._relayout[key] = n
+        return self._relayout[key]
 
     def terms(self, o: dict[str, Any], shape: dict[str, int]) -> Terms:
         c = self.c
