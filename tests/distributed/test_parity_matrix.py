@@ -1,6 +1,8 @@
-"""`expertax parity` over the whole layout matrix of both tiny models (extended: CI runs it after
-the default suite). A file of its own so that pytest-xdist (a file per worker) runs it beside the
-other parity tests rather than after them."""
+"""`expertax parity` over the layout matrix: a sample of it for deepseek3-tiny in the extended
+run (CI runs it after the default suite), the whole matrix of both tiny models on demand
+(-m full_matrix; 400-450 s each on 2 cores, more than CI's 45 minutes hold beside the rest). A
+file of its own so that pytest-xdist (a file per worker) runs it beside the other parity tests
+rather than after them."""
 
 from __future__ import annotations
 
@@ -16,10 +18,7 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize(
     "model,extra",
     [
-        pytest.param("deepseek3-tiny", [], marks=pytest.mark.extended),
-        # 200-250 s on 2 cores: more than CI's budget holds beside the rest; run on demand with
-        # -m full_matrix (mixtral-tiny's layouts are also trained by test_parity.py's
-        # negative-control table and the pipeline and stash grids)
+        pytest.param("deepseek3-tiny", [], marks=pytest.mark.full_matrix),
         pytest.param("mixtral-tiny", [], marks=pytest.mark.full_matrix),
     ],
 )
@@ -63,3 +62,49 @@ def test_parity_full_matrix(model, extra, tmp_path):
         if r["sharding_rules"] == "ep-tp"
     }
     assert eptp == {(ring, 2, f, 2, d) for ring in (False, True) for f, d in ((2, 1), (1, 2))}
+
+
+# One layout of each kind the matrix holds, on deepseek3-tiny (its dense first layer, shared
+# expert and sigmoid routing): the native ring of experts, the padded exchange under expert x
+# tensor x data (where the embedding lookup once replicated its table), the dense dispatch, the
+# paged stash and the expert axis as tensor parallelism (ep-tp rules). Pipelines: the default run's
+# test_parity_pipeline_with_negative_control and test_pipeline.py.
+SAMPLE = (
+    "sparse-ring-ep8",
+    "sparse-padded-ep2-tp2-data2",
+    "dense-ep4-fsdp2",
+    "sparse-padded-ep4-fsdp2-stash",
+    "sparse-ring-ep2-fsdp2-tp2-eptp",
+)
+
+
+@pytest.mark.extended
+def test_parity_matrix_sample(tmp_path):
+    """3 steps of five layouts of the matrix, one of each kind, against the one-device run."""
+    path = tmp_path / "parity.json"
+    argv = ["model_name=deepseek3-tiny", "max_target_length=32", "--steps", "3"]
+    run = parity_child([*argv, "--layouts", ",".join(SAMPLE)], path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Involuntary full rematerialization" not in run.stdout + run.stderr
+    report = json.loads(path.read_text())
+    _check_rows(report["rows"], report["tolerance"], 10.0, len(SAMPLE))
+    got = {
+        (
+            r["mode"],
+            r["ep"],
+            r["fsdp"],
+            r["tp"],
+            r["data"],
+            r["pp"],
+            r["stash"],
+            r["sharding_rules"],
+        )
+        for r in report["rows"]
+    }
+    assert got == {
+        ("sparse", 8, 1, 1, 1, 1, False, "default"),
+        ("sparse", 2, 1, 2, 2, 1, False, "default"),
+        ("dense", 4, 2, 1, 1, 1, False, "default"),
+        ("sparse", 4, 2, 1, 1, 1, True, "default"),
+        ("sparse", 2, 2, 2, 1, 1, False, "ep-tp"),
+    }
