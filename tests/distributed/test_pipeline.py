@@ -233,7 +233,7 @@ def test_pipeline_gradients_equal_no_pipeline(name):
         np.testing.assert_allclose(g, w, rtol=t["rtol"], atol=t["atol"] * 10)
 
 
-@pytest.mark.extended
+@pytest.mark.full_grid  # on demand: the default run's pipeline parity test has a control
 def test_broken_shift_fails_the_comparison(monkeypatch):
     """Negative control: a shift that leaves every stage its own output trains another model."""
     model, over = CASES["mixtral-pp2-ep2-fsdp2"]
