@@ -2,11 +2,10 @@
 
 For a change of code that must not change speed (a refactor: docs/design/forward.md): each tree's
 `src` is put on PYTHONPATH of a child process (`--probe`) that measures, on one CPU device,
-- decode tokens/s of `expertax.decoding.generate` (greedy, float32 as benchmarks/generate.py:
-  our CPU kernel serves the decode products; random weights drawn from the specs' initializers,
-  prompts of `--prompt-length` random tokens, the call timed at 1 and at `--new-tokens` new
-  tokens after a warm-up call of each: batch x (N - 1) / (t_N - t_1), the median over
-  `--repeats` calls), for deepseek3-small at batch 1 and 8 and mixtral-tiny at 8;
+- decode tokens/s of `expertax.decoding.generate` (greedy, random weights drawn from the specs'
+  initializers with one seed, prompts of `--prompt-length` random tokens, the call timed at 1 and
+  at `--new-tokens` new tokens after a warm-up call of each: batch x (N - 1) / (t_N - t_1), the
+  median over `--repeats` calls), for deepseek3-small at batch 1 and 8 and mixtral-tiny at 8;
 - the train step time of the default training (synthetic data, per_device_batch_size=2,
   T=128, float32) of deepseek3-tiny and mixtral-tiny: the median over steps 3..`--steps`.
 The children alternate between the trees for `--rounds` rounds (the order reversed every other
@@ -46,10 +45,7 @@ def probe(args) -> dict:
     device = jax.devices()[0]
     out: dict = {"decode_tok_s": {}, "train_step_s": {}}
     for name, batch in DECODE:
-        c = load_config(
-            overrides={"model_name": name, "max_target_length": 256, "dtype": "float32",
-                       "weight_dtype": "float32"}
-        )  # fmt: skip
+        c = load_config(overrides={"model_name": name, "max_target_length": 256})
         rng = np.random.default_rng(0)
 
         def draw(s, rng=rng):
@@ -75,7 +71,7 @@ def probe(args) -> dict:
         state, fn = tr.init_state(), tr.compile()
         data = SyntheticData(
             vocab_size=c.vocab_size, seq_len=c.max_target_length,
-            global_batch=int(c.per_device_batch_size), seed=0,
+            global_batch=c.per_device_batch_size, seed=0,
         )  # fmt: skip
         times = []
         with tr.context():

@@ -77,15 +77,8 @@ def attend_dot(
     g, s = k_parts[0].shape[2], k_parts[0].shape[1]
     scores = None
     for q_part, k_part in zip(q_parts, k_parts, strict=True):
-        if g == 1:  # one kv head (MQA, MLA's absorbed form): no group axis in the products
-            part = jnp.einsum(
-                "bthq,bsq->bhts", q_part, k_part[:, :, 0], preferred_element_type=jnp.float32
-            )[:, None]
-        else:
-            q_BTGJQ = q_part.reshape(b, t, g, h // g, q_part.shape[-1])
-            part = jnp.einsum(
-                "btgjq,bsgq->bgjts", q_BTGJQ, k_part, preferred_element_type=jnp.float32
-            )
+        q_BTGJQ = q_part.reshape(b, t, g, h // g, q_part.shape[-1])
+        part = jnp.einsum("btgjq,bsgq->bgjts", q_BTGJQ, k_part, preferred_element_type=jnp.float32)
         scores = part if scores is None else scores + part
     scores = scores * jnp.float32(scale)
     offset = s - t if q_offset is None else q_offset
@@ -99,9 +92,6 @@ def attend_dot(
     allowed_BTS = mask.allowed(mask_spec, q_positions_BT, kv_positions_BS, seg_q_BT, segment_ids_BT)
     scores = jnp.where(allowed_BTS[:, None, None], scores, MASKED_SCORE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGO.dtype)
-    if g == 1:  # the heads' and queries' rows as one axis: one batched product per sequence
-        out_BMO = jnp.einsum("bms,bso->bmo", probs.reshape(b, h * t, s), v_BSGO[:, :, 0])
-        return out_BMO.reshape(b, h, t, -1).transpose(0, 2, 1, 3)
     out = jnp.einsum("bgjts,bsgo->btgjo", probs, v_BSGO)
     return out.reshape(b, t, h, v_BSGO.shape[-1])
 
