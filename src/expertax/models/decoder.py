@@ -12,19 +12,15 @@ program is unchanged.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from expertax import quant
 from expertax.config.schema import Config
 from expertax.models import pipeline, stashed_stack
 from expertax.nn import embed, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.linear import project
 from expertax.nn.moe import layer as moe_layer
-from expertax.nn.moe import unstacked
 from expertax.nn.moe.router import MoEStats
 from expertax.nn.param import Param, ParamSpec, logical_axes, params_dataclass, projection, stack
 from expertax.parallel import remat
@@ -126,40 +122,18 @@ def block_apply_stashed(
     p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, stash, imposed_BTK=None
 ):
     """`block_apply` with the MoE layer's paged stash (nn/moe/stash.py): (x, stats, stash)."""
-    x_BTD, stats, stash, _ = block_cached(
-        p, x_BTD, c, positions_BT, segment_ids_BT, dtype, stash, imposed_BTK
-    )
-    return x_BTD, stats, stash
-
-
-def block_cached(
-    p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, stash=None,
-    imposed_BTK=None, cache=None,
-):  # fmt: skip
-    """One pre-norm decoder layer, for training and decoding alike: (x, stats, stash, cache).
-    `cache`: the attention layer's (nn/attention/cache.py; decoding), written and read by
-    position. fp8 weights (quant.py) are dequantized here, and a MoE layer whose experts are
-    held apart runs nn/moe/unstacked.py (decoding on one device: only the chosen experts' fp8
-    weights are dequantized)."""
-    experts = p.moe if unstacked.is_unstacked(p.moe) else None
-    if experts is not None:
-        p = dataclasses.replace(p, moe=None)
-    p, x_BTD = quant.dequantize(p, dtype, x_BTD)  # (no fp8 leaves: as it is)
     x_BTD = remat.tag(x_BTD, remat.DECODER_LAYER_INPUT)
     eps = c.normalization_layer_epsilon
     attn = mla if c.attention_type == "mla" else gqa
     h = norm.rms_norm(p.attn_norm, x_BTD, eps)
-    out, cache = attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype, cache)
-    x_BTD = x_BTD + out
+    x_BTD = x_BTD + attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype)
     h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
-    if experts is not None:
-        y, stats = unstacked.apply(experts, h, c, dtype), None
-    elif p.moe is not None:
+    if p.moe is not None:
         y, stats, stash = moe_layer.apply_stashed(p.moe, h, c, dtype, stash, imposed_BTK)
     else:
         assert p.mlp is not None  # a block has an MLP or an MoE (decoder.spec)
         y, stats = mlp.apply(p.mlp, h, dtype), None
-    return constrain(x_BTD + y, ACT_BTD), stats, stash, cache
+    return constrain(x_BTD + y, ACT_BTD), stats, stash
 
 
 def run_stack(

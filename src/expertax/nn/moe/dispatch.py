@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.activation import swiglu
 from expertax.nn.moe import routed
-from expertax.nn.moe.gmm import gmm, gmm_glu
+from expertax.nn.moe.gmm import glu, gmm, gmm_glu
 from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
@@ -180,7 +179,7 @@ def capacity_einsum(x_BTD, experts_BTK, weights_BTK, p, c: Config, dtype):
     x_EBCD = jnp.einsum("btd,btec->ebcd", x_BTD, dispatch_BTEC)
     gate = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_0.astype(dtype)), remat.MOE_MLPWI_0)
     up = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_1.astype(dtype)), remat.MOE_MLPWI_1)
-    y = jnp.einsum("ebcf,efd->ebcd", swiglu(gate, up), p.wo.astype(dtype))
+    y = jnp.einsum("ebcf,efd->ebcd", glu(gate, up), p.wo.astype(dtype))
     y = remat.tag(y, remat.MOE_MLPWO)
     # The expert outputs stay in `dtype`; the float32 combine weights set the accumulation
     # (a mixed-dtype dot_general: no float32 copy of y [E, B, C, D]).

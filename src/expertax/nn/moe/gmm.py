@@ -18,7 +18,7 @@ Backends (`backend=`, the `gmm_impl` config key):
 - `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
   (see docs/design/gmm.md).
 
-`gmm_glu(gate, up, wo, sizes)` = `gmm(act(gate, up), wo, sizes)`, the expert FFN's second matmul
+`gmm_glu(gate, up, wo, sizes)` = `gmm(glu(gate, up), wo, sizes)`, the expert FFN's second matmul
 with its SwiGLU: `tiled` computes the SwiGLU per work item (a row-wise `prologue` of the loop) and
 its VJP is one loop for both gradients, so the `[M, F]` hidden activation is never a buffer.
 
@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax import platform
-from expertax.nn.activation import GatedActivation, swiglu
 from expertax.nn.moe import gmm_kernels
 from expertax.nn.moe.vma import varying_like
 
@@ -176,18 +175,23 @@ def gmm(
     return jnp.roll(out, start, axis=0)
 
 
-def gmm_glu(gate_MF, up_MF, rhs_EFD, group_sizes_E, act: GatedActivation = swiglu, **kw):
-    """`gmm(act(gate, up), rhs, sizes, **kw)`: an expert FFN's second grouped matmul with its
+def glu(gate, up):
+    """The SwiGLU's row-wise part, `silu(gate) * up`: the hidden activation of an expert FFN."""
+    return jax.nn.silu(gate) * up
+
+
+def gmm_glu(gate_MF, up_MF, rhs_EFD, group_sizes_E, **kw):
+    """`gmm(glu(gate, up), rhs, sizes, **kw)`: an expert FFN's second grouped matmul with its
     SwiGLU (keyword arguments as `gmm`'s).
 
-    `tiled` applies `act` (nn/activation.py) to each work item's tile of gate and up rows right
-    before the item's dot, and its VJP turns each tile's hidden gradient into the gate's and
-    up's at once, so neither the `[M, F]` hidden activation nor its gradient is ever a buffer
-    (the gate and up are the residuals, as they are of the first matmuls) and the activation
-    works on the routed rows only. Other backends compute `act` on all M rows (one elementwise
-    pass, not a matmul), then the grouped matmul.
+    `tiled` applies `glu` to each work item's tile of gate and up rows right before the item's
+    dot, and its VJP turns each tile's hidden gradient into the gate's and up's at once, so
+    neither the `[M, F]` hidden activation nor its gradient is ever a buffer (the gate and up
+    are the residuals, as they are of the first matmuls) and the SwiGLU works on the routed
+    rows only. Other backends compute `glu` on all M rows (one elementwise pass, not a matmul),
+    then the grouped matmul.
     """
-    return gmm((gate_MF, up_MF), rhs_EFD, group_sizes_E, prologue=act, **kw)
+    return gmm((gate_MF, up_MF), rhs_EFD, group_sizes_E, prologue=glu, **kw)
 
 
 def _gmm_tiled(xs, prologue, rhs, sizes, group_offset, out_dtype, tile_rows, tile_rows_min, given):

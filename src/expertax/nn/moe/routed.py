@@ -3,7 +3,7 @@
 `routed_ffn(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X)` computes, for the M routed rows of
 the local experts (sorted by expert, `sizes_X` rows each; rows past `sum(sizes_X)` are not
 routed), `out[idx[m]] += weight[m] * ffn_x(x[idx[m]])` with
-`ffn_x(v) = swiglu(v @ wi_0[x], v @ wi_1[x]) @ wo[x]`. It is what the row gather (`rows.py`), the
+`ffn_x(v) = glu(v @ wi_0[x], v @ wi_1[x]) @ wo[x]`. It is what the row gather (`rows.py`), the
 three grouped matmuls (`gmm.py`) and the weighted scatter-back compute one after the other, in
 two loops over the tiled gmm's work items instead of five, and without their `[M, D]` buffers:
 
@@ -53,8 +53,8 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.activation import swiglu
 from expertax.nn.moe import gmm as gmm_mod
+from expertax.nn.moe.gmm import glu
 from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
@@ -186,10 +186,10 @@ def _gate_up(x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X, tiles):
 
 
 def _tile_out(gate_up_of, wo_XFD, g, start, tile: int, dtype):
-    """A tile's expert outputs `swiglu(gate, up) @ wo[g]` in `dtype` (`[tile, D]`), as the
+    """A tile's expert outputs `glu(gate, up) @ wo[g]` in `dtype` (`[tile, D]`), as the
     separate path stores them."""
     w = jax.lax.dynamic_index_in_dim(wo_XFD, g, keepdims=False)
-    return _dot(swiglu(*gate_up_of(g, start, tile)), w, 0).astype(dtype)
+    return _dot(glu(*gate_up_of(g, start, tile)), w, 0).astype(dtype)
 
 
 def _gate_up_of(x_ND, idx_M, wi_0, wi_1, gate_MF, up_MF):
@@ -312,7 +312,7 @@ def _backward(core, gate_up_of, y_MD, dout_ND, tiles, unit):
         ids = _tile(idx_M, start, tile)
         gout = jnp.take(dout_ND, ids, axis=0, mode="clip")  # [tile, D], acc dtype
         v_rows = jnp.take(x_ND, ids, axis=0, mode="clip")  # [tile, D]
-        h, pull = jax.vjp(swiglu, *gate_up_of(g, start, tile, v_rows))
+        h, pull = jax.vjp(glu, *gate_up_of(g, start, tile, v_rows))
         w_o = jax.lax.dynamic_index_in_dim(wo, g, keepdims=False)
         # the unweighted hidden gradient dout[idx] @ wo^T gives the routing weight's gradient
         # <dout[idx], h @ wo> = <dout[idx] @ wo^T, h> without the expert output

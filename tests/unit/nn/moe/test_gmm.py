@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from expertax.nn.activation import swiglu as glu
 from expertax.nn.moe import gmm as gmm_lib
-from expertax.nn.moe.gmm import gmm, gmm_glu
+from expertax.nn.moe.gmm import glu, gmm, gmm_glu
 
 TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 N, D, F = 70, 16, 24

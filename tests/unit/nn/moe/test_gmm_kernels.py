@@ -21,9 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from expertax import platform, targets
 from expertax.config import ConfigError
-from expertax.nn.activation import swiglu as glu
 from expertax.nn.moe import gmm_kernels
-from expertax.nn.moe.gmm import gmm, gmm_glu
+from expertax.nn.moe.gmm import glu, gmm, gmm_glu
 from tests.tolerances import tol
 from tests.unit.nn.moe.test_gmm import CASES, _glu_inputs, _inputs, _value_and_grads, oracle
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from expertax.config import load_config
-from expertax.nn.activation import swiglu as glu
 from expertax.nn.moe import routed
+from expertax.nn.moe.gmm import glu
 from tests.tolerances import tol
 
 N, D, F, X = 11, 6, 10, 3
