@@ -1,0 +1,137 @@
+"""fp8 weights for decoding: the layers' matrices held as e4m3 with float32 block scales.
+
+DeepSeek-V3's 671B parameters take 1.34 TB in bfloat16, more than 8 H200s (1.13 TB) or a v5p-16
+slice (8 chips, 760 GiB) hold; in fp8 they take half. `fp8_weights=True` keeps every matrix of
+the decoder layers and the MTP modules (attention projections, dense and shared MLPs, routed
+experts, `eh_proj`) as float8_e4m3fn with one float32 scale per 128 values along its input axis,
+the second to last (the whole axis when it is not a multiple of 128): finer blocks than the
+hub's 128 x 128, so the rounding error is at most the hub format's. The scales of a [..., K, N]
+weight are [..., K / 128, N], their minor axis the weight's own: blocks along the minor axis
+would give the scales a minor axis of N / 128 (16 for a routed expert of DeepSeek-V3), which a
+TPU pads to 128 in every buffer that holds them. Embeddings, the output head, norms and the router
+(and its bias) stay in their own dtype, as in the hub checkpoint. Each layer's weights are
+dequantized to `dtype` where the layer runs (`dequantize`, decoding/model.py).
+
+The quantization runs on the devices after the parameters are loaded in their own dtype: a
+model whose bfloat16 weights do not fit the devices cannot be loaded this way yet (the compiled
+figures of such a model, benchmarks/generate_671b.py, take the fp8 tree as given).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from expertax.nn.param import ParamSpec, is_spec
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128
+# Parameter containers whose matrices are quantized (norm scales and the router never are).
+QUANTIZED_PARENTS = ("attn", "mlp", "moe", "shared", "mtp")
+
+
+class Fp8(NamedTuple):
+    """One quantized weight."""
+
+    q: Any  # float8_e4m3fn, the weight's shape
+    scale: Any  # float32 [*shape[:-2], blocks of the second to last axis, shape[-1]]
+
+
+def is_fp8(x) -> bool:
+    return isinstance(x, Fp8)
+
+
+def block(rows: int) -> int:
+    """The block length along an input axis of `rows` values."""
+    return BLOCK if rows % BLOCK == 0 else rows
+
+
+def _names(path) -> list[str]:
+    return [str(getattr(k, "name", getattr(k, "key", ""))) for k in path]
+
+
+def quantized(path, shape: tuple[int, ...], prefix: tuple[str, ...] = ()) -> bool:
+    """Whether the parameter at `path` (a key path into the Decoder tree, or into a layer's tree
+    that sits at `prefix` in it, e.g. ("mtp",) for an MTP module) is held in fp8."""
+    names = [*prefix, *_names(path)]
+    if not names or names[-1].endswith("norm") or "router" in names:
+        return False
+    return len(shape) >= 2 and any(n in QUANTIZED_PARENTS for n in names[:-1])
+
+
+def spec(tree, prefix: tuple[str, ...] = ()):
+    """The parameter declaration tree with each quantized ParamSpec replaced by an Fp8 of two
+    ParamSpecs (values, scales; the scales keep the weight's logical axes)."""
+    if tree is None:
+        return None
+
+    def one(path, s: ParamSpec):
+        if not quantized(path, s.shape, prefix):
+            return s
+        k, n = s.shape[-2:]
+        scale_shape = (*s.shape[:-2], k // block(k), n)
+        return Fp8(s, ParamSpec(scale_shape, s.axes, "ones", weight_decay=False))
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_spec)
+
+
+def abstract(tree, dtype) -> Any:
+    """ShapeDtypeStructs of an `spec` tree: fp8 values, float32 scales, the rest in `dtype`."""
+
+    def leaf(s, dt):
+        return jax.ShapeDtypeStruct(s.shape, dt)
+
+    def one(x):
+        if is_fp8(x):
+            return Fp8(leaf(x.q, E4M3), leaf(x.scale, jnp.float32))
+        return leaf(x, jnp.dtype(dtype))
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: is_fp8(x) or is_spec(x))
+
+
+def quantize_array(w: jax.Array) -> Fp8:
+    """`w` [..., K, N] as e4m3 values and a scale per block of `block(K)` values of its K axis."""
+    *lead, k, n = w.shape
+    blk = block(k)
+    w_KBN = w.astype(jnp.float32).reshape(*lead, k // blk, blk, n)
+    amax = jnp.max(jnp.abs(w_KBN), axis=-2)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = (w_KBN / scale[..., None, :]).astype(E4M3).reshape(w.shape)
+    return Fp8(q, scale)
+
+
+def dequantize_array(f: Fp8, dtype) -> jax.Array:
+    """The weight in `dtype`, computed in `dtype` (e4m3 values are exact in bfloat16; the
+    scale is rounded to it): no float32 copy of the weight is made on the way."""
+    blk = block(f.q.shape[-2])
+    # The scales repeated along the K axis (a broadcast that keeps the minor axis), not the
+    # weight reshaped into blocks.
+    return f.q.astype(dtype) * jnp.repeat(f.scale.astype(dtype), blk, axis=-2)
+
+
+def quantize(params, prefix: tuple[str, ...] = ()):
+    """The parameters with every quantized weight (`quantized`) as Fp8."""
+
+    def one(path, w):
+        return quantize_array(w) if quantized(path, w.shape, prefix) else w
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def dequantize(tree, dtype, anchor):
+    """(every Fp8 leaf of `tree` (a layer's parameters) as an array in `dtype`, `anchor`).
+
+    The fp8 values pass an optimization barrier with `anchor` (the layer's input activations)
+    first: the weights do not change inside the decode loop, and without the barrier XLA hoists
+    their dequantization out of the loop, holding every layer's weights in `dtype` at once.
+    A tree without Fp8 leaves is returned as it is."""
+    if not any(is_fp8(x) for x in jax.tree.leaves(tree, is_leaf=is_fp8)):
+        return tree, anchor
+    tree, anchor = jax.lax.optimization_barrier((tree, anchor))
+    deq = jax.tree.map(
+        lambda x: dequantize_array(x, dtype) if is_fp8(x) else x, tree, is_leaf=is_fp8
+    )
+    return deq, anchor
