@@ -250,7 +250,7 @@ CHECKPOINT = {"on": False}
 
 def loss(p, x, c):
     def fn(p, x):
-        return layer.apply(p, x, c, jnp.float32)
+        return layer.apply(p, x, c, jnp.float32)[:2]
 
     if CHECKPOINT["on"]:
         fn = remat.wrap_layer(fn, c, prevent_cse=True)

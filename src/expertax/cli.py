@@ -294,7 +294,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from expertax.decoding.cli import run
+    from expertax.tools.generate import run
 
     startup.start_backends()
     return run(args)

@@ -235,7 +235,7 @@ def _layer_case(overrides):
 
 
 def _loss(p, x, c):
-    y, st = layer.apply(p, x, c, jnp.float32)
+    y, st, _ = layer.apply(p, x, c, jnp.float32)
     return jnp.sum(jnp.sin(y)) + st.lb_loss, (y, st)
 
 
@@ -336,7 +336,7 @@ def _row_exchanges(overrides, remat: bool) -> int:
     c, p, x = _layer_case([*LAYOUTS["a2a-ep8"], *overrides])
 
     def loss(p, x, c):
-        fn = lambda p, x: layer.apply(p, x, c, jnp.float32)  # noqa: E731
+        fn = lambda p, x: layer.apply(p, x, c, jnp.float32)[:2]  # noqa: E731
         if remat:
             fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
         y, st = fn(p, x)
@@ -403,7 +403,7 @@ def _compiled_bf16(overrides):
     x = jax.random.normal(jax.random.key(1), (8, 32, c.base_emb_dim), dtype)
 
     def loss(p, x):
-        y, st = layer.apply(p, x, c, dtype)
+        y, st, _ = layer.apply(p, x, c, dtype)
         return jnp.sum(y.astype(jnp.float32)) + st.lb_loss
 
     mesh = make_mesh(c)

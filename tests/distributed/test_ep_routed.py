@@ -17,6 +17,7 @@ import pytest
 
 from expertax.config import config_rules, load_config
 from expertax.nn import param
+from expertax.nn.activation import swiglu
 from expertax.nn.moe import dispatch, ep, exchange, gmm, layer, router, rows
 from expertax.sharding import make_mesh, use_rules
 
@@ -150,7 +151,7 @@ def _case(layout, routing, *extra):
 
 
 def _loss(p, x, c):
-    y, st = layer.apply(p, x, c, jnp.float32)
+    y, st, _ = layer.apply(p, x, c, jnp.float32)
     return jnp.sum(jnp.sin(y)), (y, st.load_E, st.dropped)
 
 
@@ -296,7 +297,7 @@ def test_negative_control_the_argsort_ring_is_seen(monkeypatch):
 
 def test_negative_control_a_whole_buffer_swiglu_is_seen(monkeypatch):
     def whole_buffer(gate, up, wo, sizes, **kw):
-        return gmm.gmm(gmm.glu(gate, up), wo, sizes, **kw)
+        return gmm.gmm(swiglu(gate, up), wo, sizes, **kw)
 
     monkeypatch.setattr(dispatch, "gmm_glu", whole_buffer)
     names, moves, _, d = _row_ops("ring-ep8", monkeypatch, fused=False)

@@ -4,18 +4,20 @@ The hub checkpoint stores each quantized `[out, in]` weight `W` as `W_q` (float8
 `W_scale_inv` (float32, `[ceil(out / 128), ceil(in / 128)]`, blocks at the edges partial);
 the weight is `W_q * W_scale_inv` broadcast over each block (DeepSeek's `weight_dequant`).
 Everything else (embeddings, norms, the router, `e_score_correction_bias`) stays bfloat16/float32.
+The e4m3 type, its range and the block scale rule are quant.py's, shared with decoding and
+training; this module holds the hub's format: its config, names, 128 x 128 grids, and the
+streaming (numpy) conversion of checkpoints larger than memory.
 """
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
+from expertax import quant
 from expertax.convert.hf_config import ConversionError
 
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-BLOCK = 128
-FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+FP8 = np.dtype(quant.E4M3)
+BLOCK = quant.BLOCK
 SCALE_SUFFIX = "_scale_inv"  # "x.weight" -> "x.weight_scale_inv"
 # The quantization_config DeepSeek-V3 publishes; every field must have one of these values.
 ACCEPTED: dict[str, tuple] = {
@@ -131,10 +133,10 @@ def quantize(w: np.ndarray, hint: np.ndarray | None = None) -> tuple[np.ndarray,
     pad = np.zeros((grid[0] * BLOCK, grid[1] * BLOCK), np.float32)
     pad[:rows, :cols] = np.abs(w32)
     amax = pad.reshape(grid[0], BLOCK, grid[1], BLOCK).max(axis=(1, 3))
-    scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+    scale = quant.scale_for(amax, np)
     if hint is not None:
         hint = hint.astype(np.float32)
-        fits = (hint > 0) & (amax <= np.float32(FP8_MAX) * hint)
+        fits = (hint > 0) & (amax <= np.float32(quant.E4M3_MAX) * hint)
         scale = np.where(fits, hint, scale)
     q = (w32 / _expand(scale, rows, cols)).astype(FP8)
     return q, scale

@@ -12,6 +12,9 @@ along the output axis (`Joint`), and run as one product whose output is split:
 - every SwiGLU (the dense layers' MLP, the shared experts, each routed expert on one device):
   `wi_0` and `wi_1` [D, F] as `wi_0 = Joint([D, 2F])`, `wi_1 = None`.
 
+Each MoE layer's routed experts are also held apart, one array per expert (`unstack`: the
+layout of nn/moe/unstacked.py, which reads the chosen experts' weights in place).
+
 On one CPU device the products are our kernel's (decoding/rowdot.py), which splits any matrix
 over the cores; a joined matrix is still one call in place of two.
 
@@ -23,29 +26,16 @@ scales need not line up with the parts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from expertax.decoding.rowdot import project
-from expertax.nn.moe.gmm import glu
+from expertax import quant
+from expertax.nn.linear import Joint, is_joint, join
+from expertax.nn.moe.layer import MoE
 
+__all__ = ["Joint", "is_joint", "join", "mla", "mlp", "unstack"]
 F32 = jnp.float32
-
-
-class Joint(NamedTuple):
-    """Matrices [D, F_1], [D, F_2], ... concatenated along the output axis: [D, F_1 + F_2 + ...]."""
-
-    w: Any
-
-
-def join(*ws) -> Joint:
-    return Joint(jnp.concatenate(ws, axis=-1))
-
-
-def is_joint(x) -> bool:
-    return isinstance(x, Joint)
 
 
 def mla(attn):
@@ -61,16 +51,17 @@ def mlp(p):
     return dataclasses.replace(p, wi_0=join(p.wi_0, p.wi_1), wi_1=None)
 
 
-def glu_mlp(p, x_BTD, dtype):
-    """`mlp.apply` for joined parameters: silu(x @ wi_0) * (x @ wi_1) @ wo."""
-    h = project(x_BTD, p.wi_0.w.astype(dtype))
-    f = h.shape[-1] // 2
-    return project(jax.nn.silu(h[..., :f]) * h[..., f:], p.wo.astype(dtype))
+def unstack(p: MoE) -> MoE:
+    """The layer with each expert matrix ([E, ...], or its Fp8) as a tuple of E per-expert ones;
+    float weights with each expert's `wi_0` and `wi_1` joined (`wi_0` a tuple of Joint
+    [D, 2F], `wi_1` a tuple of None): the layout of nn/moe/unstacked.py."""
 
+    def split(w):
+        e = jax.tree.leaves(w)[0].shape[0]
+        return tuple(jax.tree.map(lambda a, i=i: a[i], w) for i in range(e))
 
-def expert_ffn(wi: Joint, wo, x_RD, dtype):
-    """One routed expert's SwiGLU on rows [R, D] -> float32 [R, D] (decoding/moe.py's `_ffn`
-    for joined weights)."""
-    h = project(x_RD, wi.w.astype(dtype), preferred_element_type=F32).astype(dtype)
-    f = h.shape[-1] // 2
-    return project(glu(h[:, :f], h[:, f:]), wo.astype(dtype), preferred_element_type=F32)
+    out = dataclasses.replace(p, **{k: split(getattr(p, k)) for k in ("wi_0", "wi_1", "wo")})
+    if quant.is_fp8(p.wi_0):
+        return out
+    wi = tuple(join(a, b) for a, b in zip(out.wi_0, out.wi_1, strict=True))
+    return dataclasses.replace(out, wi_0=wi, wi_1=(None,) * len(wi))

@@ -1,59 +1,47 @@
 """The decoder run over a KV cache: the main stacks, the output head and the MTP module.
 
-The same parameters and the same layer arithmetic as `models/decoder.py` (pre-norm blocks,
-the MoE layer through `nn/moe/layer.py`, so its dispatch, routing bias and expert parallelism
-are training's), with attention reading and writing the cache (decoding/attention.py). Each
-stack runs unrolled over its layers' own weights and cache buffers (decoding/weights.py).
+The same parameters and the same layers as `models/decoder.py`: the attention layers of nn/attention
+with their caches (reading and writing them by position), the MoE layer through `nn/moe/layer.py`
+(its dispatch, routing bias and expert parallelism are training's). Each stack runs unrolled over
+its layers' own weights and cache buffers (decoding/weights.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from expertax import quant
 from expertax.config.schema import Config
-from expertax.decoding import attention, fp8, joint
-from expertax.decoding import moe as decode_moe
-from expertax.decoding.cache import Cache, LayerCache
-from expertax.decoding.rowdot import project
-from expertax.models import decoder
-from expertax.nn import mlp, norm
-from expertax.sharding import constrain
+from expertax.decoding.cache import Cache
+from expertax.models import decoder, mtp
+from expertax.nn import norm
+from expertax.nn.attention.cache import LayerCache
+from expertax.nn.linear import project
 from expertax.sharding.rules import current_rules, logical_to_spec
 
 
-def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, start_B, lc, dtype, form,
+def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, lc: LayerCache, dtype,
                slots=None):  # fmt: skip
-    """One decoder layer over the cache: (x, updated layer cache). fp8 weights (decoding/fp8.py)
-    are dequantized here, one layer at a time (per-expert MoE weights: only the chosen
-    experts', decoding/moe.py)."""
-    experts = p.moe if decode_moe.is_unstacked(p.moe) else None
-    p, x_BTD = fp8.dequantize(p if experts is None else dataclasses.replace(p, moe=None),
-                              dtype, x_BTD)  # fmt: skip
-    eps = c.normalization_layer_epsilon
-    h = norm.rms_norm(p.attn_norm, x_BTD, eps)
-    out, lc = attention.step(p.attn, h, c, positions_BT, start_B, lc, dtype, form, slots)
-    x_BTD = x_BTD + out
-    h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
-    if (layer_moe := p.moe if experts is None else experts) is not None:
-        y = decode_moe.apply(layer_moe, h, c, dtype)
-    else:
-        assert p.mlp is not None
-        y = (joint.glu_mlp if joint.is_joint(p.mlp.wi_0) else mlp.apply)(p.mlp, h, dtype)
-    return constrain(x_BTD + y, decoder.ACT_BTD), lc
+    """One decoder layer (training's, `decoder.block_apply`) over its cache: (x, the updated
+    cache). `slots` (static): only the first `slots` slots are read and written (a prefill:
+    the prompt's), the rest of the cache kept as it is."""
+    view = lc if slots is None else type(lc)(*(a[:, :slots] for a in lc))
+    x_BTD, _, _, view = decoder.block_apply(p, x_BTD, c, positions_BT, None, dtype, cache=view)
+    if slots is None:
+        return x_BTD, view
+    return x_BTD, type(lc)(*(a.at[:, :slots].set(w) for a, w in zip(lc, view, strict=True)))
 
 
-def _layers(layers, caches: list[LayerCache], x_BTD, c: Config, positions_BT, start_B, form,
-            slots):  # fmt: skip
+def _layers(layers, caches: list[LayerCache], x_BTD, c: Config, positions_BT, slots):
     """A layer stack unrolled (decoding/weights.py): (x, the layers' updated caches)."""
     dtype = jnp.dtype(c.dtype)
     new = []
     for p, lc in zip(layers or [], caches, strict=True):
-        x_BTD, lc = block_step(p, x_BTD, c, positions_BT, start_B, lc, dtype, form, slots)
+        x_BTD, lc = block_step(p, x_BTD, c, positions_BT, lc, dtype, slots)
         new.append(lc)
     return x_BTD, new
 
@@ -63,16 +51,13 @@ def positions(start_B: jax.Array, t: int) -> jax.Array:
     return start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-def main_step(params: decoder.Decoder, tokens_BT, start_B, cache: Cache, c: Config, form: str,
-              slots=None):  # fmt: skip
+def main_step(params: decoder.Decoder, tokens_BT, start_B, cache: Cache, c: Config, slots=None):
     """The main model over T new tokens per sequence at positions start_b ..: the final-normed
     hidden states [B, T, D] (what the output head and MTP module 1 read) and the cache."""
     positions_BT = positions(start_B, tokens_BT.shape[1])
     x_BTD = decoder.embed_tokens(params, tokens_BT, c)
-    x_BTD, dense = _layers(
-        params.dense_layers, cache.dense, x_BTD, c, positions_BT, start_B, form, slots
-    )
-    x_BTD, moe = _layers(params.moe_layers, cache.moe, x_BTD, c, positions_BT, start_B, form, slots)
+    x_BTD, dense = _layers(params.dense_layers, cache.dense, x_BTD, c, positions_BT, slots)
+    x_BTD, moe = _layers(params.moe_layers, cache.moe, x_BTD, c, positions_BT, slots)
     h_BTD = norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon)
     return h_BTD, cache._replace(dense=dense, moe=moe)
 
@@ -113,7 +98,7 @@ def logits(params: decoder.Decoder, h_BXD, c: Config) -> jax.Array:
     return jax.lax.with_sharding_constraint(out, PartitionSpec(*[None] * (out.ndim - 1), spec[1]))
 
 
-def mtp_step(params: decoder.Decoder, h_BTD, next_BT, start_B, cache: Cache, c: Config, form,
+def mtp_step(params: decoder.Decoder, h_BTD, next_BT, start_B, cache: Cache, c: Config,
              slots=None):  # fmt: skip
     """MTP module 1 (models/mtp.py) over T positions: at position i it reads the main model's
     hidden state h_i and the embedding of t_(i+1) (`next_BT`) and its head input predicts
@@ -121,12 +106,9 @@ def mtp_step(params: decoder.Decoder, h_BTD, next_BT, start_B, cache: Cache, c: 
     assert params.mtp is not None and cache.mtp is not None
     dtype = jnp.dtype(c.dtype)
     eps = c.normalization_layer_epsilon
-    layer, h_BTD = fp8.dequantize(params.mtp, dtype, h_BTD)  # module 1 (decoding/weights.py)
+    layer, h_BTD = quant.dequantize(params.mtp, dtype, h_BTD)  # module 1 (decoding/weights.py)
     lc = cache.mtp
-    e_BTD = norm.rms_norm(layer.enorm, decoder.embed_tokens(params, next_BT, c), eps)
-    hn_BTD = norm.rms_norm(layer.hnorm, h_BTD, eps)
-    cat_BTX = jnp.concatenate([e_BTD.astype(dtype), hn_BTD.astype(dtype)], axis=-1)
-    x_BTD = constrain(project(cat_BTX, layer.eh_proj.astype(dtype)), decoder.ACT_BTD)
+    x_BTD = mtp.module_input(params, layer, h_BTD, next_BT, c)
     positions_BT = positions(start_B, next_BT.shape[1])
-    x_BTD, lc = block_step(layer.block, x_BTD, c, positions_BT, start_B, lc, dtype, form, slots)
+    x_BTD, lc = block_step(layer.block, x_BTD, c, positions_BT, lc, dtype, slots)
     return norm.rms_norm(layer.head_norm, x_BTD, eps), cache._replace(mtp=lc)

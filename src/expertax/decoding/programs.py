@@ -107,7 +107,7 @@ def _prefill(params, prompts_BP, lengths_B, c, *, form, speculative, extra: int,
     cache = kv.allocate(c, b, p_len + budget + extra, form, mtp=speculative)
 
     def main(tokens_BC, start_B, cache):  # attention over the prompt's slots only
-        return model.main_step(params, tokens_BC, start_B, cache, c, form, slots=p_len)
+        return model.main_step(params, tokens_BC, start_B, cache, c, slots=p_len)
 
     h_BPD, cache = _in_chunks(main, cache, chunk, prompts_BP)
     logits_BV = model.logits(params, _at(h_BPD, lengths_B - 1), c)
@@ -145,7 +145,7 @@ def _plain_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, t
     def step(state):
         i, cache, tokens_BN, logprobs_BN, done_B = state
         last_B1 = tokens_BN[:, i - 1][:, None]
-        h_B1D, cache = model.main_step(params, last_B1, lengths_B + i - 1, cache, c, form)
+        h_B1D, cache = model.main_step(params, last_B1, lengths_B + i - 1, cache, c)
         tok_B, lp_B = pick(model.logits(params, h_B1D[:, 0], c), i)
         tokens_BN = tokens_BN.at[:, i].set(tok_B)
         logprobs_BN = logprobs_BN.at[:, i].set(lp_B)
@@ -179,7 +179,7 @@ def _speculative_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperat
     next_BP = jnp.where(idx_P[None] == lengths_B[:, None] - 1, first_B[:, None], shifted_BP)
 
     def mtp(h_BCD, next_BC, start_B, cache):
-        return model.mtp_step(params, h_BCD, next_BC, start_B, cache, c, form, slots=p_len)
+        return model.mtp_step(params, h_BCD, next_BC, start_B, cache, c, slots=p_len)
 
     x_BPD, cache = _in_chunks(mtp, cache, chunk, h_BPD, next_BP)
     draft_B = jnp.argmax(model.logits(params, _at(x_BPD, lengths_B - 1), c), -1).astype(jnp.int32)
@@ -204,7 +204,7 @@ def _speculative_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperat
         last_B = _at(tokens_BN, count_B - 1)
         start_B = lengths_B + count_B - 1  # the position of the last kept token
         in_B2 = jnp.stack([last_B, draft_B], axis=1)
-        h_B2D, cache = model.main_step(params, in_B2, start_B, cache, c, form)
+        h_B2D, cache = model.main_step(params, in_B2, start_B, cache, c)
         logits_B2V = model.logits(params, h_B2D, c)
         choice_B2 = jnp.argmax(logits_B2V, axis=-1).astype(jnp.int32)
         lp_B2 = jax.vmap(sample.log_prob, in_axes=1, out_axes=1)(logits_B2V, choice_B2)
@@ -215,7 +215,7 @@ def _speculative_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperat
         logprobs_BN = write(logprobs_BN, lp_B2, count_B)
         kept_B = 1 + ok_B.astype(jnp.int32)
         new_last_B = jnp.where(ok_B, choice_B2[:, 1], choice_B2[:, 0])
-        x_B2D, cache = model.mtp_step(params, h_B2D, choice_B2, start_B, cache, c, form)
+        x_B2D, cache = model.mtp_step(params, h_B2D, choice_B2, start_B, cache, c)
         draft_logits = model.logits(params, _at(x_B2D, ok_B.astype(jnp.int32)), c)
         finished_B = jnp.logical_or(
             choice_B2[:, 0] == eos, jnp.logical_and(ok_B, new_last_B == eos)

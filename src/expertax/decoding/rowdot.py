@@ -24,7 +24,6 @@ import contextlib
 import contextvars
 import ctypes
 import hashlib
-import math
 import os
 import shutil
 import subprocess
@@ -118,10 +117,13 @@ def wanted(mesh) -> bool:
 
 @contextlib.contextmanager
 def use(on: bool):
-    """Programs traced inside use the kernel where it applies (`on`), else XLA's products."""
+    """Programs traced inside use the kernel where it applies (`on`), else XLA's products: every
+    `nn.linear.project` and `per_head`, and the MoE layer's per-expert products
+    (nn/moe/unstacked.py), through `nn.linear`'s row-kernel seam."""
     token = _ON.set(on)
     try:
-        yield
+        with linear.row_kernel(linear.RowKernel(applies, rows) if on else None):
+            yield
     finally:
         _ON.reset(token)
 
@@ -140,25 +142,3 @@ def rows(x_RK, ws, ids_R=None):
         ids_R = jnp.zeros((x_RK.shape[0],), jnp.int32)
     out = jax.ShapeDtypeStruct((x_RK.shape[0], n), F32)
     return jax.ffi.ffi_call(TARGET, out)(x_RK, ids_R.astype(jnp.int32), *ws)
-
-
-def project(x: jax.Array, w: jax.Array, n_in: int = 1, **dot_kwargs) -> jax.Array:
-    """`nn.linear.project` (the last `n_in` axes of x with the first of w), by the kernel where
-    it applies."""
-    lead, inner = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in :]
-    if not applies(math.prod(lead), x, w) or tuple(w.shape[:n_in]) != tuple(inner):
-        return linear.project(x, w, n_in, **dot_kwargs)
-    out = w.shape[n_in:]
-    x_NK = x.reshape(math.prod(lead), math.prod(inner))
-    y = rows(x_NK, [w.reshape(math.prod(inner), math.prod(out))])
-    return y.reshape(*lead, *out)
-
-
-def per_group(x_GMI, w_GIO) -> jax.Array | None:
-    """[G, M, I] x [G, I, O] -> float32 [G, M, O] (a product per group) by the kernel, or None
-    where it does not apply."""
-    g, m, i = x_GMI.shape
-    if not applies(m, x_GMI, w_GIO):
-        return None
-    ids = jnp.repeat(jnp.arange(g, dtype=jnp.int32), m)
-    return rows(x_GMI.reshape(g * m, i), [w_GIO], ids).reshape(g, m, -1)

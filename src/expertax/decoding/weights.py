@@ -10,13 +10,13 @@ unrolled with one cache buffer per layer (decoding/model.py), updated in place.
 
 `layered` is the same Decoder dataclass with `dense_layers` and `moe_layers` as lists of Block
 trees and `mtp` as MTP module 1 alone (the one that drafts); with `fp8_weights`, the layers'
-matrices are quantized on the way (decoding/fp8.py). Each layer is cut from the stacked array by
+matrices are quantized on the way (quant.py). Each layer is cut from the stacked array by
 one small jitted program per stack into that layer's own sharding (the stacked one less the
 layer axis). More layouts for the decode step, made on the way:
-- MLA's `wkv_b` as its absorbed halves (`attention.Absorbed`: [H, Qn, Rkv] and [H, Rkv, O]),
+- MLA's `wkv_b` as its absorbed halves (`mla.Absorbed`: [H, Qn, Rkv] and [H, Rkv, O]),
   with fp8 blocks along those halves' second to last axes;
 - the output head `lm_head` over its vocabulary axis (`model.head_spec`);
-- on one device, each MoE layer's experts as separate arrays (decoding/moe.py), and float
+- on one device, each MoE layer's experts as separate arrays (nn/moe/unstacked.py), and float
   matrices that read the same input joined into one (decoding/joint.py).
 """
 
@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from expertax import quant
 from expertax.config.schema import Config
-from expertax.decoding import attention, fp8, joint, model
-from expertax.decoding import moe as decode_moe
+from expertax.decoding import joint, model
 from expertax.models import decoder
 from expertax.nn import param
+from expertax.nn.attention import mla
 
 
 def layer_specs(c: Config, *, fp8_weights: bool):
@@ -41,16 +42,16 @@ def layer_specs(c: Config, *, fp8_weights: bool):
     dense = decoder.block_spec(c, moe=False) if c.num_dense_layers else None
     moe = decoder.block_spec(c, moe=True) if c.num_moe_layers else None
     mtp = decoder.mtp_spec(c) if c.mtp_num_layers else None
-    dense, moe, mtp = (_absorbed(t, c, attention.absorb_spec) for t in (dense, moe, mtp))
+    dense, moe, mtp = (_absorbed(t, c, mla.absorb_spec) for t in (dense, moe, mtp))
     if fp8_weights:
-        dense, moe = fp8.spec(dense), fp8.spec(moe)
-        mtp = fp8.spec(mtp, prefix=("mtp",))
+        dense, moe = quant.spec(dense), quant.spec(moe)
+        mtp = quant.spec(mtp, prefix=("mtp",))
     return dense, moe, mtp
 
 
 def _absorbed(layer, c: Config, how):
     """A layer's tree (Block or MTP module; specs or arrays) with MLA's `wkv_b` as
-    `attention.Absorbed` (`how`: `attention.absorb` or `absorb_spec`)."""
+    `mla.Absorbed` (`how`: `mla.absorb` or `absorb_spec`)."""
     if layer is None or c.attention_type != "mla":
         return layer
     if hasattr(layer, "block"):  # an MTP module
@@ -95,13 +96,13 @@ def _head_sharding(mesh, rules, shape_DV) -> NamedSharding:
 
 
 def _one_device(params: decoder.Decoder, c: Config) -> decoder.Decoder:
-    """On one device, every MoE layer's experts as separate arrays (decoding/moe.py) and, for
+    """On one device, every MoE layer's experts as separate arrays (nn/moe/unstacked.py) and, for
     float weights, the matrices that read the same input joined (decoding/joint.py)."""
 
     def block(b: decoder.Block) -> decoder.Block:
         if b.moe is not None:
-            b = dataclasses.replace(b, moe=decode_moe.unstack(b.moe))
-        if any(fp8.is_fp8(x) for x in jax.tree.leaves(b, is_leaf=fp8.is_fp8)):
+            b = dataclasses.replace(b, moe=joint.unstack(b.moe))
+        if any(quant.is_fp8(x) for x in jax.tree.leaves(b, is_leaf=quant.is_fp8)):
             return b
         if c.attention_type == "mla":
             b = dataclasses.replace(b, attn=joint.mla(b.attn))
@@ -130,8 +131,8 @@ def _cutter(spec, c: Config, mesh, rules, fp8_weights: bool, prefix):
     if key not in _CUTTERS:
 
         def one(tree, i):
-            layer = _absorbed(jax.tree.map(lambda a: a[i], tree), c, attention.absorb)
-            return fp8.quantize(layer, prefix=prefix) if fp8_weights else layer
+            layer = _absorbed(jax.tree.map(lambda a: a[i], tree), c, mla.absorb)
+            return quant.quantize(layer, prefix=prefix) if fp8_weights else layer
 
         _CUTTERS[key] = jax.jit(one, out_shardings=param.shardings(spec, mesh, rules))
     return _CUTTERS[key]
@@ -147,7 +148,7 @@ def abstract_layered(c: Config, mesh, rules, *, fp8_weights: bool = False):
         shardings = param.shardings(spec, mesh, rules)
         return jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-            fp8.abstract(spec, c.weight_dtype),
+            quant.abstract(spec, c.weight_dtype),
             shardings,
             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
         )

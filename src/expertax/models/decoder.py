@@ -12,16 +12,21 @@ program is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from expertax import quant
 from expertax.config.schema import Config
 from expertax.models import pipeline, stashed_stack
 from expertax.nn import embed, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.linear import project
 from expertax.nn.moe import layer as moe_layer
+from expertax.nn.moe import unstacked
 from expertax.nn.moe.router import MoEStats
+from expertax.nn.moe.side import Side
 from expertax.nn.param import Param, ParamSpec, logical_axes, params_dataclass, projection, stack
 from expertax.parallel import remat
 from expertax.sharding import constrain
@@ -109,31 +114,37 @@ def spec(c: Config) -> Decoder:
     )
 
 
-def block_apply(p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, imposed_BTK=None):
-    """One pre-norm decoder layer; returns (x, MoEStats or None). `imposed_BTK`: a routing
-    imposed on the MoE layer (`moe_layer.apply_stashed`)."""
-    x_BTD, stats, _ = block_apply_stashed(
-        p, x_BTD, c, positions_BT, segment_ids_BT, dtype, None, imposed_BTK
-    )
-    return x_BTD, stats
-
-
-def block_apply_stashed(
-    p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, stash, imposed_BTK=None
+def block_apply(
+    p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, side=None, cache=None
 ):
-    """`block_apply` with the MoE layer's paged stash (nn/moe/stash.py): (x, stats, stash)."""
+    """One pre-norm decoder layer, for training, prefill and decoding alike: (x, MoEStats or
+    None, the MoE side left, the attention cache).
+
+    `side` (nn/moe/side.py): the MoE layer's paged stash and imposed routing, or None.
+    `cache`: the attention layer's (nn/attention/cache.py; decoding), written and read by
+    position, or None. fp8 weights (quant.py) are dequantized here, and a MoE layer whose
+    experts are held apart runs nn/moe/unstacked.py (decoding on one device: only the chosen
+    experts' fp8 weights are dequantized)."""
+    experts = p.moe if unstacked.is_unstacked(p.moe) else None
+    if experts is not None:
+        p = dataclasses.replace(p, moe=None)
+    p, x_BTD = quant.dequantize(p, dtype, x_BTD)  # (no fp8 leaves: as it is)
     x_BTD = remat.tag(x_BTD, remat.DECODER_LAYER_INPUT)
     eps = c.normalization_layer_epsilon
     attn = mla if c.attention_type == "mla" else gqa
     h = norm.rms_norm(p.attn_norm, x_BTD, eps)
-    x_BTD = x_BTD + attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype)
+    out, cache = attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype, cache)
+    x_BTD = x_BTD + out
     h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
-    if p.moe is not None:
-        y, stats, stash = moe_layer.apply_stashed(p.moe, h, c, dtype, stash, imposed_BTK)
+    stats = None
+    if experts is not None:
+        y = unstacked.apply(experts, h, c, dtype)
+    elif p.moe is not None:
+        y, stats, side = moe_layer.apply(p.moe, h, c, dtype, side)
     else:
         assert p.mlp is not None  # a block has an MLP or an MoE (decoder.spec)
-        y, stats = mlp.apply(p.mlp, h, dtype), None
-    return constrain(x_BTD + y, ACT_BTD), stats, stash
+        y = mlp.apply(p.mlp, h, dtype)
+    return constrain(x_BTD + y, ACT_BTD), stats, side, cache
 
 
 def run_stack(
@@ -156,7 +167,7 @@ def run_stack(
         return _run_layers(stacked, x_BTD, c, positions_BT, segment_ids_BT, dtype, imposed_LBTK)
 
     def layer(x, p, positions, segment_ids):
-        return block_apply(p, x, c, positions, segment_ids, dtype)
+        return block_apply(p, x, c, positions, segment_ids, dtype)[:2]
 
     head = jax.tree.map(lambda a: a[:pipelined], stacked)
     axes = logical_axes(block_spec(c, moe=moe))
@@ -179,13 +190,15 @@ def _run_layers(
     if stacked.moe is not None and c.moe_paged_stash:
 
         def block(p, x, positions_BT, segment_ids_BT, stash):
-            return block_apply_stashed(p, x, c, positions_BT, segment_ids_BT, dtype, stash)
+            out = block_apply(p, x, c, positions_BT, segment_ids_BT, dtype, Side(stash=stash))
+            return out[0], out[1], out[2].stash
 
         return stashed_stack.run(stacked, x_BTD, positions_BT, segment_ids_BT, c, block)
 
     def body(x, layer):
         layer_params, imposed_BTK = layer
-        return block_apply(layer_params, x, c, positions_BT, segment_ids_BT, dtype, imposed_BTK)
+        side = None if imposed_BTK is None else Side(imposed=imposed_BTK)
+        return block_apply(layer_params, x, c, positions_BT, segment_ids_BT, dtype, side)[:2]
 
     # One policy for the dense and the MoE stack; jax.checkpoint's CSE prevention is only
     # needed unrolled (scan already keeps the recomputation from being merged with the forward).

@@ -66,6 +66,16 @@ def depth_targets(batch: dict, k: int) -> tuple[jax.Array, jax.Array, jax.Array]
     return tokens_BT, targets_BT, weights_BT
 
 
+def module_input(params: decoder.Decoder, layer, h_BTD, tokens_BT, c: Config) -> jax.Array:
+    """An MTP module's block input: its normed token embeddings and normed incoming hidden
+    states side by side, through `eh_proj` (training's depths and decoding's drafts)."""
+    dtype, eps = jnp.dtype(c.dtype), c.normalization_layer_epsilon
+    e_BTD = norm.rms_norm(layer.enorm, decoder.embed_tokens(params, tokens_BT, c), eps)
+    hn_BTD = norm.rms_norm(layer.hnorm, h_BTD, eps)
+    cat_BTX = jnp.concatenate([e_BTD.astype(dtype), hn_BTD.astype(dtype)], axis=-1)
+    return constrain(project(cat_BTX, layer.eh_proj.astype(dtype)), decoder.ACT_BTD)
+
+
 def forward(
     params: decoder.Decoder, h_BTD: jax.Array, batch: dict, c: Config
 ) -> tuple[list[Depth], MoEStats | None]:
@@ -81,17 +91,14 @@ def forward(
     segment_ids_BT = batch.get("segment_ids")
 
     def block(x_BTD, layer: decoder.Block):
-        return decoder.block_apply(layer, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+        return decoder.block_apply(layer, x_BTD, c, positions_BT, segment_ids_BT, dtype)[:2]
 
     block = remat.wrap_layer(block, c, prevent_cse=True)
     depths, all_stats = [], []
     for k in range(1, c.mtp_num_layers + 1):
         layer = jax.tree.map(lambda a, k=k: a[k - 1], params.mtp)
         tokens_BT, targets_BT, weights_BT = depth_targets(batch, k)
-        e_BTD = norm.rms_norm(layer.enorm, decoder.embed_tokens(params, tokens_BT, c), eps)
-        hn_BTD = norm.rms_norm(layer.hnorm, h_BTD, eps)
-        cat_BTX = jnp.concatenate([e_BTD.astype(dtype), hn_BTD.astype(dtype)], axis=-1)
-        x_BTD = constrain(project(cat_BTX, layer.eh_proj.astype(dtype)), decoder.ACT_BTD)
+        x_BTD = module_input(params, layer, h_BTD, tokens_BT, c)
         h_BTD, stats = block(x_BTD, layer.block)
         out_BTD = norm.rms_norm(layer.head_norm, h_BTD, eps)
         depths.append(Depth(out_BTD, targets_BT, weights_BT))

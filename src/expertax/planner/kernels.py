@@ -7,7 +7,7 @@ sizes, known at run time only. From the kernel's tiling, read from the program, 
   boundary can add one partial block, so at most min(G ceil(M/b), ceil(M/b) + G - 1) blocks (G:
   the kernel's groups) — the cost for the *buffer*, labelled worst case wherever it is reported;
 - `expected`: for the balanced group sizes the program names (a `rows~R` scope, R rows per group,
-  from `gmm.expected_group_rows`): the blocks those groups touch. Kernels whose blocks are
+  from `tiles.expected_group_rows`): the blocks those groups touch. Kernels whose blocks are
   aligned to multiples of b (Mosaic GPU, megablox) touch cdiv(end, b) - floor(start, b) blocks
   per group; Triton's start at the group's first row (cdiv(rows, b); its weight-gradient kernel
   runs one masked block even for an empty group).

@@ -196,7 +196,7 @@ def _trace_layer(traced: Config, moe: bool, batch_local: int) -> list[tuple]:
     ids = jax.ShapeDtypeStruct((batch_local, t), jnp.int32)
 
     def loss(p, x, positions, segment_ids):
-        body = lambda x, p: decoder.block_apply(p, x, traced, positions, segment_ids, dtype)
+        body = lambda x, p: decoder.block_apply(p, x, traced, positions, segment_ids, dtype)[:2]
         y, stats = remat.wrap_layer(body, traced, prevent_cse=False)(x, p)
         lb = stats.lb_loss if stats is not None else 0.0
         return jnp.sum(y.astype(jnp.float32)) + lb

@@ -86,6 +86,7 @@ def compile_row(target, backend: str, experts: int, per: int, pass_name: str, d:
 
     from expertax import platform
     from expertax.nn.moe import gmm as gmm_lib
+    from expertax.nn.moe import tiles
     from expertax.planner import flops as flops_lib
 
     device = target.devices()[0]
@@ -105,7 +106,7 @@ def compile_row(target, backend: str, experts: int, per: int, pass_name: str, d:
     if pass_name == "fwd_bwd":
         args.append(spec((m, f)))
     started = time.perf_counter()
-    with platform.use(target.platform, device), gmm_lib.expected_group_rows(per):
+    with platform.use(target.platform, device), tiles.expected_group_rows(per):
         compiled = jax.jit(fn).lower(*args).compile()
     seconds = time.perf_counter() - started
     text = compiled.as_text() or ""

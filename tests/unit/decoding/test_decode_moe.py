@@ -1,4 +1,4 @@
-"""The decode-time MoE layer on one device (decoding/moe.py) against training's MoE layer.
+"""The decode-time MoE layer on one device (nn/moe/unstacked.py) against training's MoE layer.
 
 The per-row path (one token: each routed row through its expert's own arrays, a `lax.switch`
 per row) and the grouped path (more tokens: each expert's rows in tiles) must compute what
@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax import init_params, load_config
-from expertax.decoding import fp8
-from expertax.decoding import moe as decode_moe
+from expertax import init_params, load_config, quant
+from expertax.decoding import joint
 from expertax.nn.moe import layer as moe_layer
+from expertax.nn.moe import unstacked as decode_moe
 from tests.tolerances import tol
 
 
@@ -45,8 +45,8 @@ def test_unstacked_layer_equals_training_layer(model_name, tokens, monkeypatch):
             decode_moe, path, lambda *a, real=real, path=path: (ran.append(path), real(*a))[1]
         )
     x = jax.random.normal(jax.random.key(1), (b, t, c.base_emb_dim), jnp.float32)
-    want, _ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(p, x)
-    unstacked = decode_moe.unstack(p)
+    want, *_ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(p, x)
+    unstacked = joint.unstack(p)
     assert decode_moe.is_unstacked(unstacked) and len(unstacked.wi_0) == c.num_experts
     got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32))(unstacked, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(jnp.float32))
@@ -55,12 +55,12 @@ def test_unstacked_layer_equals_training_layer(model_name, tokens, monkeypatch):
 
 def test_fp8_experts_dequantized_per_branch():
     c, p = _layer("deepseek3-tiny")
-    q = fp8.quantize(p, prefix=("moe_layers", "moe"))
-    assert fp8.is_fp8(q.wi_0) and fp8.is_fp8(q.shared.wo) and not fp8.is_fp8(q.router.w)
-    deq = fp8.dequantize(q, jnp.float32, None)[0]
+    q = quant.quantize(p, prefix=("moe_layers", "moe"))
+    assert quant.is_fp8(q.wi_0) and quant.is_fp8(q.shared.wo) and not quant.is_fp8(q.router.w)
+    deq = quant.dequantize(q, jnp.float32, None)[0]
     x = jax.random.normal(jax.random.key(2), (3, 1, c.base_emb_dim), jnp.float32)
-    want, _ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(deq, x)
-    got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32))(decode_moe.unstack(q), x)
+    want, *_ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(deq, x)
+    got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32))(joint.unstack(q), x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(jnp.float32))
 
 

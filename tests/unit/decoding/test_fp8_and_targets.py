@@ -1,4 +1,4 @@
-"""fp8 decoding weights (decoding/fp8.py) and the decoding program compiled for a TPU target.
+"""fp8 decoding weights (quant.py) and the decoding program compiled for a TPU target.
 
 The fp8 path must compute exactly what the same model computes with the dequantized weights
 (the quantization is the only difference), its rounding must stay within e4m3's 3 mantissa bits
@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax import generate, init_params, load_config
-from expertax.decoding import attention, fp8, programs
+from expertax import generate, init_params, load_config, quant
+from expertax.decoding import programs
 from expertax.decoding.loop import decoding_config
 from expertax.models import decoder
+from expertax.nn.attention import mla
 from expertax.nn.param import is_spec
 from tests.tolerances import tol
 
@@ -35,25 +36,27 @@ def deepseek():
 def test_rounding_within_e4m3_precision():
     w = jax.random.normal(jax.random.key(0), (3, 256, 64), jnp.float32)
     w = w * jnp.logspace(-3, 1, 256)[None, :, None]  # blocks of very different magnitudes
-    q = fp8.quantize_array(w)
+    q = quant.quantize_array(w)
     # Blocks of 128 along the input axis K, the scales [E, K / 128, N] (a wide minor axis).
     assert q.q.dtype == jnp.float8_e4m3fn and q.scale.shape == (3, 2, 64)
-    back = fp8.dequantize_array(q, jnp.float32)
+    back = quant.dequantize_array(q, jnp.float32)
     amax = jnp.max(jnp.abs(w.reshape(3, 2, 128, 64)), axis=-2, keepdims=True)
     err = jnp.abs(back - w).reshape(3, 2, 128, 64)
     # e4m3: 3 mantissa bits, half an ulp of relative error for normal values; the smallest
     # values of a block (subnormal after scaling) err by at most 2^-10 of the block's max.
     bound = jnp.maximum(jnp.abs(w.reshape(3, 2, 128, 64)) * 2.0**-4, amax * 2.0**-10)
     assert bool(jnp.all(err <= bound * 1.0001))
-    odd = fp8.quantize_array(jnp.ones((576, 5)))  # not a multiple of 128: one block per column
+    odd = quant.quantize_array(jnp.ones((576, 5)))  # not a multiple of 128: one block per column
     assert odd.scale.shape == (1, 5)
 
 
 def test_only_layer_matrices_are_quantized(deepseek):
     c, _ = deepseek
-    tree = fp8.spec(decoder.spec(c))
-    held = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: fp8.is_fp8(x) or is_spec(x))
-    names = {jax.tree_util.keystr(k): fp8.is_fp8(v) for k, v in held}
+    tree = quant.spec(decoder.spec(c))
+    held = jax.tree_util.tree_leaves_with_path(
+        tree, is_leaf=lambda x: quant.is_fp8(x) or is_spec(x)
+    )
+    names = {jax.tree_util.keystr(k): quant.is_fp8(v) for k, v in held}
     assert names[".moe_layers.moe.wi_0"] and names[".moe_layers.attn.wkv_b"]
     assert names[".dense_layers.mlp.wo"] and names[".moe_layers.moe.shared.wi_1"]
     assert names[".mtp.eh_proj"] and names[".mtp.block.moe.wo"]
@@ -64,12 +67,12 @@ def test_only_layer_matrices_are_quantized(deepseek):
 
 def _round_trip_absorbed(wkv_b_LRHZ, nope):
     """MLA's wkv_b through decoding's fp8 form: its absorbed halves quantized (their own last
-    axes, decoding/attention.Absorbed), dequantized, and put back in the [Rkv, H, Z] layout."""
+    axes, nn/attention/mla.Absorbed), dequantized, and put back in the [Rkv, H, Z] layout."""
 
     def one(w):
         uk, uv = (
-            fp8.dequantize_array(fp8.quantize_array(h), jnp.float32)
-            for h in attention.absorb(w, nope)
+            quant.dequantize_array(quant.quantize_array(h), jnp.float32)
+            for h in mla.absorb(w, nope)
         )
         return jnp.concatenate([uk.transpose(2, 0, 1), uv.transpose(1, 0, 2)], -1)
 
@@ -78,7 +81,7 @@ def _round_trip_absorbed(wkv_b_LRHZ, nope):
 
 def test_fp8_decoding_equals_the_dequantized_model(deepseek):
     c, params = deepseek
-    ref, _ = fp8.dequantize(fp8.quantize(params), jnp.float32, None)
+    ref, _ = quant.dequantize(quant.quantize(params), jnp.float32, None)
     nope = c.qk_nope_head_dim
     for stack in ("dense_layers", "moe_layers"):
         layers = getattr(params, stack)

@@ -182,9 +182,9 @@ def test_compressed_and_plain_mla_logits_agree(deepseek):
 
     def run(form):
         cache = kv.allocate(dc, 1, 12, form, mtp=False)
-        h, cache = model.main_step(params, prompts, jnp.zeros((1,), jnp.int32), cache, dc, form)
+        h, cache = model.main_step(params, prompts, jnp.zeros((1,), jnp.int32), cache, dc)
         nxt = jnp.argmax(model.logits(params, h[:, -1:], dc), -1).astype(jnp.int32)
-        h2, _ = model.main_step(params, nxt, jnp.full((1,), 8, jnp.int32), cache, dc, form)
+        h2, _ = model.main_step(params, nxt, jnp.full((1,), 8, jnp.int32), cache, dc)
         return model.logits(params, jnp.concatenate([h, h2], 1), dc)
 
     compressed = jax.jit(lambda: run("compressed"))

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from expertax import init_params, load_config
-from expertax.decoding import moe as decode_moe
-from expertax.decoding import rowdot
+from expertax.decoding import joint, rowdot
+from expertax.nn import linear
 from expertax.nn.moe import layer as moe_layer
+from expertax.nn.moe import unstacked as decode_moe
 from tests.tolerances import tol
 
 pytestmark = pytest.mark.skipif(not rowdot.available(), reason=f"{rowdot.reason()}")
@@ -48,33 +49,28 @@ def test_rows_equal_float64_products(r, g, ops, k, n):
     np.testing.assert_allclose(np.asarray(got), want, **tol(jnp.float32))
 
 
-def test_project_and_per_group_follow_the_switch():
+def test_project_and_per_head_follow_the_switch():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((2, 3, 4, 64), np.float32) / 16)
     w = jnp.asarray(rng.standard_normal((4, 64, 96), np.float32))
     lowered = []
     for on in (True, False):
         with rowdot.use(on):
-            f = jax.jit(
-                lambda x, w: (rowdot.project(x, w, 2), rowdot.per_group(x[0].transpose(1, 0, 2), w))
-            )
+            f = jax.jit(lambda x, w: (linear.project(x, w, 2), linear.per_head(x, w)))
             lowered.append(f.lower(x, w).as_text())
             y, per = f(x, w)
         np.testing.assert_allclose(
             np.asarray(y), np.einsum("bthi,hio->bto", x, w), **tol(jnp.float32)
         )
-        if on:
-            want = np.einsum("mgi,gio->gmo", np.asarray(x[0]), np.asarray(w))
-            np.testing.assert_allclose(np.asarray(per), want, **tol(jnp.float32))
-        else:
-            assert per is None
+        want = np.einsum("bthi,hio->btho", np.asarray(x), np.asarray(w))
+        np.testing.assert_allclose(np.asarray(per), want, **tol(jnp.float32))
     assert rowdot.TARGET in lowered[0] and rowdot.TARGET not in lowered[1]
     with rowdot.use(True):  # bfloat16, and more rows than MAX_ROWS: XLA's products
         xb = jnp.ones((rowdot.MAX_ROWS + 1, 64), jnp.float32)
-        assert rowdot.TARGET not in jax.jit(rowdot.project).lower(xb, w[0]).as_text()
+        assert rowdot.TARGET not in jax.jit(linear.project).lower(xb, w[0]).as_text()
         bf = jnp.ones((2, 64), jnp.bfloat16)
         assert (
-            rowdot.TARGET not in jax.jit(rowdot.project).lower(bf, w[0].astype(bf.dtype)).as_text()
+            rowdot.TARGET not in jax.jit(linear.project).lower(bf, w[0].astype(bf.dtype)).as_text()
         )
 
 
@@ -88,13 +84,11 @@ def test_kernel_moe_layer_equals_training_layer(model_name, tokens, monkeypatch)
         p = dataclasses.replace(p, router=dataclasses.replace(p.router, bias=bias))
     ran = []
     real = decode_moe._by_kernel
-    monkeypatch.setattr(decode_moe, "_by_kernel", lambda *a: (ran.append(a[5]), real(*a))[1])
+    monkeypatch.setattr(decode_moe, "_by_kernel", lambda *a: (ran.append(a[6]), real(*a))[1])
     x = jax.random.normal(jax.random.key(1), (*tokens, c.base_emb_dim), jnp.float32)
-    want, _ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(p, x)
-    unstacked = decode_moe.unstack(p)
+    want, *_ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(p, x)
+    unstacked = joint.unstack(p)
     if p.shared is not None:  # joined as decoding holds it on one device
-        from expertax.decoding import joint
-
         unstacked = dataclasses.replace(unstacked, shared=joint.mlp(unstacked.shared))
     with rowdot.use(True):
         got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32))(unstacked, x)

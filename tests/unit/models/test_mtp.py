@@ -93,7 +93,7 @@ def oracle_loss(p: decoder.Decoder, batch: dict, c):
             w = w * (seg[:, ahead] == seg)
         e = jnp.take(p.embed, tokens, axis=0)
         x = jnp.concatenate([_rms(layer.enorm, e, eps), _rms(layer.hnorm, h, eps)], -1)
-        h, _ = decoder.block_apply(layer.block, x @ layer.eh_proj, c, pos, seg, jnp.float32)
+        h, *_ = decoder.block_apply(layer.block, x @ layer.eh_proj, c, pos, seg, jnp.float32)
         out = _rms(layer.head_norm, h, eps)
         mtp_sum = mtp_sum + ce(out, targets, w)
         if hits is None:

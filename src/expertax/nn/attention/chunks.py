@@ -90,9 +90,13 @@ def mean_offset(c: Config, length: int) -> float:
     return (n - 1) * (length // n) / 2
 
 
-def attend_chunk(q, k, v, c: Config, segment_ids_BT, q_offset, end: int, scale: float):
-    """The kernel call of one chunk's queries `q` against the layer's keys and values up to
-    `end` (`over_queries`' ChunkFn arguments); [B, T/n, H, O]."""
+def attend_chunk(
+    q, k, v, c: Config, segment_ids_BT, q_offset, end: int, scale: float, q_positions_BT,
+    kv_positions_BS,
+):  # fmt: skip
+    """The kernel call of one chunk's queries `q` (at `q_positions_BT`) against the layer's keys
+    and values (at `kv_positions_BS`) up to `end` (`over_queries`' ChunkFn arguments);
+    [B, T/n, H, O]."""
     seg = None if segment_ids_BT is None else segment_ids_BT[:, :end]
     return kernel.attend(
         q,
@@ -103,4 +107,6 @@ def attend_chunk(q, k, v, c: Config, segment_ids_BT, q_offset, end: int, scale: 
         impl=c.attention_impl,
         q_offset=q_offset,
         mean_q_offset=mean_offset(c, k.shape[1]),
+        q_positions_BT=q_positions_BT,
+        kv_positions_BS=kv_positions_BS[:, :end],
     )

@@ -1,4 +1,5 @@
-"""Grouped-query attention (Mixtral, Llama): wq, wk, wv, RoPE on the full head, wo."""
+"""Grouped-query attention (Mixtral, Llama): wq, wk, wv, RoPE on the full head, wo; with an
+optional key/value cache (cache.py: decoding's prefill and decode steps)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import rope
-from expertax.nn.attention import chunks
+from expertax.nn.attention import chunks, kernel
+from expertax.nn.attention.cache import KV, constrain_layer, slot_positions, write
 from expertax.nn.linear import project
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
@@ -31,22 +33,41 @@ def spec(c: Config) -> GQA:
     )
 
 
-def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.Array:
+def _queries(p: GQA, x_BTD, c: Config, positions_BT, dtype) -> jax.Array:
+    q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
+    cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
+    return constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
+
+
+def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: KV | None = None):
+    """The layer's output [B, T, D] and its cache (None without one; with one, the new
+    tokens' keys and values written at their positions and every slot read: cache.py)."""
     t = x_BTD.shape[1]
     k = remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
     v = remat.tag(project(x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))
+    if cache is not None:
+        cache = KV(write(cache.k, k, positions_BT), write(cache.v, v, positions_BT))
+        cache = constrain_layer(cache, "act_kv_heads")
+        out = kernel.attend_dot(
+            _queries(p, x_BTD, c, positions_BT, dtype), cache.k, cache.v,
+            scale=rope.softmax_scale(c), q_positions_BT=positions_BT,
+            kv_positions_BS=slot_positions(cache.k.shape[1]),
+        )  # fmt: skip
+        return project(out, p.wo.astype(dtype), 2), cache
+    kv_positions_BS = positions_BT
 
     def queries_out(x_BTD, positions_BT, q_offset, end):  # a chunk's queries (chunks.py)
-        q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
-        cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
-        q = constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
-        out = chunks.attend_chunk(q, k, v, c, segment_ids_BT, q_offset, end, rope.softmax_scale(c))
+        q = _queries(p, x_BTD, c, positions_BT, dtype)
+        scale = rope.softmax_scale(c)
+        out = chunks.attend_chunk(
+            q, k, v, c, segment_ids_BT, q_offset, end, scale, positions_BT, kv_positions_BS
+        )
         return project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
 
     scan = chunks.scanned(c, t, c.head_dim, c.head_dim, dtype)
     out = chunks.over_queries(queries_out, x_BTD, positions_BT, c, scan=scan)
     # named here, not inside a chunk: a name inside a chunk's checkpoint is saved by the
     # chunk, on device, whatever its placement
-    return remat.tag(out, remat.OUT_PROJ)
+    return remat.tag(out, remat.OUT_PROJ), None

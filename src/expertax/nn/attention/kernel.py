@@ -1,9 +1,11 @@
-"""Causal dot-product attention with the causal and document masks computed inside, and the choice
-of implementation (`attention_impl`).
+"""Dot-product attention with its mask computed inside (from positions and a mask spec, mask.py),
+and the choice of implementation (`attention_impl`).
 
-`dot`: the mask is never materialized as [B, 1, T, T]: it is a comparison of iotas (causal) and of
-segment ids, fused by XLA into the select on the scores (seed 3922, item "causal mask"). The
-scores themselves are [B, H, T, S] float32, saved for the backward pass.
+`dot`: the mask is never materialized as [B, 1, T, T]: it is a comparison of the queries' and
+keys' positions (causal, and any other kind of `mask.MaskSpec`) and of segment ids, fused by XLA
+into the select on the scores (seed 3922, item "causal mask"). The scores themselves are
+[B, H, T, S] float32, saved for the backward pass. Training and decoding (a cache's slots) call it
+alike.
 `blockwise`: `blockwise.attend_blockwise`, no [T, S] matrix at all (online softmax, recomputing
 backward); temporaries linear in T. Every backend; the CPU's long-sequence path.
 `cudnn`: cuDNN flash attention (`cudnn.attend_cudnn`): GPU, bfloat16/float16, head dims padded to
@@ -27,8 +29,9 @@ import jax.numpy as jnp
 
 from expertax import platform
 from expertax.config.checks import ATTENTION_PLATFORMS
-from expertax.nn.attention import cudnn, evidence
+from expertax.nn.attention import cudnn, evidence, mask
 from expertax.nn.attention.blockwise import MASKED_SCORE, attend_blockwise
+from expertax.nn.attention.mask import CAUSAL, MaskSpec
 from expertax.nn.attention.splash import attend_splash
 
 IMPLEMENTATIONS = ("auto", "dot", "blockwise", "cudnn", "splash")
@@ -46,31 +49,59 @@ AUTO_BLOCKWISE_MIN_LENGTH = 512
 
 
 def attend_dot(
-    q_BTHQ, k_BSGQ, v_BSGO, *, scale: float, segment_ids_BT=None, q_offset=None
+    q_BTHQ,
+    k_BSGQ,
+    v_BSGO,
+    *,
+    scale: float,
+    segment_ids_BT=None,
+    q_offset=None,
+    q_positions_BT=None,
+    kv_positions_BS=None,
+    mask_spec: MaskSpec = CAUSAL,
 ) -> jax.Array:
-    """Causal attention with whole score matrices; returns [B, T, H, O]. Softmax in float32.
+    """Attention with whole score matrices; returns [B, T, H, O]. Softmax in float32.
 
-    Query row r sits at key position `q_offset` + r (default S - T: the queries are the last T
-    of the S >= T keys; a traced value in a scan over query chunks); `segment_ids_BT` are the
-    keys' [B, S]."""
-    b, t, h, q = q_BTHQ.shape
-    g = k_BSGQ.shape[2]
-    q_BTGJQ = q_BTHQ.reshape(b, t, g, h // g, q)
-    scores = jnp.einsum(
-        "btgjq,bsgq->bgjts", q_BTGJQ, k_BSGQ, preferred_element_type=jnp.float32
-    ) * jnp.float32(scale)
-    s = k_BSGQ.shape[1]
+    The mask is `mask_spec` built from the queries' and keys' positions (mask.py):
+    `q_positions_BT` [B|1, T] and `kv_positions_BS` [B|1, S], or, without them, from where the
+    rows sit: query row r at key position `q_offset` + r (default S - T: the queries are the
+    last T of the S >= T keys; a traced value in a scan over query chunks), key s at s.
+    `segment_ids_BT` are the keys' [B, S]; the queries' are theirs from the queries' offset.
+
+    Queries and keys may come in parts (tuples, matched in order): the scores are the sum of the
+    parts' products (MLA's absorbed form: the latent part and the RoPE part, mla.py), so that no
+    part is concatenated with another (a whole cache copied per step)."""
+    q_parts = q_BTHQ if isinstance(q_BTHQ, tuple) else (q_BTHQ,)
+    k_parts = k_BSGQ if isinstance(k_BSGQ, tuple) else (k_BSGQ,)
+    b, t, h, _ = q_parts[0].shape
+    g, s = k_parts[0].shape[2], k_parts[0].shape[1]
+    scores = None
+    for q_part, k_part in zip(q_parts, k_parts, strict=True):
+        if g == 1:  # one kv head (MQA, MLA's absorbed form): no group axis in the products
+            part = jnp.einsum(
+                "bthq,bsq->bhts", q_part, k_part[:, :, 0], preferred_element_type=jnp.float32
+            )[:, None]
+        else:
+            q_BTGJQ = q_part.reshape(b, t, g, h // g, q_part.shape[-1])
+            part = jnp.einsum(
+                "btgjq,bsgq->bgjts", q_BTGJQ, k_part, preferred_element_type=jnp.float32
+            )
+        scores = part if scores is None else scores + part
+    scores = scores * jnp.float32(scale)
     offset = s - t if q_offset is None else q_offset
-    causal_TS = offset + jax.lax.broadcasted_iota(jnp.int32, (t, s), 0) >= jax.lax.broadcasted_iota(
-        jnp.int32, (t, s), 1
-    )
-    mask = causal_TS[None, None, None]
+    if q_positions_BT is None:
+        q_positions_BT = offset + jax.lax.broadcasted_iota(jnp.int32, (1, t), 1)
+    if kv_positions_BS is None:
+        kv_positions_BS = jax.lax.broadcasted_iota(jnp.int32, (1, s), 1)
+    seg_q_BT = None
     if segment_ids_BT is not None:
         seg_q_BT = jax.lax.dynamic_slice_in_dim(segment_ids_BT, offset, t, axis=1)
-        same_doc_BTS = seg_q_BT[:, :, None] == segment_ids_BT[:, None, :]
-        mask = jnp.logical_and(mask, same_doc_BTS[:, None, None])
-    scores = jnp.where(mask, scores, MASKED_SCORE)
+    allowed_BTS = mask.allowed(mask_spec, q_positions_BT, kv_positions_BS, seg_q_BT, segment_ids_BT)
+    scores = jnp.where(allowed_BTS[:, None, None], scores, MASKED_SCORE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGO.dtype)
+    if g == 1:  # the heads' and queries' rows as one axis: one batched product per sequence
+        out_BMO = jnp.einsum("bms,bso->bmo", probs.reshape(b, h * t, s), v_BSGO[:, :, 0])
+        return out_BMO.reshape(b, h, t, -1).transpose(0, 2, 1, 3)
     out = jnp.einsum("bgjts,bsgo->btgjo", probs, v_BSGO)
     return out.reshape(b, t, h, v_BSGO.shape[-1])
 
@@ -84,14 +115,20 @@ def resolve(
     dtype,
     on: str | None = None,
     chunked: bool = False,
+    mask_spec: MaskSpec = CAUSAL,
 ):
     """The concrete implementation `impl` stands for on platform `on` (default: the platform
-    being traced for); anything but `auto` is returned as it is. `chunked`: the queries are a
+    being traced for); anything but `auto` is returned as it is, unless it cannot honour
+    `mask_spec` (a ValueError saying why; `auto` then picks `dot`). `chunked`: the queries are a
     token chunk after earlier keys (`num_attention_token_chunks`), which cuDNN cannot take."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention_impl={impl!r}: use one of {', '.join(IMPLEMENTATIONS)}")
     if impl != "auto":
+        if (why := mask.unsupported(mask_spec, impl)) is not None:
+            raise ValueError(why)
         return impl
+    if not mask_spec.plain_causal:
+        return "dot"
     on = on or platform.current()
     choice = evidence.AUTO.get(on, evidence.AUTO["cpu"])
     usable = not chunked and cudnn.unusable_because(qk_dim, v_dim, dtype) is None
@@ -110,13 +147,18 @@ def attend(
     impl: str = "dot",
     q_offset: jax.Array | None = None,
     mean_q_offset: float = 0.0,
+    q_positions_BT: jax.Array | None = None,
+    kv_positions_BS: jax.Array | None = None,
+    mask_spec: MaskSpec = CAUSAL,
 ) -> jax.Array:
-    """Causal attention by the implementation `impl` (config key `attention_impl`); returns
-    [B, T, H, O]. Scores and softmax in float32 for every implementation but cuDNN's own. The
-    queries are the last T of the S >= T key positions (S > T: one token chunk of a sequence,
-    `chunks.py`), or, with `q_offset` (a traced int in a scan over query chunks: `dot` and
-    `blockwise` only), start at key position `q_offset` (`mean_q_offset`: its mean over the
-    scan, for the blockwise loops' counted trips); `segment_ids_BT` are the keys' [B, S]."""
+    """Attention by the implementation `impl` (config key `attention_impl`) under `mask_spec`
+    (mask.py: `dot` builds it from `q_positions_BT` and `kv_positions_BS` where given, the other
+    kernels' causal mask from the queries' offset into the keys); returns [B, T, H, O]. Scores
+    and softmax in float32 for every implementation but cuDNN's own. The queries are the last T
+    of the S >= T key positions (S > T: one token chunk of a sequence, `chunks.py`), or, with
+    `q_offset` (a traced int in a scan over query chunks: `dot` and `blockwise` only), start at
+    key position `q_offset` (`mean_q_offset`: its mean over the scan, for the blockwise loops'
+    counted trips); `segment_ids_BT` are the keys' [B, S]."""
     impl = resolve(
         impl,
         length=k_BSGQ.shape[1],
@@ -124,6 +166,7 @@ def attend(
         v_dim=v_BSGO.shape[-1],
         dtype=q_BTHQ.dtype,
         chunked=k_BSGQ.shape[1] != q_BTHQ.shape[1] or q_offset is not None,
+        mask_spec=mask_spec,
     )
     if q_offset is not None and impl not in SCANNED:
         raise ValueError(
@@ -136,24 +179,16 @@ def attend(
             f"attention_impl={impl} needs a {needs.upper()}; this program is traced for {on}: "
             "use attention_impl=auto, dot or blockwise"
         )
+    kw: dict = dict(scale=scale, segment_ids_BT=segment_ids_BT)
+    if impl == "dot":
+        kw.update(q_offset=q_offset, q_positions_BT=q_positions_BT,
+                  kv_positions_BS=kv_positions_BS, mask_spec=mask_spec)  # fmt: skip
+    elif q_offset is not None:  # blockwise (SCANNED)
+        kw.update(q_offset=q_offset, mean_q_offset=mean_q_offset)
     kernels: dict[str, Callable[..., jax.Array]] = {
         "dot": attend_dot,
         "blockwise": attend_blockwise,
         "cudnn": cudnn.attend_cudnn,
         "splash": attend_splash,
     }
-    if q_offset is None:
-        return kernels[impl](q_BTHQ, k_BSGQ, v_BSGO, scale=scale, segment_ids_BT=segment_ids_BT)
-    if impl == "blockwise":
-        return attend_blockwise(
-            q_BTHQ,
-            k_BSGQ,
-            v_BSGO,
-            scale=scale,
-            segment_ids_BT=segment_ids_BT,
-            q_offset=q_offset,
-            mean_q_offset=mean_q_offset,
-        )
-    return attend_dot(
-        q_BTHQ, k_BSGQ, v_BSGO, scale=scale, segment_ids_BT=segment_ids_BT, q_offset=q_offset
-    )
+    return kernels[impl](q_BTHQ, k_BSGQ, v_BSGO, **kw)

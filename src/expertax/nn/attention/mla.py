@@ -4,17 +4,29 @@ Queries: x @ wq_a -> RMSNorm -> @ wq_b (or a plain wq when q_lora_rank is 0), sp
 a no-RoPE part [Qn] and a RoPE part [Qr] (Q = Qn+Qr). Keys/values: x @ wkv_a -> split into the
 latent [R] and a single RoPE key [Qr] shared by all heads; the latent is normed and expanded by
 wkv_b into per-head no-RoPE keys [Qn] and values [O]. Z: a concatenated width ([Rkv+Qr], [Qn+O]).
+
+With a cache (decoding, cache.py), in either form: `KV` holds the per-head keys and values as
+training computes them; `Latent` holds only the latent and the rotated RoPE key, and `wkv_b` is
+absorbed (DeepSeek-V2 Sec. 2.1.3): with W_UK, W_UV its key and value halves, q_nope . (W_UK c_j)
+= (W_UK^T q_nope) . c_j and sum_j p_j W_UV c_j = W_UV (sum_j p_j c_j), so the queries are taken
+into the latent space once per step and the output leaves it once per step, instead of expanding
+every cached token to H heads. Decoding may hold `wkv_b` as its two halves (`Absorbed`) and
+`wq_a` joined with `wkv_a` (`linear.Joint`: one product of the layer input).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import norm, rope
-from expertax.nn.attention import chunks
-from expertax.nn.linear import project
+from expertax.nn.attention import chunks, kernel
+from expertax.nn.attention.cache import KV, Latent, constrain_layer, slot_positions, write
+from expertax.nn.linear import is_joint, per_head, project
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
@@ -50,6 +62,46 @@ def spec(c: Config) -> MLA:
     )
 
 
+class Absorbed(NamedTuple):
+    """`wkv_b` [Rkv, H, Qn+O] as its key half `uk` [H, Qn, Rkv] and value half `uv` [H, Rkv, O],
+    the layouts of the absorbed products (decoding/weights.py holds it so: sliced inside the
+    step, each half is a strided copy per layer and step, XLA's batched matmul wanting the head
+    axis first; measured on deepseek3-small, 24 copies of 1 MiB in every decode step)."""
+
+    uk: Any
+    uv: Any
+
+
+def absorb(wkv_b_RHZ, nope: int) -> Absorbed:
+    return Absorbed(
+        jnp.transpose(wkv_b_RHZ[..., :nope], (1, 2, 0)),
+        jnp.transpose(wkv_b_RHZ[..., nope:], (1, 0, 2)),
+    )
+
+
+def absorb_spec(spec, nope: int) -> Absorbed:
+    """`absorb`'s parameter declarations (shapes and logical axes) for `wkv_b`'s spec."""
+    (r, h, z), (ar, ah, az) = spec.shape, spec.axes
+    return Absorbed(
+        dataclasses.replace(spec, shape=(h, nope, r), axes=(ah, az, ar)),
+        dataclasses.replace(spec, shape=(h, r, z - nope), axes=(ah, ar, az)),
+    )
+
+
+def _halves(wkv_b, nope: int, dtype) -> Absorbed:
+    """`wkv_b`'s absorbed halves in `dtype`, however it is held."""
+    halves = wkv_b if isinstance(wkv_b, Absorbed) else absorb(wkv_b, nope)
+    return Absorbed(halves.uk.astype(dtype), halves.uv.astype(dtype))
+
+
+def _whole(wkv_b, dtype) -> jax.Array:
+    """`wkv_b` [Rkv, H, Qn+O] in `dtype`, however it is held."""
+    if not isinstance(wkv_b, Absorbed):
+        return wkv_b.astype(dtype)
+    uk_HNR, uv_HRO = wkv_b.uk.astype(dtype), wkv_b.uv.astype(dtype)
+    return jnp.concatenate([uk_HNR.transpose(2, 0, 1), uv_HRO.transpose(1, 0, 2)], -1)
+
+
 def queries(p: MLA, x_BTD, c: Config, dtype) -> jax.Array:
     """Per-head queries [B, T, H, Qn+Qr] before RoPE (the low-rank path when q_lora_rank > 0)."""
     if p.wq is not None:
@@ -59,7 +111,21 @@ def queries(p: MLA, x_BTD, c: Config, dtype) -> jax.Array:
     return project(low_BTR, p.wq_b.astype(dtype))
 
 
-def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.Array:
+def _down(p: MLA, x_BTD, c: Config, dtype):
+    """(per-head queries [B, T, H, Qn+Qr] before RoPE, `wkv_a`'s output [B, T, Rkv+Qr]); with
+    `wq_a` and `wkv_a` joined, one product for both."""
+    if not is_joint(p.wq_a):
+        return queries(p, x_BTD, c, dtype), project(x_BTD, p.wkv_a.astype(dtype))
+    both = project(x_BTD, p.wq_a.w.astype(dtype))
+    low_BTR = norm.rms_norm(p.q_norm, both[..., : c.q_lora_rank], c.normalization_layer_epsilon)
+    return project(low_BTR, p.wq_b.astype(dtype)), both[..., c.q_lora_rank :]
+
+
+def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache=None):
+    """The layer's output [B, T, D] and its cache (None without one; with one, the new
+    tokens' entries written at their positions and every slot read: cache.py)."""
+    if cache is not None:
+        return _cached(p, x_BTD, c, positions_BT, dtype, cache)
     t = x_BTD.shape[1]
     nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
     kv_a = remat.tag(project(x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
@@ -77,17 +143,62 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype) -> jax.
     v = remat.tag(v_BTHO, remat.VALUE_PROJ)
     k = constrain(k, ("batch", "length", "act_heads", None))
 
+    kv_positions_BS = positions_BT
+
     def queries_out(x_BTD, positions_BT, q_offset, end):  # a chunk's queries (chunks.py)
         q_BTHQ = remat.tag(queries(p, x_BTD, c, dtype), remat.MLA_Q)
         cos, sin = rope.cos_sin(c, positions_BT, rdim)
         q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
         q = remat.tag(jnp.concatenate([q_BTHQ[..., :nope], q_rope], -1), remat.QUERY_PROJ)
         q = constrain(q, ("batch", "length", "act_heads", None))
-        out = chunks.attend_chunk(q, k, v, c, segment_ids_BT, q_offset, end, rope.softmax_scale(c))
+        scale = rope.softmax_scale(c)
+        out = chunks.attend_chunk(
+            q, k, v, c, segment_ids_BT, q_offset, end, scale, positions_BT, kv_positions_BS
+        )
         return project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
 
     scan = chunks.scanned(c, t, c.qk_head_dim, c.v_head_dim, dtype)
     out = chunks.over_queries(queries_out, x_BTD, positions_BT, c, scan=scan)
     # named here, not inside a chunk: a name inside a chunk's checkpoint is saved by the
     # chunk, on device, whatever its placement
-    return remat.tag(out, remat.OUT_PROJ)
+    return remat.tag(out, remat.OUT_PROJ), None
+
+
+def _cached(p: MLA, x_BTD, c: Config, positions_BT, dtype, cache):
+    nope, rdim, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+    q_BTHQ, kv_a = _down(p, x_BTD, c, dtype)
+    q_BTHQ = constrain(q_BTHQ, ("batch", "length", "act_heads", None))
+    latent_BTR = norm.rms_norm(p.kv_norm, kv_a[..., :r], c.normalization_layer_epsilon)
+    cos, sin = rope.cos_sin(c, positions_BT, rdim)
+    q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
+    k_rope_BTQ = rope.apply(kv_a[..., None, r:], cos, sin)[:, :, 0]
+    scale = rope.softmax_scale(c)
+    if isinstance(cache, KV):
+        kv_BTHZ = project(latent_BTR, _whole(p.wkv_b, dtype))  # [Rkv, H, Qn+O]
+        h = kv_BTHZ.shape[2]
+        k_rope_BTHQ = jnp.broadcast_to(k_rope_BTQ[:, :, None], (*k_rope_BTQ.shape[:2], h, rdim))
+        k = jnp.concatenate([kv_BTHZ[..., :nope], k_rope_BTHQ], -1)
+        cache = KV(
+            write(cache.k, k, positions_BT), write(cache.v, kv_BTHZ[..., nope:], positions_BT)
+        )
+        cache = constrain_layer(cache, "act_heads")
+        q = jnp.concatenate([q_BTHQ[..., :nope], q_rope], -1)
+        out = kernel.attend_dot(
+            q, cache.k, cache.v, scale=scale, q_positions_BT=positions_BT,
+            kv_positions_BS=slot_positions(cache.k.shape[1]),
+        )  # fmt: skip
+        return project(out, p.wo.astype(dtype), 2), cache
+    assert isinstance(cache, Latent), type(cache)
+    latent = write(cache.latent, latent_BTR, positions_BT)
+    cache = constrain_layer(Latent(latent, write(cache.rope_key, k_rope_BTQ, positions_BT)))
+    uk_HNR, uv_HRO = _halves(p.wkv_b, nope, dtype)
+    # The queries in latent space: W_UK^T q_nope per head, [B, T, H, Rkv]; against the cache
+    # as one kv head (its latent and RoPE key as the keys' two parts, its latent as the values).
+    q_lat = per_head(q_BTHQ[..., :nope], uk_HNR, jnp.float32).astype(dtype)
+    latent_BS1R = cache.latent[:, :, None]
+    out_lat_BTHR = kernel.attend_dot(
+        (q_lat, q_rope), (latent_BS1R, cache.rope_key[:, :, None]), latent_BS1R, scale=scale,
+        q_positions_BT=positions_BT, kv_positions_BS=slot_positions(cache.latent.shape[1]),
+    )  # fmt: skip
+    out_BTHO = per_head(out_lat_BTHR.astype(dtype), uv_HRO, None)
+    return project(out_BTHO, p.wo.astype(dtype), 2), cache

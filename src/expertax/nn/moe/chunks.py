@@ -11,8 +11,9 @@ policy (`jax.checkpoint` per chunk): the scan keeps, per chunk, only its input a
 policy saves (`moe_mlpwi_0`, ... stacked by the scan), never a chunk's worst-case buffers, which
 would otherwise be stacked over all chunks for the backward pass and undo the chunking (the cost:
 the backward recomputes each chunk's forward once more). remat_policy=none saves everything.
-A paged stash (stash.py), when given, is the scan's carry: each chunk writes (or reads) its rows
-at the running offset.
+The layer's side channel (side.py) goes with the chunks: an imposed routing is cut with the
+token rows, and a paged stash (stash.py) is the scan's carry: each chunk writes (or reads) its
+rows at the running offset.
 """
 
 from __future__ import annotations
@@ -24,43 +25,48 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
+from expertax.nn.moe.side import Side
+from expertax.nn.moe.side import of as side_of
 from expertax.nn.moe.stash import Stash
 from expertax.parallel import remat
 
-# fn(chunk, stash) -> (output, sums, stash): the sums are added over chunks (counts, score sums,
-# drops); the stash (or None) is carried from chunk to chunk
-ChunkFn = Callable[[jax.Array, Stash | None], tuple[jax.Array, Any, Stash | None]]
+# fn(chunk, side) -> (output, sums, side): the sums are added over chunks (counts, score sums,
+# drops); the side's `imposed` is the chunk's rows of it, its stash (or None) is carried from
+# chunk to chunk
+ChunkFn = Callable[[Any, Side], tuple[Any, Any, Side]]
 
 
 def scan_chunks(
-    fn: ChunkFn, xs: Any, c: Config, stash: Stash | None = None
+    fn: ChunkFn, xs: Any, imposed: jax.Array | None, c: Config, stash: Stash | None = None
 ) -> tuple[Any, Any, Stash | None]:
-    """`fn` over the leading (chunk) axis of `xs` (an array or a pytree of arrays): (outputs
-    stacked on that axis, sums summed, stash).
+    """`fn` over the leading (chunk) axis of `xs` (an array or a pytree of arrays) and of
+    `imposed` (or None): (outputs stacked on that axis, sums summed, stash).
 
     One chunk calls `fn` directly (no loop, the unchunked program). Several run `fn` under `c`'s
     remat policy in a scan. The sums are stacked by the scan and added after it, rather than
     carried: no carry whose varying mesh axes inside a `shard_map` would have to match the chunk's.
     """
     if jax.tree.leaves(xs)[0].shape[0] == 1:
-        out, sums, stash = fn(jax.tree.map(lambda a: a[0], xs), stash)
-        return jax.tree.map(lambda a: a[None], out), sums, stash
+        first = lambda a: a[0]  # noqa: E731
+        out, sums, side = fn(jax.tree.map(first, xs), Side(stash, jax.tree.map(first, imposed)))
+        return jax.tree.map(lambda a: a[None], out), sums, side.stash
 
-    def step(stash, x):
-        out, sums, stash = fn(x, stash)
-        return stash, (out, sums)
+    def step(stash, chunk):
+        x, imposed = chunk
+        out, sums, side = fn(x, Side(stash, imposed))
+        return side.stash, (out, sums)
 
     step = remat.wrap_layer(step, c, prevent_cse=False)
-    stash, (outs, sums) = jax.lax.scan(step, stash, xs)
+    stash, (outs, sums) = jax.lax.scan(step, stash, (xs, imposed))
     return outs, jax.tree.map(lambda s: jnp.sum(s, axis=0), sums), stash
 
 
-def over_rows(
-    fn: ChunkFn, x_ND: Any, c: Config, stash: Stash | None = None
-) -> tuple[Any, Any, Stash | None]:
+def over_rows(fn: ChunkFn, x_ND: Any, c: Config, side: Side | None = None) -> tuple[Any, Any, Side]:
     """`fn` over `num_moe_token_chunks` consecutive row chunks [N/chunks, D]; outputs
-    concatenated. `x_ND` and the outputs may be pytrees of per-row arrays [N, ...] (the token
-    rows with an imposed routing, the output rows with the router's own choice)."""
+    concatenated, and the side (`imposed` as rows [N, K]) with the stash the chunks left.
+    `x_ND` and the outputs may be pytrees of per-row arrays [N, ...] (the output rows with the
+    router's own choice)."""
+    side = side_of(side).rows()
     n = jax.tree.leaves(x_ND)[0].shape[0]
     num_chunks = c.num_moe_token_chunks
     if n % num_chunks:
@@ -68,15 +74,19 @@ def over_rows(
             f"num_moe_token_chunks={num_chunks} does not divide the {n} token rows of this shard; "
             "use a divisor of the tokens per batch shard"
         )
-    xs = jax.tree.map(lambda a: a.reshape(num_chunks, n // num_chunks, *a.shape[1:]), x_ND)
-    outs, sums, stash = scan_chunks(fn, xs, c, stash)
-    return jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), outs), sums, stash
+    split = lambda a: a.reshape(num_chunks, n // num_chunks, *a.shape[1:])  # noqa: E731
+    imposed = jax.tree.map(split, side.imposed)
+    outs, sums, stash = scan_chunks(fn, jax.tree.map(split, x_ND), imposed, c, side.stash)
+    return jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), outs), sums, side.with_stash(stash)
 
 
-def over_positions(fn: Callable[[Any], tuple[Any, Any]], x_BTD: Any, c: Config) -> tuple[Any, Any]:
-    """`fn` over `num_moe_token_chunks` chunks of the sequence axis [B, T/chunks, D] (the batch
-    axis, sharded under GSPMD, stays whole in every chunk); outputs put back in position order.
-    `x_BTD` and the outputs may be pytrees of per-position arrays [B, T, ...]."""
+def over_positions(
+    fn: Callable[[Any, Side], tuple[Any, Any]], x_BTD: Any, c: Config, side: Side | None = None
+) -> tuple[Any, Any]:
+    """`fn(chunk, side)` over `num_moe_token_chunks` chunks of the sequence axis [B, T/chunks, D]
+    (the batch axis, sharded under GSPMD, stays whole in every chunk; the side's `imposed`
+    [B, T, K] is cut alike; no stash); outputs put back in position order. `x_BTD` and the
+    outputs may be pytrees of per-position arrays [B, T, ...]."""
     b, t = jax.tree.leaves(x_BTD)[0].shape[:2]
     num_chunks = c.num_moe_token_chunks
     if t % num_chunks:
@@ -88,5 +98,6 @@ def over_positions(fn: Callable[[Any], tuple[Any, Any]], x_BTD: Any, c: Config) 
     def split(a):  # [B, T, ...] -> [chunks, B, T/chunks, ...]
         return jnp.moveaxis(a.reshape(b, num_chunks, t // num_chunks, *a.shape[2:]), 1, 0)
 
-    outs, sums, _ = scan_chunks(lambda x, s: (*fn(x), s), jax.tree.map(split, x_BTD), c)
+    imposed = jax.tree.map(split, side_of(side).imposed)
+    outs, sums, _ = scan_chunks(lambda x, s: (*fn(x, s), s), jax.tree.map(split, x_BTD), imposed, c)
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(b, t, *a.shape[3:]), outs), sums

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
+from expertax.nn.activation import swiglu
 from expertax.nn.moe import routed
-from expertax.nn.moe.gmm import glu, gmm, gmm_glu
+from expertax.nn.moe.gmm import gmm, gmm_glu
 from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
@@ -148,8 +149,8 @@ def sparse(x_ND, routing, p, c: Config, dtype, stash: Stash | None = None):
         sizes = jnp.zeros((c.num_experts,), jnp.int32).at[flat].add(1)
         weight_M = take_rows(routing.weights_NK.reshape(-1, 1), order, 1)[:, 0]
         w = (p.wi_0, p.wi_1, p.wo)
-        out, stash = routed.routed_ffn_stashed(
-            x_ND, order // k, weight_M, w, sizes, c, dtype, stash, n=n
+        out, stash = routed.routed_ffn(
+            x_ND, order // k, weight_M, w, sizes, c, dtype, n=n, stash=stash
         )
         return out.astype(dtype), jnp.int32(0), stash
     rows, order, sizes = permute(x_ND, routing.experts_NK, c.num_experts)
@@ -179,7 +180,7 @@ def capacity_einsum(x_BTD, experts_BTK, weights_BTK, p, c: Config, dtype):
     x_EBCD = jnp.einsum("btd,btec->ebcd", x_BTD, dispatch_BTEC)
     gate = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_0.astype(dtype)), remat.MOE_MLPWI_0)
     up = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_1.astype(dtype)), remat.MOE_MLPWI_1)
-    y = jnp.einsum("ebcf,efd->ebcd", glu(gate, up), p.wo.astype(dtype))
+    y = jnp.einsum("ebcf,efd->ebcd", swiglu(gate, up), p.wo.astype(dtype))
     y = remat.tag(y, remat.MOE_MLPWO)
     # The expert outputs stay in `dtype`; the float32 combine weights set the accumulation
     # (a mixed-dtype dot_general: no float32 copy of y [E, B, C, D]).

@@ -44,6 +44,9 @@ from expertax.nn.moe.exchange import (
     make_plan,
     padded_block_rows,
 )
+from expertax.nn.moe.side import Side
+from expertax.nn.moe.side import of as side_of
+from expertax.nn.moe.side import specs as side_specs
 from expertax.nn.moe.stash import Stash
 from expertax.nn.moe.strategy import EXPERT, moe_specs, resolve_a2a_impl
 from expertax.nn.moe.vma import varying_over
@@ -192,8 +195,8 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, 
         # sorted row r is received row src[r] and goes back there: gather and unsort by src
         order, sizes_X = local_expert_order(plan.recv_counts_PX, m)
         w_rows = rows.gather_rows(w_recv, order.src_M, order.total)[:, 0]
-        y_MD, stash = routed.routed_ffn_stashed(
-            recv_MD, order.src_M, w_rows, w, sizes_X, c, dtype, stash, n=m, injective=True
+        y_MD, stash = routed.routed_ffn(
+            recv_MD, order.src_M, w_rows, w, sizes_X, c, dtype, n=m, injective=True, stash=stash
         )
         home_weights_NK = jnp.ones_like(routing.weights_NK)
     else:
@@ -273,8 +276,8 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, 
     sel = select_local(experts_NK, weights_NK, jax.lax.axis_index(EXPERT) * x_local, x_local)
     n_all = x_ND.shape[0]
     if routed.use_fused(c):  # gather, FFN and weighted scatter in the grouped loops
-        out_all, stash = routed.routed_ffn_stashed(
-            x_ND, sel.token_R, sel.weight_R, w, sel.sizes_X, c, dtype, stash, n=n_all
+        out_all, stash = routed.routed_ffn(
+            x_ND, sel.token_R, sel.weight_R, w, sel.sizes_X, c, dtype, n=n_all, stash=stash
         )
     else:
         rows_RD = rows.gather_rows(x_ND, sel.token_R, sel.count)
@@ -314,33 +317,23 @@ def _psum_all(x, axes):
     return jax.lax.psum(varying_over(x, axes), axes)
 
 
-def _chunk(rows, stash, router_p, w, *, c, dtype, impl, split):
-    """One token chunk on one shard, rows (x [N, D], imposed routing [N, K] or None): ((partial
-    out [N, D], the router's own choice [N, K] or None), (counts_E, prob_sum_E, dropped), stash)."""
-    x_ND, imposed_NK = rows
-    routing = router.route(router_p, x_ND, c, imposed_NK)
+def _chunk(x_ND, side: Side, router_p, w, *, c, dtype, impl, split):
+    """One token chunk on one shard, rows x [N, D] and their side (imposed routing [N, K] or
+    None, the stash): ((partial out [N, D], the router's own choice [N, K] or None),
+    (counts_E, prob_sum_E, dropped), side)."""
+    routing = router.route(router_p, x_ND, c, side.imposed)
     if c.use_ring_of_experts:
         out_ND, dropped, stash = ring_dispatch(
-            x_ND, routing, w, c, dtype, stash, gathered=not split
+            x_ND, routing, w, c, dtype, side.stash, gathered=not split
         )
     else:
-        out_ND, dropped, stash = a2a_dispatch(x_ND, routing, w, c, dtype, impl, stash)
-    return (out_ND, routing.chosen_NK), (routing.counts_E, routing.prob_sum_E, dropped), stash
+        out_ND, dropped, stash = a2a_dispatch(x_ND, routing, w, c, dtype, impl, side.stash)
+    sums = (routing.counts_E, routing.prob_sum_E, dropped)
+    return (out_ND, routing.chosen_NK), sums, side.with_stash(stash)
 
 
 def _body(
-    x_BTD_local,
-    router_p,
-    wi_0_local,
-    wi_1_local,
-    wo_local,
-    stash,
-    imposed,
-    *,
-    c,
-    dtype,
-    impl,
-    specs,
+    x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, side: Side, *, c, dtype, impl, specs
 ):
     """One shard. The tokens are sharded over `specs.tokens`; when those do not include `expert`
     (expert-as-TP rules) they are replicated over it.
@@ -348,10 +341,7 @@ def _body(
     The shard's tokens go through `_chunk` `num_moe_token_chunks` at a time (chunks.py).
     """
     b, t, d = x_BTD_local.shape
-    rows_in = (
-        x_BTD_local.reshape(b * t, d),
-        None if imposed is None else imposed.reshape(b * t, -1),
-    )
+    x_ND, side = x_BTD_local.reshape(b * t, d), side.rows()
     w = (wi_0_local, wi_1_local, wo_local)
     ring = c.use_ring_of_experts
     split = EXPERT in specs.tokens
@@ -359,15 +349,15 @@ def _body(
     if not split and not ring:  # replicated tokens: each expert shard routes and sends 1/EP
         stat_axes = (*stat_axes, EXPERT)
         n = b * t // jax.lax.axis_size(EXPERT)
-        rows_in = jax.tree.map(
-            lambda a: jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(EXPERT) * n, n), rows_in
-        )
-    routed_tokens = rows_in[0].shape[0]
-    (out_ND, chosen_NK), (counts_E, prob_sum_E, dropped), stash = chunks.over_rows(
+        mine = lambda a: jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(EXPERT) * n, n)  # noqa: E731
+        x_ND = mine(x_ND)
+        side = Side(side.stash, jax.tree.map(mine, side.imposed))
+    routed_tokens = x_ND.shape[0]
+    (out_ND, chosen_NK), (counts_E, prob_sum_E, dropped), side = chunks.over_rows(
         lambda x, s: _chunk(x, s, router_p, w, c=c, dtype=dtype, impl=impl, split=split),
-        rows_in,
+        x_ND,
         c,
-        stash,
+        side,
     )
     if not split and not ring:
         out_ND, chosen_NK = jax.tree.map(
@@ -378,7 +368,7 @@ def _body(
     stats = global_stats(counts_E, prob_sum_E, routed_tokens, dropped, c, stat_axes)
     if chosen_NK is not None:  # an imposed routing: the router's own choice goes out too
         stats = dataclasses.replace(stats, chosen_BTK=chosen_NK.reshape(b, t, -1))
-    return out_ND.reshape(b, t, d), stats, stash
+    return out_ND.reshape(b, t, d), stats, side.stash
 
 
 def apply(
@@ -389,42 +379,43 @@ def apply(
     x_BTD,
     c: Config,
     dtype,
-    stash: Stash | None = None,
-    imposed_BTK=None,
-):
-    """Routed experts' output [B, T, D], global MoEStats and the stash under the active mesh.
+    side: Side | None = None,
+) -> tuple[jax.Array, router.MoEStats, Side]:
+    """Routed experts' output [B, T, D], global MoEStats and the side left, under the active mesh.
 
     Global shapes in, global shapes out. Per device: x [B/(data*fsdp*expert), T, D] (or
     [B/(data*fsdp), T, D] under expert-as-TP rules, where `batch` does not use `expert`),
     weights [E/expert, D, F/tensor]; weights stored over `fsdp` are all-gathered by the in_specs.
     The in/out specs come from the rules table (`strategy.moe_specs`: `batch`, `act_exp`,
     `exp_mlp`), so a rules preset and the layer cannot disagree silently.
-    A paged stash (stash.py) holds one buffer per device, split over every mesh axis.
-    `imposed_BTK` (int32 [B, T, K], sharded like x): a routing to impose (`router.route`); the
-    stats then carry the router's own choice (`MoEStats.chosen_BTK`).
+    The side (side.py): a paged stash holds one buffer per device, split over every mesh axis;
+    an imposed routing (int32 [B, T, K]) is sharded like x (`router.route`), and the stats
+    then carry the router's own choice (`MoEStats.chosen_BTK`).
     """
+    side = side_of(side)
     impl = resolve_a2a_impl(c)
     specs = moe_specs(current_rules())
     router_spec = jax.tree.map(lambda _: P(), router_p)
 
     # A stash in write mode comes back filled; one in read mode is only read (returns None).
-    writes = stash is not None and stash.mode == stash_mod.WRITE
+    writes = side.stash is not None and side.stash.mode == stash_mod.WRITE
 
-    def body(x, rp, wi_0, wi_1, wo, stash, imposed):
+    def body(x, rp, wi_0, wi_1, wo, side):
         out, stats, stash = _body(
-            x, rp, wi_0, wi_1, wo, stash, imposed, c=c, dtype=dtype, impl=impl, specs=specs
+            x, rp, wi_0, wi_1, wo, side, c=c, dtype=dtype, impl=impl, specs=specs
         )
         return out, stats, stash if writes else None
 
-    chosen_spec = None if imposed_BTK is None else specs.x
+    chosen_spec = None if side.imposed is None else specs.x
     stats_spec = router.MoEStats(
         load_E=P(), lb_loss=P(), dropped=P(), prob_sum_E=P(), chosen_BTK=chosen_spec
     )
-    stash_spec = stash_mod.specs(stash, jax.sharding.get_abstract_mesh().axis_names)
+    side_spec = side_specs(side, specs.x, jax.sharding.get_abstract_mesh().axis_names)
     fn = jax.shard_map(
         body,
-        in_specs=(specs.x, router_spec, specs.wi, specs.wi, specs.wo, stash_spec, chosen_spec),
-        out_specs=(specs.x, stats_spec, stash_spec if writes else None),
+        in_specs=(specs.x, router_spec, specs.wi, specs.wi, specs.wo, side_spec),
+        out_specs=(specs.x, stats_spec, side_spec.stash if writes else None),
         check_vma=c.pipeline_stages == 1,
     )
-    return fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, stash, imposed_BTK)
+    out, stats, stash = fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, side)
+    return out, stats, side.with_stash(stash)

@@ -18,7 +18,7 @@ Backends (`backend=`, the `gmm_impl` config key):
 - `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
   (see docs/design/gmm.md).
 
-`gmm_glu(gate, up, wo, sizes)` = `gmm(glu(gate, up), wo, sizes)`, the expert FFN's second matmul
+`gmm_glu(gate, up, wo, sizes)` = `gmm(act(gate, up), wo, sizes)`, the expert FFN's second matmul
 with its SwiGLU: `tiled` computes the SwiGLU per work item (a row-wise `prologue` of the loop) and
 its VJP is one loop for both gradients, so the `[M, F]` hidden activation is never a buffer.
 
@@ -29,16 +29,14 @@ pass is exact without running the matmul again.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from expertax import platform
-from expertax.nn.moe import gmm_kernels
+from expertax.nn.activation import GatedActivation, swiglu
+from expertax.nn.moe import gmm_kernels, tiles
 from expertax.nn.moe.vma import varying_like
 
 BACKENDS = ("auto", "ragged_dot", "tiled", *gmm_kernels.KERNELS)
@@ -134,7 +132,7 @@ def gmm(
       tile_rows_min: `tiled` only; smallest tile for the remainder of a group (its last
         `size % tile_rows` rows), which takes the smallest of tile_rows_min * 2^k (< tile_rows)
         holding it (fewer than 2x the remainder's rows + tile_rows_min computed), or two such
-        tiles where that computes far fewer rows (`_remainder_tiles`).
+        tiles where that computes far fewer rows (`tiles.py`).
       given: the output [M, F] when it is already known (see the module docstring).
       prologue: a row-wise function (hashable); then `lhs_MD` is a tuple of `[M, ...]` arrays
         and the rows are `prologue(*lhs_MD)`, computed per work item by `tiled` (`gmm_glu`).
@@ -162,7 +160,8 @@ def gmm(
         )
         return _given(fn, lhs_MD, rhs_EDF, group_sizes_E, given.astype(out_dtype))
     if backend in gmm_kernels.KERNELS:
-        args = (lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, _EXPECTED_ROWS.get())
+        expected = tiles.current_expected_rows()
+        args = (lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, expected)
         return gmm_kernels.gmm(backend, *args)
     if group_offset is None:
         return jax.lax.ragged_dot(lhs_MD, rhs_EDF, group_sizes_E, preferred_element_type=out_dtype)
@@ -175,28 +174,23 @@ def gmm(
     return jnp.roll(out, start, axis=0)
 
 
-def glu(gate, up):
-    """The SwiGLU's row-wise part, `silu(gate) * up`: the hidden activation of an expert FFN."""
-    return jax.nn.silu(gate) * up
-
-
-def gmm_glu(gate_MF, up_MF, rhs_EFD, group_sizes_E, **kw):
-    """`gmm(glu(gate, up), rhs, sizes, **kw)`: an expert FFN's second grouped matmul with its
+def gmm_glu(gate_MF, up_MF, rhs_EFD, group_sizes_E, act: GatedActivation = swiglu, **kw):
+    """`gmm(act(gate, up), rhs, sizes, **kw)`: an expert FFN's second grouped matmul with its
     SwiGLU (keyword arguments as `gmm`'s).
 
-    `tiled` applies `glu` to each work item's tile of gate and up rows right before the item's
-    dot, and its VJP turns each tile's hidden gradient into the gate's and up's at once, so
-    neither the `[M, F]` hidden activation nor its gradient is ever a buffer (the gate and up
-    are the residuals, as they are of the first matmuls) and the SwiGLU works on the routed
-    rows only. Other backends compute `glu` on all M rows (one elementwise pass, not a matmul),
-    then the grouped matmul.
+    `tiled` applies `act` (nn/activation.py) to each work item's tile of gate and up rows right
+    before the item's dot, and its VJP turns each tile's hidden gradient into the gate's and
+    up's at once, so neither the `[M, F]` hidden activation nor its gradient is ever a buffer
+    (the gate and up are the residuals, as they are of the first matmuls) and the activation
+    works on the routed rows only. Other backends compute `act` on all M rows (one elementwise
+    pass, not a matmul), then the grouped matmul.
     """
-    return gmm((gate_MF, up_MF), rhs_EFD, group_sizes_E, prologue=glu, **kw)
+    return gmm((gate_MF, up_MF), rhs_EFD, group_sizes_E, prologue=act, **kw)
 
 
 def _gmm_tiled(xs, prologue, rhs, sizes, group_offset, out_dtype, tile_rows, tile_rows_min, given):
     """The `tiled` backend on the rows `prologue(*xs)` (`xs[0]` when `prologue` is None)."""
-    tiles = _tile_ladder(xs[0].shape[0], tile_rows, tile_rows_min)
+    ladder = tiles.ladder(xs[0].shape[0], tile_rows, tile_rows_min)
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
     # Inside shard_map, give all operands the same varying axes outside the custom VJP so
     # autodiff transposes the implicit broadcast (a psum) for replicated operands.
@@ -204,203 +198,9 @@ def _gmm_tiled(xs, prologue, rhs, sizes, group_offset, out_dtype, tile_rows, til
     *xs, rhs, sizes, offset = (varying_like(a, *args) for a in args)
     if given is not None:
         return _tiled_given(
-            tuple(xs), rhs, sizes, offset, given.astype(out_dtype), tiles, out_dtype, prologue
+            tuple(xs), rhs, sizes, offset, given.astype(out_dtype), ladder, out_dtype, prologue
         )
-    return _tiled(tuple(xs), rhs, sizes, offset, tiles, out_dtype, prologue)
-
-
-def _tile_ladder(n: int, tile_rows: int, tile_rows_min: int) -> tuple[int, ...]:
-    """(big tile, remainder tiles ascending), all <= n: `tile_rows`, then tile_rows_min * 2^k."""
-    if tile_rows < 1 or tile_rows_min < 1:
-        raise ValueError(f"gmm tile_rows={tile_rows}, tile_rows_min={tile_rows_min}: must be >= 1")
-    big = max(1, min(tile_rows, n))
-    small = [min(tile_rows_min, big)]
-    while small[-1] * 2 < big:
-        small.append(small[-1] * 2)
-    return Tiles((big, *sorted({min(s, big) for s in (*small, big)})), _EXPECTED_ROWS.get())
-
-
-class Tiles(tuple):
-    """A tile ladder that also carries the balanced-routing rows per group it was built under
-    (`expected_group_rows`), so that the VJP, traced later, names the same expectation."""
-
-    expected_rows: float | None
-
-    def __new__(cls, sizes, expected_rows: float | None = None):
-        out = super().__new__(cls, sizes)
-        out.expected_rows = expected_rows
-        return out
-
-
-# ---------------------------------------------------------------------------------------------
-# tiled: work items and the loops
-# ---------------------------------------------------------------------------------------------
-
-
-# An extra work item costs a slice and a packing of its expert's `[D, F]` weights (about three
-# passes over them) on top of its dot; with the dot at ~300 GFLOP/s and those passes at 30-60 GB/s
-# (2-core VM, quiet) that is the dot of ~30-60 rows, whatever D and F. A remainder is split in two
-# items only when that saves at least this many computed rows.
-SPLIT_MIN_SAVED_ROWS = 64
-
-
-# Rows per local group under balanced routing, where the caller knows it (`expected_group_rows`):
-# the tile loops' counts are data-dependent, and a compiled program's FLOPs (planner/flops.py)
-# count such a loop at this expectation, named in its scope as `trips~N`.
-_EXPECTED_ROWS: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "gmm_expected_rows", default=None
-)
-
-
-@contextlib.contextmanager
-def expected_group_rows(rows: float | None):
-    """Trace the grouped matmuls under it with `rows` per group as the balanced expectation."""
-    token = _EXPECTED_ROWS.set(rows)
-    try:
-        yield
-    finally:
-        _EXPECTED_ROWS.reset(token)
-
-
-def _expected_counts(e_local: int, n: int, tiles: tuple[int, ...]) -> list[int] | None:
-    """Each tile list's item count when every local group has the expected rows: what
-    `_work_items` counts, evaluated in numpy at trace time (no device is needed; a compile for
-    a TPU or GPU target has none to run on)."""
-    rows = getattr(tiles, "expected_rows", None)
-    if rows is None:
-        return None
-    ends = np.minimum(np.cumsum(np.full(e_local, round(rows))), n)
-    sizes = np.maximum(ends - np.clip(ends - round(rows), 0, n), 0)
-    big, rest = tiles[0], tuple(tiles[1:])
-    counts = [int((sizes // big).sum())] + [0] * len(rest)
-    for rem in (sizes % big).tolist():
-        for k in _remainder_items(rem, rest):
-            counts[1 + k] += 1
-    return counts
-
-
-def _remainder_items(rem: int, tiles: tuple[int, ...]) -> list[int]:
-    """`_remainder_tiles` for one static remainder: the indices of the tiles it takes."""
-    if rem <= 0 or not tiles:
-        return []
-    fit = lambda r: sum(r > t for t in tiles[:-1])
-    head = sum(rem >= t for t in tiles) - 1
-    if head >= 0 and rem > tiles[head]:
-        tail = fit(rem - tiles[head])
-        if tiles[head] + tiles[tail] + SPLIT_MIN_SAVED_ROWS <= tiles[fit(rem)]:
-            return [head, tail]
-    return [fit(rem)]
-
-
-def _work_items(group_sizes_E, offset, e_local: int, n: int, tiles: tuple[int, ...]):
-    """Lists of work items, one list per tile size; each a dict of int32 arrays and counts.
-
-    Local group g with rows [s_g, s_g + n_g) yields n_g // big items of `big = tiles[0]` rows,
-    then its remainder r_g = n_g % big > 0 (see `_remainder_tiles`) in at most one item of each
-    list of `tiles[1:]`. One list per tile size (no `lax.switch` over tile sizes: XLA copies
-    the loop carry through a conditional, measured 30x slower). Items are ordered by group.
-    Rows are clipped to [0, n).
-    """
-    big, rest_tiles = tiles[0], tiles[1:]
-    ends_E = jnp.minimum(jnp.cumsum(group_sizes_E), n)
-    starts_E = jnp.clip(ends_E - group_sizes_E, 0, n)
-    starts = jax.lax.dynamic_slice_in_dim(starts_E, offset, e_local)
-    ends = jax.lax.dynamic_slice_in_dim(ends_E, offset, e_local)
-    sizes = jnp.maximum(ends - starts, 0)
-    n_full = sizes // big
-    rem_start = starts + n_full * big
-    specs = [(n_full, starts, n // big, big)]
-    for count, first, tile in _remainder_tiles(sizes - n_full * big, rem_start, rest_tiles):
-        specs.append((count, first, e_local, tile))
-    expected = _expected_counts(e_local, n, tiles)
-    lists = []
-    for k, (count, first, cap, tile) in enumerate(specs):
-        cum = jnp.cumsum(count)
-        # At least two slots: a loop of at most one trip is turned by XLA:TPU into straight-line
-        # code that computes the tile whether or not the item exists (measured: 3x the routed
-        # FLOPs at one expert per device); with two it stays a loop of data-dependent length.
-        i = jnp.arange(max(cap, 2), dtype=jnp.int32)
-        g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e_local - 1).astype(jnp.int32)
-        row0 = first[g] + (i - (cum[g] - count[g])) * tile
-        lists.append(
-            dict(
-                g=g,
-                row0=row0,
-                row1=jnp.minimum(row0 + tile, ends[g]),
-                count=cum[-1],
-                tile=tile,
-                expected=None if expected is None else expected[k],
-            )
-        )
-    return lists
-
-
-def _remainder_tiles(rem, rem_start, tiles: tuple[int, ...]):
-    """Per tile of `tiles` (ascending): (0/1 item count per group, first row), covering `rem`.
-
-    A remainder r takes the smallest tile holding it (< 2r + tiles[0] rows computed), or, when
-    that saves at least `SPLIT_MIN_SAVED_ROWS` computed rows, two items: the largest tile h <= r,
-    full, then the smallest tile holding r - h (a 300-row remainder: 256 + 64 rows, not 512).
-    The two tiles differ, so each list gets at most one item per group. Index arithmetic is
-    written as sums of comparisons so no constant array enters the traced function (a
-    jax.checkpoint would save it as a residual).
-    """
-
-    def fit(r):  # index of the smallest tile >= r
-        return sum((r > t).astype(jnp.int32) for t in tiles[:-1])
-
-    def size(k):  # tiles[k] for a traced index k
-        return sum(jnp.where(k == j, t, 0) for j, t in enumerate(tiles))
-
-    head = sum((rem >= t).astype(jnp.int32) for t in tiles) - 1  # largest tile <= r, or -1
-    head_rows = size(head)
-    tail = fit(rem - head_rows)
-    split = (head >= 0) & (rem > head_rows)
-    split &= head_rows + size(tail) + SPLIT_MIN_SAVED_ROWS <= size(fit(rem))
-    one = (rem > 0) & ~split
-    for k, tile in enumerate(tiles):
-        is_tail = split & (tail == k)
-        count = (one & (fit(rem) == k)) | (split & (head == k)) | is_tail
-        yield count.astype(jnp.int32), rem_start + jnp.where(is_tail, head_rows, 0), tile
-
-
-def _tile_rows_mask(row0, row1, tile: int, n: int):
-    """Clamped slice start and the mask of the tile's rows that belong to the item."""
-    start = jnp.minimum(row0, n - tile)
-    r = start + jnp.arange(tile, dtype=jnp.int32)
-    return start, ((r >= row0) & (r < row1))[:, None]
-
-
-def _for_items(items, n: int, step, carry):
-    """`carry = step(group, start, mask, tile, carry)` for every work item, one loop per tile
-    list (`start`: the tile's clamped first row, `mask`: [tile, 1], its rows of the item)."""
-    for item in items:
-
-        def body(i, carry, item=item):
-            tile = item["tile"]
-            start, mask = _tile_rows_mask(item["row0"][i], item["row1"][i], tile, n)
-            return step(item["g"][i], start, mask, tile, carry)
-
-        expected = item.get("expected")
-        scope = jax.named_scope(f"trips~{expected}") if expected is not None else _no_scope()
-        with scope:
-            carry = jax.lax.fori_loop(0, item["count"], body, carry)
-    return carry
-
-
-@contextlib.contextmanager
-def _no_scope():
-    yield
-
-
-def _tile_of(xs, start, tile: int):
-    return tuple(jax.lax.dynamic_slice_in_dim(a, start, tile) for a in xs)
-
-
-def _put(out, new, start, mask):
-    """`out` with the masked rows of the tile at `start` replaced by `new` (in place)."""
-    old = jax.lax.dynamic_slice_in_dim(out, start, new.shape[0])
-    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, new, old), start, 0)
+    return _tiled(tuple(xs), rhs, sizes, offset, ladder, out_dtype, prologue)
 
 
 def _rows_of(xs, prologue):
@@ -413,12 +213,12 @@ def _loop_rows(xs, w_EIZ, items, out_MZ, *, prologue=None):
     output width (D -> F, or F -> D for the FFN's second matmul)."""
 
     def step(g, start, mask, tile, out):
-        x = _rows_of(_tile_of(xs, start, tile), prologue)
+        x = _rows_of(tiles.tile_of(xs, start, tile), prologue)
         w = jax.lax.dynamic_index_in_dim(w_EIZ, g, keepdims=False)
         y = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return _put(out, y.astype(out.dtype), start, mask)
+        return tiles.put(out, y.astype(out.dtype), start, mask)
 
-    return _for_items(items, xs[0].shape[0], step, out_MZ)
+    return tiles.for_items(items, xs[0].shape[0], step, out_MZ)
 
 
 def _loop_input_grad(x_MI, dy_MZ, w_EIZ, items):
@@ -429,25 +229,9 @@ def _loop_input_grad(x_MI, dy_MZ, w_EIZ, items):
         w = jax.lax.dynamic_index_in_dim(w_EIZ, g, keepdims=False)
         dy = jax.lax.dynamic_slice_in_dim(dy_MZ, start, tile)
         d = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return _put(dx, d.astype(dx.dtype), start, mask)
+        return tiles.put(dx, d.astype(dx.dtype), start, mask)
 
-    return _for_items(items, x_MI.shape[0], step, zeros)
-
-
-def _add_weight_grad(dw_EDF, g, x, dy):
-    """dw[g] += x^T @ dy (float32), in place in the `[E_local, D, F]` loop carry."""
-    # XLA:CPU hands a dot to its fast library (the `__ynn_fusion`) only when the lhs contracts
-    # its last dim; `x^T @ dy` written directly contracts dim 0 and runs in the generic dot,
-    # several times slower. The barrier keeps the small transposed tile a real `[D, tile]`
-    # copy (XLA would otherwise fold the transpose back).
-    x_T = jax.lax.optimization_barrier(x.T)
-    part_DF = jnp.matmul(x_T, dy, preferred_element_type=jnp.float32)
-    old_1DF = jax.lax.dynamic_index_in_dim(dw_EDF, g, keepdims=True)
-    return jax.lax.dynamic_update_slice_in_dim(dw_EDF, old_1DF + part_DF[None], g, 0)
-
-
-def _zero_weight_grad(e_local: int, d: int, dy_MF, *refs):
-    return varying_like(jnp.zeros((e_local, d, dy_MF.shape[1]), jnp.float32), dy_MF, *refs)
+    return tiles.for_items(items, x_MI.shape[0], step, zeros)
 
 
 def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
@@ -461,13 +245,13 @@ def _loop_weight_grad(x_MD, dy_MF, items, e_local: int):
     accumulator into: per group two more `[D, F]` passes and a loop nest per group
     (docs/design/gmm.md, "Where the time went").
     """
-    dw_EDF = _zero_weight_grad(e_local, x_MD.shape[1], dy_MF, x_MD, items[0]["g"])
+    dw_EDF = tiles.zero_weight_grad(e_local, x_MD.shape[1], dy_MF, x_MD, items[0]["g"])
 
     def step(g, start, mask, tile, dw_EDF):
         x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x_MD, start, tile), 0)
-        return _add_weight_grad(dw_EDF, g, x, jax.lax.dynamic_slice_in_dim(dy_MF, start, tile))
+        return tiles.add_weight_grad(dw_EDF, g, x, jax.lax.dynamic_slice_in_dim(dy_MF, start, tile))
 
-    return _for_items(items, x_MD.shape[0], step, dw_EDF)
+    return tiles.for_items(items, x_MD.shape[0], step, dw_EDF)
 
 
 def _loop_prologue_grads(xs, dy_MZ, w_EIZ, items, prologue):
@@ -477,40 +261,40 @@ def _loop_prologue_grads(xs, dy_MZ, w_EIZ, items, prologue):
     e_local = w_EIZ.shape[0]
     dxs = tuple(varying_like(jnp.zeros_like(a), dy_MZ, w_EIZ, *xs) for a in xs)
     width = jax.eval_shape(prologue, *xs).shape[1]
-    dw = _zero_weight_grad(e_local, width, dy_MZ, w_EIZ, *xs, items[0]["g"])
+    dw = tiles.zero_weight_grad(e_local, width, dy_MZ, w_EIZ, *xs, items[0]["g"])
 
     def step(g, start, mask, tile, carry):
         dxs, dw = carry
         w = jax.lax.dynamic_index_in_dim(w_EIZ, g, keepdims=False)
         dy = jax.lax.dynamic_slice_in_dim(dy_MZ, start, tile)
-        x, pull = jax.vjp(prologue, *_tile_of(xs, start, tile))
+        x, pull = jax.vjp(prologue, *tiles.tile_of(xs, start, tile))
         dx = jax.lax.dot_general(
             dy, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         news = pull(dx.astype(x.dtype))
-        dxs = tuple(_put(o, n, start, mask) for o, n in zip(dxs, news, strict=True))
-        return dxs, _add_weight_grad(dw, g, jnp.where(mask, x, 0), dy)
+        dxs = tuple(tiles.put(o, n, start, mask) for o, n in zip(dxs, news, strict=True))
+        return dxs, tiles.add_weight_grad(dw, g, jnp.where(mask, x, 0), dy)
 
-    return _for_items(items, xs[0].shape[0], step, (dxs, dw))
+    return tiles.for_items(items, xs[0].shape[0], step, (dxs, dw))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _tiled(xs, rhs_EDF, group_sizes_E, offset, tiles, out_dtype, prologue):
-    return _tiled_fwd(xs, rhs_EDF, group_sizes_E, offset, tiles, out_dtype, prologue)[0]
+def _tiled(xs, rhs_EDF, group_sizes_E, offset, ladder, out_dtype, prologue):
+    return _tiled_fwd(xs, rhs_EDF, group_sizes_E, offset, ladder, out_dtype, prologue)[0]
 
 
-def _tiled_fwd(xs, rhs_EDF, group_sizes_E, offset, tiles, out_dtype, prologue):
+def _tiled_fwd(xs, rhs_EDF, group_sizes_E, offset, ladder, out_dtype, prologue):
     n, e_local, f = xs[0].shape[0], rhs_EDF.shape[0], rhs_EDF.shape[2]
-    items = _work_items(group_sizes_E, offset, e_local, n, tiles)
+    items = tiles.work_items(group_sizes_E, offset, e_local, n, ladder)
     zeros_MF = varying_like(jnp.zeros((n, f), out_dtype), *xs, rhs_EDF, group_sizes_E, offset)
     out_MF = _loop_rows(xs, rhs_EDF, items, zeros_MF, prologue=prologue)
     return out_MF, (xs, rhs_EDF, group_sizes_E, offset)
 
 
-def _tiled_bwd(tiles, out_dtype, prologue, res, dout_MF):
+def _tiled_bwd(ladder, out_dtype, prologue, res, dout_MF):
     xs, rhs_EDF, group_sizes_E, offset = res
     n, e_local = xs[0].shape[0], rhs_EDF.shape[0]
-    items = _work_items(group_sizes_E, offset, e_local, n, tiles)
+    items = tiles.work_items(group_sizes_E, offset, e_local, n, ladder)
     if prologue is None:
         dxs = (_loop_input_grad(xs[0], dout_MF, rhs_EDF, items),)
         dw_EDF = _loop_weight_grad(xs[0], dout_MF, items, e_local)
@@ -523,17 +307,17 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _tiled_given(xs, rhs_EDF, group_sizes_E, offset, given_MF, tiles, out_dtype, prologue):
+def _tiled_given(xs, rhs_EDF, group_sizes_E, offset, given_MF, ladder, out_dtype, prologue):
     """`_tiled` whose output `given_MF` is known: the value is `given_MF`, the VJP `_tiled`'s."""
     return given_MF
 
 
-def _tiled_given_fwd(xs, rhs_EDF, group_sizes_E, offset, given_MF, tiles, out_dtype, prologue):
+def _tiled_given_fwd(xs, rhs_EDF, group_sizes_E, offset, given_MF, ladder, out_dtype, prologue):
     return given_MF, (xs, rhs_EDF, group_sizes_E, offset)
 
 
-def _tiled_given_bwd(tiles, out_dtype, prologue, res, dout_MF):
-    return (*_tiled_bwd(tiles, out_dtype, prologue, res, dout_MF), None)
+def _tiled_given_bwd(ladder, out_dtype, prologue, res, dout_MF):
+    return (*_tiled_bwd(ladder, out_dtype, prologue, res, dout_MF), None)
 
 
 _tiled_given.defvjp(_tiled_given_fwd, _tiled_given_bwd)

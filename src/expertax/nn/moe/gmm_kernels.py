@@ -120,7 +120,7 @@ def gmm(backend, lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, expect
     """`gmm.gmm`'s contract through the kernels of `backend` (see the module docstring).
 
     expected_rows: rows per local group under balanced routing, when the caller knows it
-    (`gmm.expected_group_rows`): it sizes megablox's row tile and is named in the program
+    (`tiles.expected_group_rows`): it sizes megablox's row tile and is named in the program
     (`rows~N` scope) for the FLOP count of kernels whose work depends on the group sizes.
     """
     check(backend, platform.current())

@@ -9,8 +9,9 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import mlp
-from expertax.nn.moe import chunks, dispatch, ep, gmm, router, strategy
-from expertax.nn.moe.stash import Stash
+from expertax.nn.moe import chunks, dispatch, ep, router, strategy, tiles
+from expertax.nn.moe.side import Side
+from expertax.nn.moe.side import of as side_of
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.sharding import constrain
 from expertax.sharding.rules import current_rules
@@ -37,27 +38,21 @@ def spec(c: Config) -> MoE:
     )
 
 
-def apply(p: MoE, x_BTD: jax.Array, c: Config, dtype) -> tuple[jax.Array, router.MoEStats]:
-    """MoE output [B, T, D] and stats; the sparse path under a mesh is expert-parallel (ep.py).
+def apply(
+    p: MoE, x_BTD: jax.Array, c: Config, dtype, side: Side | None = None
+) -> tuple[jax.Array, router.MoEStats, Side]:
+    """MoE output [B, T, D], stats and the side it leaves; the sparse path under a mesh is
+    expert-parallel (ep.py).
 
-    The routed tokens are cast to `dtype` once here, so the sorted, exchanged and gathered rows
-    are in `dtype`; `num_moe_token_chunks` runs route -> dispatch -> combine a chunk at a time.
-    """
-    out_BTD, stats, _ = apply_stashed(p, x_BTD, c, dtype, None)
-    return out_BTD, stats
-
-
-def apply_stashed(
-    p: MoE, x_BTD: jax.Array, c: Config, dtype, stash: Stash | None, imposed_BTK=None
-) -> tuple[jax.Array, router.MoEStats, Stash | None]:
-    """`apply` with a paged stash (stash.py) threaded through the sparse paths: (out, stats,
-    stash). The one-hot einsum path (`sparse_matmul=false`) has no stash (config checks).
-
-    `imposed_BTK` (int32 [B, T, K], optional): a routing to impose (`router.route`); the stats
-    then carry the router's own choice (`MoEStats.chosen_BTK`). Traced under the name scope
-    `moe`, with the grouped matmuls told the rows per expert balanced routing gives."""
-    with jax.named_scope("moe"), gmm.expected_group_rows(balanced_group_rows(x_BTD.shape, c)):
-        return _apply_stashed(p, x_BTD, c, dtype, stash, imposed_BTK)
+    `side` (side.py, optional): a paged stash threaded through the sparse paths (the one-hot
+    einsum path, `sparse_matmul=false`, has none: config checks) and an imposed routing
+    (int32 [B, T, K], `router.route`), whose stats then carry the router's own choice
+    (`MoEStats.chosen_BTK`). The routed tokens are cast to `dtype` once here, so the sorted,
+    exchanged and gathered rows are in `dtype`; `num_moe_token_chunks` runs route -> dispatch
+    -> combine a chunk at a time. Traced under the name scope `moe`, with the grouped matmuls
+    told the rows per expert balanced routing gives."""
+    with jax.named_scope("moe"), tiles.expected_group_rows(balanced_group_rows(x_BTD.shape, c)):
+        return _apply(p, x_BTD, c, dtype, side_of(side))
 
 
 def balanced_group_rows(shape_BTD, c: Config) -> float:
@@ -76,55 +71,46 @@ def balanced_group_rows(shape_BTD, c: Config) -> float:
     return rows * gathered / shards
 
 
-def _apply_stashed(
-    p: MoE, x_BTD: jax.Array, c: Config, dtype, stash: Stash | None, imposed_BTK=None
-) -> tuple[jax.Array, router.MoEStats, Stash | None]:
+def _apply(p: MoE, x_BTD: jax.Array, c: Config, dtype, side: Side):
     b, t, d = x_BTD.shape
     x_in_BTD = x_BTD.astype(dtype)
     if strategy.uses_shard_map(c, ep.mesh_size()):
-        out_BTD, stats, stash = ep.apply(
-            p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype, stash, imposed_BTK
+        out_BTD, stats, out_side = ep.apply(
+            p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype, side
         )
-        return finish(p, x_BTD, out_BTD, c, dtype), stats, stash
+        return finish(p, x_BTD, out_BTD, c, dtype), stats, out_side
     if c.sparse_matmul:
-        imposed_NK = None if imposed_BTK is None else imposed_BTK.reshape(b * t, -1)
-        (out_ND, chosen_NK), sums, stash = chunks.over_rows(
-            lambda rows, s: _sparse_chunk(p, rows, c, dtype, s),
-            (x_in_BTD.reshape(b * t, d), imposed_NK),
-            c,
-            stash,
+        (out_ND, chosen_NK), sums, rows_side = chunks.over_rows(
+            lambda rows, s: _sparse_chunk(p, rows, c, dtype, s), x_in_BTD.reshape(b * t, d), c, side
         )
         out_BTD = out_ND.reshape(b, t, d)
         chosen_BTK = None if chosen_NK is None else chosen_NK.reshape(b, t, -1)
+        side = side.with_stash(rows_side.stash)
     else:
         (out_BTD, chosen_BTK), sums = chunks.over_positions(
-            lambda chunk: _einsum_chunk(p, chunk, c, dtype),
-            (x_in_BTD, imposed_BTK),
-            c,
+            lambda chunk, s: _einsum_chunk(p, chunk, c, dtype, s), x_in_BTD, c, side
         )
     counts_E, prob_sum_E, dropped = sums
     stats = router.balance_stats(counts_E, prob_sum_E, b * t, c, dropped)
     stats = dataclasses.replace(stats, chosen_BTK=chosen_BTK)
-    return finish(p, x_BTD, out_BTD, c, dtype), stats, stash
+    return finish(p, x_BTD, out_BTD, c, dtype), stats, side
 
 
-def _sparse_chunk(p: MoE, rows, c: Config, dtype, stash: Stash | None):
-    """One chunk of the one-device sorted path: rows (x [N, D], imposed [N, K] or None) ->
-    ((out [N, D], the router's own choice [N, K] or None), (counts_E, prob_sum_E, dropped),
-    stash)."""
-    x_ND, imposed_NK = rows
-    routing = router.route(p.router, x_ND, c, imposed_NK)
-    out_ND, dropped, stash = dispatch.sparse(x_ND, routing, p, c, dtype, stash)
-    return (out_ND, routing.chosen_NK), (routing.counts_E, routing.prob_sum_E, dropped), stash
+def _sparse_chunk(p: MoE, x_ND, c: Config, dtype, side: Side):
+    """One chunk of the one-device sorted path: rows x [N, D] and their side (imposed [N, K] or
+    None) -> ((out [N, D], the router's own choice [N, K] or None), (counts_E, prob_sum_E,
+    dropped), side)."""
+    routing = router.route(p.router, x_ND, c, side.imposed)
+    out_ND, dropped, stash = dispatch.sparse(x_ND, routing, p, c, dtype, side.stash)
+    sums = (routing.counts_E, routing.prob_sum_E, dropped)
+    return (out_ND, routing.chosen_NK), sums, side.with_stash(stash)
 
 
-def _einsum_chunk(p: MoE, chunk, c: Config, dtype):
+def _einsum_chunk(p: MoE, x_BTD, c: Config, dtype, side: Side):
     """One chunk (of every sequence) of the one-hot einsum path, like `_sparse_chunk`."""
-    x_BTD, imposed_BTK = chunk
     b, t, d = x_BTD.shape
     k = c.num_experts_per_tok
-    imposed_NK = None if imposed_BTK is None else imposed_BTK.reshape(b * t, k)
-    routing = router.route(p.router, x_BTD.reshape(b * t, d), c, imposed_NK)
+    routing = router.route(p.router, x_BTD.reshape(b * t, d), c, side.rows().imposed)
     out_BTD, dropped = dispatch.capacity_einsum(
         x_BTD,
         routing.experts_NK.reshape(b, t, k),

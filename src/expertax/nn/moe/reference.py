@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import mlp
+from expertax.nn.activation import swiglu
 from expertax.nn.moe import router
 from expertax.nn.moe.layer import MoE
 
@@ -18,7 +19,7 @@ def moe_reference(p: MoE, x_BTD: jax.Array, c: Config) -> jax.Array:
     routing = router.route(p.router, x_ND, c)
     out = jnp.zeros_like(x_ND, dtype=jnp.float32)
     for e in range(c.num_experts):
-        h = jax.nn.silu(x_ND @ p.wi_0[e]) * (x_ND @ p.wi_1[e])
+        h = swiglu(x_ND @ p.wi_0[e], x_ND @ p.wi_1[e])
         y = h @ p.wo[e]
         w_N = jnp.sum(jnp.where(routing.experts_NK == e, routing.weights_NK, 0.0), axis=-1)
         out = out + w_N[:, None] * y

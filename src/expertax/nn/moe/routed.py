@@ -1,11 +1,12 @@
 """The routed expert FFN in grouped loops: gather, SwiGLU FFN and weighted scatter-add per tile.
 
-`routed_ffn(x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X)` computes, for the M routed rows of
+`routed_ffn(x_ND, idx_M, weight_M, (wi_0, wi_1, wo), sizes_X)` computes, for the M routed rows of
 the local experts (sorted by expert, `sizes_X` rows each; rows past `sum(sizes_X)` are not
 routed), `out[idx[m]] += weight[m] * ffn_x(x[idx[m]])` with
-`ffn_x(v) = glu(v @ wi_0[x], v @ wi_1[x]) @ wo[x]`. It is what the row gather (`rows.py`), the
+`ffn_x(v) = swiglu(v @ wi_0[x], v @ wi_1[x]) @ wo[x]`. It is what the row gather (`rows.py`), the
 three grouped matmuls (`gmm.py`) and the weighted scatter-back compute one after the other, in
-two loops over the tiled gmm's work items instead of five, and without their `[M, D]` buffers:
+two loops over the tiled gmm's work items (tiles.py) instead of five, and without their `[M, D]`
+buffers:
 
 - `gate_up` (forward): each item gathers its tile of rows from `x_ND` by `idx` and writes both
   projections to the `[M, F]` gate and up buffers, the residuals the backward pass needs (the
@@ -42,7 +43,7 @@ buffer of weighted rows to send back, unsorted already; their home shard only su
 Per item there are as many dots as in the separate path (three forward, six backward; eight
 with gate and up recomputed), and the cost of the gathers and scatter-adds follows the routed
 rows, as the tiled gmm's does. Tiled backend only (`use_fused`). A paged stash (stash.py)
-holds the kept `[M, *]` values (`routed_ffn_stashed`): in its read mode they are taken from it.
+holds the kept `[M, *]` values (`routed_ffn(..., stash=)`): in its read mode they are taken from it.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
+from expertax.nn.activation import swiglu
 from expertax.nn.moe import gmm as gmm_mod
-from expertax.nn.moe.gmm import glu
+from expertax.nn.moe import tiles
 from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
@@ -84,41 +86,31 @@ def routed_ffn(
     x_ND,
     idx_M,
     weight_M,
-    wi_0_XDF,
-    wi_1_XDF,
-    wo_XFD,
+    w,
     sizes_X,
     c: Config,
     dtype,
     *,
     n,
     injective: bool = False,
+    stash: Stash | None = None,
 ):
-    """`out[idx[m]] += weight[m] * ffn(x[idx[m]])` over the routed rows: `[n, D]`.
+    """`out[idx[m]] += weight[m] * ffn(x[idx[m]])` over the routed rows (`w`: wi_0 [X, D, F],
+    wi_1, wo [X, F, D]): (out `[n, D]`, stash).
 
     The output is in float32 when `weight_M` is given and `float32_weight_sum` is set (the
     combine's accumulator, as `rows.scatter_rows`), else in `dtype`. `weight_M` None: weight 1
     (an unweighted scatter; for a permutation `idx`, the rows unsorted). `injective`: no two
     routed rows share an output row (the all-to-all's receive buffer): nothing is summed, so
     each weighted row (its product still in the accumulator's dtype) is written in `dtype`.
+    `stash` (stash.py, optional): the kept names' `[M, *]` values (sorted rows, the routed ones
+    first: the valid rows are `[0, sum(sizes))`) are written to it, or, in its read mode, taken
+    from it instead of computed.
     """
-    w = (wi_0_XDF, wi_1_XDF, wo_XFD)
-    args = (x_ND, idx_M, weight_M, w, sizes_X, c, dtype, None)
-    return routed_ffn_stashed(*args, n=n, injective=injective)[0]
-
-
-def routed_ffn_stashed(
-    x_ND, idx_M, weight_M, w, sizes_X, c: Config, dtype, stash: Stash | None, *, n, injective=False
-):
-    """`routed_ffn` (`w`: wi_0, wi_1, wo) with a paged stash (stash.py): (out, stash).
-
-    The kept names' `[M, *]` values (sorted rows, the routed ones first: the valid rows are
-    `[0, sum(sizes))`) are written to the stash, or, in its read mode, taken from it instead
-    of computed."""
     acc = jnp.float32 if (weight_M is not None and c.float32_weight_sum) else jnp.dtype(dtype)
     out_dtype = jnp.dtype(dtype) if injective else acc
     m = idx_M.shape[0]
-    tiles = gmm_mod._tile_ladder(m, c.gmm_tile_rows, c.gmm_tile_rows_min)
+    ladder = tiles.ladder(m, c.gmm_tile_rows, c.gmm_tile_rows_min)
     ws = tuple(a.astype(dtype) for a in w)
     weight = jnp.ones((m,), acc) if weight_M is None else weight_M.astype(acc)
     args = (x_ND.astype(dtype), idx_M.astype(jnp.int32), weight, *ws, sizes_X.astype(jnp.int32))
@@ -135,7 +127,7 @@ def routed_ffn_stashed(
         if keep_gate_up:
             gate, up = given.get(remat.MOE_MLPWI_0), given.get(remat.MOE_MLPWI_1)
             if gate is None or up is None:
-                computed = _gate_up(sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(sizes), tiles)
+                computed = _gate_up(sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(sizes), ladder)
                 gate = computed[0] if gate is None else gate
                 up = computed[1] if up is None else up
             gate = remat.tag(gate, remat.MOE_MLPWI_0)
@@ -144,10 +136,10 @@ def routed_ffn_stashed(
             y = given.get(remat.MOE_MLPWO)
             if y is None:
                 stopped = (sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(wo), sg(sizes))
-                y = _expert_out(*stopped, None if gate is None else (gate, up), tiles)
+                y = _expert_out(*stopped, None if gate is None else (gate, up), ladder)
             y = remat.tag(y, remat.MOE_MLPWO)
         out = _scatter(
-            x, idx, weight, wi_0, wi_1, wo, sizes, gate, up, y, n, tiles, unit, out_dtype
+            x, idx, weight, wi_0, wi_1, wo, sizes, gate, up, y, n, ladder, unit, out_dtype
         )
         values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
         return out, {k: v for k, v in values.items() if v is not None}
@@ -155,8 +147,8 @@ def routed_ffn_stashed(
     return run_ffn(stash, m, sizes, None, sizes.shape[0], ffn)
 
 
-def _items(sizes_X, m: int, tiles):
-    return gmm_mod._work_items(sizes_X, jnp.int32(0), sizes_X.shape[0], m, tiles)
+def _items(sizes_X, m: int, ladder):
+    return tiles.work_items(sizes_X, jnp.int32(0), sizes_X.shape[0], m, ladder)
 
 
 def _dot(a, b, contract_b: int):
@@ -170,7 +162,7 @@ def _tile(idx_M, start, tile: int):
     return jax.lax.dynamic_slice_in_dim(idx_M, start, tile)
 
 
-def _gate_up(x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X, tiles):
+def _gate_up(x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X, ladder):
     """Both input projections of every routed row, `[M, F]` each (zero past the routed rows)."""
     m, f = idx_M.shape[0], wi_0_XDF.shape[2]
     refs = (x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X)
@@ -180,16 +172,16 @@ def _gate_up(x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X, tiles):
 
     def step(g, start, mask, tile, carry):
         gate, up = tile_gate_up(g, start, tile)
-        return gmm_mod._put(carry[0], gate, start, mask), gmm_mod._put(carry[1], up, start, mask)
+        return tiles.put(carry[0], gate, start, mask), tiles.put(carry[1], up, start, mask)
 
-    return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, (zeros, zeros))
+    return tiles.for_items(_items(sizes_X, m, ladder), m, step, (zeros, zeros))
 
 
 def _tile_out(gate_up_of, wo_XFD, g, start, tile: int, dtype):
-    """A tile's expert outputs `glu(gate, up) @ wo[g]` in `dtype` (`[tile, D]`), as the
+    """A tile's expert outputs `swiglu(gate, up) @ wo[g]` in `dtype` (`[tile, D]`), as the
     separate path stores them."""
     w = jax.lax.dynamic_index_in_dim(wo_XFD, g, keepdims=False)
-    return _dot(glu(*gate_up_of(g, start, tile)), w, 0).astype(dtype)
+    return _dot(swiglu(*gate_up_of(g, start, tile)), w, 0).astype(dtype)
 
 
 def _gate_up_of(x_ND, idx_M, wi_0, wi_1, gate_MF, up_MF):
@@ -199,7 +191,7 @@ def _gate_up_of(x_ND, idx_M, wi_0, wi_1, gate_MF, up_MF):
     return _stored(gate_MF, up_MF)
 
 
-def _expert_out(x_ND, idx_M, wi_0, wi_1, wo_XFD, sizes_X, gate_up, tiles):
+def _expert_out(x_ND, idx_M, wi_0, wi_1, wo_XFD, sizes_X, gate_up, ladder):
     """The expert output of every routed row, `[M, D]` in x's dtype (zero past the routed
     rows), from the stored gate and up (`gate_up`) or from projecting each tile's rows."""
     m, d = idx_M.shape[0], wo_XFD.shape[2]
@@ -208,12 +200,12 @@ def _expert_out(x_ND, idx_M, wi_0, wi_1, wo_XFD, sizes_X, gate_up, tiles):
     zeros = varying_like(jnp.zeros((m, d), x_ND.dtype), *refs)
 
     def step(g, start, mask, tile, y):
-        return gmm_mod._put(y, _tile_out(gate_up_of, wo_XFD, g, start, tile, y.dtype), start, mask)
+        return tiles.put(y, _tile_out(gate_up_of, wo_XFD, g, start, tile, y.dtype), start, mask)
 
-    return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, zeros)
+    return tiles.for_items(_items(sizes_X, m, ladder), m, step, zeros)
 
 
-def _down_loop(idx_M, weight_M, y_of, sizes_X, n: int, d: int, tiles, out_dtype, refs):
+def _down_loop(idx_M, weight_M, y_of, sizes_X, n: int, d: int, ladder, out_dtype, refs):
     """`out[idx[m]] += weight[m] * y[m]` (`[n, d]` in `out_dtype`; the product in the weights'
     dtype), `y_of(g, start, tile)` giving a tile's expert outputs (`[tile, d]`)."""
     m = idx_M.shape[0]
@@ -226,12 +218,12 @@ def _down_loop(idx_M, weight_M, y_of, sizes_X, n: int, d: int, tiles, out_dtype,
         y = jnp.where(mask, y, jnp.zeros((), acc)).astype(out_dtype)
         return out.at[_tile(idx_M, start, tile)].add(y, mode="drop")
 
-    return gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, out)
+    return tiles.for_items(_items(sizes_X, m, ladder), m, step, out)
 
 
 def _stored(gate_MF, up_MF):
     """A tile's gate and up read from the `[M, F]` residuals (its gathered rows unused)."""
-    return lambda g, start, tile, v=None: gmm_mod._tile_of((gate_MF, up_MF), start, tile)
+    return lambda g, start, tile, v=None: tiles.tile_of((gate_MF, up_MF), start, tile)
 
 
 def _projected(x_ND, idx_M, wi_0_XDF, wi_1_XDF):
@@ -250,7 +242,7 @@ def _projected(x_ND, idx_M, wi_0_XDF, wi_1_XDF):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
 def _scatter(
-    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, tiles, unit, out_dtype
+    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, ladder, unit, out_dtype
 ):
     """The weighted scatter-add of every routed row's expert output: `[n, D]`.
 
@@ -262,11 +254,11 @@ def _scatter(
     `unit`: the weights are all one (no routing-weight gradient is computed).
     """
     args = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y)
-    return _scatter_fwd(*args, n, tiles, unit, out_dtype)[0]
+    return _scatter_fwd(*args, n, ladder, unit, out_dtype)[0]
 
 
 def _scatter_fwd(
-    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, tiles, unit, out_dtype
+    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, ladder, unit, out_dtype
 ):
     res = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y)
     if y is not None:
@@ -276,20 +268,20 @@ def _scatter_fwd(
         y_of = functools.partial(_tile_out, gate_up_of, wo, dtype=x_ND.dtype)
     refs = tuple(a for a in res if a is not None)
     d = wo.shape[2]
-    return _down_loop(idx_M, weight_M, y_of, sizes_X, n, d, tiles, out_dtype, refs), res
+    return _down_loop(idx_M, weight_M, y_of, sizes_X, n, d, ladder, out_dtype, refs), res
 
 
-def _scatter_bwd(n, tiles, unit, out_dtype, res, dout_ND):
+def _scatter_bwd(n, ladder, unit, out_dtype, res, dout_ND):
     *core, gate, up, y = res
     gate_up_of = _gate_up_of(*core[:2], *core[3:5], gate, up)
-    dx, dweight, dw0, dw1, dwo = _backward(core, gate_up_of, y, dout_ND, tiles, unit)
+    dx, dweight, dw0, dw1, dwo = _backward(core, gate_up_of, y, dout_ND, ladder, unit)
     return dx, None, dweight, dw0, dw1, dwo, None, None, None, None
 
 
 _scatter.defvjp(_scatter_fwd, _scatter_bwd)
 
 
-def _backward(core, gate_up_of, y_MD, dout_ND, tiles, unit):
+def _backward(core, gate_up_of, y_MD, dout_ND, ladder, unit):
     """One loop over the work items: per tile the output gradient of its rows gathered by
     `idx`, the hidden, gate and up gradients, the three weight gradients, the routing weights'
     gradient (None when `unit`) and the input rows' gradient scatter-added into `[N, D]`.
@@ -312,7 +304,7 @@ def _backward(core, gate_up_of, y_MD, dout_ND, tiles, unit):
         ids = _tile(idx_M, start, tile)
         gout = jnp.take(dout_ND, ids, axis=0, mode="clip")  # [tile, D], acc dtype
         v_rows = jnp.take(x_ND, ids, axis=0, mode="clip")  # [tile, D]
-        h, pull = jax.vjp(glu, *gate_up_of(g, start, tile, v_rows))
+        h, pull = jax.vjp(swiglu, *gate_up_of(g, start, tile, v_rows))
         w_o = jax.lax.dynamic_index_in_dim(wo, g, keepdims=False)
         # the unweighted hidden gradient dout[idx] @ wo^T gives the routing weight's gradient
         # <dout[idx], h @ wo> = <dout[idx] @ wo^T, h> without the expert output
@@ -328,11 +320,11 @@ def _backward(core, gate_up_of, y_MD, dout_ND, tiles, unit):
             new = jnp.where(mask[:, 0], dwt.astype(dweight.dtype), old)
             dweight = jax.lax.dynamic_update_slice_in_dim(dweight, new, start, 0)
         dy = jnp.where(mask, (gout * wt).astype(dtype), 0)  # the expert output's gradient
-        dwo = gmm_mod._add_weight_grad(dwo, g, jnp.where(mask, h, 0), dy)
+        dwo = tiles.add_weight_grad(dwo, g, jnp.where(mask, h, 0), dy)
         dgate, dup = pull((gh * wt.astype(jnp.float32)).astype(dtype))
         v = jnp.where(mask, v_rows, 0)
-        dw0 = gmm_mod._add_weight_grad(dw0, g, v, dgate)
-        dw1 = gmm_mod._add_weight_grad(dw1, g, v, dup)
+        dw0 = tiles.add_weight_grad(dw0, g, v, dgate)
+        dw1 = tiles.add_weight_grad(dw1, g, v, dup)
         w0 = jax.lax.dynamic_index_in_dim(wi_0, g, keepdims=False)
         w1 = jax.lax.dynamic_index_in_dim(wi_1, g, keepdims=False)
         dv = _dot(dgate, w0, 1) + _dot(dup, w1, 1)
@@ -340,7 +332,7 @@ def _backward(core, gate_up_of, y_MD, dout_ND, tiles, unit):
         return dx, dweight, dw0, dw1, dwo
 
     carry = (dx, dweight, dw_in, dw_in, dw_out)
-    dx, dweight, dw0, dw1, dwo = gmm_mod._for_items(_items(sizes_X, m, tiles), m, step, carry)
+    dx, dweight, dw0, dw1, dwo = tiles.for_items(_items(sizes_X, m, ladder), m, step, carry)
     return (
         dx,
         None if unit else dweight,

@@ -36,7 +36,7 @@ def value_and_grads(c, p, x):
     ct = jax.random.normal(jax.random.key(4), x.shape)
 
     def loss(p, x):
-        y, st = layer.apply(p, x, c, jnp.float32)
+        y, st, _ = layer.apply(p, x, c, jnp.float32)
         return jnp.sum(y * ct) + st.lb_loss, (y, st)
 
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x)
@@ -84,7 +84,7 @@ def test_lb_loss_is_global_not_a_mean_of_chunk_losses():
         0,
     )
     x_skewed = (x_ND + lean_ND).reshape(x.shape)
-    _, stats = jax.jit(layer.apply, static_argnums=(2, 3))(p, x_skewed, c4, jnp.float32)
+    _, stats, _ = jax.jit(layer.apply, static_argnums=(2, 3))(p, x_skewed, c4, jnp.float32)
 
     whole = router.route(p.router, x_skewed.reshape(n, d), c4)
     global_lb = router.balance_stats(whole.counts_E, whole.prob_sum_E, n, c4, 0).lb_loss

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+from expertax.nn.activation import swiglu as glu
 from expertax.nn.moe import gmm as gmm_lib
-from expertax.nn.moe.gmm import glu, gmm, gmm_glu
+from expertax.nn.moe import tiles as tile_lib
+from expertax.nn.moe.gmm import gmm, gmm_glu
 
 TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 N, D, F = 70, 16, 24
@@ -331,7 +333,7 @@ def test_invalid_arguments():
 
 def _computed_rows(sizes, tiles, n):
     """Rows computed per group (sum of its items' tiles) and rows covered, from the work lists."""
-    items = gmm_lib._work_items(jnp.asarray(sizes, jnp.int32), jnp.int32(0), len(sizes), n, tiles)
+    items = tile_lib.work_items(jnp.asarray(sizes, jnp.int32), jnp.int32(0), len(sizes), n, tiles)
     computed, covered = np.zeros(len(sizes), int), np.zeros(len(sizes), int)
     for item in items:
         for i in range(int(item["count"])):
@@ -344,7 +346,7 @@ def _computed_rows(sizes, tiles, n):
 def test_tiled_splits_large_remainders():
     """A remainder far from a ladder tile runs as two items (300 rows: 256 + 64, not 512)."""
     sizes, n, d, f = [300, 130, 200, 17, 384, 0], 1100, 8, 12
-    tiles = gmm_lib._tile_ladder(n, 512, 8)  # 512; remainders 8, 16, ..., 256, 512
+    tiles = tile_lib.ladder(n, 512, 8)  # 512; remainders 8, 16, ..., 256, 512
     computed, covered = _computed_rows(sizes, tiles, n)
     assert covered == sizes
     # 130 -> 128 + 8; 200 stays one 256 tile (128 + 128 saves nothing); 17 -> 32 (split saves
@@ -352,7 +354,7 @@ def test_tiled_splits_large_remainders():
     assert computed == [320, 136, 256, 32, 384, 0]
     # Negative control: without the split the same remainders take one tile each.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gmm_lib, "SPLIT_MIN_SAVED_ROWS", 10**6)
+        mp.setattr(tile_lib, "SPLIT_MIN_SAVED_ROWS", 10**6)
         assert _computed_rows(sizes, tiles, n)[0] == [512, 256, 256, 32, 512, 0]
     k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
     lhs = jax.random.normal(k1, (n, d), jnp.float32)
@@ -371,8 +373,8 @@ def test_tiled_splits_large_remainders():
 def test_expected_item_counts_are_what_the_work_items_count(rows, e_local, n):
     """The static count per tile list at balanced routing (the trips~N scope of the tile loops)
     is what `_work_items` counts at run time for equal group sizes."""
-    tiles = gmm_lib.Tiles(gmm_lib._tile_ladder(n, 512, 8), rows)
-    static = gmm_lib._expected_counts(e_local, n, tiles)
+    tiles = tile_lib.Tiles(tile_lib.ladder(n, 512, 8), rows)
+    static = tile_lib._expected_counts(e_local, n, tiles)
     sizes = jnp.full((e_local,), rows, jnp.int32)
-    lists = gmm_lib._work_items(sizes, jnp.int32(0), e_local, n, tuple(tiles))
+    lists = tile_lib.work_items(sizes, jnp.int32(0), e_local, n, tuple(tiles))
     assert static == [int(x["count"]) for x in lists]

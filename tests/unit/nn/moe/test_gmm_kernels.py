@@ -21,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 from expertax import platform, targets
 from expertax.config import ConfigError
-from expertax.nn.moe import gmm_kernels
-from expertax.nn.moe.gmm import glu, gmm, gmm_glu
+from expertax.nn.activation import swiglu as glu
+from expertax.nn.moe import gmm_kernels, tiles
+from expertax.nn.moe.gmm import gmm, gmm_glu
 from tests.tolerances import tol
 from tests.unit.nn.moe.test_gmm import CASES, _glu_inputs, _inputs, _value_and_grads, oracle
 
@@ -251,7 +252,6 @@ def _compile_for(spec: str, backend: str, m=512, d=256, f=512, e=8, per_expert=6
     With `ep` > 1 inside a vma-checked shard_map over `ep` devices (E/ep experts each)."""
     from jax.sharding import Mesh, NamedSharding
 
-    from expertax.nn.moe import gmm as gmm_lib
     from expertax.planner import flops
 
     devices = targets.parse_target(spec).devices()[:ep]
@@ -275,7 +275,7 @@ def _compile_for(spec: str, backend: str, m=512, d=256, f=512, e=8, per_expert=6
         jax.ShapeDtypeStruct((e // ep,), jnp.int32, sharding=sh(P())),
         jax.ShapeDtypeStruct((m * ep, f), jnp.bfloat16, sharding=sh(row_spec)),
     )
-    with platform.use(spec.split(":")[0], devices[0]), gmm_lib.expected_group_rows(per_expert):
+    with platform.use(spec.split(":")[0], devices[0]), tiles.expected_group_rows(per_expert):
         compiled = jax.jit(fn).lower(*args).compile()
     return flops.count_flops(compiled.as_text()), 3 * 2 * m * d * f, compiled.memory_analysis()
 

@@ -11,6 +11,7 @@ from expertax import init_params
 from expertax.config import load_config
 from expertax.models import decoder
 from expertax.nn.moe import layer, router
+from expertax.nn.moe.side import Side
 from tests.unit.nn.moe.test_moe import setup
 
 
@@ -46,9 +47,9 @@ def test_layer_paths_take_the_imposed_routing(path):
     cc = c.model_copy(update=path)
     b, t, _ = x.shape
     apply = jax.jit(
-        lambda x, r, cfg: layer.apply_stashed(p, x, cfg, jnp.float32, None, r)[:2], static_argnums=2
+        lambda x, r, cfg: layer.apply(p, x, cfg, jnp.float32, Side(imposed=r))[:2], static_argnums=2
     )
-    free_out, free_stats = layer.apply(p, x, cc, jnp.float32)
+    free_out, free_stats, _ = layer.apply(p, x, cc, jnp.float32)
     assert free_stats.chosen_BTK is None
     own_BTK = router.route(p.router, x.reshape(b * t, -1), c).experts_NK.reshape(b, t, -1)
     out, stats = apply(x, own_BTK, cc)

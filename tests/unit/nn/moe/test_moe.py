@@ -90,7 +90,7 @@ def test_expert_without_rows_gets_exactly_zero_gradient(path):
 
 def test_capacity_drops_are_counted():
     c, p, x = setup("softmax", sparse_matmul=False, capacity_factor=0.5)
-    _, stats = layer.apply(p, x, c, jnp.float32)
+    _, stats, _ = layer.apply(p, x, c, jnp.float32)
     b, t, _ = x.shape
     routing = router.route(p.router, x.reshape(b * t, -1), c)
     counts = np.zeros((b, c.num_experts), int)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from expertax.config import load_config
+from expertax.nn.activation import swiglu as glu
 from expertax.nn.moe import routed
-from expertax.nn.moe.gmm import glu
 from tests.tolerances import tol
 
 N, D, F, X = 11, 6, 10, 3
@@ -106,8 +106,8 @@ def test_routed_ffn_equals_a_loop_over_experts(sizes, m, weighted, gate_up):
 
     def fused(x, weight, wi_0, wi_1, wo):
         return routed.routed_ffn(
-            x, a["idx"], weight, wi_0, wi_1, wo, a["sizes"], c, jnp.float32, n=N
-        )
+            x, a["idx"], weight, (wi_0, wi_1, wo), a["sizes"], c, jnp.float32, n=N
+        )[0]
 
     def ref(x, weight, wi_0, wi_1, wo):
         return _reference(x, weight, wi_0, wi_1, wo, a["idx"], sizes, jnp.float32, jnp.float32)
@@ -131,8 +131,8 @@ def test_routed_ffn_bfloat16_accumulates_the_combine_in_float32(gate_up):
 
         def fused(x, weight, wi_0, wi_1, wo, c=c):
             return routed.routed_ffn(
-                x, a["idx"], weight, wi_0, wi_1, wo, a["sizes"], c, jnp.bfloat16, n=N
-            )
+                x, a["idx"], weight, (wi_0, wi_1, wo), a["sizes"], c, jnp.bfloat16, n=N
+            )[0]
 
         def ref(x, weight, wi_0, wi_1, wo, acc=acc):
             return _reference(x, weight, wi_0, wi_1, wo, a["idx"], sizes, jnp.bfloat16, acc)
@@ -154,9 +154,8 @@ def test_negative_control_a_wrong_group_is_seen(gate_up):
     sizes, m = (5, 0, 13), 24
     a = _inputs(sizes, m, jnp.float32)
     shifted = jnp.asarray((6, 0, 12), jnp.int32)
-    got = routed.routed_ffn(
-        a["x"], a["idx"], a["weight"], a["wi_0"], a["wi_1"], a["wo"], shifted, c, jnp.float32, n=N
-    )
+    w = (a["wi_0"], a["wi_1"], a["wo"])
+    got = routed.routed_ffn(a["x"], a["idx"], a["weight"], w, shifted, c, jnp.float32, n=N)[0]
     want = _reference(
         a["x"],
         a["weight"],
@@ -197,8 +196,8 @@ def test_recomputed_gate_and_up_are_never_a_routed_rows_buffer(gate_up):
 
     def loss(x, weight, wi_0, wi_1, wo):
         out = routed.routed_ffn(
-            x, a["idx"], weight, wi_0, wi_1, wo, a["sizes"], c, jnp.float32, n=N
-        )
+            x, a["idx"], weight, (wi_0, wi_1, wo), a["sizes"], c, jnp.float32, n=N
+        )[0]
         return jnp.sum(out * out)
 
     f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))

@@ -1,20 +1,28 @@
-"""fp8 weights for decoding: the layers' matrices held as e4m3 with float32 block scales.
+"""fp8 quantization: e4m3 values with float32 block scales, the one module that checkpoint
+conversion (convert/fp8.py: the hub's 128 x 128 blocks), decoding (fp8 weights on the devices) and
+training use.
 
-DeepSeek-V3's 671B parameters take 1.34 TB in bfloat16, more than 8 H200s (1.13 TB) or a v5p-16
-slice (8 chips, 760 GiB) hold; in fp8 they take half. `fp8_weights=True` keeps every matrix of
-the decoder layers and the MTP modules (attention projections, dense and shared MLPs, routed
-experts, `eh_proj`) as float8_e4m3fn with one float32 scale per 128 values along its input axis,
-the second to last (the whole axis when it is not a multiple of 128): finer blocks than the
-hub's 128 x 128, so the rounding error is at most the hub format's. The scales of a [..., K, N]
-weight are [..., K / 128, N], their minor axis the weight's own: blocks along the minor axis
-would give the scales a minor axis of N / 128 (16 for a routed expert of DeepSeek-V3), which a
-TPU pads to 128 in every buffer that holds them. Embeddings, the output head, norms and the router
-(and its bias) stay in their own dtype, as in the hub checkpoint. Each layer's weights are
-dequantized to `dtype` where the layer runs (`dequantize`, decoding/model.py).
+Shared by every format: the e4m3 type and its largest value (448), and the scale rule: a block's
+scale is its largest magnitude over 448 (1 for a block of zeros), so that the block's values fill
+e4m3's range; a weight is `q * scale`, broadcast over each block (`scale_for`).
 
-The quantization runs on the devices after the parameters are loaded in their own dtype: a
-model whose bfloat16 weights do not fit the devices cannot be loaded this way yet (the compiled
-figures of such a model, benchmarks/generate_671b.py, take the fp8 tree as given).
+The device layout (`Fp8`, `quantize_array`, `dequantize_array`): a weight [..., K, N] held as
+e4m3 with one float32 scale per 128 values along its input axis K, the second to last (the whole
+axis when it is not a multiple of 128): finer blocks than the hub's 128 x 128, so the rounding
+error is at most the hub format's. Its scales [..., K / 128, N] keep the weight's minor axis:
+blocks along N would give the scales a minor axis of N / 128 (16 for a routed expert of
+DeepSeek-V3), which a TPU pads to 128 in every buffer that holds them.
+
+Decoding's fp8 weights (`fp8_weights=True`): DeepSeek-V3's 671B parameters take 1.34 TB in
+bfloat16, more than 8 H200s (1.13 TB) or a v5p-16 slice (8 chips, 760 GiB) hold; in fp8 they
+take half. Every matrix of the decoder layers and the MTP modules (attention projections, dense
+and shared MLPs, routed experts, `eh_proj`) is held in the device layout (`quantized`, `spec`,
+`quantize`); embeddings, the output head, norms and the router (and its bias) stay in their own
+dtype, as in the hub checkpoint. Each layer's weights are dequantized to `dtype` where the layer
+runs (`dequantize`, decoding/model.py). The quantization runs on the devices after the
+parameters are loaded in their own dtype: a model whose bfloat16 weights do not fit the devices
+cannot be loaded this way yet (the compiled figures of such a model, benchmarks/generate_671b.py,
+take the fp8 tree as given).
 """
 
 from __future__ import annotations
@@ -26,11 +34,18 @@ import jax.numpy as jnp
 
 from expertax.nn.param import ParamSpec, is_spec
 
-E4M3 = jnp.float8_e4m3fn
-E4M3_MAX = 448.0
+E4M3 = jnp.float8_e4m3fn  # ml_dtypes' type: numpy arrays (convert/) and jax arrays alike
+E4M3_MAX = 448.0  # the largest finite e4m3 value
 BLOCK = 128
 # Parameter containers whose matrices are quantized (norm scales and the router never are).
 QUANTIZED_PARENTS = ("attn", "mlp", "moe", "shared", "mtp")
+
+
+def scale_for(amax, xp=jnp):
+    """A block's scale from its largest magnitude `amax` (float32, any shape; `xp`: numpy or
+    jax.numpy): `amax / 448`, 1 for an all-zero block."""
+    amax = xp.asarray(amax, xp.float32)
+    return xp.where(amax > 0, amax / xp.float32(E4M3_MAX), xp.float32(1.0)).astype(xp.float32)
 
 
 class Fp8(NamedTuple):
@@ -97,8 +112,7 @@ def quantize_array(w: jax.Array) -> Fp8:
     *lead, k, n = w.shape
     blk = block(k)
     w_KBN = w.astype(jnp.float32).reshape(*lead, k // blk, blk, n)
-    amax = jnp.max(jnp.abs(w_KBN), axis=-2)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    scale = scale_for(jnp.max(jnp.abs(w_KBN), axis=-2))
     q = (w_KBN / scale[..., None, :]).astype(E4M3).reshape(w.shape)
     return Fp8(q, scale)
 

@@ -2,7 +2,7 @@
 expertax/cli.py). See docs/design/generate.md.
 
 Everything the user gave is checked before the parameters are read or anything compiles: the
-source (decoding/source.py), the overrides, the prompts (a text prompt needs a tokenizer), the
+source (tools/generate_source.py), the overrides, the prompts (a text prompt needs a tokenizer), the
 sampling settings and lengths (`check_request`), the `--json` path. Then the parameters are read
 into the mesh of all the devices JAX sees, `generate` runs once over every prompt, and each
 prompt's continuation is printed (text when there is a tokenizer, else ids) with a summary line;
@@ -21,8 +21,8 @@ from typing import Any
 
 from expertax.config.checks import ConfigError
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
-from expertax.decoding.source import SYNTHETIC_TOKENIZER, Source, load_params, open_source
 from expertax.sharding.mesh import make_mesh
+from expertax.tools.generate_source import SYNTHETIC_TOKENIZER, Source, load_params, open_source
 
 # The command's sampling flags, as `generate`'s keyword arguments.
 SETTINGS = (

@@ -1,4 +1,5 @@
-"""The MoE layer at decode time on one device: each routed row through its expert's own weights.
+"""The MoE layer with each expert's weights held apart: each routed row through its expert's own
+weights (decode steps on one device; decoding/weights.py holds the experts so, `unstack`).
 
 A decode step routes a handful of rows (batch x new tokens x K). Training's grouped matmul reads
 an expert's weights out of the stacked `[E, D, F]` array with a dynamic slice, which XLA:CPU
@@ -7,7 +8,7 @@ cost more than the matmuls, which only read the weights once), and its row tiles
 rows where a decode step has one or two per expert (XLA:CPU's 8-row product is several times
 slower per row than its matrix-vector product at these shapes, its 2-row product about as fast
 as one row). On one device decoding therefore holds each MoE layer's experts as separate arrays
-(`unstack`, decoding/weights.py) and multiplies rows by them in place, in a `lax.switch` on the
+and multiplies rows by them in place, in a `lax.switch` on the
 expert whose branch reads that expert's arrays: each chosen expert's weights are read, not
 copied, and only the chosen experts' fp8 weights are dequantized.
 
@@ -19,12 +20,12 @@ copied, and only the chosen experts' fp8 weights are dequantized.
   is read once per tile, not once per row (deepseek3-small, batch 8: 128 -> 101 ms per step
   with 2-row tiles against a switch per row).
 
-With our CPU kernel (decoding/rowdot.py: float32, one CPU device, at most `rowdot.MAX_ROWS`
-tokens, i.e. decode steps), neither: two kernel calls take every routed row with its expert's
-weights where they are (joined `wi`, then `wo`), the rows that chose one expert read its weights
-together, and a shared expert of a routed expert's shapes rides in the same calls as one more
-expert of weight 1 (`_by_kernel`; deepseek3-small, batch 1: 13 of 28 ms per token in the
-branches' products before it).
+With a row kernel (`linear.row_kernel`: decoding's CPU kernel, decoding/rowdot.py: float32, one CPU
+device, at most `rowdot.MAX_ROWS` tokens, i.e. decode steps), neither: two kernel calls take every
+routed row with its expert's weights where they are (joined `wi`, then `wo`), the rows that chose
+one expert read its weights together, and a shared expert of a routed expert's shapes rides in the
+same calls as one more expert of weight 1 (`_by_kernel`; deepseek3-small, batch 1: 13 of 28 ms per
+token in the branches' products before it).
 
 Under a mesh of several devices the experts stay stacked and sharded, and every step runs
 training's MoE layer (expert-parallel as configured).
@@ -37,11 +38,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from expertax import quant
 from expertax.config.schema import Config
-from expertax.decoding import fp8, joint, rowdot
+from expertax.nn import linear, mlp
+from expertax.nn.activation import joined, swiglu
+from expertax.nn.linear import is_joint, project
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe import router
-from expertax.nn.moe.gmm import glu
 
 # The fewest rows per `_grouped` tile (decode steps of a few tokens: one or two rows per expert).
 MIN_TILE = 2
@@ -49,49 +52,32 @@ EXPERTS = ("wi_0", "wi_1", "wo")
 F32 = jnp.float32
 
 
-def unstack(p: moe_layer.MoE) -> moe_layer.MoE:
-    """The layer with each expert matrix ([E, ...], or its Fp8) as a tuple of E per-expert ones;
-    float weights with each expert's `wi_0` and `wi_1` joined (decoding/joint.py: `wi_0` a
-    tuple of Joint [D, 2F], `wi_1` a tuple of None)."""
-
-    def split(w):
-        e = jax.tree.leaves(w)[0].shape[0]
-        return tuple(jax.tree.map(lambda a, i=i: a[i], w) for i in range(e))
-
-    out = dataclasses.replace(p, **{k: split(getattr(p, k)) for k in EXPERTS})
-    if fp8.is_fp8(p.wi_0):
-        return out
-    wi = tuple(joint.join(a, b) for a, b in zip(out.wi_0, out.wi_1, strict=True))
-    return dataclasses.replace(out, wi_0=wi, wi_1=(None,) * len(wi))
-
-
 def is_unstacked(p: moe_layer.MoE | None) -> bool:
-    return p is not None and isinstance(p.wi_0, tuple) and not fp8.is_fp8(p.wi_0)
+    return p is not None and isinstance(p.wi_0, tuple) and not quant.is_fp8(p.wi_0)
 
 
 def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype):
     """The MoE layer's output [B, T, D] (`moe_layer.apply`'s, shared experts included)."""
-    if not is_unstacked(p):  # dequantized with the rest of the layer (decoding/model.py)
-        return moe_layer.apply(p, x_BTD, c, dtype)[0]
     b, t, d = x_BTD.shape
-    shared, x_BTD = fp8.dequantize(p.shared, dtype, x_BTD)
+    shared, x_BTD = quant.dequantize(p.shared, dtype, x_BTD)
     x_ND = x_BTD.reshape(b * t, d).astype(dtype)
     routing = router.route(p.router, x_ND, c)
     branches = [_ffn(w, dtype) for w in zip(p.wi_0, p.wi_1, p.wo, strict=True)]
-    wi = [w.w for w in p.wi_0] if all(joint.is_joint(w) for w in p.wi_0) else None
-    if wi is not None and rowdot.applies(b * t, x_ND, *wi, *p.wo):
-        same = shared is not None and joint.is_joint(shared.wi_0)
+    wi = [w.w for w in p.wi_0] if all(is_joint(w) for w in p.wi_0) else None
+    kernel = linear.current_row_kernel()
+    if wi is not None and kernel is not None and kernel.applies(b * t, x_ND, *wi, *p.wo):
+        same = shared is not None and is_joint(shared.wi_0)
         same = same and shared.wi_0.w.shape == wi[0].shape and shared.wo.shape == p.wo[0].shape
         with_shared = shared if same else None
-        out_ND = _by_kernel(wi, p.wo, x_ND, routing, dtype, with_shared)
+        out_ND = _by_kernel(kernel, wi, p.wo, x_ND, routing, dtype, with_shared)
         shared = None if same else shared
     elif b * t == 1:
         out_ND = _per_row(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
     else:
         out_ND = _grouped(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
     out_BTD = out_ND.astype(dtype).reshape(b, t, d)
-    if shared is not None and joint.is_joint(shared.wi_0):
-        out_BTD = out_BTD + joint.glu_mlp(shared, x_BTD, dtype)
+    if shared is not None and is_joint(shared.wi_0):
+        out_BTD = out_BTD + mlp.apply(shared, x_BTD, dtype)
         shared = None
     return moe_layer.finish(dataclasses.replace(p, shared=shared), x_BTD, out_BTD, c, dtype)
 
@@ -100,16 +86,22 @@ def _ffn(w, dtype):
     """One expert's SwiGLU FFN on rows [R, D] -> float32 [R, D], its fp8 weights (if any)
     dequantized where it runs."""
 
-    if joint.is_joint(w[0]):
-        return lambda x_RD: joint.expert_ffn(w[0], w[2], x_RD, dtype)
+    if is_joint(w[0]):
+        return lambda x_RD: _joined_ffn(w[0], w[2], x_RD, dtype)
 
     def ffn(x_RD):
-        wi_0, wi_1, wo = (fp8.dequantize_array(a, dtype) if fp8.is_fp8(a) else a for a in w)
+        wi_0, wi_1, wo = (quant.dequantize_array(a, dtype) if quant.is_fp8(a) else a for a in w)
         gate = jnp.dot(x_RD, wi_0.astype(dtype), preferred_element_type=F32).astype(dtype)
         up = jnp.dot(x_RD, wi_1.astype(dtype), preferred_element_type=F32).astype(dtype)
-        return jnp.dot(glu(gate, up), wo.astype(dtype), preferred_element_type=F32)
+        return jnp.dot(swiglu(gate, up), wo.astype(dtype), preferred_element_type=F32)
 
     return ffn
+
+
+def _joined_ffn(wi: linear.Joint, wo, x_RD, dtype):
+    """One routed expert's FFN on rows [R, D] -> float32 [R, D], its `wi_0 | wi_1` joined."""
+    h = project(x_RD, wi.w.astype(dtype), preferred_element_type=F32).astype(dtype)
+    return project(joined(h), wo.astype(dtype), preferred_element_type=F32)
 
 
 def _weighted(y_RD, weight_R, dtype):
@@ -117,8 +109,8 @@ def _weighted(y_RD, weight_R, dtype):
     return y_RD.astype(dtype).astype(F32) * weight_R[:, None]
 
 
-def _by_kernel(wi, wo, x_ND, routing, dtype, shared=None):
-    """`_per_row`'s sum by our CPU kernel (decoding/rowdot.py): every routed row multiplied by
+def _by_kernel(kernel: linear.RowKernel, wi, wo, x_ND, routing, dtype, shared=None):
+    """`_per_row`'s sum by the row kernel: every routed row multiplied by
     its expert's joined `wi` and its `wo` where they are, the rows that chose one expert
     together; with `shared` (a joined shared expert of a routed one's shapes), each token's row
     through it as one more expert of weight 1, in the same two calls."""
@@ -131,9 +123,8 @@ def _by_kernel(wi, wo, x_ND, routing, dtype, shared=None):
         ids_M = jnp.concatenate([ids_M, jnp.full((n,), len(wo) - 1, ids_M.dtype)])
         weight_M = jnp.concatenate([weight_M, jnp.ones((n,), weight_M.dtype)])
         x_MD = jnp.concatenate([x_MD, x_ND])
-    h_MF = rowdot.rows(x_MD, wi, ids_M).astype(dtype)
-    f = h_MF.shape[-1] // 2
-    y_MD = _weighted(rowdot.rows(glu(h_MF[:, :f], h_MF[:, f:]), wo, ids_M), weight_M, dtype)
+    h_MF = kernel.rows(x_MD, wi, ids_M).astype(dtype)
+    y_MD = _weighted(kernel.rows(joined(h_MF), wo, ids_M), weight_M, dtype)
     out_ND = y_MD[: n * k].reshape(n, k, -1).sum(axis=1)
     return out_ND if shared is None else out_ND + y_MD[n * k :]
 
