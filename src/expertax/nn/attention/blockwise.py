@@ -1,7 +1,9 @@
 """Blockwise causal attention: online softmax over key blocks, recomputed in the backward pass.
 
-The same function as `kernel.attend_dot` (causal, optional packed-document segment ids, GQA,
-query/key head dim Q different from value head dim O as in MLA, scores and softmax in float32),
+The same function as `kernel.attend_dot` (the mask from the queries' and keys' positions under a
+causal mask spec, mask.py: plain causal, sliding window, chunked, sinks; optional packed-document
+segment ids, GQA, query/key head dim Q different from value head dim O as in MLA, scores and
+softmax in float32),
 but no [T, S] score matrix per head is ever held: queries are cut into blocks of `block_q` rows
 and keys into blocks of `block_k` columns, and each query block walks the key blocks keeping a
 running row max, row sum and output accumulator (FlashAttention, arXiv:2205.14135 Alg. 1).
@@ -9,7 +11,10 @@ running row max, row sum and output accumulator (FlashAttention, arXiv:2205.1413
 Causality is a real skip, not a mask over a full computation: query block i visits only the key
 blocks up to the diagonal (a `fori_loop` with a trip count computed from i), and in the backward
 pass key block j visits only the query blocks from the diagonal on. About half the block pairs
-are never computed.
+are never computed. The skip follows where the rows sit (query row r at key row offset + r);
+the mask inside a visited block follows the positions, so the skip is exact for any positions
+that do not decrease along a document (training's, a query chunk's): a key row after the query
+row is then a later position or another document, masked either way.
 
 Backward (FlashAttention-2, arXiv:2307.08691 Alg. 2): the forward saves only its inputs, the
 output and the row log-sum-exp; the backward recomputes each block's probabilities from them.
@@ -28,12 +33,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from expertax.nn.attention import mask
+from expertax.nn.attention.mask import CAUSAL, MaskSpec
+
 # Score given to masked (non-causal, other-document) pairs. Finite, so that a row of a block whose
 # pairs are all masked has a finite max and no inf - inf; the probabilities of masked pairs are set
 # to 0 explicitly, so this value never leaks into a sum.
 MASKED_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 DEFAULT_BLOCK = 512
+
+# The position of a padding key (past the last key row): after every query's position.
+PAD_POSITION = int(jnp.iinfo(jnp.int32).max)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -50,20 +61,16 @@ def balanced_block(length: int, max_block: int) -> int:
     return min(max_block, 8 * _cdiv(_cdiv(length, n), 8))
 
 
-def _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, offset, keys_first=False):
-    """Scaled float32 scores [B, G, J, bq, bk] of query block i against key block j, and the mask
-    (True where the pair attends: causal by absolute position, and same segment); with
-    `keys_first`, both transposed: [B, G, bk, J, bq]."""
-    bq, bk = q_blk.shape[3], k_blk.shape[2]
+def _block_scores(q_blk, k_blk, seg_q_blk, seg_k_blk, pos_q_blk, pos_k_blk, spec, scale,
+                  keys_first=False):  # fmt: skip
+    """Scaled float32 scores [B, G, J, bq, bk] of a query block against a key block, and the
+    mask (True where the pair attends: `spec` from the positions, mask.py, and same segment);
+    with `keys_first`, both transposed: [B, G, bk, J, bq]."""
     if keys_first:
         scores = jnp.einsum("bgsq,bgjtq->bgsjt", k_blk, q_blk, preferred_element_type=jnp.float32)
     else:
         scores = jnp.einsum("bgjtq,bgsq->bgjts", q_blk, k_blk, preferred_element_type=jnp.float32)
-    rows_TS = offset + i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    cols_TS = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    mask_BTS = (rows_TS >= cols_TS)[None]
-    if seg_q_blk is not None:
-        mask_BTS = mask_BTS & (seg_q_blk[:, :, None] == seg_k_blk[:, None, :])
+    mask_BTS = mask.allowed(spec, pos_q_blk, pos_k_blk, seg_q_blk, seg_k_blk)
     if keys_first:
         return scores * jnp.float32(scale), jnp.swapaxes(mask_BTS, 1, 2)[:, None, :, None]
     return scores * jnp.float32(scale), mask_BTS[:, None, None]
@@ -87,21 +94,24 @@ def _first_query_block(j, bq: int, bk: int, offset: int):
     return jnp.maximum(0, (j * bk - offset) // bq)
 
 
-def _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, scale, hint):
+def _forward(blocks, offset, scale, hint, spec):
     """Blocked inputs -> (out [nq, B, G, J, bq, O] in v's dtype, lse [nq, B, G, J, bq] float32)."""
+    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks = blocks
     nq, b, g, r, bq, _ = q_blocks.shape
     nk, bk, vd = k_blocks.shape[0], k_blocks.shape[3], v_blocks.shape[-1]
 
     def one_query_block(_, xs):
-        i, q_blk, seg_q_blk = xs
+        i, q_blk, seg_q_blk, pos_q_blk = xs
 
         def one_key_block(j, carry):
             m_BGJT, l_BGJT, acc_BGJTO = carry
             seg_k_blk = None if seg_k_blocks is None else seg_k_blocks[j]
-            s, mask = _block_scores(q_blk, k_blocks[j], seg_q_blk, seg_k_blk, i, j, scale, offset)
-            s = jnp.where(mask, s, MASKED_SCORE)
+            s, ok = _block_scores(
+                q_blk, k_blocks[j], seg_q_blk, seg_k_blk, pos_q_blk, pos_k_blocks[j], spec, scale
+            )
+            s = jnp.where(ok, s, MASKED_SCORE)
             m_new = jnp.maximum(m_BGJT, s.max(-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m_BGJT - m_new)
             l_new = alpha * l_BGJT + p.sum(-1)
             pv = jnp.einsum(
@@ -121,14 +131,17 @@ def _forward(q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, s
         with jax.named_scope(_trips(visits, nq)):
             trips = _num_key_blocks(i, bq, bk, nk, offset)
             m, row_sum, acc = jax.lax.fori_loop(0, trips, one_key_block, init)
+        # a row that reads no key (a padding row of the last block) gives 0, not 0 / 0
+        row_sum = jnp.where(row_sum > 0, row_sum, 1.0)
         out = (acc / row_sum[..., None]).astype(v_blocks.dtype)
         return None, (out, m + jnp.log(row_sum))
 
-    _, (out, lse) = jax.lax.scan(one_query_block, None, (jnp.arange(nq), q_blocks, seg_q_blocks))
+    xs = (jnp.arange(nq), q_blocks, seg_q_blocks, pos_q_blocks)
+    _, (out, lse) = jax.lax.scan(one_query_block, None, xs)
     return out, lse
 
 
-def _backward(scale, hint, res, d_out):
+def _backward(scale, hint, spec, res, d_out):
     """FlashAttention-2's backward, computed in the transposed (keys-first) layout.
 
     Each block pair's probabilities and their gradient are formed as [bk, J * bq] (keys first),
@@ -140,24 +153,26 @@ def _backward(scale, hint, res, d_out):
     forward+backward 0.64-0.74x the queries-first time at T=1024-4096, within noise at T=512
     (BENCHMARKS.md).
     """
-    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, out, lse = res
+    blocks, offset, out, lse = res
+    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks = blocks
     nq, bq = q_blocks.shape[0], q_blocks.shape[4]
     nk, bk = k_blocks.shape[0], k_blocks.shape[3]
     # D_i = rowsum(dO_i * O_i) (FlashAttention-2 Alg. 2 line 4): dS = P * (dP - D).
     delta = jnp.einsum("nbgjto,nbgjto->nbgjt", d_out, out, preferred_element_type=jnp.float32)
 
     def one_key_block(dq_acc, xs):
-        j, k_blk, v_blk, seg_k_blk = xs
+        j, k_blk, v_blk, seg_k_blk, pos_k_blk = xs
         k_t = jnp.swapaxes(k_blk, 2, 3)  # [B, G, Q, bk], for dQ^T = K^T dS^T
 
         def one_query_block(i, carry):
             dq_acc, dk_BGSQ, dv_BGSO = carry
             q_blk, do_blk = q_blocks[i], d_out[i]
             seg_q_blk = None if seg_q_blocks is None else seg_q_blocks[i]
-            s, mask = _block_scores(
-                q_blk, k_blk, seg_q_blk, seg_k_blk, i, j, scale, offset, keys_first=True
-            )
-            p = jnp.where(mask, jnp.exp(s - lse[i][:, :, None]), 0.0)
+            s, ok = _block_scores(
+                q_blk, k_blk, seg_q_blk, seg_k_blk, pos_q_blocks[i], pos_k_blk, spec, scale,
+                keys_first=True,
+            )  # fmt: skip
+            p = jnp.where(ok, jnp.exp(s - lse[i][:, :, None]), 0.0)
             dv_BGSO += jnp.einsum(
                 "bgsjt,bgjto->bgso",
                 p.astype(do_blk.dtype),
@@ -194,26 +209,22 @@ def _backward(scale, hint, res, d_out):
     _, b, g, r, _, qd = q_blocks.shape
     dq0 = jnp.zeros((nq, b, g, qd, r, bq), jnp.float32)  # dQ^T per query block
     dq_t, (dk, dv) = jax.lax.scan(
-        one_key_block, dq0, (jnp.arange(nk), k_blocks, v_blocks, seg_k_blocks)
+        one_key_block, dq0, (jnp.arange(nk), k_blocks, v_blocks, seg_k_blocks, pos_k_blocks)
     )
     dq = jnp.moveaxis(dq_t, 3, 5)  # [nq, B, G, J, bq, Q]
-    return dq.astype(q_blocks.dtype), dk, dv, None, None, None
+    return (dq.astype(q_blocks.dtype), dk, dv, None, None, None, None), None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _blocked_attention(
-    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, scale, hint
-):
-    blocks = (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks)
-    return _forward(*blocks, offset, scale, hint)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _blocked_attention(blocks, offset, scale, hint, spec):
+    """`blocks`: (q, k, v, segment ids of the queries and of the keys or None, positions of the
+    queries and of the keys), each cut into blocks on a leading axis."""
+    return _forward(blocks, offset, scale, hint, spec)[0]
 
 
-def _blocked_attention_fwd(
-    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, scale, hint
-):
-    blocks = (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks)
-    out, lse = _forward(*blocks, offset, scale, hint)
-    return out, (*blocks, offset, out, lse)
+def _blocked_attention_fwd(blocks, offset, scale, hint, spec):
+    out, lse = _forward(blocks, offset, scale, hint, spec)
+    return out, (blocks, offset, out, lse)
 
 
 _blocked_attention.defvjp(_blocked_attention_fwd, _backward)
@@ -241,19 +252,27 @@ def attend_blockwise(
     block_k: int = DEFAULT_BLOCK,
     q_offset: jax.Array | None = None,
     mean_q_offset: float = 0.0,
+    q_positions_BT: jax.Array | None = None,
+    kv_positions_BS: jax.Array | None = None,
+    mask_spec: MaskSpec = CAUSAL,
 ) -> jax.Array:
-    """Causal attention computed block by block; returns [B, T, H, O] in v's dtype.
+    """Attention under a causal mask spec computed block by block; returns [B, T, H, O] in v's
+    dtype.
 
-    Same arguments and result as `kernel.attend_dot` (queries the last T of S key positions, or
-    from `q_offset` on; segment ids the keys'; `mean_q_offset`: the offset's mean over a scan of
-    query chunks, for the `trips~N` scopes of the loops, whose counts follow the offset).
+    Same arguments and result as `kernel.attend_dot` (the queries' rows the last T of S key rows,
+    or from `q_offset` on; segment ids the keys'; positions [B|1, T] and [B|1, S], by default
+    where the rows sit; `mean_q_offset`: the offset's mean over a scan of query chunks, for the
+    `trips~N` scopes of the loops, whose counts follow the offset). `mask_spec` must be causal:
+    the loops skip the key rows after each query row (see the module docstring).
     `block_q` and `block_k` are the largest
     block sizes; `balanced_block` evens them out over the sequence, and a sequence that is still
-    not a multiple of the block is padded internally (padded keys lie after every real query, so
-    causality already hides them; padded query rows are dropped).
+    not a multiple of the block is padded internally (padded keys sit at a position after every
+    query, so causality hides them; padded query rows are dropped).
     """
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block_q={block_q}, block_k={block_k}: blocks must be positive")
+    if (why := mask.unsupported(mask_spec, "blockwise")) is not None:
+        raise ValueError(why)
     b, t, h, qd = q_BTHQ.shape
     s, g = k_BSGQ.shape[1], k_BSGQ.shape[2]
     # query row r at key position offset + r; `hint`, static, counts the loops' trips
@@ -270,9 +289,14 @@ def attend_blockwise(
         seg_q = jax.lax.dynamic_slice_in_dim(segment_ids_BT, offset, t, axis=1)
         seg_q_blocks = _to_blocks(seg_q, bq, pad_value=-1)  # [nq, B, bq]
         seg_k_blocks = _to_blocks(segment_ids_BT, bk, pad_value=-1)  # [nk, B, bk]
-    offset = jnp.asarray(offset, jnp.int32)
-    out = _blocked_attention(
-        q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, offset, scale, hint
-    )
+    if q_positions_BT is None:
+        q_positions_BT = offset + jax.lax.broadcasted_iota(jnp.int32, (1, t), 1)
+    if kv_positions_BS is None:
+        kv_positions_BS = jax.lax.broadcasted_iota(jnp.int32, (1, s), 1)
+    pos_q_blocks = _to_blocks(q_positions_BT.astype(jnp.int32), bq)  # [nq, B|1, bq]
+    # a padding key sits after every query: the causal mask hides it
+    pos_k_blocks = _to_blocks(kv_positions_BS.astype(jnp.int32), bk, pad_value=PAD_POSITION)
+    blocks = (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks)
+    out = _blocked_attention(blocks, jnp.asarray(offset, jnp.int32), scale, hint, mask_spec)
     out_BTGJO = jnp.moveaxis(out, (0, 4), (1, 2)).reshape(b, -1, g, h // g, v_BSGO.shape[-1])
     return out_BTGJO[:, :t].reshape(b, t, h, v_BSGO.shape[-1])

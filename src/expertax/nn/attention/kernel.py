@@ -127,8 +127,9 @@ def resolve(
         if (why := mask.unsupported(mask_spec, impl)) is not None:
             raise ValueError(why)
         return impl
-    if not mask_spec.plain_causal:
-        return "dot"
+    if not mask_spec.plain_causal:  # dot builds any spec, blockwise a causal one
+        long = mask_spec.causal and length >= AUTO_BLOCKWISE_MIN_LENGTH
+        return "blockwise" if long else "dot"
     on = on or platform.current()
     choice = evidence.AUTO.get(on, evidence.AUTO["cpu"])
     usable = not chunked and cudnn.unusable_because(qk_dim, v_dim, dtype) is None
@@ -152,8 +153,9 @@ def attend(
     mask_spec: MaskSpec = CAUSAL,
 ) -> jax.Array:
     """Attention by the implementation `impl` (config key `attention_impl`) under `mask_spec`
-    (mask.py: `dot` builds it from `q_positions_BT` and `kv_positions_BS` where given, the other
-    kernels' causal mask from the queries' offset into the keys); returns [B, T, H, O]. Scores
+    (mask.py: `dot` and `blockwise` build it from `q_positions_BT` and `kv_positions_BS` where
+    given, `splash` and `cudnn` their causal mask from the queries' offset into the keys);
+    returns [B, T, H, O]. Scores
     and softmax in float32 for every implementation but cuDNN's own. The queries are the last T
     of the S >= T key positions (S > T: one token chunk of a sequence, `chunks.py`), or, with
     `q_offset` (a traced int in a scan over query chunks: `dot` and `blockwise` only), start at
@@ -180,11 +182,11 @@ def attend(
             "use attention_impl=auto, dot or blockwise"
         )
     kw: dict = dict(scale=scale, segment_ids_BT=segment_ids_BT)
-    if impl == "dot":
+    if impl in SCANNED:  # dot, blockwise: the mask from positions
         kw.update(q_offset=q_offset, q_positions_BT=q_positions_BT,
                   kv_positions_BS=kv_positions_BS, mask_spec=mask_spec)  # fmt: skip
-    elif q_offset is not None:  # blockwise (SCANNED)
-        kw.update(q_offset=q_offset, mean_q_offset=mean_q_offset)
+    if impl == "blockwise" and q_offset is not None:
+        kw.update(mean_q_offset=mean_q_offset)
     kernels: dict[str, Callable[..., jax.Array]] = {
         "dot": attend_dot,
         "blockwise": attend_blockwise,

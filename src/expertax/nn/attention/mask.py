@@ -13,10 +13,12 @@ layers); `chunk` (chunked attention: the key in the same run of `chunk` position
 local layers); `sinks` (the first `sinks` positions stay visible through the window or the chunk,
 StreamingLLM's attention sinks). Keys of another document (segment id) are never read.
 
-Which kernel honours what: `dot` builds any spec from the positions (`allowed`); `blockwise`,
-`splash` and `cudnn` build the causal mask from the queries' offset into the keys, which is the
-position rule for the positions training passes, and refuse the other kinds (`unsupported`,
-called by `kernel.resolve` before anything is traced).
+Which kernel honours what: `dot` builds any spec from the positions (`allowed`), and so does
+`blockwise` inside each block pair it visits, for a causal spec (it skips the key rows after
+each query row). `splash` and `cudnn` take their mask from their library, built at trace time
+from the causal rule by row (the queries' offset into the keys: the position rule for the
+positions training passes), and refuse the other kinds. `unsupported` says why, and
+`kernel.resolve` calls it before anything is traced.
 """
 
 from __future__ import annotations
@@ -81,7 +83,14 @@ def unsupported(spec: MaskSpec, impl: str) -> str | None:
     """Why kernel `impl` cannot honour `spec` (None: it can)."""
     if impl == "dot" or spec.plain_causal:
         return None
+    if impl == "blockwise":
+        if spec.causal:
+            return None
+        return (
+            f"attention_impl=blockwise skips the keys after each query, so it needs a causal mask; "
+            f"{spec} needs attention_impl=dot"
+        )
     return (
         f"attention_impl={impl} builds only the causal mask (from the queries' offset into the "
-        f"keys); {spec} needs attention_impl=dot"
+        f"keys); {spec} needs attention_impl=dot, or blockwise where the spec is causal"
     )

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax.nn.attention import kernel, mask
+from expertax.nn.attention import blockwise, kernel, mask
 from expertax.nn.attention.mask import MaskSpec
 from tests.tolerances import tol
 
@@ -109,8 +109,59 @@ def test_positions_default_to_where_the_rows_sit():
     np.testing.assert_array_equal(implicit, explicit)
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "splash", "cudnn"])
-def test_kernels_refuse_a_spec_they_cannot_build(impl):
+CAUSAL_SPECS = [spec for spec in SPECS if spec.causal]
+
+
+@pytest.mark.parametrize("spec", CAUSAL_SPECS, ids=str)
+@pytest.mark.parametrize("packed", [False, True])
+def test_blockwise_builds_every_causal_kind_from_positions(spec, packed, monkeypatch):
+    """`blockwise` (blocks of 8 rows over 21 positions: padded blocks, skipped block pairs)
+    equals `dot` under every causal kind, values and gradients, with packed documents whose
+    positions restart at each document."""
+    b, t, h, g, dq, dv = 2, 21, 4, 2, 8, 6
+    ks = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(ks[0], (b, t, h, dq))
+    k = jax.random.normal(ks[1], (b, t, g, dq))
+    v = jax.random.normal(ks[2], (b, t, g, dv))
+    ct = jax.random.normal(ks[3], (b, t, h, dv))
+    if packed:
+        seg = np.array([[1] * 9 + [2] * 7 + [3] * 5, [1] * 16 + [0] * 5])  # 0: padding tokens
+        pos = np.concatenate([np.arange(9), np.arange(7), np.arange(5)])
+        pos = np.stack([pos, np.concatenate([np.arange(16), np.zeros(5, int)])])
+        seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+    else:
+        seg, pos = None, jnp.arange(t)[None]
+
+    def run(impl):
+        def f(q, k, v):
+            out = kernel.attend(
+                q, k, v, scale=0.3, impl=impl, segment_ids_BT=seg, q_positions_BT=pos,
+                kv_positions_BS=pos, mask_spec=spec,
+            )  # fmt: skip
+            return jnp.sum(out * ct), out
+
+        return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    grads_dot, out_dot = run("dot")
+    real = blockwise.attend_blockwise
+    monkeypatch.setattr(
+        kernel, "attend_blockwise", lambda *a, **kw: real(*a, **kw, block_q=8, block_k=8)
+    )
+    grads_bw, out_bw = run("blockwise")
+    np.testing.assert_allclose(out_bw, out_dot, **tol("float32"))
+    for got, want in zip(grads_bw, grads_dot, strict=True):
+        np.testing.assert_allclose(got, want, **tol("float32"))
+    # negative control: a plain causal mask differs wherever the spec narrows it
+    if not spec.plain_causal:
+        plain_out = kernel.attend(
+            q, k, v, scale=0.3, impl="dot", segment_ids_BT=seg, q_positions_BT=pos,
+            kv_positions_BS=pos,
+        )  # fmt: skip
+        assert not np.allclose(plain_out, out_bw, **tol("float32"))
+
+
+@pytest.mark.parametrize("impl", ["splash", "cudnn"])
+def test_library_kernels_refuse_a_spec_they_cannot_build(impl):
     with pytest.raises(ValueError, match=f"attention_impl={impl} builds only the causal mask"):
         kernel.resolve(
             impl, length=64, qk_dim=8, v_dim=8, dtype=jnp.float32, mask_spec=MaskSpec(window=8)
@@ -119,10 +170,23 @@ def test_kernels_refuse_a_spec_they_cannot_build(impl):
     assert plain == impl
 
 
-def test_auto_picks_dot_for_a_spec_only_dot_builds():
+def test_blockwise_refuses_a_mask_that_is_not_causal():
+    with pytest.raises(ValueError, match="blockwise skips the keys after each query"):
+        kernel.resolve(
+            "blockwise", length=64, qk_dim=8, v_dim=8, dtype=jnp.float32,
+            mask_spec=MaskSpec(causal=False),
+        )  # fmt: skip
+    spec = MaskSpec(window=8, sinks=2)
+    assert kernel.resolve("blockwise", length=64, qk_dim=8, v_dim=8, dtype=jnp.float32,
+                          mask_spec=spec) == "blockwise"  # fmt: skip
+
+
+def test_auto_picks_a_kernel_that_builds_the_spec():
     spec = MaskSpec(chunk=16)
-    assert kernel.resolve("auto", length=4096, qk_dim=8, v_dim=8, dtype=jnp.float32,
-                          on="tpu", mask_spec=spec) == "dot"  # fmt: skip
+    kw = dict(qk_dim=8, v_dim=8, dtype=jnp.float32, on="tpu")
+    assert kernel.resolve("auto", length=4096, mask_spec=spec, **kw) == "blockwise"
+    assert kernel.resolve("auto", length=64, mask_spec=spec, **kw) == "dot"
+    assert kernel.resolve("auto", length=4096, mask_spec=MaskSpec(causal=False), **kw) == "dot"
 
 
 @pytest.mark.parametrize(
