@@ -13,7 +13,7 @@ The children alternate between the trees for `--rounds` rounds (the order revers
 round), so that a slow spell of the machine falls on both. Measure alone.
 
 Run: python benchmarks/forward_ab.py --tree before=/path/to/old --tree after=. [--rounds 2]
-     [--json PATH]
+     [--json PATH] [--only MODEL ...] [--new-tokens N] [--repeats N] [--steps N]
 Prints JSON lines (one per child: the tree, its commit, the figures), then a Markdown table of
 each tree's median over its rounds and the ratio of the last tree to the first.
 """
@@ -45,7 +45,7 @@ def probe(args) -> dict:
 
     device = jax.devices()[0]
     out: dict = {"decode_tok_s": {}, "train_step_s": {}}
-    for name, batch in DECODE:
+    for name, batch in _chosen(DECODE, args.only, lambda case: case[0]):
         c = load_config(
             overrides={"model_name": name, "max_target_length": 256, "dtype": "float32",
                        "weight_dtype": "float32"}
@@ -69,7 +69,7 @@ def probe(args) -> dict:
         t1 = float(np.median([call(1) for _ in range(args.repeats)]))
         tn = float(np.median([call(args.new_tokens) for _ in range(args.repeats)]))
         out["decode_tok_s"][f"{name} b{batch}"] = batch * (args.new_tokens - 1) / (tn - t1)
-    for name in TRAIN:
+    for name in _chosen(TRAIN, args.only, lambda case: case):
         c = load_config(overrides={"model_name": name, "enable_checkpointing": False})
         tr = build_trainer(c, devices=[device])
         state, fn = tr.init_state(), tr.compile()
@@ -122,9 +122,15 @@ def drive(args) -> None:
     print(table(records, [t[0] for t in trees]))
 
 
+def _chosen(cases, only: list[str] | None, model_of) -> list:
+    """The cases of the models named by `--only` (all without it)."""
+    return [case for case in cases if not only or model_of(case) in only]
+
+
 def probe_args(args) -> list[str]:
+    only = ["--only", *args.only] if args.only else []
     return ["--prompt-length", str(args.prompt_length), "--new-tokens", str(args.new_tokens),
-            "--repeats", str(args.repeats), "--steps", str(args.steps)]  # fmt: skip
+            "--repeats", str(args.repeats), "--steps", str(args.steps), *only]  # fmt: skip
 
 
 def table(records: list[dict], labels: list[str]) -> str:
@@ -140,7 +146,7 @@ def table(records: list[dict], labels: list[str]) -> str:
     ]
     for kind, unit, keys in (("decode_tok_s", "decode tok/s", [f"{n} b{b}" for n, b in DECODE]),
                              ("train_step_s", "train step s", list(TRAIN))):  # fmt: skip
-        for key in keys:
+        for key in [k for k in keys if k in records[0][kind]]:
             vals = [med(label, kind, key) for label in labels]
             cells = " | ".join(f"{v:.4g}" for v in vals)
             rows.append(f"| {unit}, {key} | {cells} | {vals[-1] / vals[0]:.3f} |")
@@ -156,6 +162,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json")
+    ap.add_argument(
+        "--only", nargs="+", choices=sorted({n for n, _ in DECODE} | set(TRAIN)),
+        help="measure only these models' cases",
+    )  # fmt: skip
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
