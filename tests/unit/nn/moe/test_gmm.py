@@ -372,7 +372,7 @@ def test_tiled_splits_large_remainders():
 @pytest.mark.parametrize("e_local, n", [(1, 4096), (4, 4096), (8, 2048), (3, 500)])
 def test_expected_item_counts_are_what_the_work_items_count(rows, e_local, n):
     """The static count per tile list at balanced routing (the trips~N scope of the tile loops)
-    is what `_work_items` counts at run time for equal group sizes."""
+    is what `tiles.work_items` counts at run time for equal group sizes."""
     tiles = tile_lib.Tiles(tile_lib.ladder(n, 512, 8), rows)
     static = tile_lib._expected_counts(e_local, n, tiles)
     sizes = jnp.full((e_local,), rows, jnp.int32)
