@@ -16,7 +16,9 @@ backward's five matmuls (QK^T again, dO V^T, P^T dO, dS K, dS^T Q), from 2(3Q + 
 of 128), the output being saved for the backward pass. Equal dims (GQA, Q = O multiple of 8) pad
 nothing.
 
-Masks: causal is cuDNN's own mask (`is_causal=True`, tiles above the diagonal skipped). Packed
+Masks: causal is cuDNN's own mask (`is_causal=True`, tiles above the diagonal skipped); a sliding
+window of W positions (mask.py) is its sliding-window length W (`local_window_size=(W - 1, 0)`
+in the JAX call), tiles before the window skipped too. Packed
 documents have no native form in this API (its `query_seq_lengths` are padding lengths, not
 segments): they go in as a boolean [B, 1, T, S] mask, which JAX turns into an additive bias, so
 that case materializes one [T, S] matrix per sequence (not per head) and reads it in every tile.
@@ -90,10 +92,11 @@ def _pad_length(x, length: int):
     return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-def _cudnn_flash(q, k, v, mask, scale):
+def _cudnn_flash(q, k, v, mask, scale, window=None):
     return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=scale, is_causal=True, implementation="cudnn"
-    )
+        q, k, v, mask=mask, scale=scale, is_causal=True, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0),
+    )  # fmt: skip
 
 
 def attend_cudnn(
@@ -103,12 +106,15 @@ def attend_cudnn(
     *,
     scale: float,
     segment_ids_BT: jax.Array | None = None,
+    window: int | None = None,
     flash=_cudnn_flash,
 ) -> jax.Array:
-    """Causal cuDNN flash attention, head dims padded; returns [B, T, H, O] like `attend_dot`.
+    """Causal cuDNN flash attention, within a sliding `window` of positions where given, head
+    dims padded; returns [B, T, H, O] like `attend_dot`.
 
-    `flash(q, k, v, mask, scale)` is the call with equal head dims; tests pass a stand-in (the
-    same API's XLA implementation) to check the padding, masks and gradients on a CPU."""
+    `flash(q, k, v, mask, scale, window)` is the call with equal head dims; tests pass a
+    stand-in (the same API's XLA implementation) to check the padding, masks and gradients on a
+    CPU."""
     qk_dim, v_dim = q_BTHQ.shape[-1], v_BSGO.shape[-1]
     if k_BSGQ.shape[1] != q_BTHQ.shape[1]:
         raise ValueError(
@@ -130,4 +136,4 @@ def attend_cudnn(
         q, k, v = (_pad_length(x, padded) for x in (q, k, v))
         seg = _pad_length(segment_ids_BT, padded)
         mask = (seg[:, :, None] == seg[:, None, :])[:, None]
-    return flash(q, k, v, mask, scale)[:, :t, :, :v_dim]
+    return flash(q, k, v, mask, scale, window)[:, :t, :, :v_dim]

@@ -127,7 +127,7 @@ def resolve(
         if (why := mask.unsupported(mask_spec, impl)) is not None:
             raise ValueError(why)
         return impl
-    if not mask_spec.plain_causal:  # dot builds any spec, blockwise a causal one
+    if not mask.by_row(mask_spec):  # dot builds any spec, blockwise a causal one
         long = mask_spec.causal and length >= AUTO_BLOCKWISE_MIN_LENGTH
         return "blockwise" if long else "dot"
     on = on or platform.current()
@@ -154,7 +154,8 @@ def attend(
 ) -> jax.Array:
     """Attention by the implementation `impl` (config key `attention_impl`) under `mask_spec`
     (mask.py: `dot` and `blockwise` build it from `q_positions_BT` and `kv_positions_BS` where
-    given, `splash` and `cudnn` their causal mask from the queries' offset into the keys);
+    given, `splash` and `cudnn` their causal and sliding-window masks by row, from the queries'
+    offset into the keys);
     returns [B, T, H, O]. Scores
     and softmax in float32 for every implementation but cuDNN's own. The queries are the last T
     of the S >= T key positions (S > T: one token chunk of a sequence, `chunks.py`), or, with
@@ -185,6 +186,8 @@ def attend(
     if impl in SCANNED:  # dot, blockwise: the mask from positions
         kw.update(q_offset=q_offset, q_positions_BT=q_positions_BT,
                   kv_positions_BS=kv_positions_BS, mask_spec=mask_spec)  # fmt: skip
+    else:  # splash, cudnn: causal by row, and the window (resolve refused any other kind)
+        kw.update(window=mask_spec.window)
     if impl == "blockwise" and q_offset is not None:
         kw.update(mean_q_offset=mean_q_offset)
     kernels: dict[str, Callable[..., jax.Array]] = {

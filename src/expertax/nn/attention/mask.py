@@ -16,9 +16,14 @@ StreamingLLM's attention sinks). Keys of another document (segment id) are never
 Which kernel honours what: `dot` builds any spec from the positions (`allowed`), and so does
 `blockwise` inside each block pair it visits, for a causal spec (it skips the key rows after
 each query row). `splash` and `cudnn` take their mask from their library, built at trace time
-from the causal rule by row (the queries' offset into the keys: the position rule for the
-positions training passes), and refuse the other kinds. `unsupported` says why, and
-`kernel.resolve` calls it before anything is traced.
+by row: causal from the queries' offset into the keys, and a sliding window as the library's
+own local mask (splash's `LocalMask`, cuDNN's sliding-window length), whose tiles outside the
+window are skipped. By row equals by position for what training passes (each document's
+positions count up by one from its first row, and segment ids separate the documents): the
+row distance of a query and a key of one document is their position distance. Chunks and sinks
+are not row distances (a document's chunks start at its own position 0, and its sinks are its
+first positions, wherever its rows sit), so these two kernels refuse them. `unsupported` says
+why, and `kernel.resolve` calls it before anything is traced.
 """
 
 from __future__ import annotations
@@ -90,7 +95,15 @@ def unsupported(spec: MaskSpec, impl: str) -> str | None:
             f"attention_impl=blockwise skips the keys after each query, so it needs a causal mask; "
             f"{spec} needs attention_impl=dot"
         )
+    if spec.causal and spec.chunk is None and spec.sinks == 0:  # causal, sliding window
+        return None
     return (
-        f"attention_impl={impl} builds only the causal mask (from the queries' offset into the "
-        f"keys); {spec} needs attention_impl=dot, or blockwise where the spec is causal"
+        f"attention_impl={impl} builds its mask by row (causal, sliding window), and {spec} "
+        "is not a row rule; it needs attention_impl=dot, or blockwise where the spec is causal"
     )
+
+
+def by_row(spec: MaskSpec) -> bool:
+    """Whether the library kernels (splash, cuDNN) build `spec`: causal, with or without a
+    sliding window (see the module docstring)."""
+    return unsupported(spec, "splash") is None

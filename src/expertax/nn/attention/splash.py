@@ -7,7 +7,9 @@ transposes the [H, T, O] result back. What it takes, and what the wrapper does a
 - Causal mask: a `CausalMask` per head, turned by the library, at trace time and in NumPy, into a
   map of which [block, block] tiles are empty, partial or full; empty tiles (above the diagonal)
   are skipped in the forward and both backward kernels, so about half the tile pairs of a long
-  sequence are never computed. No [T, S] mask exists anywhere.
+  sequence are never computed. No [T, S] mask exists anywhere. A sliding window of W positions
+  (mask.py) is a `LocalMask` with W - 1 keys to the left and none to the right: the tiles wholly
+  before the window are skipped as well.
 - Segment ids: `SegmentIds(q=[T], kv=[S])` int32 per sequence, compared inside each tile; they
   never form a [T, S] matrix either.
 - GQA: keys and values with G heads, G dividing H (query head h reads kv head h // (H / G)), so
@@ -68,13 +70,26 @@ def visited_tiles(length: int) -> tuple[int, int]:
     return n * (n + 1) // 2, n * n
 
 
-def _kernel(heads: int, q_length: int, kv_length: int, offset: int, block: int, interpret: bool):
-    """The kernel for `heads` query heads, padded query and key lengths, and the queries' first
-    key position `offset`. Its block maps are NumPy work at trace time (0.2 s at H=128, T=4096)
-    that become arrays of the trace, so a kernel is built per trace, never cached across
-    traces."""
-    causal = splash_lib.CausalMask((q_length, kv_length), offset=offset)
-    mask = splash_lib.MultiHeadMask([causal] * heads)
+def _kernel(
+    heads: int,
+    q_length: int,
+    kv_length: int,
+    offset: int,
+    block: int,
+    interpret: bool,
+    window: int | None = None,
+):
+    """The kernel for `heads` query heads, padded query and key lengths, the queries' first key
+    position `offset` and an optional sliding `window`. Its block maps are NumPy work at trace
+    time (0.2 s at H=128, T=4096) that become arrays of the trace, so a kernel is built per
+    trace, never cached across traces."""
+    shape = (q_length, kv_length)
+    one: splash_lib.Mask
+    if window is None:
+        one = splash_lib.CausalMask(shape, offset=offset)
+    else:
+        one = splash_lib.LocalMask(shape, window_size=(window - 1, 0), offset=offset)
+    mask = splash_lib.MultiHeadMask([one] * heads)
     sizes = splash_lib.BlockSizes(
         block_q=block,
         block_kv=block,
@@ -121,7 +136,9 @@ def _at_default_precision(fn):
     return call
 
 
-def _attend_local(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT, *, scale: float, interpret: bool):
+def _attend_local(
+    q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT, *, scale: float, interpret: bool, window: int | None
+):
     """One device's sequences and heads, whole lengths; returns [B, T, H, O]. The queries are
     the last T of the S key positions; `segment_ids_BT` are the keys' [B, S]."""
     t, h, s = q_BTHQ.shape[1], q_BTHQ.shape[2], k_BSGQ.shape[1]
@@ -139,7 +156,7 @@ def _attend_local(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT, *, scale: float, inter
 
     def batch(q_BTHQ, k_BSGQ, v_BSGO, seg_BT):
         # Built inside the traced function: its block maps must be arrays of this trace.
-        kernel = _kernel(h, padded_q, padded_kv, s - t, block, interpret)
+        kernel = _kernel(h, padded_q, padded_kv, s - t, block, interpret, window)
 
         def one(q_THQ, k_SGQ, v_SGO, seg_T):
             ids = None if seg_T is None else splash_lib.SegmentIds(q=seg_T[0], kv=seg_T[1])
@@ -162,17 +179,19 @@ def attend_splash(
     *,
     scale: float,
     segment_ids_BT: jax.Array | None = None,
+    window: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Causal splash attention; same arguments and result ([B, T, H, O]) as `kernel.attend_dot`
-    (the queries are the last T of the S >= T key positions: a sequence attending to itself,
-    or one token chunk of it to the keys up to its end)."""
+    """Causal splash attention, within a sliding `window` of positions where given; same
+    arguments and result ([B, T, H, O]) as `kernel.attend_dot` (the queries are the last T of
+    the S >= T key positions: a sequence attending to itself, or one token chunk of it to the
+    keys up to its end)."""
     if k_BSGQ.shape[1] < q_BTHQ.shape[1]:
         raise ValueError(
             f"attention_impl=splash: {q_BTHQ.shape[1]} query positions after only "
             f"{k_BSGQ.shape[1]} key positions; the queries must be the last of the keys"
         )
-    local = functools.partial(_attend_local, scale=scale, interpret=interpret)
+    local = functools.partial(_attend_local, scale=scale, interpret=interpret, window=window)
     rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty:
         return local(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT)

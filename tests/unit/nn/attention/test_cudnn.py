@@ -45,7 +45,7 @@ def _inputs(b, t, h, g, q, o, packed, dtype, seed=0):
 def stand_in(calls):
     """The XLA implementation of the same call, refusing what cuDNN would refuse."""
 
-    def flash(q, k, v, mask, scale):
+    def flash(q, k, v, mask, scale, window=None):
         d = q.shape[-1]
         assert k.shape[-1] == d and v.shape == k.shape, (q.shape, k.shape, v.shape)
         assert d % 8 == 0 and d <= cudnn.MAX_HEAD_DIM, d
@@ -53,8 +53,9 @@ def stand_in(calls):
             assert mask.dtype == jnp.bool_ and q.shape[1] % 2 == 0, (mask.dtype, q.shape)
         calls.append((q.shape, v.shape, None if mask is None else mask.shape))
         return jax.nn.dot_product_attention(
-            q, k, v, mask=mask, scale=scale, is_causal=True, implementation="xla"
-        )
+            q, k, v, mask=mask, scale=scale, is_causal=True, implementation="xla",
+            local_window_size=None if window is None else (window - 1, 0),
+        )  # fmt: skip
 
     return flash
 
@@ -96,7 +97,7 @@ def test_negative_control_unpadded_scale_or_mask_fails():
     q, k, v, seg, _ = _inputs(b, t, h, g, qd, od, True, dtype)
     want = attend_dot(q, k, v, scale=0.3, segment_ids_BT=seg)
 
-    def flash_default_scale(q, k, v, mask, scale):
+    def flash_default_scale(q, k, v, mask, scale, window=None):
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
     bad = cudnn.attend_cudnn(q, k, v, scale=0.3, segment_ids_BT=seg, flash=flash_default_scale)

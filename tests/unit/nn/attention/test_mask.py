@@ -161,13 +161,14 @@ def test_blockwise_builds_every_causal_kind_from_positions(spec, packed, monkeyp
 
 
 @pytest.mark.parametrize("impl", ["splash", "cudnn"])
-def test_library_kernels_refuse_a_spec_they_cannot_build(impl):
-    with pytest.raises(ValueError, match=f"attention_impl={impl} builds only the causal mask"):
-        kernel.resolve(
-            impl, length=64, qk_dim=8, v_dim=8, dtype=jnp.float32, mask_spec=MaskSpec(window=8)
-        )
-    plain = kernel.resolve(impl, length=64, qk_dim=8, v_dim=8, dtype=jnp.float32)
-    assert plain == impl
+@pytest.mark.parametrize("spec", [MaskSpec(chunk=8), MaskSpec(window=8, sinks=2)], ids=str)
+def test_library_kernels_refuse_a_spec_they_cannot_build(impl, spec):
+    """Chunks and sinks are not row rules: splash and cuDNN refuse them; a window they take."""
+    kw = dict(length=64, qk_dim=8, v_dim=8, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=f"attention_impl={impl} builds its mask by row"):
+        kernel.resolve(impl, mask_spec=spec, **kw)
+    assert kernel.resolve(impl, mask_spec=MaskSpec(window=8), **kw) == impl
+    assert kernel.resolve(impl, **kw) == impl
 
 
 def test_blockwise_refuses_a_mask_that_is_not_causal():
@@ -187,6 +188,10 @@ def test_auto_picks_a_kernel_that_builds_the_spec():
     assert kernel.resolve("auto", length=4096, mask_spec=spec, **kw) == "blockwise"
     assert kernel.resolve("auto", length=64, mask_spec=spec, **kw) == "dot"
     assert kernel.resolve("auto", length=4096, mask_spec=MaskSpec(causal=False), **kw) == "dot"
+    # a sliding window is a row rule: the platform's own choice stands
+    window = MaskSpec(window=128)
+    assert kernel.resolve("auto", length=4096, mask_spec=window, **kw) == "splash"
+    assert kernel.resolve("auto", length=64, mask_spec=window, **kw) == "dot"
 
 
 @pytest.mark.parametrize(
