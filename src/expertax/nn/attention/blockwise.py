@@ -95,8 +95,22 @@ def _first_query_block(j, bq: int, bk: int, offset: int):
 
 
 def _forward(blocks, offset, scale, hint, spec):
-    """Blocked inputs -> (out [nq, B, G, J, bq, O] in v's dtype, lse [nq, B, G, J, bq] float32)."""
-    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks = blocks
+    """Blocked inputs -> (out [nq, B, G, J, bq, O] in v's dtype, lse [nq, B, G, J, bq] float32).
+
+    Learned sink logits (`blocks[-1]`, [G, J] float32, or None) are one more column of every
+    row's softmax, with no value: the running max starts at the sink and the running sum at
+    exp(0) = 1, so the sink is in the row's log-sum-exp, from which the backward recomputes the
+    probabilities; the sink's own gradient is -p_sink * rowsum(dO * O)."""
+    (
+        q_blocks,
+        k_blocks,
+        v_blocks,
+        seg_q_blocks,
+        seg_k_blocks,
+        pos_q_blocks,
+        pos_k_blocks,
+        sinks_GJ,
+    ) = blocks
     nq, b, g, r, bq, _ = q_blocks.shape
     nk, bk, vd = k_blocks.shape[0], k_blocks.shape[3], v_blocks.shape[-1]
 
@@ -122,9 +136,13 @@ def _forward(blocks, offset, scale, hint, spec):
             )
             return m_new, l_new, alpha[..., None] * acc_BGJTO + pv
 
+        if sinks_GJ is None:
+            m0, l0 = jnp.full((b, g, r, bq), MASKED_SCORE, jnp.float32), 0.0
+        else:
+            m0, l0 = jnp.broadcast_to(sinks_GJ[None, :, :, None], (b, g, r, bq)), 1.0
         init = (
-            jnp.full((b, g, r, bq), MASKED_SCORE, jnp.float32),
-            jnp.zeros((b, g, r, bq), jnp.float32),
+            m0,
+            jnp.full((b, g, r, bq), l0, jnp.float32),
             jnp.zeros((b, g, r, bq, vd), jnp.float32),
         )
         visits = sum(min(nk, (hint + (n + 1) * bq - 1) // bk + 1) for n in range(nq))
@@ -154,7 +172,16 @@ def _backward(scale, hint, spec, res, d_out):
     (BENCHMARKS.md).
     """
     blocks, offset, out, lse = res
-    q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks = blocks
+    (
+        q_blocks,
+        k_blocks,
+        v_blocks,
+        seg_q_blocks,
+        seg_k_blocks,
+        pos_q_blocks,
+        pos_k_blocks,
+        sinks_GJ,
+    ) = blocks
     nq, bq = q_blocks.shape[0], q_blocks.shape[4]
     nk, bk = k_blocks.shape[0], k_blocks.shape[3]
     # D_i = rowsum(dO_i * O_i) (FlashAttention-2 Alg. 2 line 4): dS = P * (dP - D).
@@ -212,13 +239,18 @@ def _backward(scale, hint, spec, res, d_out):
         one_key_block, dq0, (jnp.arange(nk), k_blocks, v_blocks, seg_k_blocks, pos_k_blocks)
     )
     dq = jnp.moveaxis(dq_t, 3, 5)  # [nq, B, G, J, bq, Q]
-    return (dq.astype(q_blocks.dtype), dk, dv, None, None, None, None), None
+    d_sinks = None
+    if sinks_GJ is not None:  # d lse / d sink = its probability; d out / d sink = -p_sink out
+        p_sink = jnp.exp(sinks_GJ[None, None, :, :, None] - lse)  # [nq, B, G, J, bq]
+        d_sinks = -jnp.sum(p_sink * delta, axis=(0, 1, 4))
+    return (dq.astype(q_blocks.dtype), dk, dv, None, None, None, None, d_sinks), None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _blocked_attention(blocks, offset, scale, hint, spec):
     """`blocks`: (q, k, v, segment ids of the queries and of the keys or None, positions of the
-    queries and of the keys), each cut into blocks on a leading axis."""
+    queries and of the keys), each cut into blocks on a leading axis, and the sink logits
+    ([G, J] float32) or None."""
     return _forward(blocks, offset, scale, hint, spec)[0]
 
 
@@ -255,9 +287,10 @@ def attend_blockwise(
     q_positions_BT: jax.Array | None = None,
     kv_positions_BS: jax.Array | None = None,
     mask_spec: MaskSpec = CAUSAL,
+    sink_logits_H: jax.Array | None = None,
 ) -> jax.Array:
     """Attention under a causal mask spec computed block by block; returns [B, T, H, O] in v's
-    dtype.
+    dtype. `sink_logits_H`: learned attention sinks, one logit per query head (`attend_dot`).
 
     Same arguments and result as `kernel.attend_dot` (the queries' rows the last T of S key rows,
     or from `q_offset` on; segment ids the keys'; positions [B|1, T] and [B|1, S], by default
@@ -296,7 +329,11 @@ def attend_blockwise(
     pos_q_blocks = _to_blocks(q_positions_BT.astype(jnp.int32), bq)  # [nq, B|1, bq]
     # a padding key sits after every query: the causal mask hides it
     pos_k_blocks = _to_blocks(kv_positions_BS.astype(jnp.int32), bk, pad_value=PAD_POSITION)
-    blocks = (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks)
+    sinks_GJ = None
+    if sink_logits_H is not None:
+        sinks_GJ = sink_logits_H.astype(jnp.float32).reshape(g, h // g)
+    blocks = (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks,
+              sinks_GJ)  # fmt: skip
     out = _blocked_attention(blocks, jnp.asarray(offset, jnp.int32), scale, hint, mask_spec)
     out_BTGJO = jnp.moveaxis(out, (0, 4), (1, 2)).reshape(b, -1, g, h // g, v_BSGO.shape[-1])
     return out_BTGJO[:, :t].reshape(b, t, h, v_BSGO.shape[-1])

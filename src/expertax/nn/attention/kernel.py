@@ -59,6 +59,7 @@ def attend_dot(
     q_positions_BT=None,
     kv_positions_BS=None,
     mask_spec: MaskSpec = CAUSAL,
+    sink_logits_H: jax.Array | None = None,
 ) -> jax.Array:
     """Attention with whole score matrices; returns [B, T, H, O]. Softmax in float32.
 
@@ -70,7 +71,11 @@ def attend_dot(
 
     Queries and keys may come in parts (tuples, matched in order): the scores are the sum of the
     parts' products (MLA's absorbed form: the latent part and the RoPE part, mla.py), so that no
-    part is concatenated with another (a whole cache copied per step)."""
+    part is concatenated with another (a whole cache copied per step).
+
+    `sink_logits_H`: learned attention sinks (GPT-OSS), one logit per query head: one more
+    column of each row's softmax that has no value, so a head can give a row less than all of
+    its weight (a row that reads no key gives 0)."""
     q_parts = q_BTHQ if isinstance(q_BTHQ, tuple) else (q_BTHQ,)
     k_parts = k_BSGQ if isinstance(k_BSGQ, tuple) else (k_BSGQ,)
     b, t, h, _ = q_parts[0].shape
@@ -98,12 +103,24 @@ def attend_dot(
         seg_q_BT = jax.lax.dynamic_slice_in_dim(segment_ids_BT, offset, t, axis=1)
     allowed_BTS = mask.allowed(mask_spec, q_positions_BT, kv_positions_BS, seg_q_BT, segment_ids_BT)
     scores = jnp.where(allowed_BTS[:, None, None], scores, MASKED_SCORE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGO.dtype)
+    probs = _softmax(scores, sink_logits_H).astype(v_BSGO.dtype)
     if g == 1:  # the heads' and queries' rows as one axis: one batched product per sequence
         out_BMO = jnp.einsum("bms,bso->bmo", probs.reshape(b, h * t, s), v_BSGO[:, :, 0])
         return out_BMO.reshape(b, h, t, -1).transpose(0, 2, 1, 3)
     out = jnp.einsum("bgjts,bsgo->btgjo", probs, v_BSGO)
     return out.reshape(b, t, h, v_BSGO.shape[-1])
+
+
+def _softmax(scores_BGJTS, sink_logits_H):
+    """The softmax over the keys of [B, G, J, T, S] float32 scores, with each head's sink logit
+    as one more column (dropped from the result) where given."""
+    if sink_logits_H is None:
+        return jax.nn.softmax(scores_BGJTS, axis=-1)
+    g, j = scores_BGJTS.shape[1:3]
+    sink = sink_logits_H.astype(jnp.float32).reshape(1, g, j, 1, 1)
+    top = jnp.maximum(jnp.max(scores_BGJTS, axis=-1, keepdims=True), sink)
+    e = jnp.exp(scores_BGJTS - top)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
 
 
 def resolve(
@@ -116,23 +133,30 @@ def resolve(
     on: str | None = None,
     chunked: bool = False,
     mask_spec: MaskSpec = CAUSAL,
+    sinks: bool = False,
 ):
     """The concrete implementation `impl` stands for on platform `on` (default: the platform
     being traced for); anything but `auto` is returned as it is, unless it cannot honour
-    `mask_spec` (a ValueError saying why; `auto` then picks `dot`). `chunked`: the queries are a
-    token chunk after earlier keys (`num_attention_token_chunks`), which cuDNN cannot take."""
+    `mask_spec` or learned `sinks` (a ValueError saying why; `auto` then picks a kernel that
+    can). `chunked`: the queries are a token chunk after earlier keys
+    (`num_attention_token_chunks`), which cuDNN cannot take."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention_impl={impl!r}: use one of {', '.join(IMPLEMENTATIONS)}")
     if impl != "auto":
         if (why := mask.unsupported(mask_spec, impl)) is not None:
             raise ValueError(why)
+        if sinks and impl == "cudnn":
+            raise ValueError(
+                "attention_impl=cudnn: jax.nn.dot_product_attention has no learned attention "
+                "sinks (attention_sinks=true); use attention_impl=auto, dot or blockwise"
+            )
         return impl
     if not mask.by_row(mask_spec):  # dot builds any spec, blockwise a causal one
         long = mask_spec.causal and length >= AUTO_BLOCKWISE_MIN_LENGTH
         return "blockwise" if long else "dot"
     on = on or platform.current()
     choice = evidence.AUTO.get(on, evidence.AUTO["cpu"])
-    usable = not chunked and cudnn.unusable_because(qk_dim, v_dim, dtype) is None
+    usable = not chunked and not sinks and cudnn.unusable_because(qk_dim, v_dim, dtype) is None
     if choice.kernel == "cudnn" and usable:
         return "cudnn"
     return choice.long if length >= AUTO_BLOCKWISE_MIN_LENGTH else choice.short
@@ -151,6 +175,7 @@ def attend(
     q_positions_BT: jax.Array | None = None,
     kv_positions_BS: jax.Array | None = None,
     mask_spec: MaskSpec = CAUSAL,
+    sink_logits_H: jax.Array | None = None,
 ) -> jax.Array:
     """Attention by the implementation `impl` (config key `attention_impl`) under `mask_spec`
     (mask.py: `dot` and `blockwise` build it from `q_positions_BT` and `kv_positions_BS` where
@@ -161,7 +186,8 @@ def attend(
     of the S >= T key positions (S > T: one token chunk of a sequence, `chunks.py`), or, with
     `q_offset` (a traced int in a scan over query chunks: `dot` and `blockwise` only), start at
     key position `q_offset` (`mean_q_offset`: its mean over the scan, for the blockwise loops'
-    counted trips); `segment_ids_BT` are the keys' [B, S]."""
+    counted trips); `segment_ids_BT` are the keys' [B, S]; `sink_logits_H`: learned attention
+    sinks, one logit per query head (`attend_dot`; every kernel but cuDNN's)."""
     impl = resolve(
         impl,
         length=k_BSGQ.shape[1],
@@ -170,6 +196,7 @@ def attend(
         dtype=q_BTHQ.dtype,
         chunked=k_BSGQ.shape[1] != q_BTHQ.shape[1] or q_offset is not None,
         mask_spec=mask_spec,
+        sinks=sink_logits_H is not None,
     )
     if q_offset is not None and impl not in SCANNED:
         raise ValueError(
@@ -183,6 +210,8 @@ def attend(
             "use attention_impl=auto, dot or blockwise"
         )
     kw: dict = dict(scale=scale, segment_ids_BT=segment_ids_BT)
+    if sink_logits_H is not None:  # resolve refused cudnn
+        kw.update(sink_logits_H=sink_logits_H)
     if impl in SCANNED:  # dot, blockwise: the mask from positions
         kw.update(q_offset=q_offset, q_positions_BT=q_positions_BT,
                   kv_positions_BS=kv_positions_BS, mask_spec=mask_spec)  # fmt: skip

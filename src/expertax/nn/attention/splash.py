@@ -137,7 +137,15 @@ def _at_default_precision(fn):
 
 
 def _attend_local(
-    q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT, *, scale: float, interpret: bool, window: int | None
+    q_BTHQ,
+    k_BSGQ,
+    v_BSGO,
+    segment_ids_BT,
+    sink_logits_H,
+    *,
+    scale: float,
+    interpret: bool,
+    window: int | None,
 ):
     """One device's sequences and heads, whole lengths; returns [B, T, H, O]. The queries are
     the last T of the S key positions; `segment_ids_BT` are the keys' [B, S]."""
@@ -154,21 +162,22 @@ def _attend_local(
             _pad_length(segment_ids_BT, padded_kv),
         )
 
-    def batch(q_BTHQ, k_BSGQ, v_BSGO, seg_BT):
+    def batch(q_BTHQ, k_BSGQ, v_BSGO, seg_BT, sinks_H):
         # Built inside the traced function: its block maps must be arrays of this trace.
         kernel = _kernel(h, padded_q, padded_kv, s - t, block, interpret, window)
 
         def one(q_THQ, k_SGQ, v_SGO, seg_T):
             ids = None if seg_T is None else splash_lib.SegmentIds(q=seg_T[0], kv=seg_T[1])
             heads_first = (jnp.swapaxes(x, 0, 1) for x in (q_THQ, k_SGQ, v_SGO))
-            return jnp.swapaxes(kernel(*heads_first, segment_ids=ids), 0, 1)
+            return jnp.swapaxes(kernel(*heads_first, segment_ids=ids, sinks=sinks_H), 0, 1)
 
         in_axes = (0, 0, 0, None if seg_BT is None else 0)
         return jax.vmap(one, in_axes=in_axes)(q_BTHQ, k_BSGQ, v_BSGO, seg_BT)
 
     if jnp.dtype(q.dtype).itemsize == 2:
         batch = _at_default_precision(batch)
-    out = batch(q, k, v, seg)
+    sinks = None if sink_logits_H is None else sink_logits_H.astype(jnp.float32)
+    out = batch(q, k, v, seg, sinks)
     return out[:, :t]
 
 
@@ -180,12 +189,14 @@ def attend_splash(
     scale: float,
     segment_ids_BT: jax.Array | None = None,
     window: int | None = None,
+    sink_logits_H: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal splash attention, within a sliding `window` of positions where given; same
     arguments and result ([B, T, H, O]) as `kernel.attend_dot` (the queries are the last T of
     the S >= T key positions: a sequence attending to itself, or one token chunk of it to the
-    keys up to its end)."""
+    keys up to its end). `sink_logits_H`: learned attention sinks, one logit per query head,
+    which the kernel takes as its own (`sinks`)."""
     if k_BSGQ.shape[1] < q_BTHQ.shape[1]:
         raise ValueError(
             f"attention_impl=splash: {q_BTHQ.shape[1]} query positions after only "
@@ -194,18 +205,23 @@ def attend_splash(
     local = functools.partial(_attend_local, scale=scale, interpret=interpret, window=window)
     rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty:
-        return local(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT)
+        return local(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT, sink_logits_H)
     # Heads split by what divides the kv heads, for queries and keys alike (whole GQA groups).
     b, t, g, qd = k_BSGQ.shape
     spec = logical_to_spec(("batch", None, "act_heads", None), rules, mesh, (b, t, g, qd))
     seg_spec = jax.sharding.PartitionSpec(spec[0] if len(spec) else None)
+    # the sinks split as the heads (whole GQA groups per device: H = G x J, contiguous)
+    sinks_spec = jax.sharding.PartitionSpec(spec[2] if len(spec) > 2 else None)
     # check_vma=False: the Pallas call declares no varying-axes types (jax 0.10 refuses it with
     # the check on); the gradients under a partly replicating mesh are checked against
     # attend_dot in tests/unit/nn/attention/test_splash.py.
     fn = jax.shard_map(
         local,
-        in_specs=(spec, spec, spec, None if segment_ids_BT is None else seg_spec),
+        in_specs=(
+            spec, spec, spec, None if segment_ids_BT is None else seg_spec,
+            None if sink_logits_H is None else sinks_spec,
+        ),
         out_specs=spec,
         check_vma=False,
-    )
-    return fn(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT)
+    )  # fmt: skip
+    return fn(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT, sink_logits_H)
