@@ -29,6 +29,7 @@ the compiled temp bytes of forward+backward grow linearly in T.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,34 +95,38 @@ def _first_query_block(j, bq: int, bk: int, offset: int):
     return jnp.maximum(0, (j * bk - offset) // bq)
 
 
-def _forward(blocks, offset, scale, hint, spec):
+class Blocks(NamedTuple):
+    """Attention's inputs cut into blocks on a leading axis: queries [nq, B, G, J, bq, Q], keys
+    [nk, B, G, bk, Q], values [nk, B, G, bk, O], the queries' and keys' segment ids ([n, B, b]
+    or None) and positions ([n, B|1, b]); and the sink logits ([G, J] float32, or None)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    seg_q: jax.Array | None
+    seg_k: jax.Array | None
+    pos_q: jax.Array
+    pos_k: jax.Array
+    sinks_GJ: jax.Array | None
+
+
+def _forward(blocks: Blocks, offset, scale, hint, spec):
     """Blocked inputs -> (out [nq, B, G, J, bq, O] in v's dtype, lse [nq, B, G, J, bq] float32).
 
-    Learned sink logits (`blocks[-1]`, [G, J] float32, or None) are one more column of every
-    row's softmax, with no value: the running max starts at the sink and the running sum at
-    exp(0) = 1, so the sink is in the row's log-sum-exp, from which the backward recomputes the
+    Learned sink logits (`blocks.sinks_GJ`) are one more column of every row's softmax, with no
+    value: the running max starts at the sink and the running sum at exp(0) = 1, so the sink is in the row's log-sum-exp, from which the backward recomputes the
     probabilities; the sink's own gradient is -p_sink * rowsum(dO * O)."""
-    (
-        q_blocks,
-        k_blocks,
-        v_blocks,
-        seg_q_blocks,
-        seg_k_blocks,
-        pos_q_blocks,
-        pos_k_blocks,
-        sinks_GJ,
-    ) = blocks
-    nq, b, g, r, bq, _ = q_blocks.shape
-    nk, bk, vd = k_blocks.shape[0], k_blocks.shape[3], v_blocks.shape[-1]
+    nq, b, g, r, bq, _ = blocks.q.shape
+    nk, bk, vd = blocks.k.shape[0], blocks.k.shape[3], blocks.v.shape[-1]
 
     def one_query_block(_, xs):
         i, q_blk, seg_q_blk, pos_q_blk = xs
 
         def one_key_block(j, carry):
             m_BGJT, l_BGJT, acc_BGJTO = carry
-            seg_k_blk = None if seg_k_blocks is None else seg_k_blocks[j]
+            seg_k_blk = None if blocks.seg_k is None else blocks.seg_k[j]
             s, ok = _block_scores(
-                q_blk, k_blocks[j], seg_q_blk, seg_k_blk, pos_q_blk, pos_k_blocks[j], spec, scale
+                q_blk, blocks.k[j], seg_q_blk, seg_k_blk, pos_q_blk, blocks.pos_k[j], spec, scale
             )
             s = jnp.where(ok, s, MASKED_SCORE)
             m_new = jnp.maximum(m_BGJT, s.max(-1))
@@ -130,16 +135,16 @@ def _forward(blocks, offset, scale, hint, spec):
             l_new = alpha * l_BGJT + p.sum(-1)
             pv = jnp.einsum(
                 "bgjts,bgso->bgjto",
-                p.astype(v_blocks.dtype),
-                v_blocks[j],
+                p.astype(blocks.v.dtype),
+                blocks.v[j],
                 preferred_element_type=jnp.float32,
             )
             return m_new, l_new, alpha[..., None] * acc_BGJTO + pv
 
-        if sinks_GJ is None:
+        if blocks.sinks_GJ is None:
             m0, l0 = jnp.full((b, g, r, bq), MASKED_SCORE, jnp.float32), 0.0
         else:
-            m0, l0 = jnp.broadcast_to(sinks_GJ[None, :, :, None], (b, g, r, bq)), 1.0
+            m0, l0 = jnp.broadcast_to(blocks.sinks_GJ[None, :, :, None], (b, g, r, bq)), 1.0
         init = (
             m0,
             jnp.full((b, g, r, bq), l0, jnp.float32),
@@ -151,10 +156,10 @@ def _forward(blocks, offset, scale, hint, spec):
             m, row_sum, acc = jax.lax.fori_loop(0, trips, one_key_block, init)
         # a row that reads no key (a padding row of the last block) gives 0, not 0 / 0
         row_sum = jnp.where(row_sum > 0, row_sum, 1.0)
-        out = (acc / row_sum[..., None]).astype(v_blocks.dtype)
+        out = (acc / row_sum[..., None]).astype(blocks.v.dtype)
         return None, (out, m + jnp.log(row_sum))
 
-    xs = (jnp.arange(nq), q_blocks, seg_q_blocks, pos_q_blocks)
+    xs = (jnp.arange(nq), blocks.q, blocks.seg_q, blocks.pos_q)
     _, (out, lse) = jax.lax.scan(one_query_block, None, xs)
     return out, lse
 
@@ -172,18 +177,8 @@ def _backward(scale, hint, spec, res, d_out):
     (BENCHMARKS.md).
     """
     blocks, offset, out, lse = res
-    (
-        q_blocks,
-        k_blocks,
-        v_blocks,
-        seg_q_blocks,
-        seg_k_blocks,
-        pos_q_blocks,
-        pos_k_blocks,
-        sinks_GJ,
-    ) = blocks
-    nq, bq = q_blocks.shape[0], q_blocks.shape[4]
-    nk, bk = k_blocks.shape[0], k_blocks.shape[3]
+    nq, bq = blocks.q.shape[0], blocks.q.shape[4]
+    nk, bk = blocks.k.shape[0], blocks.k.shape[3]
     # D_i = rowsum(dO_i * O_i) (FlashAttention-2 Alg. 2 line 4): dS = P * (dP - D).
     delta = jnp.einsum("nbgjto,nbgjto->nbgjt", d_out, out, preferred_element_type=jnp.float32)
 
@@ -193,10 +188,10 @@ def _backward(scale, hint, spec, res, d_out):
 
         def one_query_block(i, carry):
             dq_acc, dk_BGSQ, dv_BGSO = carry
-            q_blk, do_blk = q_blocks[i], d_out[i]
-            seg_q_blk = None if seg_q_blocks is None else seg_q_blocks[i]
+            q_blk, do_blk = blocks.q[i], d_out[i]
+            seg_q_blk = None if blocks.seg_q is None else blocks.seg_q[i]
             s, ok = _block_scores(
-                q_blk, k_blk, seg_q_blk, seg_k_blk, pos_q_blocks[i], pos_k_blk, spec, scale,
+                q_blk, k_blk, seg_q_blk, seg_k_blk, blocks.pos_q[i], pos_k_blk, spec, scale,
                 keys_first=True,
             )  # fmt: skip
             p = jnp.where(ok, jnp.exp(s - lse[i][:, :, None]), 0.0)
@@ -233,24 +228,24 @@ def _backward(scale, hint, spec, res, d_out):
             dq_acc, dk, dv = jax.lax.fori_loop(first, nq, one_query_block, init)
         return dq_acc, (dk.astype(k_blk.dtype), dv.astype(v_blk.dtype))
 
-    _, b, g, r, _, qd = q_blocks.shape
+    _, b, g, r, _, qd = blocks.q.shape
     dq0 = jnp.zeros((nq, b, g, qd, r, bq), jnp.float32)  # dQ^T per query block
     dq_t, (dk, dv) = jax.lax.scan(
-        one_key_block, dq0, (jnp.arange(nk), k_blocks, v_blocks, seg_k_blocks, pos_k_blocks)
+        one_key_block, dq0, (jnp.arange(nk), blocks.k, blocks.v, blocks.seg_k, blocks.pos_k)
     )
     dq = jnp.moveaxis(dq_t, 3, 5)  # [nq, B, G, J, bq, Q]
     d_sinks = None
-    if sinks_GJ is not None:  # d lse / d sink = its probability; d out / d sink = -p_sink out
-        p_sink = jnp.exp(sinks_GJ[None, None, :, :, None] - lse)  # [nq, B, G, J, bq]
+    if (
+        blocks.sinks_GJ is not None
+    ):  # d lse / d sink = its probability; d out / d sink = -p_sink out
+        p_sink = jnp.exp(blocks.sinks_GJ[None, None, :, :, None] - lse)  # [nq, B, G, J, bq]
         d_sinks = -jnp.sum(p_sink * delta, axis=(0, 1, 4))
-    return (dq.astype(q_blocks.dtype), dk, dv, None, None, None, None, d_sinks), None
+    return Blocks(dq.astype(blocks.q.dtype), dk, dv, None, None, None, None, d_sinks), None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _blocked_attention(blocks, offset, scale, hint, spec):
-    """`blocks`: (q, k, v, segment ids of the queries and of the keys or None, positions of the
-    queries and of the keys), each cut into blocks on a leading axis, and the sink logits
-    ([G, J] float32) or None."""
+    """Attention over `Blocks`: the output blocks [nq, B, G, J, bq, O]."""
     return _forward(blocks, offset, scale, hint, spec)[0]
 
 
@@ -332,8 +327,10 @@ def attend_blockwise(
     sinks_GJ = None
     if sink_logits_H is not None:
         sinks_GJ = sink_logits_H.astype(jnp.float32).reshape(g, h // g)
-    blocks = (q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks,
-              sinks_GJ)  # fmt: skip
+    blocks = Blocks(
+        q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks,
+        sinks_GJ,
+    )  # fmt: skip
     out = _blocked_attention(blocks, jnp.asarray(offset, jnp.int32), scale, hint, mask_spec)
     out_BTGJO = jnp.moveaxis(out, (0, 4), (1, 2)).reshape(b, -1, g, h // g, v_BSGO.shape[-1])
     return out_BTGJO[:, :t].reshape(b, t, h, v_BSGO.shape[-1])
