@@ -114,8 +114,9 @@ def _forward(blocks: Blocks, offset, scale, hint, spec):
     """Blocked inputs -> (out [nq, B, G, J, bq, O] in v's dtype, lse [nq, B, G, J, bq] float32).
 
     Learned sink logits (`blocks.sinks_GJ`) are one more column of every row's softmax, with no
-    value: the running max starts at the sink and the running sum at exp(0) = 1, so the sink is in the row's log-sum-exp, from which the backward recomputes the
-    probabilities; the sink's own gradient is -p_sink * rowsum(dO * O)."""
+    value: the running max starts at the sink and the running sum at exp(0) = 1, so the sink is
+    in the row's log-sum-exp, from which the backward recomputes the probabilities; the sink's
+    own gradient is -p_sink * rowsum(dO * O)."""
     nq, b, g, r, bq, _ = blocks.q.shape
     nk, bk, vd = blocks.k.shape[0], blocks.k.shape[3], blocks.v.shape[-1]
 
