@@ -41,11 +41,51 @@ BLOCK = 128
 QUANTIZED_PARENTS = ("attn", "mlp", "moe", "shared", "mtp")
 
 
+def _exactly(divisor, xp):
+    """`divisor` such that a division by it stays a division: XLA rewrites a division by a
+    constant or a broadcast into a product with the reciprocal, one float32 ulp off the
+    quotient in about half the cases; NumPy divides. A barrier hides the value from XLA."""
+    return divisor if xp is not jnp else jax.lax.optimization_barrier(divisor)
+
+
 def scale_for(amax, xp=jnp):
     """A block's scale from its largest magnitude `amax` (float32, any shape; `xp`: numpy or
-    jax.numpy): `amax / 448`, 1 for an all-zero block."""
+    jax.numpy): `amax / 448`, 1 for an all-zero block; the same float32 bits from both."""
     amax = xp.asarray(amax, xp.float32)
-    return xp.where(amax > 0, amax / xp.float32(E4M3_MAX), xp.float32(1.0)).astype(xp.float32)
+    scale = amax / _exactly(xp.full(amax.shape, E4M3_MAX, xp.float32), xp)
+    return xp.where(amax > 0, scale, xp.float32(1.0)).astype(xp.float32)
+
+
+def block_amax(w_RC, rows: int, cols: int, xp=jnp):
+    """The largest magnitude of each `rows` x `cols` block of a 2-D `w_RC` (float32; `xp`:
+    numpy or jax.numpy), edge blocks padded with zeros: [ceil(R / rows), ceil(C / cols)]."""
+    r, c = w_RC.shape
+    gr, gc = -(-r // rows), -(-c // cols)
+    a = xp.abs(w_RC.astype(xp.float32))
+    if (gr * rows, gc * cols) != (r, c):
+        a = xp.pad(a, ((0, gr * rows - r), (0, gc * cols - c)))
+    return a.reshape(gr, rows, gc, cols).max(axis=(1, 3))
+
+
+def expand(scale_GH, rows: int, cols: int, shape: tuple[int, int], xp=jnp):
+    """A block-scale grid as an array of `shape` (each scale over its `rows` x `cols` block,
+    edge blocks cut)."""
+    full = xp.repeat(xp.repeat(scale_GH, rows, axis=0), cols, axis=1)
+    return full[: shape[0], : shape[1]]
+
+
+def quantize_blocks(w_RC, rows: int, cols: int, xp=jnp, scale_GH=None):
+    """(e4m3 values, float32 scale grid) of a 2-D `w_RC` in `rows` x `cols` blocks, by the scale
+    rule (`scale_for` of each block's amax) unless `scale_GH` is given. DeepSeek-V3's weights:
+    128 x 128; its activations and output gradients: 1 x 128 along the contraction axis."""
+    if scale_GH is None:
+        scale_GH = scale_for(block_amax(w_RC, rows, cols, xp), xp)
+    # w times the scale's reciprocal, in NumPy and XLA alike (XLA would turn `w / scale` over
+    # the expanded grid into this product anyway; the reciprocals are one division per block)
+    inverse = xp.float32(1.0) / _exactly(scale_GH, xp)
+    w32 = w_RC.astype(xp.float32)
+    q = (w32 * expand(inverse, rows, cols, w_RC.shape, xp)).astype(E4M3)
+    return q, scale_GH
 
 
 class Fp8(NamedTuple):

@@ -70,11 +70,6 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return (-(-out // BLOCK), -(-inp // BLOCK))
 
 
-def _expand(scale: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """A [r, c] block-scale grid as a [rows, cols] array (edge blocks cut)."""
-    return np.repeat(np.repeat(scale, BLOCK, axis=0)[:rows], BLOCK, axis=1)[:, :cols]
-
-
 def _tables() -> tuple[np.ndarray, np.ndarray]:
     """e4m3 -> float32 lookup tables: by byte, and by pairs of bytes (a little-endian uint16,
     the first byte's value in the low half of a uint64), from ml_dtypes' own conversion."""
@@ -127,16 +122,10 @@ def quantize(w: np.ndarray, hint: np.ndarray | None = None) -> tuple[np.ndarray,
     bfloat16/float32 (relative error <= 2^-9), far inside half an e4m3 step (2^-4), so
     `round(w / s)` is `q` again.
     """
-    rows, cols = w.shape
-    grid = scale_shape(w.shape)
-    w32 = w.astype(np.float32)
-    pad = np.zeros((grid[0] * BLOCK, grid[1] * BLOCK), np.float32)
-    pad[:rows, :cols] = np.abs(w32)
-    amax = pad.reshape(grid[0], BLOCK, grid[1], BLOCK).max(axis=(1, 3))
+    amax = quant.block_amax(w, BLOCK, BLOCK, np)
     scale = quant.scale_for(amax, np)
     if hint is not None:
         hint = hint.astype(np.float32)
         fits = (hint > 0) & (amax <= np.float32(quant.E4M3_MAX) * hint)
         scale = np.where(fits, hint, scale)
-    q = (w32 / _expand(scale, rows, cols)).astype(FP8)
-    return q, scale
+    return quant.quantize_blocks(w, BLOCK, BLOCK, np, scale_GH=scale)
