@@ -1,0 +1,119 @@
+"""fp8 training GEMMs: a linear whose three products (fprop, dgrad, wgrad) multiply e4m3 operands
+with float32 accumulation, under one of two recipes (config key `quantization`).
+
+- `fp8_tensorwise`: one float32 scale per tensor (current scaling: the tensor's amax / 448),
+  for activations, weights and output gradients alike. Each operand enters its product as
+  `convert(e4m3) * scalar`, the pattern XLA:GPU rewrites into a cuBLASLt fp8 GEMM
+  (`__cublas$lt$matmul$f8`) on Hopper.
+- `fp8_blockwise`: DeepSeek-V3's recipe (arXiv:2412.19437, Sec. 3.3): activations and output
+  gradients in 1 x 128 tiles (one scale per token per 128 channels of the contraction axis),
+  weights in 128 x 128 blocks (the hub checkpoint's `weight_scale_inv` layout, the same
+  quantizer as `convert/fp8.py`: `quant.quantize_blocks`). The wgrad contracts over tokens, so
+  its operands are re-tiled along the token axis (1 x 128 over tokens, per channel). XLA has no
+  block-scaled fp8 GEMM: on a GPU the operands are dequantized and multiplied in their dtype
+  (fp8's bytes saved, not its tensor-core time).
+
+The forward saves the fp8 values and scales of its input and of the weight for the backward
+(what the named-remat placements then hold), never the input in its own dtype. On every backend
+the quantizers are the same (ml_dtypes' e4m3): on a CPU the products of the dequantized operands
+are the accelerator's fp8 products up to float32 summation order, so the recipe's numerics are
+tested here.
+
+Shapes: `x` [..., K] (rows M = the product of the leading dims), `w` [K, N]; the result
+[..., N] in x's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from expertax import quant
+
+RECIPES = ("fp8_tensorwise", "fp8_blockwise")
+# XLA:GPU's Triton GEMM emitter claims a dot before the cuBLASLt fp8 rewrite sees it (jax 0.10.2):
+# a program of fp8 GEMMs compiles with it off.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+TILE = quant.BLOCK  # 128: the tile along a contraction axis, and the weight block
+
+
+def _quantize(x_RC, recipe: str, rows: int, cols: int):
+    """`x_RC` as (e4m3 values, scales) under `recipe`; the blockwise grid in `rows` x `cols`
+    blocks (a whole axis when it is shorter than the block)."""
+    if recipe == "fp8_tensorwise":
+        scale = quant.scale_for(jnp.max(jnp.abs(x_RC.astype(jnp.float32))))
+        return (x_RC.astype(jnp.float32) / scale).astype(quant.E4M3), scale
+    return quant.quantize_blocks(x_RC, min(rows, x_RC.shape[0]), min(cols, x_RC.shape[1]))
+
+
+def _dequantize(operand, dtype, rows: int, cols: int):
+    """The operand (e4m3 values, scales) in `dtype`: `convert(e4m3) * scale` (a scalar, or the
+    block grid expanded)."""
+    q_RC, scale = operand
+    if scale.ndim == 0:
+        return q_RC.astype(dtype) * scale.astype(dtype)
+    rows, cols = min(rows, q_RC.shape[0]), min(cols, q_RC.shape[1])
+    return q_RC.astype(dtype) * quant.expand(scale.astype(dtype), rows, cols, q_RC.shape)
+
+
+def _product(a, b, dtype, contract):
+    return jax.lax.dot_general(
+        a, b, (contract, ((), ())), preferred_element_type=jnp.float32
+    ).astype(dtype)
+
+
+def _forward(x_MK, w_KN, recipe: str):
+    qx = _quantize(x_MK, recipe, 1, TILE)  # 1 x 128 along K (tensorwise: one scale)
+    qw = _quantize(w_KN, recipe, TILE, TILE)
+    dtype = x_MK.dtype
+    y = _product(
+        _dequantize(qx, dtype, 1, TILE), _dequantize(qw, w_KN.dtype, TILE, TILE), dtype,
+        ((1,), (0,)),
+    )  # fmt: skip
+    return y, (qx, qw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gemm(x_MK, w_KN, recipe: str):
+    return _forward(x_MK, w_KN, recipe)[0]
+
+
+def _gemm_fwd(x_MK, w_KN, recipe: str):
+    y, (qx, qw) = _forward(x_MK, w_KN, recipe)
+    # residuals: the operands' e4m3 values and scales; the weight's dtype rides on an empty array
+    return y, (qx, qw, jnp.zeros((0,), w_KN.dtype))
+
+
+def _gemm_bwd(recipe: str, res, dy_MN):
+    qx, qw, w_dtype_tag = res
+    x_dtype, w_dtype = dy_MN.dtype, w_dtype_tag.dtype
+    # dgrad: dx = dy w^T, contracting N: dy in 1 x 128 tiles along N, the weight's blocks as held.
+    qdy_n = _quantize(dy_MN, recipe, 1, TILE)
+    w_deq = _dequantize(qw, w_dtype, TILE, TILE)
+    dx = _product(_dequantize(qdy_n, dy_MN.dtype, 1, TILE), w_deq, x_dtype, ((1,), (1,)))
+    # wgrad: dw = x^T dy, contracting M (tokens): both re-tiled along M, 128 tokens per scale.
+    x_deq = _dequantize(qx, x_dtype, 1, TILE)
+    qx_m = _quantize(x_deq, recipe, TILE, 1)
+    qdy_m = _quantize(dy_MN, recipe, TILE, 1)
+    dw = _product(
+        _dequantize(qx_m, x_dtype, TILE, 1), _dequantize(qdy_m, dy_MN.dtype, TILE, 1), w_dtype,
+        ((0,), (0,)),
+    )  # fmt: skip
+    return dx, dw
+
+
+_gemm.defvjp(_gemm_fwd, _gemm_bwd)
+
+
+def matmul(x: jax.Array, w_KN: jax.Array, recipe: str) -> jax.Array:
+    """`x @ w_KN` ([..., K] x [K, N] -> [..., N]) with fp8 operands in all three GEMMs under
+    `recipe` (one of `RECIPES`)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"quantization={recipe!r}: an fp8 GEMM recipe is one of {RECIPES}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    if w_KN.ndim != 2 or w_KN.shape[0] != k:
+        raise ValueError(f"fp8 matmul: x {x.shape} and w {w_KN.shape} do not contract")
+    y = _gemm(x.reshape(-1, k), w_KN, recipe)
+    return y.reshape(*lead, w_KN.shape[1])

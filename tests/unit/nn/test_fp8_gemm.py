@@ -1,0 +1,134 @@
+"""fp8 training GEMMs (nn/fp8_gemm.py): the quantizers (tiles, blocks, the hub's weight format bit
+for bit), each recipe's products against an exact emulation and against float32, the tiles'
+worth with token magnitudes spread over 1e-3..1e3, the fp8 residuals, and, compile-only for an
+H100, the three cuBLASLt fp8 GEMMs of a tensorwise linear."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from expertax import platform, quant, targets
+from expertax.convert import fp8 as hub_fp8
+from expertax.nn import fp8_gemm
+from tests.tolerances import tol
+
+M, K, N = 64, 384, 256
+
+
+def _operands(seed=0, spread=False):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(ks[0], (M, K))
+    if spread:  # token magnitudes over six decades
+        x = x * jnp.logspace(-3, 3, M)[:, None]
+    return x, jax.random.normal(ks[1], (K, N)) * 0.05, jax.random.normal(ks[2], (M, N))
+
+
+def _rel(a, b, axis=None):
+    return np.linalg.norm(np.asarray(a - b), axis=axis) / np.linalg.norm(np.asarray(b), axis=axis)
+
+
+def _fp8_and_exact(recipe, x, w, dy):
+    (y, vjp) = jax.vjp(lambda x, w: fp8_gemm.matmul(x, w, recipe), x, w)
+    y0, vjp0 = jax.vjp(jnp.matmul, x, w)
+    return (y, *vjp(dy)), (y0, *vjp0(dy))
+
+
+def test_weight_blocks_are_the_hub_format_bit_for_bit():
+    """The training quantizer (jax) and the converter (NumPy) give the same e4m3 bytes and
+    scales, edge blocks included (300 x 200: partial blocks on both axes)."""
+    w = np.asarray(jax.random.normal(jax.random.key(3), (300, 200))) * 0.02
+    q_hub, s_hub = hub_fp8.quantize(w)
+    q, s = quant.quantize_blocks(jnp.asarray(w), 128, 128)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_hub.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s), s_hub)
+
+
+def test_activation_tiles_fill_e4m3_per_token_and_128_channels():
+    x, _, _ = _operands(spread=True)
+    q, s = quant.quantize_blocks(x, 1, 128)
+    assert s.shape == (M, K // 128)
+    amax = np.abs(np.asarray(q, np.float32)).reshape(M, K // 128, 128).max(-1)
+    np.testing.assert_array_equal(amax, np.full_like(amax, quant.E4M3_MAX))
+
+
+@pytest.mark.parametrize("recipe", fp8_gemm.RECIPES)
+def test_products_are_the_dequantized_operands_products(recipe):
+    """fprop, dgrad and wgrad equal float32 products of the quantized operands (each re-derived
+    here from the recipe's tiles), i.e. what an fp8 GEMM with float32 accumulation computes."""
+    x, w, dy = _operands()
+    (y, dx, dw), _ = _fp8_and_exact(recipe, x, w, dy)
+    rows, cols = (M, K) if recipe == "fp8_tensorwise" else (1, 128)
+
+    def deq(a, r, c):
+        if recipe == "fp8_tensorwise":
+            r, c = a.shape
+        q, s = quant.quantize_blocks(a, r, c)
+        return q.astype(jnp.float32) * quant.expand(s, r, c, a.shape)
+
+    np.testing.assert_allclose(y, deq(x, rows, cols) @ deq(w, 128, 128), **tol(jnp.float32))
+    np.testing.assert_allclose(dx, deq(dy, 1, 128) @ deq(w, 128, 128).T, **tol(jnp.float32))
+    x_seen = deq(x, 1, 128)  # the saved input, re-tiled along the tokens for the wgrad
+    np.testing.assert_allclose(dw, deq(x_seen, 128, 1).T @ deq(dy, 128, 1), **tol(jnp.float32))
+
+
+@pytest.mark.parametrize("recipe", fp8_gemm.RECIPES)
+def test_error_against_float32_within_the_recipe_bound(recipe):
+    x, w, dy = _operands()
+    got, want = _fp8_and_exact(recipe, x, w, dy)
+    errors = [_rel(g, e) for g, e in zip(got, want, strict=True)]
+    assert all(0.005 < err <= 0.05 for err in errors), errors  # fp8, not float32
+
+
+def test_tiles_keep_small_tokens_that_one_scale_flushes():
+    x, w, _ = _operands(spread=True)
+    want = np.asarray(x @ w)
+    worst = {r: _rel(fp8_gemm.matmul(x, w, r), want, axis=1).max() for r in fp8_gemm.RECIPES}
+    assert worst["fp8_blockwise"] <= 0.06
+    assert worst["fp8_tensorwise"] > 0.5  # the smallest tokens round to zero
+
+
+def test_residuals_are_fp8():
+    x, w, _ = _operands()
+    _, res = fp8_gemm._gemm_fwd(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), "fp8_blockwise")
+    (qx, sx), (qw, sw), _ = res
+    assert qx.dtype == qw.dtype == quant.E4M3 and qx.shape == (M, K) and qw.shape == (K, N)
+    assert sx.dtype == sw.dtype == jnp.float32 and sx.shape == (M, K // 128)
+
+
+def test_refuses_an_unknown_recipe():
+    x, w, _ = _operands()
+    with pytest.raises(ValueError, match="quantization='fp8'"):
+        fp8_gemm.matmul(x, w, "fp8")
+
+
+needs_gpu = pytest.mark.skipif(
+    not targets.compiler_available("gpu"), reason="the GPU compiler (expertax[gpu]) is missing"
+)
+
+
+@needs_gpu
+def test_tensorwise_linear_is_three_cublaslt_fp8_gemms_on_h100():
+    """[4096 x 7168] x [7168 x 2048] forward and backward in bfloat16: fprop, dgrad and wgrad
+    each `__cublas$lt$matmul$f8` once XLA's Triton GEMMs are off; blockwise scales are not a
+    pattern cuBLASLt takes (the control: no fp8 GEMM)."""
+    t = targets.parse_target("gpu:h100x8")
+    one = NamedSharding(Mesh(t.devices()[:1], ("one",)), PartitionSpec())
+    shapes = ((4096, 7168), (7168, 2048), (4096, 2048))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=one) for s in shapes]
+
+    def text(recipe):
+        def step(x, w, dy):
+            y, vjp = jax.vjp(lambda x, w: fp8_gemm.matmul(x, w, recipe), x, w)
+            return y, vjp(dy)
+
+        with platform.use("gpu"):
+            lowered = jax.jit(step).lower(*args)
+            return lowered.compile(compiler_options=fp8_gemm.GPU_COMPILER_OPTIONS).as_text()
+
+    calls = re.findall(r'custom_call_target="([^"]+)"', text("fp8_tensorwise"))
+    assert calls.count("__cublas$lt$matmul$f8") == 3 and "__cublas$lt$matmul" not in calls
+    assert "__cublas$lt$matmul$f8" not in text("fp8_blockwise")
