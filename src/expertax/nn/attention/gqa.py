@@ -1,5 +1,6 @@
-"""Grouped-query attention (Mixtral, Llama): wq, wk, wv, RoPE on the full head, wo; with an
-optional key/value cache (cache.py: decoding's prefill and decode steps)."""
+"""Grouped-query attention (Mixtral, Qwen3, Llama): wq, wk, wv, the optional per-head q/k norm
+(qk_norm.py), RoPE on the full head, wo; with an optional key/value cache (cache.py: decoding's
+prefill and decode steps)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import rope
-from expertax.nn.attention import chunks, kernel
+from expertax.nn.attention import chunks, kernel, qk_norm
 from expertax.nn.attention.cache import KV, constrain_layer, slot_positions, write
 from expertax.nn.linear import project
 from expertax.nn.param import Param, params_dataclass, projection
@@ -21,6 +22,8 @@ class GQA:
     wk: Param  # [D, G, Q]
     wv: Param  # [D, G, O], O = Q here
     wo: Param  # [H, O, D]
+    q_norm: Param = None  # [Q] per-head query RMSNorm scale; None without attention_qk_norm
+    k_norm: Param = None  # [Q] per-head key RMSNorm scale; None without attention_qk_norm
 
 
 def spec(c: Config) -> GQA:
@@ -30,11 +33,14 @@ def spec(c: Config) -> GQA:
         wk=projection((d, g, q), ("embed", "kv_heads", "kv"), d),
         wv=projection((d, g, q), ("embed", "kv_heads", "kv"), d),
         wo=projection((h, q, d), ("heads", "kv", "embed"), h * q),
+        q_norm=qk_norm.spec(c),
+        k_norm=qk_norm.spec(c),
     )
 
 
 def _queries(p: GQA, x_BTD, c: Config, positions_BT, dtype) -> jax.Array:
     q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
+    q = qk_norm.apply(p.q_norm, q, c)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     return constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
 
@@ -43,7 +49,7 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
     """The layer's output [B, T, D] and its cache (None without one; with one, the new
     tokens' keys and values written at their positions and every slot read: cache.py)."""
     t = x_BTD.shape[1]
-    k = remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
+    k = qk_norm.apply(p.k_norm, remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ), c)
     v = remat.tag(project(x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))
