@@ -15,6 +15,9 @@ PRESETS = [
     "mixtral-tiny",
     "mixtral-8x7b",
     "llama-tiny",
+    "qwen3-moe-tiny",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
 ]
 
 
