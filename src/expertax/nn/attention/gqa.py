@@ -22,25 +22,39 @@ class GQA:
     wk: Param  # [D, G, Q]
     wv: Param  # [D, G, O], O = Q here
     wo: Param  # [H, O, D]
-    q_norm: Param = None  # [Q] per-head query RMSNorm scale; None without attention_qk_norm
-    k_norm: Param = None  # [Q] per-head key RMSNorm scale; None without attention_qk_norm
+
+
+@params_dataclass
+class NormedGQA(GQA):
+    """GQA with the per-head q/k RMSNorm (`attention_qk_norm`, qk_norm.py). A class of its own,
+    not two None fields of GQA, so that a model without the norm keeps the parameter tree (and
+    the checkpoints and model directories) it had before the norm existed."""
+
+    q_norm: Param  # [Q] per-head query RMSNorm scale
+    k_norm: Param  # [Q] per-head key RMSNorm scale
 
 
 def spec(c: Config) -> GQA:
     d, h, g, q = c.base_emb_dim, c.base_num_query_heads, c.base_num_kv_heads, c.head_dim
-    return GQA(
+    projections = dict(
         wq=projection((d, h, q), ("embed", "heads", "kv"), d),
         wk=projection((d, g, q), ("embed", "kv_heads", "kv"), d),
         wv=projection((d, g, q), ("embed", "kv_heads", "kv"), d),
         wo=projection((h, q, d), ("heads", "kv", "embed"), h * q),
-        q_norm=qk_norm.spec(c),
-        k_norm=qk_norm.spec(c),
     )
+    if c.attention_qk_norm:
+        return NormedGQA(**projections, q_norm=qk_norm.spec(c), k_norm=qk_norm.spec(c))
+    return GQA(**projections)
+
+
+def _norm_scale(p: GQA, name: str):
+    """The q/k norm scale `name` of a NormedGQA; None for a plain GQA."""
+    return getattr(p, name) if isinstance(p, NormedGQA) else None
 
 
 def _queries(p: GQA, x_BTD, c: Config, positions_BT, dtype) -> jax.Array:
     q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
-    q = qk_norm.apply(p.q_norm, q, c)
+    q = qk_norm.apply(_norm_scale(p, "q_norm"), q, c)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     return constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
 
@@ -49,7 +63,8 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
     """The layer's output [B, T, D] and its cache (None without one; with one, the new
     tokens' keys and values written at their positions and every slot read: cache.py)."""
     t = x_BTD.shape[1]
-    k = qk_norm.apply(p.k_norm, remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ), c)
+    k = remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
+    k = qk_norm.apply(_norm_scale(p, "k_norm"), k, c)
     v = remat.tag(project(x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))

@@ -5,7 +5,7 @@ and before RoPE, with a learned scale [Q] for the queries and another for the ke
 all heads, like the projections' head dim: logical axis `kv`). It bounds the attention logits
 whatever the projections' scale (Qwen3 technical report, arXiv:2505.09388, section 2; the
 same idea as "Scaling Vision Transformers to 22 Billion Parameters", arXiv:2302.05442). A model
-without it has no such parameters (None) and the layer skips the step.
+without it has no such parameters (gqa.GQA rather than gqa.NormedGQA) and skips the step.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from expertax.nn import norm
 from expertax.nn.param import ParamSpec
 
 
-def spec(c: Config) -> ParamSpec | None:
-    """One head's scale [Q] (ones at init, never weight-decayed), or None without the norm."""
-    return norm.spec(c.head_dim, "kv") if c.attention_qk_norm else None
+def spec(c: Config) -> ParamSpec:
+    """One head's scale [Q]: ones at init, never weight-decayed."""
+    return norm.spec(c.head_dim, "kv")
 
 
 def apply(scale_Q: jax.Array | None, x_BTHQ: jax.Array, c: Config) -> jax.Array:
