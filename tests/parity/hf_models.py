@@ -11,7 +11,14 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 VOCAB = 256
 PROMPT_LEN = 288
@@ -74,6 +81,35 @@ def mixtral_config() -> MixtralConfig:
     )
 
 
+def qwen3_config(*, norm_topk_prob: bool = True, yarn: bool = False) -> Qwen3MoeConfig:
+    """Dims that line up nowhere: head_dim 24 (not hidden / heads = 16), 2F = 80 (not 64),
+    top-3 of 6 experts, 2 kv heads for 4 query heads."""
+    rope = {"rope_type": "default", "rope_theta": 10_000.0}
+    if yarn:
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10_000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=norm_topk_prob,
+        max_position_embeddings=512,
+        rope_parameters=rope,
+        attn_implementation="eager",
+    )
+
+
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
@@ -92,6 +128,10 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
+    if kind.startswith("qwen3"):  # "qwen3", or "qwen3-yarn": YaRN and unnormalized top-k
+        yarn = kind == "qwen3-yarn"
+        config = qwen3_config(norm_topk_prob=not yarn, yarn=yarn)
+        return randomize(Qwen3MoeForCausalLM(config), seed)
     if kind.startswith("mixtral"):
         config = mixtral_config()
         config.tie_word_embeddings = kind == "mixtral-tied"

@@ -1,4 +1,5 @@
-"""HuggingFace parity: tiny random DeepSeek-V3 and Mixtral models, converted both ways."""
+"""HuggingFace parity: tiny random DeepSeek-V3, Mixtral and Qwen3-MoE models, converted both
+ways."""
 
 from __future__ import annotations
 
@@ -17,9 +18,15 @@ pytest.importorskip("transformers", reason="parity tests need transformers (extr
 
 import torch  # noqa: E402
 from hf_models import build, hf_logits, prompt, save  # noqa: E402
-from hub_configs import HUB_DEEPSEEK_V3, HUB_MIXTRAL_8X7B  # noqa: E402
+from hub_configs import (  # noqa: E402
+    HUB_DEEPSEEK_V3,
+    HUB_MIXTRAL_8X7B,
+    HUB_QWEN3_30B_A3B,
+    HUB_QWEN3_235B_A22B,
+)
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
+from tests.tolerances import tol  # noqa: E402
 
 import expertax  # noqa: E402
 from expertax.convert import ConversionError, config_from_hf, from_hf, to_hf, write_hf  # noqa: E402
@@ -32,7 +39,7 @@ TOLERANCE = {"float32": 1e-4}
 # A wrong layout must miss by far more than the tolerance (negative controls).
 MISS = 1e-2
 
-VARIANTS = ["deepseek-qlora", "deepseek-plain-q", "mixtral", "mixtral-tied"]
+VARIANTS = ["deepseek-qlora", "deepseek-plain-q", "mixtral", "mixtral-tied", "qwen3", "qwen3-yarn"]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +81,39 @@ def test_logits_match_transformers(hf_dirs, kind):
             params, moe_layers=dataclasses.replace(params.moe_layers, moe=moe)
         )
         assert _max_diff(expertax.logits(no_bias, prompt().numpy(), config), ref) > MISS
+    if kind.startswith("qwen3"):
+        _check_qwen3(kind, config, params, out, ref)
+
+
+def _with_attn(params, **change):
+    layers = params.moe_layers
+    attn = dataclasses.replace(layers.attn, **change)
+    return dataclasses.replace(params, moe_layers=dataclasses.replace(layers, attn=attn))
+
+
+def _check_qwen3(kind, config, params, out, ref):
+    """Within float32's relative tolerance of the logits' scale; the dims line up nowhere; each
+    q/k norm scale is read where transformers reads it: 5 % more on one channel of one layer
+    misses (negative controls, on the first variant)."""
+    assert config.decoder_block == "qwen3" and config.attention_qk_norm
+    assert config.head_dim == 24 != config.base_emb_dim // config.base_num_query_heads
+    assert 2 * config.base_moe_mlp_dim != config.base_emb_dim and config.num_experts_per_tok == 3
+    assert config.norm_topk_prob == (kind == "qwen3")
+    assert config.rope_type == ("yarn" if kind == "qwen3-yarn" else "default")
+    relative = _max_diff(out, ref) / float(np.max(np.abs(ref)))
+    print(f"{kind}: max |logits diff| / max |logit| = {relative:.3g}")
+    assert relative <= tol(np.float32)["rtol"]
+    if kind != "qwen3":
+        return  # the controls once: the yarn variant reads the norms the same way
+    import jax
+
+    tokens = prompt().numpy()
+    forward = jax.jit(lambda p: expertax.logits(p, tokens, config))  # one compile for both
+    for name in ("q_norm", "k_norm"):
+        scale_LQ = getattr(params.moe_layers.attn, name)
+        assert float(np.std(scale_LQ)) > 0.1  # not all ones
+        changed = _with_attn(params, **{name: scale_LQ.at[1, 0].multiply(1.05)})
+        assert _max_diff(forward(changed), ref) > MISS, name
 
 
 def test_rope_layout_negative_control(hf_dirs, tmp_path):
@@ -130,7 +170,7 @@ def test_round_trip_is_bitwise_sharded_bfloat16(tmp_path):
         _assert_bitwise_equal(src, changed)
 
 
-@pytest.mark.parametrize("preset", ["deepseek3-tiny", "mixtral-tiny"])
+@pytest.mark.parametrize("preset", ["deepseek3-tiny", "mixtral-tiny", "qwen3-moe-tiny"])
 def test_transformers_loads_to_hf_output(tmp_path, preset):
     """An expertax-native model written by to-hf loads in transformers with the same logits."""
     import jax
@@ -184,9 +224,10 @@ def test_transformers_loads_to_hf_output(tmp_path, preset):
     assert {k: getattr(back_config, k) for k in keys} == {k: getattr(config, k) for k in keys}
 
 
-def test_fused_expert_layout_is_read(hf_dirs, tmp_path):
+@pytest.mark.parametrize("kind", ["deepseek-plain-q", "qwen3"])
+def test_fused_expert_layout_is_read(hf_dirs, tmp_path, kind):
     """transformers >= 5 in-memory names (experts.gate_up_proj / down_proj) convert the same."""
-    path, _ = hf_dirs["deepseek-plain-q"]
+    path, _ = hf_dirs[kind]
     t = _tensors(path)
     fused: dict[str, np.ndarray] = {}
     per_expert: dict[tuple[str, int], dict[int, np.ndarray]] = {}
@@ -250,7 +291,7 @@ def _ds_config() -> dict:
 
 
 BAD_CONFIGS = [
-    ("qwen3_moe", {"model_type": "qwen3_moe"}, "model_type"),
+    ("qwen2_moe", {"model_type": "qwen2_moe"}, "model_type"),
     ("llama", {"model_type": "llama"}, "model_type"),
     ("fp8", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ("gelu", {"hidden_act": "gelu"}, "hidden_act"),
@@ -300,8 +341,89 @@ def test_unsupported_mixtral_sliding_window_and_tensor_errors(hf_dirs, tmp_path)
         expertax.load_hf(tmp_path)
 
 
+def _qwen3_config() -> dict:
+    from hf_models import qwen3_config
+
+    return qwen3_config().to_dict()
+
+
+QWEN3_BAD_CONFIGS = [
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ({"mlp_only_layers": [1]}, "mlp_only_layers=\\[1\\]"),
+    ({"num_experts": 8}, "num_experts=8 and num_local_experts=6 disagree"),
+    ({"num_local_experts": 1}, "num_experts=1"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+    ({"num_experts_per_tok": 1, "norm_topk_prob": True}, "num_experts_per_tok=1"),
+    ({"qkv_bias": True}, "qkv_bias"),
+]
+
+
+@pytest.mark.parametrize("change,message", QWEN3_BAD_CONFIGS, ids=[m for _, m in QWEN3_BAD_CONFIGS])
+def test_unsupported_qwen3_configs_are_refused(change, message):
+    """Each refused qwen3_moe field is named with its value; the unchanged config converts."""
+    assert config_from_hf(_qwen3_config()).attention_qk_norm
+    with pytest.raises(ConversionError, match=message):
+        config_from_hf({**_qwen3_config(), **change})
+
+
+def test_to_hf_refuses_what_the_hf_family_cannot_hold():
+    """to-hf names the keys a family's HF layout has no place for: Qwen3-MoE without the q/k
+    norm or with a routing bias, Mixtral with the q/k norm (its tensors would be dropped)."""
+    from expertax.convert import config_to_hf
+
+    qwen = expertax.load_config(overrides={"model_name": "qwen3-moe-tiny"})
+    assert config_to_hf(qwen)["model_type"] == "qwen3_moe"
+    with pytest.raises(ConversionError, match="attention_qk_norm=False \\(needs True\\)"):
+        config_to_hf(qwen.model_copy(update={"attention_qk_norm": False}))
+    biased = {"routed_score_func": "sigmoid", "routed_bias": True}
+    with pytest.raises(ConversionError, match="routed_bias=True \\(needs False\\)"):
+        config_to_hf(qwen.model_copy(update=biased))
+    mixtral = expertax.load_config(overrides={"model_name": "mixtral-tiny"})
+    with pytest.raises(ConversionError, match="attention_qk_norm=false"):
+        config_to_hf(mixtral.model_copy(update={"attention_qk_norm": True}))
+
+
+def test_qwen3_round_trip_is_bitwise(tmp_path):
+    """Qwen3-MoE from-hf then to-hf: every tensor bit for bit (bfloat16, sharded), the config's
+    model fields and the hub's context length kept; transformers reads the result back into
+    the same model (its logits equal the source's exactly)."""
+    from transformers import AutoModelForCausalLM
+
+    model = build("qwen3", seed=11).to(torch.bfloat16)
+    src = save(model, tmp_path / "hf", max_shard_size="40KB")
+    hub_style = json.loads((src / "config.json").read_text())
+    hub_style["max_position_embeddings"] = 40960
+    (src / "config.json").write_text(json.dumps(hub_style))
+    config = from_hf(src, tmp_path / "ours")
+    assert config.decoder_block == "qwen3" and config.weight_dtype == "bfloat16"
+    to_hf(tmp_path / "ours", tmp_path / "back", max_shard_bytes=40_000)
+    assert _assert_bitwise_equal(src, tmp_path / "back") == 3 + 2 * (4 + 2 + 2 + 1 + 3 * 6)
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["max_position_embeddings"] == 40960
+    renamed = {"num_local_experts": "num_experts", "dtype": "torch_dtype"}
+    # what transformers' own options and version say is not the model's
+    other = {"rope_parameters", "transformers_version", "use_cache", "output_router_logits"}
+    for key, value in hub_style.items():
+        if key not in other:
+            assert back[renamed.get(key, key)] == value, key
+    assert back["rope_theta"] == hub_style["rope_parameters"]["rope_theta"]
+    tokens = prompt()
+    model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    np.testing.assert_array_equal(hf_logits(again.eval(), tokens), hf_logits(model, tokens))
+
+
 @pytest.mark.parametrize(
-    "hub,preset", [(HUB_DEEPSEEK_V3, "deepseek3-671b"), (HUB_MIXTRAL_8X7B, "mixtral-8x7b")]
+    "hub,preset",
+    [
+        (HUB_DEEPSEEK_V3, "deepseek3-671b"),
+        (HUB_MIXTRAL_8X7B, "mixtral-8x7b"),
+        (HUB_QWEN3_30B_A3B, "qwen3-30b-a3b"),
+        (HUB_QWEN3_235B_A22B, "qwen3-235b-a22b"),
+    ],
 )
 def test_hub_configs_map_to_our_presets(hub, preset):
     from expertax.config.schema import ModelSection, MoESection
@@ -417,12 +539,16 @@ def test_from_hf_holds_the_model_once(tmp_path):
 
 def test_absent_fields_take_transformers_defaults():
     """A sparse config.json means what it means to transformers (its config class defaults)."""
-    from transformers import DeepseekV3Config, MixtralConfig
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
     from expertax.config.schema import ModelSection, MoESection
 
     keys = (set(ModelSection.model_fields) | set(MoESection.model_fields)) - {"model_name"}
-    for model_type, cls in (("mixtral", MixtralConfig), ("deepseek_v3", DeepseekV3Config)):
+    for model_type, cls in (
+        ("mixtral", MixtralConfig),
+        ("deepseek_v3", DeepseekV3Config),
+        ("qwen3_moe", Qwen3MoeConfig),
+    ):
         sparse = config_from_hf({"model_type": model_type})
         full = config_from_hf({**cls().to_dict(), "num_nextn_predict_layers": 0})
         differ = {k for k in keys if getattr(sparse, k) != getattr(full, k)}

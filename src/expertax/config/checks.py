@@ -70,6 +70,12 @@ def check_heads(c: Config) -> None:
 def check_mla(c: Config) -> None:
     if c.attention_type != "mla":
         return
+    if c.attention_qk_norm:
+        raise ConfigError(
+            "attention_qk_norm=true with attention_type=mla: the per-head q/k norm is a GQA "
+            "option (MLA normalizes its low-rank latents instead); use attention_type=gqa or "
+            "attention_qk_norm=false"
+        )
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if getattr(c, key) <= 0:
             raise ConfigError(f"{key}={getattr(c, key)}: attention_type=mla needs a positive value")

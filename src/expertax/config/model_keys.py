@@ -11,10 +11,12 @@ class ModelSection(_Section):
     model_name: str = _key(
         RUN, "deepseek3-tiny", description="Preset in configs/models/ to start from."
     )
-    decoder_block: Literal["deepseek", "mixtral", "llama"] = _key(
+    decoder_block: Literal["deepseek", "mixtral", "qwen3", "llama"] = _key(
         MODEL,
         "deepseek",
-        description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Llama.",
+        description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Qwen3-MoE (GQA "
+        "with q/k norm + MoE), Llama. The layers follow the other keys; the family names the "
+        "HuggingFace layout the converter reads and writes.",
     )
     vocab_size: int = _key(MODEL, 512, gt=0, description="Vocabulary size V.")
     base_emb_dim: int = _key(MODEL, 128, gt=0, description="Model width D.")
@@ -22,7 +24,21 @@ class ModelSection(_Section):
     base_num_kv_heads: int = _key(
         MODEL, 4, gt=0, description="Key/value heads G for GQA (H % G == 0)."
     )
-    head_dim: int = _key(MODEL, 32, gt=0, description="GQA head dimension Q.")
+    head_dim: int = _key(
+        MODEL,
+        32,
+        gt=0,
+        description="GQA head dimension Q; independent of base_emb_dim / base_num_query_heads.",
+    )
+    attention_qk_norm: bool = _key(
+        MODEL,
+        False,
+        description="GQA: RMSNorm each query and key head over its head_dim (a learned scale "
+        "[Q] for queries, one for keys, shared by the heads; epsilon "
+        "normalization_layer_epsilon) after the projections and before RoPE, as Qwen3 does "
+        "(nn/attention/qk_norm.py). Training, prefill and decoding alike; the cache holds the "
+        "normed keys.",
+    )
     base_mlp_dim: int = _key(MODEL, 256, gt=0, description="Hidden size F of the dense MLP layers.")
     base_moe_mlp_dim: int = _key(
         MODEL, 64, gt=0, description="Hidden size F of each routed expert."

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from expertax import quant
-from expertax.convert.hf_config import ConversionError
+from expertax.convert.errors import ConversionError
 
 FP8 = np.dtype(quant.E4M3)
 BLOCK = quant.BLOCK

@@ -1,4 +1,4 @@
-"""HuggingFace safetensors <-> expertax parameters, for DeepSeek-V3 and Mixtral.
+"""HuggingFace safetensors <-> expertax parameters, for DeepSeek-V3, Mixtral and Qwen3-MoE.
 
 Each HF tensor maps to one slice of one expertax leaf (layers are stacked along a leading axis,
 experts along the next). `tensor_map(config)` lists every such mapping, in the HF checkpoint's
@@ -6,7 +6,8 @@ order; both directions read it, so they cannot disagree.
 
 Transforms (HF `nn.Linear` weights are [out, in]; ours are [in..., out...]):
 - `linear`: ours = W.T reshaped to our (head-split) shape; HF = ours reshaped to [in, out], .T.
-- `copy`: norms, the embedding, the routing bias.
+- `copy`: norms (Qwen3's per-head `q_norm`/`k_norm` [Q] among them), the embedding, the
+  routing bias.
 - RoPE columns (DeepSeek, `rope_interleave`): HF rotates interleaved pairs (x0, x1), (x2, x3), ...
   and emits them de-interleaved; `nn.rope.apply` rotates half-split pairs (x_i, x_{i+R/2}). Taking
   the even then the odd RoPE columns of wq/wq_b and wkv_a at conversion gives the same q and k
@@ -57,11 +58,17 @@ def _attention(c: Config, a: str, i: int, p: str, interleave: bool) -> list[Tens
     """Self-attention of HF layer prefix `p` into slice `i` of the leaves under `a` (e.g.
     "moe_layers.attn", "mtp.block.attn")."""
     if c.attention_type == "gqa":
+        norms = [
+            TensorMap(p + f"self_attn.{n}.weight", f"{a}.{n}", (i,), "copy")
+            for n in ("q_norm", "k_norm")
+            if c.attention_qk_norm
+        ]
         return [
             TensorMap(p + "self_attn.q_proj.weight", f"{a}.wq", (i,), "linear"),
             TensorMap(p + "self_attn.k_proj.weight", f"{a}.wk", (i,), "linear"),
             TensorMap(p + "self_attn.v_proj.weight", f"{a}.wv", (i,), "linear"),
             TensorMap(p + "self_attn.o_proj.weight", f"{a}.wo", (i,), "linear", n_in=2),
+            *norms,
         ]
     r = c.qk_rope_head_dim
     q_rope = (c.qk_nope_head_dim, r) if interleave else None
@@ -96,7 +103,9 @@ def _mlp(prefix: str, leaf: str, index: tuple[int, ...], names=("gate", "up", "d
 
 def _moe(c: Config, m: str, i: int, p: str) -> list[TensorMap]:
     """The MoE layer of HF layer prefix `p` into slice `i` of the leaves under `m` (e.g.
-    "moe_layers.moe", "mtp.block.moe")."""
+    "moe_layers.moe", "mtp.block.moe"): Mixtral's names, or DeepSeek-V3's and Qwen3-MoE's
+    (`mlp.gate`, `mlp.experts.{j}.{gate,up,down}_proj`; the routing bias and shared experts
+    where the model has them)."""
     if c.decoder_block == "mixtral":
         out = [TensorMap(p + "block_sparse_moe.gate.weight", f"{m}.router.w", (i,), "linear")]
         for j in range(c.num_experts):
@@ -107,10 +116,11 @@ def _moe(c: Config, m: str, i: int, p: str) -> list[TensorMap]:
                 TensorMap(e + "w2.weight", f"{m}.wo", (i, j), "linear"),
             ]
         return out
-    out = [
-        TensorMap(p + "mlp.gate.weight", f"{m}.router.w", (i,), "linear"),
-        TensorMap(p + "mlp.gate.e_score_correction_bias", f"{m}.router.bias", (i,), "copy"),
-    ]
+    out = [TensorMap(p + "mlp.gate.weight", f"{m}.router.w", (i,), "linear")]
+    if c.routed_bias:
+        out.append(
+            TensorMap(p + "mlp.gate.e_score_correction_bias", f"{m}.router.bias", (i,), "copy")
+        )
     for j in range(c.num_experts):
         out += _mlp(f"{p}mlp.experts.{j}.", m, (i, j))
     if c.shared_experts:

@@ -1,4 +1,5 @@
-"""HuggingFace `config.json` <-> expertax `Config`, for DeepSeek-V3 and Mixtral.
+"""HuggingFace `config.json` <-> expertax `Config`, for DeepSeek-V3, Mixtral and Qwen3-MoE
+(hf_qwen3.py).
 
 Every field of the HF config is either mapped to a Config key, checked against the one value
 expertax implements (anything else is refused with a `ConversionError` naming the HF field), or
@@ -13,14 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from expertax.config import Config, ConfigError, build_config
+from expertax.config import Config, build_config
+from expertax.convert import fp8, hf_qwen3
+from expertax.convert.errors import ConversionError, require
 
-
-class ConversionError(ConfigError):
-    """An HF checkpoint or config that expertax cannot represent exactly; says which field."""
-
-
-SUPPORTED = ("deepseek_v3", "mixtral")
+SUPPORTED = ("deepseek_v3", "mixtral", hf_qwen3.MODEL_TYPE)
 
 # Fields that do not affect the model's forward pass (or are handled elsewhere), with the reason.
 _IGNORED: dict[str, str] = {
@@ -37,7 +35,7 @@ _IGNORED: dict[str, str] = {
     "max_position_embeddings": "kept in hf_config.json (YaRN uses original_max_...)",
     "torch_dtype": "mapped to weight_dtype",
     "dtype": "mapped to weight_dtype",
-    "head_dim": "DeepSeek: derived (= qk_rope_head_dim); Mixtral: mapped",
+    "head_dim": "DeepSeek: derived (= qk_rope_head_dim); Mixtral, Qwen3-MoE: mapped",
     "qk_head_dim": "derived (qk_nope_head_dim + qk_rope_head_dim)",
     "pretraining_tp": "HF ignores it in the forward pass",
     "ep_size": "DeepSeek reference code's expert-parallel degree; a layout, not the model",
@@ -113,18 +111,10 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "router_aux_loss_coef": 0.001,
         "rope_theta": 1_000_000.0,
     },
+    hf_qwen3.MODEL_TYPE: hf_qwen3.HF_DEFAULTS,
 }
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-def _require(hf: dict, key: str, allowed: tuple, default: Any = None) -> None:
-    value = hf.get(key, default)
-    if value not in allowed:
-        raise ConversionError(
-            f"HF config field {key}={value!r} is not supported by expertax (supported: "
-            f"{', '.join(repr(a) for a in allowed)})"
-        )
 
 
 def _rope(hf: dict) -> tuple[dict, dict[str, Any]]:
@@ -188,13 +178,13 @@ def _no_mtp(hf: dict, model_type: str) -> None:
 
 
 def _deepseek(hf: dict) -> tuple[dict[str, Any], set[str]]:
-    _require(hf, "hidden_act", ("silu",), "silu")
-    _require(hf, "attention_bias", (False,), False)
-    _require(hf, "scoring_func", ("sigmoid",), "sigmoid")
-    _require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
-    _require(hf, "moe_layer_freq", (1,), 1)
+    require(hf, "hidden_act", ("silu",), "silu")
+    require(hf, "attention_bias", (False,), False)
+    require(hf, "scoring_func", ("sigmoid",), "sigmoid")
+    require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
+    require(hf, "moe_layer_freq", (1,), 1)
     heads = hf["num_attention_heads"]
-    _require(hf, "num_key_value_heads", (heads, None), heads)
+    require(hf, "num_key_value_heads", (heads, None), heads)
     q_lora = hf.get("q_lora_rank") or 0
     shared = hf.get("n_shared_experts") or 0
     mtp = hf.get("num_nextn_predict_layers") or 0
@@ -266,9 +256,9 @@ def _deepseek(hf: dict) -> tuple[dict[str, Any], set[str]]:
 
 
 def _mixtral(hf: dict) -> tuple[dict[str, Any], set[str]]:
-    _require(hf, "hidden_act", ("silu",), "silu")
-    _require(hf, "sliding_window", (None,), None)
-    _require(hf, "router_jitter_noise", (0, 0.0), 0.0)
+    require(hf, "hidden_act", ("silu",), "silu")
+    require(hf, "sliding_window", (None,), None)
+    require(hf, "router_jitter_noise", (0, 0.0), 0.0)
     heads = hf["num_attention_heads"]
     keys = {
         "decoder_block": "mixtral",
@@ -309,29 +299,29 @@ def _mixtral(hf: dict) -> tuple[dict[str, Any], set[str]]:
     return keys, mapped
 
 
+_FAMILIES = {
+    "deepseek_v3": _deepseek,
+    "mixtral": _mixtral,
+    hf_qwen3.MODEL_TYPE: hf_qwen3.keys_from_hf,
+}
+
+
 def config_from_hf(hf: dict) -> Config:
     """The expertax Config of an HF config.json dict; refuses what it cannot represent."""
     model_type = hf.get("model_type")
-    if model_type == "qwen3_moe":
-        raise ConversionError(
-            "HF config field model_type='qwen3_moe' is not supported yet: Qwen3-MoE needs "
-            "per-head q/k RMSNorm, which expertax's GQA does not have"
-        )
     if model_type not in SUPPORTED:
         raise ConversionError(
             f"HF config field model_type={model_type!r} is not supported ({', '.join(SUPPORTED)})"
         )
     hf = {**_HF_DEFAULTS[model_type], **hf}
-    from expertax.convert import fp8  # fp8 imports ConversionError from here
-
     fp8.check_quantization_config(hf.get("quantization_config"))
-    _require(hf, "attention_dropout", (0, 0.0, None), 0.0)
+    require(hf, "attention_dropout", (0, 0.0, None), 0.0)
     _no_mtp(hf, model_type)
-    keys, mapped = _deepseek(hf) if model_type == "deepseek_v3" else _mixtral(hf)
+    keys, mapped = _FAMILIES[model_type](hf)
     _, rope_keys = _rope(hf)
     if model_type == "mixtral" and rope_keys["rope_type"] != "default":
         raise ConversionError("HF config field rope_parameters: Mixtral supports default RoPE only")
-    if keys["num_experts_per_tok"] == 1 and keys["norm_topk_prob"]:  # Mixtral always normalizes
+    if keys["num_experts_per_tok"] == 1 and keys["norm_topk_prob"]:
         raise ConversionError(
             "HF config fields num_experts_per_tok=1 with norm_topk_prob=true: HF normalizes a "
             "single weight to 1, expertax keeps the raw score; not supported"
@@ -400,10 +390,12 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
         hf = _deepseek_to_hf(c)
     elif c.decoder_block == "mixtral" and c.attention_type == "gqa" and c.num_dense_layers == 0:
         hf = _mixtral_to_hf(c)
+    elif c.decoder_block == "qwen3":
+        hf = hf_qwen3.to_hf(c)
     else:
         raise ConversionError(
             f"decoder_block={c.decoder_block!r} with attention_type={c.attention_type!r} has no "
-            "HF equivalent in the converter (deepseek + mla, mixtral + gqa)"
+            "HF equivalent in the converter (deepseek + mla, mixtral + gqa, qwen3 + gqa)"
         )
     hf.update(_rope_to_hf(c))
     hf.update(
@@ -458,10 +450,15 @@ def _deepseek_to_hf(c: Config) -> dict[str, Any]:
 
 
 def _mixtral_to_hf(c: Config) -> dict[str, Any]:
-    if c.routed_score_func != "softmax" or not c.norm_topk_prob or c.shared_experts:
+    if (
+        c.routed_score_func != "softmax"
+        or not c.norm_topk_prob
+        or c.shared_experts
+        or c.attention_qk_norm
+    ):
         raise ConversionError(
-            "decoder_block=mixtral needs routed_score_func=softmax, norm_topk_prob=true and "
-            "shared_experts=0 for HF"
+            "decoder_block=mixtral needs routed_score_func=softmax, norm_topk_prob=true, "
+            "shared_experts=0 and attention_qk_norm=false for HF"
         )
     return {
         "architectures": ["MixtralForCausalLM"],

@@ -15,6 +15,9 @@ PRESETS = [
     "mixtral-tiny",
     "mixtral-8x7b",
     "llama-tiny",
+    "qwen3-moe-tiny",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
 ]
 
 
@@ -137,6 +140,7 @@ INVALID = [
         ["base_num_query_heads=4", "base_num_kv_heads=3"],
     ),
     ({"attention_type": "mla", "kv_lora_rank": 0}, ["kv_lora_rank=0", "mla"]),
+    ({"attention_qk_norm": True}, ["attention_qk_norm=true", "attention_type=mla", "gqa"]),
     ({"rope_type": "yarn", "rope_factor": 1.0}, ["rope_factor"]),
     ({"sharding_rules": "nope"}, ["sharding_rules", "default"]),
     ({"gmm_tile_rows_min": 12}, ["gmm_tile_rows_min=12", "power of two"]),

@@ -1,8 +1,10 @@
 """Greedy `expertax.decoding.generate` against transformers' `generate(do_sample=False)`.
 
 Tiny random DeepSeek-V3 (MLA with and without q-LoRA, YaRN, sigmoid routing with its correction
-bias, groups, a shared expert, one dense layer) and Mixtral (GQA, softmax top-2) models are built
-and saved with transformers (tests/parity/hf_models.py) and read with `expertax.load_hf`,
+bias, groups, a shared expert, one dense layer), Mixtral (GQA, softmax top-2) and Qwen3-MoE (GQA
+with per-head q/k RMSNorm, softmax top-3 with and without renormalization, default RoPE and
+YaRN) models are built and saved with transformers (tests/parity/hf_models.py) and read with
+`expertax.load_hf`,
 float32 on both sides. Three prompts of different lengths (one past YaRN's original 128
 positions) decode together in one expertax batch (right-padded, one device); transformers
 decodes each prompt alone (no padding to get wrong on the reference side). The EOS id given to
@@ -52,6 +54,8 @@ CASES = [
     ("deepseek-qlora", "plain"),
     ("deepseek-plain-q", "compressed"),
     ("mixtral", "compressed"),  # GQA: one cache form
+    ("qwen3", "compressed"),  # GQA with the per-head q/k norm: the cache holds normed keys
+    ("qwen3-yarn", "compressed"),  # ... with YaRN and unnormalized top-k weights
 ]
 
 
@@ -185,19 +189,35 @@ def test_greedy_matches_transformers(refs, kind, form):
     assert ref.config.attention_type == ("mla" if kind.startswith("deepseek") else "gqa")
 
 
-def test_wrong_weights_fail(refs):
-    """Negative control: DeepSeek's routing bias zeroed in expertax's copy changes the chosen
-    experts, and the comparison must fail (not pass as a near tie)."""
-    ref = refs["deepseek-qlora"]
-    moe = ref.params.moe_layers.moe
+def _zero_routing_bias(layers):
+    moe = layers.moe
     router = dataclasses.replace(moe.router, bias=moe.router.bias * 0)
-    moe_layers = dataclasses.replace(
-        ref.params.moe_layers, moe=dataclasses.replace(moe, router=router)
-    )
-    params = dataclasses.replace(ref.params, moe_layers=moe_layers)
+    return dataclasses.replace(layers, moe=dataclasses.replace(moe, router=router))
+
+
+def _perturbed_key_norm(layers):
+    attn = dataclasses.replace(layers.attn, k_norm=layers.attn.k_norm.at[1, 0].multiply(1.05))
+    return dataclasses.replace(layers, attn=attn)
+
+
+@pytest.mark.parametrize(
+    ("kind", "change", "failure"),
+    [
+        ("deepseek-qlora", _zero_routing_bias, "not a float32 tie"),
+        ("qwen3", _perturbed_key_norm, "Not equal to tolerance"),
+    ],
+    ids=["routing-bias", "key-norm"],
+)
+def test_wrong_weights_fail(refs, kind, change, failure):
+    """Negative controls, the comparison must fail: DeepSeek's routing bias zeroed in
+    expertax's copy changes the chosen experts (not passed as a near tie); Qwen3's key norm 5 %
+    larger on one channel of the last layer (the keys that prefill writes to the cache and
+    decoding reads) leaves the greedy tokens but not their log-probabilities."""
+    ref = refs[kind]
+    params = dataclasses.replace(ref.params, moe_layers=change(ref.params.moe_layers))
     out = run(ref, params, "compressed")
-    assert out.tokens != ref.tokens
-    with pytest.raises(AssertionError, match="not a float32 tie"):
+    assert (out.tokens != ref.tokens) == (kind == "deepseek-qlora")
+    with pytest.raises(AssertionError, match=failure):
         compare(ref, params, out.tokens, out.logprobs)
 
 

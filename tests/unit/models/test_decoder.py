@@ -122,3 +122,21 @@ def test_thirty_steps_on_one_batch_halve_the_loss():
             state, m = step(state, batch)
             losses.append(float(m["loss"]))
     assert losses[-1] <= 0.5 * losses[0], losses
+
+
+def test_qk_norm_scales_only_where_configured():
+    """attention_qk_norm adds two [Q] scales per layer (axes `layers`, `kv`: replicated like the
+    head dim); without it the attention tree is the plain GQA of before, so checkpoints and
+    model directories written before the norm existed still restore."""
+    from expertax.nn.attention import gqa
+
+    plain = decoder.spec(load_config(overrides={"model_name": "mixtral-tiny"})).moe_layers.attn
+    assert type(plain) is gqa.GQA
+    flat = jax.tree_util.tree_flatten_with_path(plain, is_leaf=lambda x: x is None)[0]
+    assert [path[0].name for path, _ in flat] == ["wq", "wk", "wv", "wo"]
+    c = load_config(overrides={"model_name": "qwen3-moe-tiny"})
+    normed = decoder.spec(c).moe_layers.attn
+    assert type(normed) is gqa.NormedGQA
+    for s in (normed.q_norm, normed.k_norm):
+        assert s.shape == (c.num_moe_layers, c.head_dim) and s.axes == ("layers", "kv")
+        assert s.init == "ones" and not s.weight_decay

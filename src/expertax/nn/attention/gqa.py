@@ -1,5 +1,6 @@
-"""Grouped-query attention (Mixtral, Llama): wq, wk, wv, RoPE on the full head, wo; with an
-optional key/value cache (cache.py: decoding's prefill and decode steps)."""
+"""Grouped-query attention (Mixtral, Qwen3, Llama): wq, wk, wv, the optional per-head q/k norm
+(qk_norm.py), RoPE on the full head, wo; with an optional key/value cache (cache.py: decoding's
+prefill and decode steps)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import rope
-from expertax.nn.attention import chunks, kernel
+from expertax.nn.attention import chunks, kernel, qk_norm
 from expertax.nn.attention.cache import KV, constrain_layer, slot_positions, write
 from expertax.nn.linear import project
 from expertax.nn.param import Param, params_dataclass, projection
@@ -23,18 +24,37 @@ class GQA:
     wo: Param  # [H, O, D]
 
 
+@params_dataclass
+class NormedGQA(GQA):
+    """GQA with the per-head q/k RMSNorm (`attention_qk_norm`, qk_norm.py). A class of its own,
+    not two None fields of GQA, so that a model without the norm keeps the parameter tree (and
+    the checkpoints and model directories) it had before the norm existed."""
+
+    q_norm: Param  # [Q] per-head query RMSNorm scale
+    k_norm: Param  # [Q] per-head key RMSNorm scale
+
+
 def spec(c: Config) -> GQA:
     d, h, g, q = c.base_emb_dim, c.base_num_query_heads, c.base_num_kv_heads, c.head_dim
-    return GQA(
+    projections = dict(
         wq=projection((d, h, q), ("embed", "heads", "kv"), d),
         wk=projection((d, g, q), ("embed", "kv_heads", "kv"), d),
         wv=projection((d, g, q), ("embed", "kv_heads", "kv"), d),
         wo=projection((h, q, d), ("heads", "kv", "embed"), h * q),
     )
+    if c.attention_qk_norm:
+        return NormedGQA(**projections, q_norm=qk_norm.spec(c), k_norm=qk_norm.spec(c))
+    return GQA(**projections)
+
+
+def _norm_scale(p: GQA, name: str):
+    """The q/k norm scale `name` of a NormedGQA; None for a plain GQA."""
+    return getattr(p, name) if isinstance(p, NormedGQA) else None
 
 
 def _queries(p: GQA, x_BTD, c: Config, positions_BT, dtype) -> jax.Array:
     q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
+    q = qk_norm.apply(_norm_scale(p, "q_norm"), q, c)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     return constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
 
@@ -44,6 +64,7 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
     tokens' keys and values written at their positions and every slot read: cache.py)."""
     t = x_BTD.shape[1]
     k = remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
+    k = qk_norm.apply(_norm_scale(p, "k_norm"), k, c)
     v = remat.tag(project(x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))
