@@ -175,6 +175,9 @@ def fit_search(
             cand.seconds = round(time.perf_counter() - t1, 1)
             compiled.append(cand)
             log(f"[fit]   {cand.error}")
+            skipped = _skip_alike(pool, cand)
+            if skipped:
+                log(f"[fit]   skip {skipped} more candidates of the same remat and offload")
             bar.update(1)
             continue
         cand.seconds = round(time.perf_counter() - t1, 1)
@@ -253,6 +256,21 @@ def _next(pool, cal, times, target, host_budget, best, padding) -> Candidate | N
     if nearest is None or (cal.compiled and nearest.estimate_bytes > target * (1 + MARGIN)):
         return None
     return nearest
+
+
+def _skip_alike(pool: list[Candidate], failed: Candidate) -> int:
+    """Mark the uncompiled candidates of `failed`'s remat choice and host offload as skipped
+    (how many): a compiler error other than a refusal for memory comes from the program's
+    structure, which those choices make (XLA:GPU's layout assignment failing on a host-offloaded
+    residual, say); other layouts and chunkings of it fail alike, and would spend the compile
+    budget on nothing."""
+    n = 0
+    for x in pool:
+        alike = x.remat_label == failed.remat_label and x.offload == failed.offload
+        if alike and x is not failed and x.peak_device_bytes is None and not x.error:
+            x.error = f"skipped: {failed.describe()} failed to compile"
+            n += 1
+    return n
 
 
 def _compiled(pool: list[Candidate]) -> list[Candidate]:

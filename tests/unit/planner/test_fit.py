@@ -10,6 +10,7 @@ import pytest
 
 from expertax import cli
 from expertax.config import ConfigError, load_config
+from expertax.parallel import remat
 from expertax.planner import estimate, fit, space
 from expertax.planner.plan import GIB, memory_report
 
@@ -152,3 +153,27 @@ def test_no_candidate_fits_exit_1_names_the_closest(tmp_path, capsys):
 
 def _as_dict(items: list[str]) -> dict:
     return dict(item.split("=", 1) for item in items)
+
+
+def test_a_compiler_error_skips_the_candidates_of_its_remat_and_offload(cfg):
+    """The first remat choice tried fails to compile (an internal error, not memory): no other
+    candidate of that choice is compiled, and the search goes on to another that fits."""
+    seen: list[tuple] = []
+    failing: list[tuple] = []
+
+    def compile_fn(c, hbm):
+        label = (
+            c.remat_policy, *(getattr(c, n) for n in remat.ALL_NAMES),
+            c.optimizer_memory_host_offload, c.parameter_memory_host_offload,
+        )  # fmt: skip
+        seen.append(label)
+        if not failing:
+            failing.append(label)
+        if label == failing[0]:
+            raise RuntimeError("INTERNAL: during context [end-of-post-layout_assignment]")
+        return 1000
+
+    r = fit.fit_search(cfg, 8, 1.0, headroom=0.0, max_compiles=6, compile_fn=compile_fn)
+    assert seen.count(failing[0]) == 1, seen
+    assert r["fits"] and len(seen) >= 2
+    assert any("failed to compile" not in e and "INTERNAL" in e for e in r["errors"])
