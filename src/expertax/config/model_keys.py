@@ -30,6 +30,20 @@ class ModelSection(_Section):
         gt=0,
         description="GQA head dimension Q; independent of base_emb_dim / base_num_query_heads.",
     )
+    mlp_activation: Literal["swiglu", "swiglu_clamped"] = _key(
+        MODEL,
+        "swiglu",
+        description="The gated MLPs' activation (dense, shared and routed experts alike; "
+        "nn/activation.py): swiglu = silu(gate) * up; swiglu_clamped = GPT-OSS's: gate clamped "
+        "to <= mlp_activation_limit, up to [-limit, limit], then (up + 1) * gate * "
+        "sigmoid(1.702 gate).",
+    )
+    mlp_activation_limit: float = _key(
+        MODEL,
+        7.0,
+        gt=0,
+        description="swiglu_clamped: the clamp of gate (above) and up (both sides); GPT-OSS: 7.",
+    )
     attention_qk_norm: bool = _key(
         MODEL,
         False,

@@ -386,6 +386,11 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
             "format has multi-token-prediction layers for DeepSeek-V3 only "
             "(num_nextn_predict_layers); this model's MTP modules have no place in it"
         )
+    if c.mlp_activation != "swiglu":
+        raise ConversionError(
+            f"mlp_activation={c.mlp_activation!r}: the HF formats the converter writes "
+            "(deepseek_v3, mixtral, qwen3_moe) compute silu(gate) * up; needs mlp_activation=swiglu"
+        )
     if c.decoder_block == "deepseek" and c.attention_type == "mla":
         hf = _deepseek_to_hf(c)
     elif c.decoder_block == "mixtral" and c.attention_type == "gqa" and c.num_dense_layers == 0:

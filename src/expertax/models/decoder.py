@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from expertax import quant
 from expertax.config.schema import Config
 from expertax.models import pipeline, stashed_stack
-from expertax.nn import embed, mlp, norm
+from expertax.nn import activation, embed, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.linear import project
 from expertax.nn.moe import layer as moe_layer
@@ -143,7 +143,7 @@ def block_apply(
         y, stats, side = moe_layer.apply(p.moe, h, c, dtype, side)
     else:
         assert p.mlp is not None  # a block has an MLP or an MoE (decoder.spec)
-        y = mlp.apply(p.mlp, h, dtype)
+        y = mlp.apply(p.mlp, h, dtype, activation.of(c))
     return constrain(x_BTD + y, ACT_BTD), stats, side, cache
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from expertax.nn.activation import joined, swiglu
+from expertax.nn.activation import GatedActivation, joined, swiglu
 from expertax.nn.linear import is_joint, project
 from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
@@ -26,14 +26,15 @@ def spec(d: int, f: int) -> MLP:
     )
 
 
-def apply(p: MLP, x_BTD: jax.Array, dtype) -> jax.Array:
-    """`wi_0` may hold `wi_0 | wi_1` side by side (`linear.Joint`, `wi_1` None: decoding's
-    layout on one device): one product, split by the activation."""
+def apply(p: MLP, x_BTD: jax.Array, dtype, act: GatedActivation = swiglu) -> jax.Array:
+    """`act(x wi_0, x wi_1) wo` (`act`: the config's, `activation.of`). `wi_0` may hold
+    `wi_0 | wi_1` side by side (`linear.Joint`, `wi_1` None: decoding's layout on one device):
+    one product, split by the activation."""
     if is_joint(p.wi_0):
-        h_BTF = joined(project(x_BTD, p.wi_0.w.astype(dtype)), swiglu)
+        h_BTF = joined(project(x_BTD, p.wi_0.w.astype(dtype)), act)
         return project(h_BTF, p.wo.astype(dtype))
     gate = remat.tag(project(x_BTD, p.wi_0.astype(dtype)), remat.MLPWI_0)
     up = remat.tag(project(x_BTD, p.wi_1.astype(dtype)), remat.MLPWI_1)
-    h_BTF = constrain(swiglu(gate, up), ("batch", "length", "act_mlp"))
+    h_BTF = constrain(act(gate, up), ("batch", "length", "act_mlp"))
     out = project(h_BTF, p.wo.astype(dtype))
     return remat.tag(out, remat.MLPWO)

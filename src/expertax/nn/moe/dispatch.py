@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.activation import swiglu
+from expertax.nn import activation
 from expertax.nn.moe import routed
 from expertax.nn.moe.gmm import gmm, gmm_glu
 from expertax.nn.moe.stash import Stash, run_ffn
@@ -36,7 +36,8 @@ def expert_ffn_sorted(
     group_offset=None,
     stash: Stash | None = None,
 ):
-    """SwiGLU over rows sorted by expert, with grouped matmuls (local experts only if offset).
+    """The gated FFN (`activation.of(c)`) over rows sorted by expert, with grouped matmuls
+    (local experts only if offset).
 
     Returns (y [M, D], stash): with a paged stash (moe/stash.py) the stashed names' values are
     written to it, or, in its read mode, taken from it instead of computed.
@@ -60,7 +61,8 @@ def expert_ffn_sorted(
         # [M, F] hidden buffer, and none of the worst-case padding rows of EP is touched.
         wo = wo_EFD.astype(dtype)
         given_y = given.get(remat.MOE_MLPWO)
-        y = remat.tag(gmm_glu(gate, up, wo, group_sizes_E, given=given_y, **kw), remat.MOE_MLPWO)
+        y = gmm_glu(gate, up, wo, group_sizes_E, act=activation.of(c), given=given_y, **kw)
+        y = remat.tag(y, remat.MOE_MLPWO)
         values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
         return y, values
 
@@ -180,7 +182,7 @@ def capacity_einsum(x_BTD, experts_BTK, weights_BTK, p, c: Config, dtype):
     x_EBCD = jnp.einsum("btd,btec->ebcd", x_BTD, dispatch_BTEC)
     gate = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_0.astype(dtype)), remat.MOE_MLPWI_0)
     up = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_1.astype(dtype)), remat.MOE_MLPWI_1)
-    y = jnp.einsum("ebcf,efd->ebcd", swiglu(gate, up), p.wo.astype(dtype))
+    y = jnp.einsum("ebcf,efd->ebcd", activation.of(c)(gate, up), p.wo.astype(dtype))
     y = remat.tag(y, remat.MOE_MLPWO)
     # The expert outputs stay in `dtype`; the float32 combine weights set the accumulation
     # (a mixed-dtype dot_general: no float32 copy of y [E, B, C, D]).

@@ -8,7 +8,7 @@ import math
 import jax
 
 from expertax.config.schema import Config
-from expertax.nn import mlp
+from expertax.nn import activation, mlp
 from expertax.nn.moe import chunks, dispatch, ep, router, strategy, tiles
 from expertax.nn.moe.side import Side
 from expertax.nn.moe.side import of as side_of
@@ -127,5 +127,5 @@ def finish(p: MoE, x_BTD, out_BTD, c: Config, dtype):
     """Constrain the routed experts' output and add the shared experts."""
     out_BTD = constrain(out_BTD, ("batch", "length", "act_embed"))
     if p.shared is not None:
-        out_BTD = out_BTD + mlp.apply(p.shared, x_BTD, dtype)
+        out_BTD = out_BTD + mlp.apply(p.shared, x_BTD, dtype, activation.of(c))
     return out_BTD

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn import mlp
-from expertax.nn.activation import swiglu
+from expertax.nn import activation, mlp
 from expertax.nn.moe import router
 from expertax.nn.moe.layer import MoE
 
@@ -18,12 +17,13 @@ def moe_reference(p: MoE, x_BTD: jax.Array, c: Config) -> jax.Array:
     x_ND = x_BTD.reshape(b * t, d)
     routing = router.route(p.router, x_ND, c)
     out = jnp.zeros_like(x_ND, dtype=jnp.float32)
+    act = activation.of(c)
     for e in range(c.num_experts):
-        h = swiglu(x_ND @ p.wi_0[e], x_ND @ p.wi_1[e])
+        h = act(x_ND @ p.wi_0[e], x_ND @ p.wi_1[e])
         y = h @ p.wo[e]
         w_N = jnp.sum(jnp.where(routing.experts_NK == e, routing.weights_NK, 0.0), axis=-1)
         out = out + w_N[:, None] * y
     out_BTD = out.reshape(b, t, d).astype(x_BTD.dtype)
     if p.shared is not None:
-        out_BTD = out_BTD + mlp.apply(p.shared, x_BTD, x_BTD.dtype)
+        out_BTD = out_BTD + mlp.apply(p.shared, x_BTD, x_BTD.dtype, act)
     return out_BTD

@@ -3,10 +3,10 @@
 `routed_ffn(x_ND, idx_M, weight_M, (wi_0, wi_1, wo), sizes_X)` computes, for the M routed rows of
 the local experts (sorted by expert, `sizes_X` rows each; rows past `sum(sizes_X)` are not
 routed), `out[idx[m]] += weight[m] * ffn_x(x[idx[m]])` with
-`ffn_x(v) = swiglu(v @ wi_0[x], v @ wi_1[x]) @ wo[x]`. It is what the row gather (`rows.py`), the
-three grouped matmuls (`gmm.py`) and the weighted scatter-back compute one after the other, in
-two loops over the tiled gmm's work items (tiles.py) instead of five, and without their `[M, D]`
-buffers:
+`ffn_x(v) = act(v @ wi_0[x], v @ wi_1[x]) @ wo[x]` (`act`: `activation.of(c)`). It is what the
+row gather (`rows.py`), the three grouped matmuls (`gmm.py`) and the weighted scatter-back
+compute one after the other, in two loops over the tiled gmm's work items (tiles.py) instead of
+five, and without their `[M, D]` buffers:
 
 - `gate_up` (forward): each item gathers its tile of rows from `x_ND` by `idx` and writes both
   projections to the `[M, F]` gate and up buffers, the residuals the backward pass needs (the
@@ -54,7 +54,8 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.activation import swiglu
+from expertax.nn import activation
+from expertax.nn.activation import GatedActivation
 from expertax.nn.moe import gmm as gmm_mod
 from expertax.nn.moe import tiles
 from expertax.nn.moe.stash import Stash, run_ffn
@@ -121,6 +122,7 @@ def routed_ffn(
     sg = jax.lax.stop_gradient
     keep_gate_up = not recomputes_gate_up(c)
     keep_y = keeps_expert_output(c) and not unit  # unit weights: no routing-weight gradient
+    act = activation.of(c)
 
     def ffn(given):
         gate = up = y = None
@@ -136,10 +138,10 @@ def routed_ffn(
             y = given.get(remat.MOE_MLPWO)
             if y is None:
                 stopped = (sg(x), sg(idx), sg(wi_0), sg(wi_1), sg(wo), sg(sizes))
-                y = _expert_out(*stopped, None if gate is None else (gate, up), ladder)
+                y = _expert_out(*stopped, None if gate is None else (gate, up), ladder, act)
             y = remat.tag(y, remat.MOE_MLPWO)
         out = _scatter(
-            x, idx, weight, wi_0, wi_1, wo, sizes, gate, up, y, n, ladder, unit, out_dtype
+            x, idx, weight, wi_0, wi_1, wo, sizes, gate, up, y, n, ladder, unit, out_dtype, act
         )
         values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
         return out, {k: v for k, v in values.items() if v is not None}
@@ -177,11 +179,11 @@ def _gate_up(x_ND, idx_M, wi_0_XDF, wi_1_XDF, sizes_X, ladder):
     return tiles.for_items(_items(sizes_X, m, ladder), m, step, (zeros, zeros))
 
 
-def _tile_out(gate_up_of, wo_XFD, g, start, tile: int, dtype):
-    """A tile's expert outputs `swiglu(gate, up) @ wo[g]` in `dtype` (`[tile, D]`), as the
+def _tile_out(gate_up_of, wo_XFD, g, start, tile: int, dtype, act: GatedActivation):
+    """A tile's expert outputs `act(gate, up) @ wo[g]` in `dtype` (`[tile, D]`), as the
     separate path stores them."""
     w = jax.lax.dynamic_index_in_dim(wo_XFD, g, keepdims=False)
-    return _dot(swiglu(*gate_up_of(g, start, tile)), w, 0).astype(dtype)
+    return _dot(act(*gate_up_of(g, start, tile)), w, 0).astype(dtype)
 
 
 def _gate_up_of(x_ND, idx_M, wi_0, wi_1, gate_MF, up_MF):
@@ -191,7 +193,7 @@ def _gate_up_of(x_ND, idx_M, wi_0, wi_1, gate_MF, up_MF):
     return _stored(gate_MF, up_MF)
 
 
-def _expert_out(x_ND, idx_M, wi_0, wi_1, wo_XFD, sizes_X, gate_up, ladder):
+def _expert_out(x_ND, idx_M, wi_0, wi_1, wo_XFD, sizes_X, gate_up, ladder, act):
     """The expert output of every routed row, `[M, D]` in x's dtype (zero past the routed
     rows), from the stored gate and up (`gate_up`) or from projecting each tile's rows."""
     m, d = idx_M.shape[0], wo_XFD.shape[2]
@@ -200,7 +202,8 @@ def _expert_out(x_ND, idx_M, wi_0, wi_1, wo_XFD, sizes_X, gate_up, ladder):
     zeros = varying_like(jnp.zeros((m, d), x_ND.dtype), *refs)
 
     def step(g, start, mask, tile, y):
-        return tiles.put(y, _tile_out(gate_up_of, wo_XFD, g, start, tile, y.dtype), start, mask)
+        y_tile = _tile_out(gate_up_of, wo_XFD, g, start, tile, y.dtype, act)
+        return tiles.put(y, y_tile, start, mask)
 
     return tiles.for_items(_items(sizes_X, m, ladder), m, step, zeros)
 
@@ -240,9 +243,9 @@ def _projected(x_ND, idx_M, wi_0_XDF, wi_1_XDF):
     return gate_up
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))
 def _scatter(
-    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, ladder, unit, out_dtype
+    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, ladder, unit, out_dtype, act
 ):
     """The weighted scatter-add of every routed row's expert output: `[n, D]`.
 
@@ -251,37 +254,38 @@ def _scatter(
     projecting its gathered rows: the whole FFN in one loop); with `y` it only scatters. The
     VJP is one loop too (`_backward`) and returns no gradient for the kept values (their
     inputs are stopped): x's, the weights' and the routing weights' gradients are its own.
-    `unit`: the weights are all one (no routing-weight gradient is computed).
+    `unit`: the weights are all one (no routing-weight gradient is computed). `act`: the gated
+    activation (`activation.of`).
     """
     args = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y)
-    return _scatter_fwd(*args, n, ladder, unit, out_dtype)[0]
+    return _scatter_fwd(*args, n, ladder, unit, out_dtype, act)[0]
 
 
 def _scatter_fwd(
-    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, ladder, unit, out_dtype
+    x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y, n, ladder, unit, out_dtype, act
 ):
     res = (x_ND, idx_M, weight_M, wi_0, wi_1, wo, sizes_X, gate, up, y)
     if y is not None:
         y_of = lambda g, start, tile: jax.lax.dynamic_slice_in_dim(y, start, tile)
     else:
         gate_up_of = _gate_up_of(x_ND, idx_M, wi_0, wi_1, gate, up)
-        y_of = functools.partial(_tile_out, gate_up_of, wo, dtype=x_ND.dtype)
+        y_of = functools.partial(_tile_out, gate_up_of, wo, dtype=x_ND.dtype, act=act)
     refs = tuple(a for a in res if a is not None)
     d = wo.shape[2]
     return _down_loop(idx_M, weight_M, y_of, sizes_X, n, d, ladder, out_dtype, refs), res
 
 
-def _scatter_bwd(n, ladder, unit, out_dtype, res, dout_ND):
+def _scatter_bwd(n, ladder, unit, out_dtype, act, res, dout_ND):
     *core, gate, up, y = res
     gate_up_of = _gate_up_of(*core[:2], *core[3:5], gate, up)
-    dx, dweight, dw0, dw1, dwo = _backward(core, gate_up_of, y, dout_ND, ladder, unit)
+    dx, dweight, dw0, dw1, dwo = _backward(core, gate_up_of, y, dout_ND, ladder, unit, act)
     return dx, None, dweight, dw0, dw1, dwo, None, None, None, None
 
 
 _scatter.defvjp(_scatter_fwd, _scatter_bwd)
 
 
-def _backward(core, gate_up_of, y_MD, dout_ND, ladder, unit):
+def _backward(core, gate_up_of, y_MD, dout_ND, ladder, unit, act):
     """One loop over the work items: per tile the output gradient of its rows gathered by
     `idx`, the hidden, gate and up gradients, the three weight gradients, the routing weights'
     gradient (None when `unit`) and the input rows' gradient scatter-added into `[N, D]`.
@@ -304,7 +308,7 @@ def _backward(core, gate_up_of, y_MD, dout_ND, ladder, unit):
         ids = _tile(idx_M, start, tile)
         gout = jnp.take(dout_ND, ids, axis=0, mode="clip")  # [tile, D], acc dtype
         v_rows = jnp.take(x_ND, ids, axis=0, mode="clip")  # [tile, D]
-        h, pull = jax.vjp(swiglu, *gate_up_of(g, start, tile, v_rows))
+        h, pull = jax.vjp(act, *gate_up_of(g, start, tile, v_rows))
         w_o = jax.lax.dynamic_index_in_dim(wo, g, keepdims=False)
         # the unweighted hidden gradient dout[idx] @ wo^T gives the routing weight's gradient
         # <dout[idx], h @ wo> = <dout[idx] @ wo^T, h> without the expert output

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 
 from expertax import quant
 from expertax.config.schema import Config
-from expertax.nn import linear, mlp
-from expertax.nn.activation import joined, swiglu
+from expertax.nn import activation, linear, mlp
+from expertax.nn.activation import joined
 from expertax.nn.linear import is_joint, project
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe import router
@@ -62,14 +62,15 @@ def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype):
     shared, x_BTD = quant.dequantize(p.shared, dtype, x_BTD)
     x_ND = x_BTD.reshape(b * t, d).astype(dtype)
     routing = router.route(p.router, x_ND, c)
-    branches = [_ffn(w, dtype) for w in zip(p.wi_0, p.wi_1, p.wo, strict=True)]
+    act = activation.of(c)
+    branches = [_ffn(w, dtype, act) for w in zip(p.wi_0, p.wi_1, p.wo, strict=True)]
     wi = [w.w for w in p.wi_0] if all(is_joint(w) for w in p.wi_0) else None
     kernel = linear.current_row_kernel()
     if wi is not None and kernel is not None and kernel.applies(b * t, x_ND, *wi, *p.wo):
         same = shared is not None and is_joint(shared.wi_0)
         same = same and shared.wi_0.w.shape == wi[0].shape and shared.wo.shape == p.wo[0].shape
         with_shared = shared if same else None
-        out_ND = _by_kernel(kernel, wi, p.wo, x_ND, routing, dtype, with_shared)
+        out_ND = _by_kernel(kernel, wi, p.wo, x_ND, routing, dtype, act, with_shared)
         shared = None if same else shared
     elif b * t == 1:
         out_ND = _per_row(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
@@ -77,31 +78,31 @@ def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype):
         out_ND = _grouped(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
     out_BTD = out_ND.astype(dtype).reshape(b, t, d)
     if shared is not None and is_joint(shared.wi_0):
-        out_BTD = out_BTD + mlp.apply(shared, x_BTD, dtype)
+        out_BTD = out_BTD + mlp.apply(shared, x_BTD, dtype, act)
         shared = None
     return moe_layer.finish(dataclasses.replace(p, shared=shared), x_BTD, out_BTD, c, dtype)
 
 
-def _ffn(w, dtype):
-    """One expert's SwiGLU FFN on rows [R, D] -> float32 [R, D], its fp8 weights (if any)
-    dequantized where it runs."""
+def _ffn(w, dtype, act):
+    """One expert's gated FFN (`act`) on rows [R, D] -> float32 [R, D], its fp8 weights (if
+    any) dequantized where it runs."""
 
     if is_joint(w[0]):
-        return lambda x_RD: _joined_ffn(w[0], w[2], x_RD, dtype)
+        return lambda x_RD: _joined_ffn(w[0], w[2], x_RD, dtype, act)
 
     def ffn(x_RD):
         wi_0, wi_1, wo = (quant.dequantize_array(a, dtype) if quant.is_fp8(a) else a for a in w)
         gate = jnp.dot(x_RD, wi_0.astype(dtype), preferred_element_type=F32).astype(dtype)
         up = jnp.dot(x_RD, wi_1.astype(dtype), preferred_element_type=F32).astype(dtype)
-        return jnp.dot(swiglu(gate, up), wo.astype(dtype), preferred_element_type=F32)
+        return jnp.dot(act(gate, up), wo.astype(dtype), preferred_element_type=F32)
 
     return ffn
 
 
-def _joined_ffn(wi: linear.Joint, wo, x_RD, dtype):
+def _joined_ffn(wi: linear.Joint, wo, x_RD, dtype, act):
     """One routed expert's FFN on rows [R, D] -> float32 [R, D], its `wi_0 | wi_1` joined."""
     h = project(x_RD, wi.w.astype(dtype), preferred_element_type=F32).astype(dtype)
-    return project(joined(h), wo.astype(dtype), preferred_element_type=F32)
+    return project(joined(h, act), wo.astype(dtype), preferred_element_type=F32)
 
 
 def _weighted(y_RD, weight_R, dtype):
@@ -109,7 +110,7 @@ def _weighted(y_RD, weight_R, dtype):
     return y_RD.astype(dtype).astype(F32) * weight_R[:, None]
 
 
-def _by_kernel(kernel: linear.RowKernel, wi, wo, x_ND, routing, dtype, shared=None):
+def _by_kernel(kernel: linear.RowKernel, wi, wo, x_ND, routing, dtype, act, shared=None):
     """`_per_row`'s sum by the row kernel: every routed row multiplied by
     its expert's joined `wi` and its `wo` where they are, the rows that chose one expert
     together; with `shared` (a joined shared expert of a routed one's shapes), each token's row
@@ -124,7 +125,7 @@ def _by_kernel(kernel: linear.RowKernel, wi, wo, x_ND, routing, dtype, shared=No
         weight_M = jnp.concatenate([weight_M, jnp.ones((n,), weight_M.dtype)])
         x_MD = jnp.concatenate([x_MD, x_ND])
     h_MF = kernel.rows(x_MD, wi, ids_M).astype(dtype)
-    y_MD = _weighted(kernel.rows(joined(h_MF), wo, ids_M), weight_M, dtype)
+    y_MD = _weighted(kernel.rows(joined(h_MF, act), wo, ids_M), weight_M, dtype)
     out_ND = y_MD[: n * k].reshape(n, k, -1).sum(axis=1)
     return out_ND if shared is None else out_ND + y_MD[n * k :]
 
