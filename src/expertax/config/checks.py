@@ -132,6 +132,29 @@ def check_attention_platform(c: Config, platform: str) -> None:
         )
 
 
+# Platforms whose compilers hold host-offloaded residuals in a separate memory space.
+OFFLOAD_PLATFORMS = ("gpu", "tpu")
+
+
+def check_moe_chunk_offload(c: Config, platform: str) -> None:
+    """Host offload of a MoE name inside MoE token chunks is refused on GPU and TPU, before
+    anything is traced: each chunk's own checkpoint (nn/moe/chunks.scan_chunks) stacks what it
+    offloads over the chunks inside the layers' scan, a host buffer neither compiler lays out
+    (jax 0.10.2: XLA:GPU fails layout assignment, XLA:TPU its async slices). On a CPU, one memory,
+    the offload is a placement only and compiles."""
+    if platform not in OFFLOAD_PLATFORMS or c.num_moe_token_chunks == 1:
+        return
+    place = remat.config_placements(c)
+    offloaded = [name for name in remat.STASHABLE if place[name] == remat.OFFLOAD]
+    if offloaded:
+        raise ConfigError(
+            f"num_moe_token_chunks={c.num_moe_token_chunks} with {offloaded[0]}=offload on "
+            f"{platform.upper()}: the chunks' offloaded residuals do not compile there; set "
+            f"{offloaded[0]}=device or remat, keep them in the paged stash "
+            "(moe_paged_stash=true), or num_moe_token_chunks=1"
+        )
+
+
 def check_rope(c: Config) -> None:
     rope_dim = c.qk_rope_head_dim if c.attention_type == "mla" else c.head_dim
     if c.attention_type == "gqa" and rope_dim % 2:

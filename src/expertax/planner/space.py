@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from expertax.config import ConfigError, configs_dir
+from expertax.config.checks import OFFLOAD_PLATFORMS
 from expertax.config.schema import Config
 from expertax.parallel import remat
 from expertax.planner import placements, steptime
@@ -274,6 +275,8 @@ def candidates(
                 # chunks' inputs and the keys' gradient accumulators: docs/design/attention.md).
                 # Offload inside a chunk is refused (checks.check_attention_token_chunks).
                 continue
+            if n_chunks > 1 and est.on in OFFLOAD_PLATFORMS and ch.offloads_any(remat.STASHABLE):
+                continue  # does not compile there (checks.check_moe_chunk_offload)
             o: dict[str, Any] = {
                 "ici_data_parallelism": 1,
                 "ici_fsdp_parallelism": shape["fsdp"],

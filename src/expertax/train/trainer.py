@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from expertax import platform
 from expertax.config import config_rules
-from expertax.config.checks import ConfigError, check_attention_platform
+from expertax.config.checks import ConfigError, check_attention_platform, check_moe_chunk_offload
 from expertax.config.schema import Config
 from expertax.models import decoder, init_params
 from expertax.nn import param
@@ -137,6 +137,7 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     """Mesh, rules, optimizer and shardings for `c`; raises ConfigError before any compilation."""
     mesh = make_mesh(c, devices)
     check_attention_platform(c, platform.of_mesh(mesh))
+    check_moe_chunk_offload(c, platform.of_mesh(mesh))
     rules = config_rules(c)
     if c.is_moe and c.sparse_matmul:
         strategy.moe_specs(rules)  # a rules table the MoE layer cannot compute: ConfigError

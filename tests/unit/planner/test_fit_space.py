@@ -185,3 +185,18 @@ def test_grouped_padding_follows_the_kernels_row_tiles():
     model = steptime.Model(c, CHIPS["v5p"])
     terms = Terms(1, 1, 0, 0, 1, 0, 0)
     assert model.of(0.5, terms, padding=1 / 3).compute_s > model.of(0.5, terms).compute_s
+
+
+def test_accelerators_search_no_moe_offload_inside_moe_chunks():
+    """A MoE name offloaded inside MoE token chunks does not compile on GPU or TPU
+    (checks.check_moe_chunk_offload): those candidates are left out there, kept on a CPU."""
+    c = load_config(overrides={"model_name": "mixtral-tiny", "max_target_length": 64})
+
+    def bad(x):
+        # the presets offload no MoE name; a custom choice names each placement
+        moe_offload = any(x.overrides.get(n) == remat.OFFLOAD for n in remat.STASHABLE)
+        return x.overrides["num_moe_token_chunks"] > 1 and moe_offload
+
+    for on in ("gpu", "tpu"):
+        assert not any(bad(x) for x in space.candidates(c, 8, on=on, state_offload=False))
+    assert any(bad(x) for x in space.candidates(c, 8, on="cpu", state_offload=False))
