@@ -76,6 +76,11 @@ def check_mla(c: Config) -> None:
             "option (MLA normalizes its low-rank latents instead); use attention_type=gqa or "
             "attention_qk_norm=false"
         )
+    if c.attention_sinks:
+        raise ConfigError(
+            "attention_sinks=true with attention_type=mla: the learned sinks are a GQA option "
+            "here (GPT-OSS); use attention_type=gqa or attention_sinks=false"
+        )
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if getattr(c, key) <= 0:
             raise ConfigError(f"{key}={getattr(c, key)}: attention_type=mla needs a positive value")

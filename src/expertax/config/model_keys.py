@@ -44,6 +44,14 @@ class ModelSection(_Section):
         gt=0,
         description="swiglu_clamped: the clamp of gate (above) and up (both sides); GPT-OSS: 7.",
     )
+    attention_sinks: bool = _key(
+        MODEL,
+        False,
+        description="GQA: a learned sink logit per query head (GPT-OSS), one more column of "
+        "every row's softmax with no value, so a head can give a row less than all its weight "
+        "(kernel.attend_dot; every attention_impl but cudnn, which is refused). Zero at init; "
+        "training, prefill and decoding alike.",
+    )
     attention_qk_norm: bool = _key(
         MODEL,
         False,

@@ -386,6 +386,11 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
             "format has multi-token-prediction layers for DeepSeek-V3 only "
             "(num_nextn_predict_layers); this model's MTP modules have no place in it"
         )
+    if c.attention_sinks:
+        raise ConversionError(
+            "attention_sinks=true: none of the HF formats the converter writes (deepseek_v3, "
+            "mixtral, qwen3_moe) has attention sinks; needs attention_sinks=false"
+        )
     if c.mlp_activation != "swiglu":
         raise ConversionError(
             f"mlp_activation={c.mlp_activation!r}: the HF formats the converter writes "

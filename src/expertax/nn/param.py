@@ -26,11 +26,60 @@ Leaf = Any
 Param = Leaf
 
 
-@dataclass_transform(frozen_default=True)
+_OPTIONAL = "expertax_optional"
+
+
+class _Absent:
+    """The value of an `optional()` field a model does not have."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT: Any = _Absent()
+
+
+def optional() -> Any:
+    """A parameter field that only some configs have (a q/k norm, attention sinks, biases):
+    `ABSENT` by default, and then not in the pytree at all (no node), so that a model without it
+    has the tree, and the checkpoints, it had before the field existed. Not None: trees derived
+    by mapping leaves to None (JAX's own layouts, say) must keep the field's place. Optional
+    fields come after the others; `given` reads one (None when absent)."""
+    return dataclasses.field(default=ABSENT, metadata={_OPTIONAL: True})
+
+
+def given(x: Any) -> Any:
+    """An optional field's value, None when `ABSENT`."""
+    return None if x is ABSENT else x
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, optional))
 def params_dataclass(cls):
-    """A frozen dataclass registered as a pytree whose fields are all data (arrays or None)."""
+    """A frozen dataclass registered as a pytree whose fields are all data (arrays or None;
+    an `optional()` field that is `ABSENT` is left out of the tree)."""
     cls = dataclasses.dataclass(frozen=True)(cls)
-    return jax.tree_util.register_dataclass(cls)
+    fields = dataclasses.fields(cls)
+    if not any(f.metadata.get(_OPTIONAL) for f in fields):
+        return jax.tree_util.register_dataclass(cls)
+    names = tuple(f.name for f in fields)
+    opt = frozenset(f.name for f in fields if f.metadata.get(_OPTIONAL))
+
+    def present(x) -> tuple[str, ...]:
+        return tuple(n for n in names if n not in opt or getattr(x, n) is not ABSENT)
+
+    def flatten_with_keys(x):
+        keep = present(x)
+        return [(jax.tree_util.GetAttrKey(n), getattr(x, n)) for n in keep], keep
+
+    def flatten(x):
+        keep = present(x)
+        return [getattr(x, n) for n in keep], keep
+
+    def unflatten(keep, children):
+        return cls(**dict(zip(keep, children, strict=True)))
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,9 @@ def test_qk_norm_scales_only_where_configured():
     assert [path[0].name for path, _ in flat] == ["wq", "wk", "wv", "wo"]
     c = load_config(overrides={"model_name": "qwen3-moe-tiny"})
     normed = decoder.spec(c).moe_layers.attn
-    assert type(normed) is gqa.NormedGQA
+    assert type(normed) is gqa.GQA
+    flat = jax.tree_util.tree_flatten_with_path(normed, is_leaf=lambda x: x is None)[0]
+    assert [path[0].name for path, _ in flat] == ["wq", "wk", "wv", "wo", "q_norm", "k_norm"]
     for s in (normed.q_norm, normed.k_norm):
         assert s.shape == (c.num_moe_layers, c.head_dim) and s.axes == ("layers", "kv")
         assert s.init == "ones" and not s.weight_decay

@@ -92,11 +92,11 @@ def mean_offset(c: Config, length: int) -> float:
 
 def attend_chunk(
     q, k, v, c: Config, segment_ids_BT, q_offset, end: int, scale: float, q_positions_BT,
-    kv_positions_BS,
+    kv_positions_BS, sink_logits_H=None,
 ):  # fmt: skip
     """The kernel call of one chunk's queries `q` (at `q_positions_BT`) against the layer's keys
-    and values (at `kv_positions_BS`) up to `end` (`over_queries`' ChunkFn arguments);
-    [B, T/n, H, O]."""
+    and values (at `kv_positions_BS`) up to `end` (`over_queries`' ChunkFn arguments), with the
+    layer's learned attention sinks if it has them; [B, T/n, H, O]."""
     seg = None if segment_ids_BT is None else segment_ids_BT[:, :end]
     return kernel.attend(
         q,
@@ -109,4 +109,5 @@ def attend_chunk(
         mean_q_offset=mean_offset(c, k.shape[1]),
         q_positions_BT=q_positions_BT,
         kv_positions_BS=kv_positions_BS[:, :end],
+        sink_logits_H=sink_logits_H,
     )

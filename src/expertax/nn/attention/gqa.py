@@ -1,6 +1,7 @@
 """Grouped-query attention (Mixtral, Qwen3, Llama): wq, wk, wv, the optional per-head q/k norm
-(qk_norm.py), RoPE on the full head, wo; with an optional key/value cache (cache.py: decoding's
-prefill and decode steps)."""
+(qk_norm.py), RoPE on the full head, optional learned attention sinks (one logit per query
+head, `attention_sinks`: kernel.attend_dot), wo; with an optional key/value cache (cache.py:
+decoding's prefill and decode steps)."""
 
 from __future__ import annotations
 
@@ -11,27 +12,23 @@ from expertax.nn import rope
 from expertax.nn.attention import chunks, kernel, qk_norm
 from expertax.nn.attention.cache import KV, constrain_layer, slot_positions, write
 from expertax.nn.linear import project
-from expertax.nn.param import Param, params_dataclass, projection
+from expertax.nn.param import Param, ParamSpec, given, optional, params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
 
 @params_dataclass
 class GQA:
+    """The projections, and the parameters only some models have (`optional()`: not in the tree
+    where `ABSENT`, so a model without them keeps the tree and checkpoints it had before)."""
+
     wq: Param  # [D, H, Q]
     wk: Param  # [D, G, Q]
     wv: Param  # [D, G, O], O = Q here
     wo: Param  # [H, O, D]
-
-
-@params_dataclass
-class NormedGQA(GQA):
-    """GQA with the per-head q/k RMSNorm (`attention_qk_norm`, qk_norm.py). A class of its own,
-    not two None fields of GQA, so that a model without the norm keeps the parameter tree (and
-    the checkpoints and model directories) it had before the norm existed."""
-
-    q_norm: Param  # [Q] per-head query RMSNorm scale
-    k_norm: Param  # [Q] per-head key RMSNorm scale
+    q_norm: Param = optional()  # [Q] per-head query RMSNorm scale (attention_qk_norm)
+    k_norm: Param = optional()  # [Q] per-head key RMSNorm scale
+    sinks: Param = optional()  # [H] learned sink logit per query head (attention_sinks)
 
 
 def spec(c: Config) -> GQA:
@@ -43,18 +40,15 @@ def spec(c: Config) -> GQA:
         wo=projection((h, q, d), ("heads", "kv", "embed"), h * q),
     )
     if c.attention_qk_norm:
-        return NormedGQA(**projections, q_norm=qk_norm.spec(c), k_norm=qk_norm.spec(c))
+        projections.update(q_norm=qk_norm.spec(c), k_norm=qk_norm.spec(c))
+    if c.attention_sinks:  # zero logits at init: one more unit of weight in every softmax row
+        projections.update(sinks=ParamSpec((h,), ("heads",), "zeros", weight_decay=False))
     return GQA(**projections)
-
-
-def _norm_scale(p: GQA, name: str):
-    """The q/k norm scale `name` of a NormedGQA; None for a plain GQA."""
-    return getattr(p, name) if isinstance(p, NormedGQA) else None
 
 
 def _queries(p: GQA, x_BTD, c: Config, positions_BT, dtype) -> jax.Array:
     q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
-    q = qk_norm.apply(_norm_scale(p, "q_norm"), q, c)
+    q = qk_norm.apply(given(p.q_norm), q, c)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     return constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
 
@@ -64,7 +58,7 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
     tokens' keys and values written at their positions and every slot read: cache.py)."""
     t = x_BTD.shape[1]
     k = remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
-    k = qk_norm.apply(_norm_scale(p, "k_norm"), k, c)
+    k = qk_norm.apply(given(p.k_norm), k, c)
     v = remat.tag(project(x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
     cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))
@@ -74,7 +68,7 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
         out = kernel.attend_dot(
             _queries(p, x_BTD, c, positions_BT, dtype), cache.k, cache.v,
             scale=rope.softmax_scale(c), q_positions_BT=positions_BT,
-            kv_positions_BS=slot_positions(cache.k.shape[1]),
+            kv_positions_BS=slot_positions(cache.k.shape[1]), sink_logits_H=given(p.sinks),
         )  # fmt: skip
         return project(out, p.wo.astype(dtype), 2), cache
     kv_positions_BS = positions_BT
@@ -83,8 +77,9 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
         q = _queries(p, x_BTD, c, positions_BT, dtype)
         scale = rope.softmax_scale(c)
         out = chunks.attend_chunk(
-            q, k, v, c, segment_ids_BT, q_offset, end, scale, positions_BT, kv_positions_BS
-        )
+            q, k, v, c, segment_ids_BT, q_offset, end, scale, positions_BT, kv_positions_BS,
+            given(p.sinks),
+        )  # fmt: skip
         return project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
 
     scan = chunks.scanned(c, t, c.head_dim, c.head_dim, dtype)

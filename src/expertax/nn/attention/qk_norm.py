@@ -5,7 +5,8 @@ and before RoPE, with a learned scale [Q] for the queries and another for the ke
 all heads, like the projections' head dim: logical axis `kv`). It bounds the attention logits
 whatever the projections' scale (Qwen3 technical report, arXiv:2505.09388, section 2; the
 same idea as "Scaling Vision Transformers to 22 Billion Parameters", arXiv:2302.05442). A model
-without it has no such parameters (gqa.GQA rather than gqa.NormedGQA) and skips the step.
+without it has no such parameters (`gqa.GQA`'s optional fields, absent from its tree) and skips
+the step.
 """
 
 from __future__ import annotations

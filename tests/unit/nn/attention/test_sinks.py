@@ -121,3 +121,53 @@ def test_cudnn_refuses_sinks_and_auto_avoids_it():
     with pytest.raises(ValueError, match="no learned attention sinks"):
         kernel.resolve("cudnn", sinks=True, **kw)
     assert kernel.resolve("auto", on="gpu", sinks=True, **kw) != "cudnn"
+
+
+def test_layer_sinks_train_decode_and_gradient():
+    """mixtral-tiny with `attention_sinks`: the sinks are per-layer [H] parameters; greedy
+    decoding from the cache gives the training forward's tokens and log-probabilities; the loss
+    has a gradient for them; sinks of -1e9 give the model without sinks (the control that they
+    are read at all)."""
+    import dataclasses
+
+    from expertax import init_params, load_config, logits
+    from expertax.decoding import generate
+    from expertax.nn import param
+
+    over = dict(model_name="mixtral-tiny", dtype="float32", weight_dtype="float32")
+    c = load_config(overrides={**over, "attention_sinks": True})
+    params = init_params(c)
+    attn = params.moe_layers.attn
+    assert attn.sinks.shape == (c.num_moe_layers, c.base_num_query_heads)
+    sinks = 2.0 * jax.random.normal(jax.random.key(5), attn.sinks.shape)
+    params = dataclasses.replace(
+        params, moe_layers=dataclasses.replace(
+            params.moe_layers, attn=dataclasses.replace(attn, sinks=sinks)
+        )
+    )  # fmt: skip
+    prompt = [3, 1, 4, 1, 5]
+    g = generate(params, c, [prompt], max_new_tokens=4, devices=jax.devices()[:1])
+    seq, lps = list(prompt), []
+    for t in g.tokens[0]:
+        row = logits(params, jnp.asarray([seq]), c)[0, -1]
+        assert int(jnp.argmax(row)) == t
+        lps.append(float(jax.nn.log_softmax(row)[t]))
+        seq.append(t)
+    np.testing.assert_allclose(g.logprobs[0], lps, **tol(jnp.float32))
+
+    tokens = jnp.asarray([seq])
+    grad = jax.grad(lambda p: jnp.sum(logits(p, tokens, c)[0, -1] ** 2))(params)
+    assert float(jnp.max(jnp.abs(grad.moe_layers.attn.sinks))) > 1e-6
+
+    plain_c = load_config(overrides=over)
+    off = dataclasses.replace(attn, sinks=jnp.full(attn.sinks.shape, -1e9))
+    far = dataclasses.replace(params, moe_layers=dataclasses.replace(params.moe_layers, attn=off))
+    plain = dataclasses.replace(
+        params, moe_layers=dataclasses.replace(
+            params.moe_layers, attn=dataclasses.replace(attn, sinks=param.ABSENT)
+        )
+    )  # fmt: skip
+    np.testing.assert_allclose(
+        logits(far, tokens, c), logits(plain, tokens, plain_c), **tol(jnp.float32)
+    )
+    assert not np.allclose(logits(params, tokens, c), logits(plain, tokens, plain_c))
