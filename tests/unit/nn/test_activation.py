@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax import init_params, load_config, logits
+from expertax import init_params, load_config
 from expertax.decoding import generate
 from expertax.nn import activation
 from expertax.nn.moe import layer
 from expertax.nn.moe.reference import moe_reference
 from tests.tolerances import tol
+from tests.unit.decoding.test_generate import oracle
 from tests.unit.nn.moe.test_moe import assert_trees_close, case
 
 LIMIT = 0.5  # small, so that random activations hit both clamps
@@ -79,12 +80,7 @@ def test_decoding_equals_the_training_forward():
         )
     )  # fmt: skip
     params = init_params(c)
-    prompt, new = [3, 1, 4, 1, 5], 4
-    g = generate(params, c, [prompt], max_new_tokens=new, devices=jax.devices()[:1])
-    seq, lps = list(prompt), []
-    for t in g.tokens[0]:
-        row = logits(params, jnp.asarray([seq]), c)[0, -1]
-        assert int(jnp.argmax(row)) == t
-        lps.append(float(jax.nn.log_softmax(row)[t]))
-        seq.append(t)
-    np.testing.assert_allclose(g.logprobs[0], lps, **tol(jnp.float32))
+    g = generate(params, c, [[3, 1, 4, 1, 5]], max_new_tokens=4, devices=jax.devices()[:1])
+    tokens, lps = oracle(c, params, [[3, 1, 4, 1, 5]], 4)
+    assert g.tokens == tokens
+    np.testing.assert_allclose(g.logprobs, lps, **tol(jnp.float32))

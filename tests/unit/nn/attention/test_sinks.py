@@ -133,6 +133,7 @@ def test_layer_sinks_train_decode_and_gradient():
     from expertax import init_params, load_config, logits
     from expertax.decoding import generate
     from expertax.nn import param
+    from tests.unit.decoding.test_generate import oracle
 
     over = dict(model_name="mixtral-tiny", dtype="float32", weight_dtype="float32")
     c = load_config(overrides={**over, "attention_sinks": True})
@@ -147,15 +148,11 @@ def test_layer_sinks_train_decode_and_gradient():
     )  # fmt: skip
     prompt = [3, 1, 4, 1, 5]
     g = generate(params, c, [prompt], max_new_tokens=4, devices=jax.devices()[:1])
-    seq, lps = list(prompt), []
-    for t in g.tokens[0]:
-        row = logits(params, jnp.asarray([seq]), c)[0, -1]
-        assert int(jnp.argmax(row)) == t
-        lps.append(float(jax.nn.log_softmax(row)[t]))
-        seq.append(t)
-    np.testing.assert_allclose(g.logprobs[0], lps, **tol(jnp.float32))
+    want_tokens, want_lps = oracle(c, params, [prompt], 4)
+    assert g.tokens == want_tokens
+    np.testing.assert_allclose(g.logprobs, want_lps, **tol(jnp.float32))
 
-    tokens = jnp.asarray([seq])
+    tokens = jnp.asarray([prompt + g.tokens[0]])
     grad = jax.grad(lambda p: jnp.sum(logits(p, tokens, c)[0, -1] ** 2))(params)
     assert float(jnp.max(jnp.abs(grad.moe_layers.attn.sinks))) > 1e-6
 
