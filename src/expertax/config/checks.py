@@ -76,6 +76,12 @@ def check_mla(c: Config) -> None:
             "option (MLA normalizes its low-rank latents instead); use attention_type=gqa or "
             "attention_qk_norm=false"
         )
+    for key in ("attention_qkv_bias", "attention_out_bias"):
+        if getattr(c, key):
+            raise ConfigError(
+                f"{key}=true with attention_type=mla: the attention biases are a GQA option "
+                f"here; use attention_type=gqa or {key}=false"
+            )
     if c.attention_sinks:
         raise ConfigError(
             "attention_sinks=true with attention_type=mla: the learned sinks are a GQA option "
@@ -164,6 +170,18 @@ def check_rope(c: Config) -> None:
     rope_dim = c.qk_rope_head_dim if c.attention_type == "mla" else c.head_dim
     if c.attention_type == "gqa" and rope_dim % 2:
         raise ConfigError(f"head_dim={c.head_dim} must be even (RoPE pairs)")
+    if c.partial_rotary_factor != 1.0:
+        if c.attention_type == "mla":
+            raise ConfigError(
+                f"partial_rotary_factor={c.partial_rotary_factor} with attention_type=mla: MLA "
+                "rotates its own qk_rope_head_dim; use attention_type=gqa or factor 1"
+            )
+        rot = int(c.head_dim * c.partial_rotary_factor)
+        if rot < 2 or rot % 2:
+            raise ConfigError(
+                f"partial_rotary_factor={c.partial_rotary_factor} x head_dim={c.head_dim} = {rot} "
+                "rotated dims: RoPE needs an even count of at least 2"
+            )
     if c.rope_type == "yarn" and c.rope_factor <= 1.0:
         raise ConfigError(f"rope_type=yarn needs rope_factor > 1 (got {c.rope_factor})")
 

@@ -44,6 +44,17 @@ class ModelSection(_Section):
         gt=0,
         description="swiglu_clamped: the clamp of gate (above) and up (both sides); GPT-OSS: 7.",
     )
+    attention_qkv_bias: bool = _key(
+        MODEL,
+        False,
+        description="GQA: learned biases of the query, key and value projections (GLM-4.5's "
+        "and GPT-OSS's attention_bias); zero at init, not weight-decayed.",
+    )
+    attention_out_bias: bool = _key(
+        MODEL,
+        False,
+        description="GQA: a learned bias of the output projection (GPT-OSS); zero at init.",
+    )
     attention_sinks: bool = _key(
         MODEL,
         False,
@@ -104,6 +115,14 @@ class ModelSection(_Section):
     )
     v_head_dim: int = _key(MODEL, 32, ge=0, description="MLA per-head value dims.")
     rope_type: Literal["default", "yarn"] = _key(MODEL, "default", description="RoPE variant.")
+    partial_rotary_factor: float = _key(
+        MODEL,
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="GQA: the share of each head's dims RoPE rotates (the first "
+        "head_dim x factor, an even count; the rest pass unrotated), as GLM-4.5's 0.5; 1: all.",
+    )
     rope_max_timescale: float = _key(MODEL, 10_000.0, gt=0, description="RoPE base (theta).")
     rope_factor: float = _key(MODEL, 1.0, ge=1.0, description="YaRN context-extension factor.")
     original_max_position_embeddings: int = _key(

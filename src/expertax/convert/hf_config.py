@@ -386,10 +386,21 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
             "format has multi-token-prediction layers for DeepSeek-V3 only "
             "(num_nextn_predict_layers); this model's MTP modules have no place in it"
         )
+    for key in ("attention_qkv_bias", "attention_out_bias"):
+        if getattr(c, key):
+            raise ConversionError(
+                f"{key}=true: the HF formats the converter writes (deepseek_v3, mixtral, "
+                f"qwen3_moe) have no attention biases; needs {key}=false"
+            )
     if c.attention_sinks:
         raise ConversionError(
             "attention_sinks=true: none of the HF formats the converter writes (deepseek_v3, "
             "mixtral, qwen3_moe) has attention sinks; needs attention_sinks=false"
+        )
+    if c.partial_rotary_factor != 1.0:
+        raise ConversionError(
+            f"partial_rotary_factor={c.partial_rotary_factor}: the HF formats the converter "
+            "writes (deepseek_v3, mixtral, qwen3_moe) rotate whole heads; needs 1"
         )
     if c.mlp_activation != "swiglu":
         raise ConversionError(

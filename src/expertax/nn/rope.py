@@ -65,11 +65,19 @@ def cos_sin(c: Config, positions_BT: jax.Array, dim: int) -> tuple[jax.Array, ja
     return jnp.cos(angles) * amplitude, jnp.sin(angles) * amplitude
 
 
+def rotary_dim(c: Config) -> int:
+    """The head dims GQA's RoPE rotates: head_dim x partial_rotary_factor (checks.py: even)."""
+    return int(c.head_dim * c.partial_rotary_factor)
+
+
 def apply(x_BTHQ: jax.Array, cos_BTA: jax.Array, sin_BTA: jax.Array) -> jax.Array:
-    """Rotate the last dim of x [B, T, H, Q] (half-split pairs; A = Q/2 angles per position)."""
-    half = x_BTHQ.shape[-1] // 2
+    """Rotate the first 2A dims of x [B, T, H, Q] (half-split pairs; A angles per position, Q/2
+    for the whole head); the dims after them (partial RoPE) pass as they are."""
+    half = cos_BTA.shape[-1]
     x32 = x_BTHQ.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
+    x1, x2 = x32[..., :half], x32[..., half : 2 * half]
     cos, sin = cos_BTA[:, :, None, :], sin_BTA[:, :, None, :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTHQ.dtype)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTHQ.dtype)
+    if 2 * half == x_BTHQ.shape[-1]:
+        return out
+    return jnp.concatenate([out, x_BTHQ[..., 2 * half :]], axis=-1)

@@ -29,6 +29,10 @@ class GQA:
     q_norm: Param = optional()  # [Q] per-head query RMSNorm scale (attention_qk_norm)
     k_norm: Param = optional()  # [Q] per-head key RMSNorm scale
     sinks: Param = optional()  # [H] learned sink logit per query head (attention_sinks)
+    bq: Param = optional()  # [H, Q] query bias (attention_qkv_bias)
+    bk: Param = optional()  # [G, Q] key bias
+    bv: Param = optional()  # [G, O] value bias
+    bo: Param = optional()  # [D] output bias (attention_out_bias)
 
 
 def spec(c: Config) -> GQA:
@@ -43,13 +47,28 @@ def spec(c: Config) -> GQA:
         projections.update(q_norm=qk_norm.spec(c), k_norm=qk_norm.spec(c))
     if c.attention_sinks:  # zero logits at init: one more unit of weight in every softmax row
         projections.update(sinks=ParamSpec((h,), ("heads",), "zeros", weight_decay=False))
+    if c.attention_qkv_bias:  # GLM-4.5, GPT-OSS
+        projections.update(bq=_bias((h, q), "heads"), bk=_bias((g, q), "kv_heads"))
+        projections.update(bv=_bias((g, q), "kv_heads"))
+    if c.attention_out_bias:  # GPT-OSS
+        projections.update(bo=ParamSpec((d,), ("embed",), "zeros", weight_decay=False))
     return GQA(**projections)
 
 
+def _bias(shape: tuple[int, int], heads: str) -> ParamSpec:
+    return ParamSpec(shape, (heads, "kv"), "zeros", weight_decay=False)
+
+
+def _project(x, w, b, dtype, n_in: int = 1):
+    """A projection and its bias (None: none), in `dtype`."""
+    y = project(x, w.astype(dtype), n_in)
+    return y if b is None else y + b.astype(dtype).reshape((1,) * (y.ndim - b.ndim) + b.shape)
+
+
 def _queries(p: GQA, x_BTD, c: Config, positions_BT, dtype) -> jax.Array:
-    q = remat.tag(project(x_BTD, p.wq.astype(dtype)), remat.QUERY_PROJ)
+    q = remat.tag(_project(x_BTD, p.wq, given(p.bq), dtype), remat.QUERY_PROJ)
     q = qk_norm.apply(given(p.q_norm), q, c)
-    cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
+    cos, sin = rope.cos_sin(c, positions_BT, rope.rotary_dim(c))
     return constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
 
 
@@ -57,10 +76,10 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
     """The layer's output [B, T, D] and its cache (None without one; with one, the new
     tokens' keys and values written at their positions and every slot read: cache.py)."""
     t = x_BTD.shape[1]
-    k = remat.tag(project(x_BTD, p.wk.astype(dtype)), remat.KEY_PROJ)
+    k = remat.tag(_project(x_BTD, p.wk, given(p.bk), dtype), remat.KEY_PROJ)
     k = qk_norm.apply(given(p.k_norm), k, c)
-    v = remat.tag(project(x_BTD, p.wv.astype(dtype)), remat.VALUE_PROJ)
-    cos, sin = rope.cos_sin(c, positions_BT, c.head_dim)
+    v = remat.tag(_project(x_BTD, p.wv, given(p.bv), dtype), remat.VALUE_PROJ)
+    cos, sin = rope.cos_sin(c, positions_BT, rope.rotary_dim(c))
     k = constrain(rope.apply(k, cos, sin), ("batch", "length", "act_kv_heads", None))
     if cache is not None:
         cache = KV(write(cache.k, k, positions_BT), write(cache.v, v, positions_BT))
@@ -70,7 +89,7 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
             scale=rope.softmax_scale(c), q_positions_BT=positions_BT,
             kv_positions_BS=slot_positions(cache.k.shape[1]), sink_logits_H=given(p.sinks),
         )  # fmt: skip
-        return project(out, p.wo.astype(dtype), 2), cache
+        return _project(out, p.wo, given(p.bo), dtype, 2), cache
     kv_positions_BS = positions_BT
 
     def queries_out(x_BTD, positions_BT, q_offset, end):  # a chunk's queries (chunks.py)
@@ -80,7 +99,7 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
             q, k, v, c, segment_ids_BT, q_offset, end, scale, positions_BT, kv_positions_BS,
             given(p.sinks),
         )  # fmt: skip
-        return project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
+        return _project(remat.tag(out, remat.ATTENTION_OUT), p.wo, given(p.bo), dtype, 2)
 
     scan = chunks.scanned(c, t, c.head_dim, c.head_dim, dtype)
     out = chunks.over_queries(queries_out, x_BTD, positions_BT, c, scan=scan)
