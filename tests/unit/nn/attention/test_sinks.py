@@ -123,47 +123,26 @@ def test_cudnn_refuses_sinks_and_auto_avoids_it():
     assert kernel.resolve("auto", on="gpu", sinks=True, **kw) != "cudnn"
 
 
-def test_layer_sinks_train_decode_and_gradient():
-    """mixtral-tiny with `attention_sinks`: the sinks are per-layer [H] parameters; greedy
-    decoding from the cache gives the training forward's tokens and log-probabilities; the loss
-    has a gradient for them; sinks of -1e9 give the model without sinks (the control that they
-    are read at all)."""
-    import dataclasses
-
+def test_layer_sinks_are_read_and_learned():
+    """mixtral-tiny with `attention_sinks`: the sinks are per-layer [H] parameters; the loss has
+    a gradient for them; sinks of -1e9 give the model without sinks, random ones differ (they
+    are read at all). Decoding with them: test_gqa_biases.py (sinks and biases together)."""
     from expertax import init_params, load_config, logits
-    from expertax.decoding import generate
     from expertax.nn import param
-    from tests.unit.decoding.test_generate import oracle
+    from tests.unit.nn.attention.test_gqa_biases import OVER, _with_attn
 
-    over = dict(model_name="mixtral-tiny", dtype="float32", weight_dtype="float32")
-    c = load_config(overrides={**over, "attention_sinks": True})
+    c = load_config(overrides={**OVER, "attention_sinks": True})
     params = init_params(c)
-    attn = params.moe_layers.attn
-    assert attn.sinks.shape == (c.num_moe_layers, c.base_num_query_heads)
-    sinks = 2.0 * jax.random.normal(jax.random.key(5), attn.sinks.shape)
-    params = dataclasses.replace(
-        params, moe_layers=dataclasses.replace(
-            params.moe_layers, attn=dataclasses.replace(attn, sinks=sinks)
-        )
-    )  # fmt: skip
-    prompt = [3, 1, 4, 1, 5]
-    g = generate(params, c, [prompt], max_new_tokens=4, devices=jax.devices()[:1])
-    want_tokens, want_lps = oracle(c, params, [prompt], 4)
-    assert g.tokens == want_tokens
-    np.testing.assert_allclose(g.logprobs, want_lps, **tol(jnp.float32))
-
-    tokens = jnp.asarray([prompt + g.tokens[0]])
+    shape = params.moe_layers.attn.sinks.shape
+    assert shape == (c.num_moe_layers, c.base_num_query_heads)
+    params = _with_attn(params, sinks=2.0 * jax.random.normal(jax.random.key(5), shape))
+    tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]])
     grad = jax.grad(lambda p: jnp.sum(logits(p, tokens, c)[0, -1] ** 2))(params)
     assert float(jnp.max(jnp.abs(grad.moe_layers.attn.sinks))) > 1e-6
 
-    plain_c = load_config(overrides=over)
-    off = dataclasses.replace(attn, sinks=jnp.full(attn.sinks.shape, -1e9))
-    far = dataclasses.replace(params, moe_layers=dataclasses.replace(params.moe_layers, attn=off))
-    plain = dataclasses.replace(
-        params, moe_layers=dataclasses.replace(
-            params.moe_layers, attn=dataclasses.replace(attn, sinks=param.ABSENT)
-        )
-    )  # fmt: skip
+    plain_c = load_config(overrides=OVER)
+    far = _with_attn(params, sinks=jnp.full(shape, -1e9))
+    plain = _with_attn(params, sinks=param.ABSENT)
     np.testing.assert_allclose(
         logits(far, tokens, c), logits(plain, tokens, plain_c), **tol(jnp.float32)
     )
