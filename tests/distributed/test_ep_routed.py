@@ -296,8 +296,8 @@ def test_negative_control_the_argsort_ring_is_seen(monkeypatch):
 
 
 def test_negative_control_a_whole_buffer_swiglu_is_seen(monkeypatch):
-    def whole_buffer(gate, up, wo, sizes, **kw):
-        return gmm.gmm(swiglu(gate, up), wo, sizes, **kw)
+    def whole_buffer(gate, up, wo, sizes, act=swiglu, **kw):
+        return gmm.gmm(act(gate, up), wo, sizes, **kw)
 
     monkeypatch.setattr(dispatch, "gmm_glu", whole_buffer)
     names, moves, _, d = _row_ops("ring-ep8", monkeypatch, fused=False)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from expertax import quant
 from expertax.config.schema import Config
 from expertax.nn import activation, linear, mlp
-from expertax.nn.activation import joined
+from expertax.nn.activation import joined, swiglu
 from expertax.nn.linear import is_joint, project
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe import router
@@ -70,7 +70,7 @@ def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype):
         same = shared is not None and is_joint(shared.wi_0)
         same = same and shared.wi_0.w.shape == wi[0].shape and shared.wo.shape == p.wo[0].shape
         with_shared = shared if same else None
-        out_ND = _by_kernel(kernel, wi, p.wo, x_ND, routing, dtype, act, with_shared)
+        out_ND = _by_kernel(kernel, wi, p.wo, x_ND, routing, dtype, with_shared, act)
         shared = None if same else shared
     elif b * t == 1:
         out_ND = _per_row(branches, x_ND, routing.experts_NK, routing.weights_NK, dtype)
@@ -110,7 +110,7 @@ def _weighted(y_RD, weight_R, dtype):
     return y_RD.astype(dtype).astype(F32) * weight_R[:, None]
 
 
-def _by_kernel(kernel: linear.RowKernel, wi, wo, x_ND, routing, dtype, act, shared=None):
+def _by_kernel(kernel: linear.RowKernel, wi, wo, x_ND, routing, dtype, shared=None, act=swiglu):
     """`_per_row`'s sum by the row kernel: every routed row multiplied by
     its expert's joined `wi` and its `wo` where they are, the rows that chose one expert
     together; with `shared` (a joined shared expert of a routed one's shapes), each token's row
