@@ -67,26 +67,24 @@ def check_heads(c: Config) -> None:
         )
 
 
+# GQA's optional pieces (nn/attention/gqa.py), refused with MLA: key -> what it is.
+GQA_ONLY = {
+    "attention_qk_norm": "the per-head q/k norm (MLA normalizes its low-rank latents instead)",
+    "attention_qkv_bias": "the q/k/v projection bias",
+    "attention_out_bias": "the output projection bias",
+    "attention_sinks": "the learned attention sinks (GPT-OSS)",
+}
+
+
 def check_mla(c: Config) -> None:
     if c.attention_type != "mla":
         return
-    if c.attention_qk_norm:
-        raise ConfigError(
-            "attention_qk_norm=true with attention_type=mla: the per-head q/k norm is a GQA "
-            "option (MLA normalizes its low-rank latents instead); use attention_type=gqa or "
-            "attention_qk_norm=false"
-        )
-    for key in ("attention_qkv_bias", "attention_out_bias"):
+    for key, what in GQA_ONLY.items():
         if getattr(c, key):
             raise ConfigError(
-                f"{key}=true with attention_type=mla: the attention biases are a GQA option "
-                f"here; use attention_type=gqa or {key}=false"
+                f"{key}=true with attention_type=mla: {what} is a GQA option here; use "
+                f"attention_type=gqa or {key}=false"
             )
-    if c.attention_sinks:
-        raise ConfigError(
-            "attention_sinks=true with attention_type=mla: the learned sinks are a GQA option "
-            "here (GPT-OSS); use attention_type=gqa or attention_sinks=false"
-        )
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if getattr(c, key) <= 0:
             raise ConfigError(f"{key}={getattr(c, key)}: attention_type=mla needs a positive value")

@@ -375,6 +375,16 @@ def _max_positions(c: Config) -> int:
     return c.max_target_length
 
 
+# Keys no HF format the converter writes can hold: key -> (the value it can, what the formats do).
+_NOT_IN_HF: dict[str, tuple[Any, str]] = {
+    "attention_qkv_bias": (False, "no attention biases"),
+    "attention_out_bias": (False, "no attention biases"),
+    "attention_sinks": (False, "no attention sinks"),
+    "partial_rotary_factor": (1.0, "RoPE over whole heads"),
+    "mlp_activation": ("swiglu", "silu(gate) * up"),
+}
+
+
 def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
     """An HF config.json dict for `c`; `base` (the original HF config) supplies non-model fields.
 
@@ -386,27 +396,12 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
             "format has multi-token-prediction layers for DeepSeek-V3 only "
             "(num_nextn_predict_layers); this model's MTP modules have no place in it"
         )
-    for key in ("attention_qkv_bias", "attention_out_bias"):
-        if getattr(c, key):
+    for key, (plain, what) in _NOT_IN_HF.items():
+        if getattr(c, key) != plain:
             raise ConversionError(
-                f"{key}=true: the HF formats the converter writes (deepseek_v3, mixtral, "
-                f"qwen3_moe) have no attention biases; needs {key}=false"
+                f"{key}={getattr(c, key)!r}: the HF formats the converter writes (deepseek_v3, "
+                f"mixtral, qwen3_moe) have {what}; needs {key}={plain!r}"
             )
-    if c.attention_sinks:
-        raise ConversionError(
-            "attention_sinks=true: none of the HF formats the converter writes (deepseek_v3, "
-            "mixtral, qwen3_moe) has attention sinks; needs attention_sinks=false"
-        )
-    if c.partial_rotary_factor != 1.0:
-        raise ConversionError(
-            f"partial_rotary_factor={c.partial_rotary_factor}: the HF formats the converter "
-            "writes (deepseek_v3, mixtral, qwen3_moe) rotate whole heads; needs 1"
-        )
-    if c.mlp_activation != "swiglu":
-        raise ConversionError(
-            f"mlp_activation={c.mlp_activation!r}: the HF formats the converter writes "
-            "(deepseek_v3, mixtral, qwen3_moe) compute silu(gate) * up; needs mlp_activation=swiglu"
-        )
     if c.decoder_block == "deepseek" and c.attention_type == "mla":
         hf = _deepseek_to_hf(c)
     elif c.decoder_block == "mixtral" and c.attention_type == "gqa" and c.num_dense_layers == 0:
