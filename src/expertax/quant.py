@@ -57,27 +57,29 @@ def scale_for(amax, xp=jnp):
 
 
 def block_amax(w_RC, rows: int, cols: int, xp=jnp):
-    """The largest magnitude of each `rows` x `cols` block of a 2-D `w_RC` (float32; `xp`:
-    numpy or jax.numpy), edge blocks padded with zeros: [ceil(R / rows), ceil(C / cols)]."""
-    r, c = w_RC.shape
+    """The largest magnitude of each `rows` x `cols` block of `w_RC` ([..., R, C]: the last two
+    axes blocked, leading axes kept; float32; `xp`: numpy or jax.numpy), edge blocks padded with
+    zeros: [..., ceil(R / rows), ceil(C / cols)]."""
+    *lead, r, c = w_RC.shape
     gr, gc = -(-r // rows), -(-c // cols)
     a = xp.abs(w_RC.astype(xp.float32))
     if (gr * rows, gc * cols) != (r, c):
-        a = xp.pad(a, ((0, gr * rows - r), (0, gc * cols - c)))
-    return a.reshape(gr, rows, gc, cols).max(axis=(1, 3))
+        a = xp.pad(a, ((0, 0),) * len(lead) + ((0, gr * rows - r), (0, gc * cols - c)))
+    return a.reshape(*lead, gr, rows, gc, cols).max(axis=(-3, -1))
 
 
-def expand(scale_GH, rows: int, cols: int, shape: tuple[int, int], xp=jnp):
-    """A block-scale grid as an array of `shape` (each scale over its `rows` x `cols` block,
-    edge blocks cut)."""
-    full = xp.repeat(xp.repeat(scale_GH, rows, axis=0), cols, axis=1)
-    return full[: shape[0], : shape[1]]
+def expand(scale_GH, rows: int, cols: int, shape: tuple[int, ...], xp=jnp):
+    """A block-scale grid ([..., G, H]) as an array of `shape` (each scale over its `rows` x
+    `cols` block of the last two axes, edge blocks cut)."""
+    full = xp.repeat(xp.repeat(scale_GH, rows, axis=-2), cols, axis=-1)
+    return full[..., : shape[-2], : shape[-1]]
 
 
 def quantize_blocks(w_RC, rows: int, cols: int, xp=jnp, scale_GH=None):
-    """(e4m3 values, float32 scale grid) of a 2-D `w_RC` in `rows` x `cols` blocks, by the scale
-    rule (`scale_for` of each block's amax) unless `scale_GH` is given. DeepSeek-V3's weights:
-    128 x 128; its activations and output gradients: 1 x 128 along the contraction axis."""
+    """(e4m3 values, float32 scale grid) of `w_RC` ([..., R, C]: each matrix of the leading
+    axes on its own) in `rows` x `cols` blocks, by the scale rule (`scale_for` of each block's
+    amax) unless `scale_GH` is given. DeepSeek-V3's weights: 128 x 128; its activations and
+    output gradients: 1 x 128 along the contraction axis."""
     if scale_GH is None:
         scale_GH = scale_for(block_amax(w_RC, rows, cols, xp), xp)
     # w times the scale's reciprocal, in NumPy and XLA alike (XLA would turn `w / scale` over

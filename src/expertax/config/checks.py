@@ -195,6 +195,15 @@ def check_capacity(c: Config) -> None:
         )
 
 
+def check_quantization(c: Config) -> None:
+    if c.quantization and c.num_experts > 1 and not c.sparse_matmul:
+        raise ConfigError(
+            f"quantization={c.quantization} quantizes the routed experts' grouped GEMMs "
+            "(sparse_matmul=true); the dense capacity path (sparse_matmul=false) has no fp8 "
+            "GEMM: set sparse_matmul=true or quantization=''"
+        )
+
+
 def check_routing_bias(c: Config) -> None:
     if c.routed_bias and c.routed_score_func != "sigmoid":
         raise ConfigError(
@@ -459,6 +468,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_attention_impl,
     check_rope,
     check_capacity,
+    check_quantization,
     check_routing_bias,
     check_pipeline,
     check_parallelism_values,

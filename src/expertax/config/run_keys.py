@@ -95,6 +95,16 @@ class TrainSection(_Section):
     )
     dtype: DType = _key(TRAINING, "float32", description="Activation/compute dtype.")
     weight_dtype: DType = _key(TRAINING, "float32", description="Parameter storage dtype.")
+    quantization: Literal["", "fp8_tensorwise", "fp8_blockwise"] = _key(
+        TRAINING,
+        "",
+        description="fp8 training GEMMs (nn/fp8_gemm.py, docs/design/fp8.md): the decoder layers' "
+        "linears (attention projections, dense and shared-expert MLPs) and the routed experts' "
+        "grouped GEMMs multiply e4m3 operands in fprop, dgrad and wgrad, scaled per tensor "
+        "(fp8_tensorwise) or in DeepSeek-V3's 1x128 / 128x128 tiles (fp8_blockwise); embedding, "
+        "router, attention core, output head and MTP's projection stay in dtype. '' = off. "
+        "Training only (generate samples in dtype).",
+    )
     grad_dtype: DType = _key(
         TRAINING, "float32", description="Gradient dtype (cast only if different)."
     )

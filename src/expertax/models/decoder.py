@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from expertax import quant
 from expertax.config.schema import Config
 from expertax.models import pipeline, stashed_stack
-from expertax.nn import activation, embed, mlp, norm
+from expertax.nn import activation, embed, linear, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.linear import project
 from expertax.nn.moe import layer as moe_layer
@@ -133,17 +133,19 @@ def block_apply(
     eps = c.normalization_layer_epsilon
     attn = mla if c.attention_type == "mla" else gqa
     h = norm.rms_norm(p.attn_norm, x_BTD, eps)
-    out, cache = attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype, cache)
-    x_BTD = x_BTD + out
-    h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
-    stats = None
-    if experts is not None:
-        y = unstacked.apply(experts, h, c, dtype)
-    elif p.moe is not None:
-        y, stats, side = moe_layer.apply(p.moe, h, c, dtype, side)
-    else:
-        assert p.mlp is not None  # a block has an MLP or an MoE (decoder.spec)
-        y = mlp.apply(p.mlp, h, dtype, activation.of(c))
+    # fp8 training GEMMs (`quantization`) in the layer's linears; decoding (a cache) in dtype
+    with linear.fp8(c.quantization if cache is None else ""):
+        out, cache = attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype, cache)
+        x_BTD = x_BTD + out
+        h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
+        stats = None
+        if experts is not None:
+            y = unstacked.apply(experts, h, c, dtype)
+        elif p.moe is not None:
+            y, stats, side = moe_layer.apply(p.moe, h, c, dtype, side)
+        else:
+            assert p.mlp is not None  # a block has an MLP or an MoE (decoder.spec)
+            y = mlp.apply(p.mlp, h, dtype, activation.of(c))
     return constrain(x_BTD + y, ACT_BTD), stats, side, cache
 
 

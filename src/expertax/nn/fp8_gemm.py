@@ -39,22 +39,27 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 TILE = quant.BLOCK  # 128: the tile along a contraction axis, and the weight block
 
 
-def _quantize(x_RC, recipe: str, rows: int, cols: int):
-    """`x_RC` as (e4m3 values, scales) under `recipe`; the blockwise grid in `rows` x `cols`
-    blocks (a whole axis when it is shorter than the block)."""
+def quantize(x_RC, recipe: str, rows: int, cols: int):
+    """`x_RC` ([..., R, C]: each matrix of the leading axes on its own) as (e4m3 values,
+    scales) under `recipe`; the blockwise grid in `rows` x `cols` blocks (a whole axis when it
+    is shorter than the block), the tensorwise scale one per matrix (a scalar for a 2-D x)."""
     if recipe == "fp8_tensorwise":
-        scale = quant.scale_for(jnp.max(jnp.abs(x_RC.astype(jnp.float32))))
-        return (x_RC.astype(jnp.float32) / scale).astype(quant.E4M3), scale
-    return quant.quantize_blocks(x_RC, min(rows, x_RC.shape[0]), min(cols, x_RC.shape[1]))
+        amax = jnp.max(jnp.abs(x_RC.astype(jnp.float32)), axis=(-2, -1))
+        scale = quant.scale_for(amax)[..., None, None] if x_RC.ndim > 2 else quant.scale_for(amax)
+        inverse = 1.0 / jax.lax.optimization_barrier(scale)
+        return (x_RC.astype(jnp.float32) * inverse).astype(quant.E4M3), scale
+    r, c = x_RC.shape[-2:]
+    return quant.quantize_blocks(x_RC, min(rows, r), min(cols, c))
 
 
-def _dequantize(operand, dtype, rows: int, cols: int):
-    """The operand (e4m3 values, scales) in `dtype`: `convert(e4m3) * scale` (a scalar, or the
-    block grid expanded)."""
+def dequantize(operand, dtype, rows: int, cols: int):
+    """The operand (e4m3 values, scales) in `dtype`: `convert(e4m3) * scale` (one per matrix,
+    or the block grid expanded)."""
     q_RC, scale = operand
-    if scale.ndim == 0:
+    if scale.ndim == 0 or scale.shape[-2:] == (1, 1):  # one scale per matrix
         return q_RC.astype(dtype) * scale.astype(dtype)
-    rows, cols = min(rows, q_RC.shape[0]), min(cols, q_RC.shape[1])
+    r, c = q_RC.shape[-2:]
+    rows, cols = min(rows, r), min(cols, c)
     return q_RC.astype(dtype) * quant.expand(scale.astype(dtype), rows, cols, q_RC.shape)
 
 
@@ -65,11 +70,11 @@ def _product(a, b, dtype, contract):
 
 
 def _forward(x_MK, w_KN, recipe: str):
-    qx = _quantize(x_MK, recipe, 1, TILE)  # 1 x 128 along K (tensorwise: one scale)
-    qw = _quantize(w_KN, recipe, TILE, TILE)
+    qx = quantize(x_MK, recipe, 1, TILE)  # 1 x 128 along K (tensorwise: one scale)
+    qw = quantize(w_KN, recipe, TILE, TILE)
     dtype = x_MK.dtype
     y = _product(
-        _dequantize(qx, dtype, 1, TILE), _dequantize(qw, w_KN.dtype, TILE, TILE), dtype,
+        dequantize(qx, dtype, 1, TILE), dequantize(qw, w_KN.dtype, TILE, TILE), dtype,
         ((1,), (0,)),
     )  # fmt: skip
     return y, (qx, qw)
@@ -90,15 +95,15 @@ def _gemm_bwd(recipe: str, res, dy_MN):
     qx, qw, w_dtype_tag = res
     x_dtype, w_dtype = dy_MN.dtype, w_dtype_tag.dtype
     # dgrad: dx = dy w^T, contracting N: dy in 1 x 128 tiles along N, the weight's blocks as held.
-    qdy_n = _quantize(dy_MN, recipe, 1, TILE)
-    w_deq = _dequantize(qw, w_dtype, TILE, TILE)
-    dx = _product(_dequantize(qdy_n, dy_MN.dtype, 1, TILE), w_deq, x_dtype, ((1,), (1,)))
+    qdy_n = quantize(dy_MN, recipe, 1, TILE)
+    w_deq = dequantize(qw, w_dtype, TILE, TILE)
+    dx = _product(dequantize(qdy_n, dy_MN.dtype, 1, TILE), w_deq, x_dtype, ((1,), (1,)))
     # wgrad: dw = x^T dy, contracting M (tokens): both re-tiled along M, 128 tokens per scale.
-    x_deq = _dequantize(qx, x_dtype, 1, TILE)
-    qx_m = _quantize(x_deq, recipe, TILE, 1)
-    qdy_m = _quantize(dy_MN, recipe, TILE, 1)
+    x_deq = dequantize(qx, x_dtype, 1, TILE)
+    qx_m = quantize(x_deq, recipe, TILE, 1)
+    qdy_m = quantize(dy_MN, recipe, TILE, 1)
     dw = _product(
-        _dequantize(qx_m, x_dtype, TILE, 1), _dequantize(qdy_m, dy_MN.dtype, TILE, 1), w_dtype,
+        dequantize(qx_m, x_dtype, TILE, 1), dequantize(qdy_m, dy_MN.dtype, TILE, 1), w_dtype,
         ((0,), (0,)),
     )  # fmt: skip
     return dx, dw

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from expertax.nn import fp8_gemm
+
 
 class RowKernel(NamedTuple):
     """A kernel for products of few rows: `rows(x [R, K], ws, ids [R])` -> float32 [R, N], row r
@@ -43,6 +45,26 @@ def current_row_kernel() -> RowKernel | None:
 _ROW_KERNEL: contextvars.ContextVar[RowKernel | None] = contextvars.ContextVar(
     "row_kernel", default=None
 )
+
+
+_FP8: contextvars.ContextVar[str] = contextvars.ContextVar("fp8_recipe", default="")
+
+
+def current_fp8() -> str:
+    """The fp8 recipe `project` multiplies by ('' for none)."""
+    return _FP8.get()
+
+
+@contextlib.contextmanager
+def fp8(recipe: str):
+    """`project`s traced inside (without `dot_kwargs`: not the float32 heads) multiply fp8
+    operands under `recipe` (nn/fp8_gemm.py; '' for none): the decoder layers' linears
+    (`decoder.block_apply`, training's config key `quantization`)."""
+    token = _FP8.set(recipe)
+    try:
+        yield
+    finally:
+        _FP8.reset(token)
 
 
 @contextlib.contextmanager
@@ -88,6 +110,9 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1, **dot_kwargs) -> jax.Arra
     if kernel is not None and kernel.applies(x_NK.shape[0], x_NK, w_KM):
         ids_N = jnp.zeros((x_NK.shape[0],), jnp.int32)
         return kernel.rows(x_NK, [w_KM], ids_N).reshape(*lead, *out)
+    recipe = _FP8.get()
+    if recipe and not dot_kwargs:
+        return fp8_gemm.matmul(x_NK, w_KM, recipe).reshape(*lead, *out)
     return jnp.matmul(x_NK, w_KM, **dot_kwargs).reshape(*lead, *out)
 
 

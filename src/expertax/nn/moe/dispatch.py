@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn import activation
-from expertax.nn.moe import routed
+from expertax.nn import activation, linear
+from expertax.nn.moe import fp8_gmm, routed
 from expertax.nn.moe.gmm import gmm, gmm_glu
 from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.nn.moe.vma import varying_like
@@ -49,6 +49,21 @@ def expert_ffn_sorted(
         tile_rows_min=c.gmm_tile_rows_min,
     )
 
+    recipe = linear.current_fp8()
+
+    def ffn_fp8(given):
+        # fp8 (`quantization`, decoder.block_apply): three fp8 grouped GEMMs (moe/fp8_gmm.py),
+        # the gated activation between them on all rows (the wo GEMM's quantized operand)
+        def mm(lhs, w, name):
+            g = given.get(name)
+            y = fp8_gmm.gmm(lhs, w.astype(dtype), group_sizes_E, recipe, given=g, **kw)
+            return remat.tag(y, name)
+
+        gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
+        up = mm(rows_MD, wi_1_EDF, remat.MOE_MLPWI_1)
+        y = mm(activation.of(c)(gate, up), wo_EFD, remat.MOE_MLPWO)
+        return y, {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
+
     def ffn(given):
         def mm(lhs, w, name):
             return remat.tag(
@@ -67,7 +82,8 @@ def expert_ffn_sorted(
         return y, values
 
     m = rows_MD.shape[0]
-    return run_ffn(stash, m, group_sizes_E, group_offset, wi_0_EDF.shape[0], ffn)
+    body = ffn_fp8 if recipe else ffn
+    return run_ffn(stash, m, group_sizes_E, group_offset, wi_0_EDF.shape[0], body)
 
 
 def permute(x_ND, experts_NK, num_experts):

@@ -64,8 +64,10 @@ from expertax.parallel import remat
 
 
 def use_fused(c: Config) -> bool:
-    """Whether the sparse path runs `routed_ffn` (`moe_fused_routed_ffn` and the tiled gmm)."""
-    return c.moe_fused_routed_ffn and gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
+    """Whether the sparse path runs `routed_ffn` (`moe_fused_routed_ffn` and the tiled gmm;
+    not under an fp8 `quantization`, whose grouped GEMMs are the sorted path's)."""
+    fused = c.moe_fused_routed_ffn and gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
+    return fused and not c.quantization  # fp8: the sorted path's fp8 grouped GEMMs
 
 
 def recomputes_gate_up(c: Config) -> bool:

@@ -1,0 +1,139 @@
+"""The routed experts' grouped GEMM under an fp8 recipe (config key `quantization`).
+
+`gmm(lhs_MK, rhs_EKN, sizes_E, recipe)` is `moe/gmm.py`'s grouped matmul whose three products
+take e4m3 operands quantized the way `nn/fp8_gemm.py` quantizes a linear's:
+- fprop: the rows in 1 x 128 tiles along K (per row, per 128 channels), each expert's weight
+  in 128 x 128 blocks (`fp8_blockwise`; `fp8_tensorwise`: one scale for the rows, one per
+  expert's weight);
+- dgrad: the output gradient in 1 x 128 tiles along N, the weights as held;
+- wgrad: the rows and the output gradient re-tiled along the rows (128 rows per scale, per
+  channel), the rows outside the local experts' groups zeroed first (an EP buffer's unused
+  rows hold anything, and would share a tile's scale with routed rows).
+
+The forward saves the e4m3 values and scales of the rows and weights (what remat then holds),
+not the rows in their own dtype. Each product then runs on the configured backend
+(`gmm_impl`) with the dequantized operands: the numbers of the fp8 recipe on every backend,
+with the backend's own kernels for all three products (its VJP gives the dgrad and the
+wgrad), but no fp8 tensor-core time: no backend here multiplies e4m3 in its grouped GEMM
+(docs/design/fp8.md, "Grouped GEMM").
+
+`given=` (the paged stash): the output is known; the value is `given`, the backward is this
+one's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from expertax.nn import fp8_gemm
+from expertax.nn.moe import gmm as gmm_mod
+from expertax.nn.moe.vma import varying_like
+
+TILE = fp8_gemm.TILE
+
+
+def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None, **kw):
+    """`gmm_mod.gmm(lhs_MK, rhs_EKN, sizes_E, group_offset=..., **kw)` with fp8 operands under
+    `recipe` (`fp8_gemm.RECIPES`); `kw`: `backend`, `tile_rows`, `tile_rows_min`. The output
+    is in lhs_MK's dtype."""
+    if recipe not in fp8_gemm.RECIPES:
+        valid = fp8_gemm.RECIPES
+        raise ValueError(f"quantization={recipe!r}: an fp8 GEMM recipe is one of {valid}")
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    opts = (recipe, group_offset is not None, tuple(sorted(kw.items())))
+    args = (lhs_MK, rhs_EKN, sizes_E.astype(jnp.int32), offset)
+    lhs_MK, rhs_EKN, sizes_E, offset = (varying_like(a, *args) for a in args)
+    if given is None:
+        return _gmm(lhs_MK, rhs_EKN, sizes_E, offset, opts)
+    given = varying_like(given.astype(lhs_MK.dtype), lhs_MK)
+    return _gmm_given(lhs_MK, rhs_EKN, sizes_E, offset, given, opts)
+
+
+def _backend(x_MK, w_EKN, sizes_E, offset, opts):
+    _, has_offset, kw = opts
+    return gmm_mod.gmm(
+        x_MK, w_EKN, sizes_E, group_offset=offset if has_offset else None,
+        preferred_element_type=x_MK.dtype, **dict(kw),
+    )  # fmt: skip
+
+
+def _quantize_weights(w_EKN, recipe):
+    return fp8_gemm.quantize(w_EKN, recipe, TILE, TILE)  # each expert's matrix on its own
+
+
+def _dequantize_weights(qw, dtype):
+    return fp8_gemm.dequantize(qw, dtype, TILE, TILE)
+
+
+def _tiles(x_RC, recipe, rows, cols):
+    """`x_RC` through the fp8 quantizer and back (e4m3 values times their scales)."""
+    return fp8_gemm.dequantize(fp8_gemm.quantize(x_RC, recipe, rows, cols), x_RC.dtype, rows, cols)
+
+
+def _local_rows(sizes_E, offset, e_local: int, m: int):
+    """[M, 1] bool: the rows of the groups [offset, offset + e_local) (sorted rows)."""
+    g = jnp.arange(sizes_E.shape[0])
+    start = jnp.sum(jnp.where(g < offset, sizes_E, 0))
+    end = start + jnp.sum(jnp.where((g >= offset) & (g < offset + e_local), sizes_E, 0))
+    r = jnp.arange(m)
+    return ((r >= start) & (r < end))[:, None]
+
+
+def _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, given):
+    recipe = opts[0]
+    qx = fp8_gemm.quantize(lhs_MK, recipe, 1, TILE)
+    qw = _quantize_weights(rhs_EKN, recipe)
+    if given is None:
+        x = fp8_gemm.dequantize(qx, lhs_MK.dtype, 1, TILE)
+        given = _backend(x, _dequantize_weights(qw, rhs_EKN.dtype), sizes_E, offset, opts)
+    tags = (jnp.zeros((0,), lhs_MK.dtype), jnp.zeros((0,), rhs_EKN.dtype))
+    return given, (qx, qw, sizes_E, offset, tags)
+
+
+def _backward(opts, res, dy_MN):
+    recipe = opts[0]
+    qx, qw, sizes_E, offset, (x_tag, w_tag) = res
+    w = _dequantize_weights(qw, w_tag.dtype)
+    x = fp8_gemm.dequantize(qx, x_tag.dtype, 1, TILE)
+    dy_MN = dy_MN.astype(x.dtype)
+    # dgrad: the output gradient in 1 x 128 tiles along N (the contraction), the weights as held
+    _, pull_x = jax.vjp(lambda a: _backend(a, w, sizes_E, offset, opts), x)
+    (dx,) = pull_x(_tiles(dy_MN, recipe, 1, TILE))
+    # wgrad: both operands re-tiled along the rows (its contraction), foreign rows zeroed
+    local = _local_rows(sizes_E, offset, w.shape[0], x.shape[0])
+    x_m = _tiles(jnp.where(local, x, 0), recipe, TILE, 1)
+    dy_m = _tiles(jnp.where(local, dy_MN, 0), recipe, TILE, 1)
+    _, pull_w = jax.vjp(lambda b: _backend(x_m, b, sizes_E, offset, opts), w)
+    (dw,) = pull_w(dy_m)
+    return dx, dw.astype(w_tag.dtype), None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gmm(lhs_MK, rhs_EKN, sizes_E, offset, opts):
+    return _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, None)[0]
+
+
+def _gmm_fwd(lhs_MK, rhs_EKN, sizes_E, offset, opts):
+    return _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, None)
+
+
+_gmm.defvjp(_gmm_fwd, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gmm_given(lhs_MK, rhs_EKN, sizes_E, offset, given_MN, opts):
+    return given_MN
+
+
+def _gmm_given_fwd(lhs_MK, rhs_EKN, sizes_E, offset, given_MN, opts):
+    return _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, given_MN)
+
+
+def _gmm_given_bwd(opts, res, dy_MN):
+    return (*_backward(opts, res, dy_MN), None)
+
+
+_gmm_given.defvjp(_gmm_given_fwd, _gmm_given_bwd)

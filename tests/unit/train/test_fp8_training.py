@@ -1,0 +1,71 @@
+"""fp8 training (`quantization`): which products of a model the recipe takes, the model's loss
+and gradients near the unquantized ones, refusals, and decoding left in dtype."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from expertax import init_params, load_config, logits
+from expertax.config import ConfigError
+
+SMALL = {"max_target_length": 16, "per_device_batch_size": 1}
+
+
+def _config(model, recipe="", **kw):
+    return load_config(overrides={"model_name": model, "quantization": recipe, **SMALL, **kw})
+
+
+def _calls(c, p, toks):
+    text = str(jax.make_jaxpr(lambda p: logits(p, toks, c))(p))
+    return re.findall(r"custom_vjp_call\[[^\]]*?name=(\w+)", text)
+
+
+# per scanned layer kind, once each (a scan's body is one jaxpr): the dense linears (`_gemm`) and
+# the routed experts' grouped GEMMs (`_gmm`)
+# mixtral-tiny: q, k, v, o; deepseek3-tiny: MLA's wq_a, wq_b, wkv_a, wkv_b, wo in its dense and
+# its MoE layer, the dense layer's MLP (3) and the shared expert (3)
+EXPECTED = {"mixtral-tiny": (4, 3), "deepseek3-tiny": (16, 3)}
+
+
+@pytest.mark.parametrize("model", sorted(EXPECTED))
+def test_the_recipe_takes_every_layer_linear_and_expert_gemm(model):
+    toks = jnp.zeros((2, SMALL["max_target_length"]), jnp.int32)
+    c = _config(model, "fp8_blockwise")
+    p = init_params(c)
+    calls = _calls(c, p, toks)
+    assert (calls.count("_gemm"), calls.count("_gmm")) == EXPECTED[model]
+    plain = _calls(_config(model), p, toks)
+    assert "_gemm" not in plain and "_gmm" not in plain
+
+
+def test_loss_and_gradients_near_the_unquantized_model():
+    c0 = _config("mixtral-tiny")
+    p = init_params(c0)
+    toks = jax.random.randint(jax.random.key(1), (2, 16), 0, c0.vocab_size)
+
+    def loss(p, c):
+        lp = jax.nn.log_softmax(logits(p, toks, c)[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(lp, toks[:, 1:, None], -1))
+
+    def norm(g):
+        return float(jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g))))
+
+    l0, g0 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(p, c0)
+    for recipe in ("fp8_tensorwise", "fp8_blockwise"):
+        c8 = _config("mixtral-tiny", recipe)
+        l8, g8 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(p, c8)
+        assert 0 < abs(float(l8 - l0)) / float(l0) < 0.01, recipe
+        assert np.isfinite(norm(g8)) and 0.9 < norm(g8) / norm(g0) < 1.1, recipe
+
+
+def test_dense_capacity_path_refused():
+    with pytest.raises(ConfigError, match="quantization=fp8_blockwise.*sparse_matmul"):
+        _config("mixtral-tiny", "fp8_blockwise", sparse_matmul=False, capacity_factor=1.0)
+
+
+def test_unknown_recipe_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="quantization"):
+        _config("mixtral-tiny", "fp8")
