@@ -208,6 +208,8 @@ class StepLog:
             "tflops_per_device": self.flops_per_token * per_device_rate / 1e12,
             "skipped_steps": self.skipped,
         }
+        if self.c.quantization:
+            rec["fp8_gemm_flops_fraction"] = metrics_lib.fp8_flops_fraction(self.c)
         if evaluate is not None:
             rec.update(evaluate())
             self.t_prev = time.perf_counter()

@@ -21,27 +21,48 @@ def _attention_matmul_params(c: Config) -> int:
     return d * h * q + 2 * d * g * q + h * q * d
 
 
-def train_flops_per_token(c: Config) -> float:
-    """6 x matmul parameters used per token + causal attention (3 x forward), per token; with
-    multi-token prediction each depth adds its block, its [2D, D] projection and one more
-    output head (models/mtp.py)."""
+def _flops_per_token_parts(c: Config) -> dict[str, float]:
+    """Training FLOPs per token by part: `linears` (the decoder layers' projections and expert
+    FFNs, MTP's blocks included: what an fp8 `quantization` takes), `router`, `mtp_proj`,
+    `heads` (output heads) and `attention` (the scores and the weighted values)."""
     d = c.base_emb_dim
     attn = _attention_matmul_params(c)
     dense_ffn = 3 * d * c.base_mlp_dim
     moe_ffn = 3 * d * c.base_moe_mlp_dim * (c.num_experts_per_tok + c.shared_experts)
-    moe_ffn += d * c.num_experts
-    mtp_block = attn + (moe_ffn if c.is_moe else dense_ffn) + 2 * d * d + d * c.vocab_size
-    per_token_params = (
+    block_linears = attn + (moe_ffn if c.is_moe else dense_ffn)
+    linears = (
         c.num_dense_layers * (attn + dense_ffn)
         + c.num_moe_layers * (attn + moe_ffn)
-        + d * c.vocab_size
-        + c.mtp_num_layers * mtp_block
+        + c.mtp_num_layers * block_linears
     )
+    moe_blocks = c.num_moe_layers + (c.mtp_num_layers if c.is_moe else 0)
     ctx = c.max_target_length / 2
-    h = c.base_num_query_heads
     layers = c.base_num_decoder_layers + c.mtp_num_layers
-    attn_scores = 2 * h * (c.qk_head_dim + c.attn_v_head_dim) * ctx * layers
-    return 3 * (2 * per_token_params + attn_scores)
+    scores = 2 * c.base_num_query_heads * (c.qk_head_dim + c.attn_v_head_dim) * ctx * layers
+    return {
+        "linears": 6 * linears,
+        "router": 6 * moe_blocks * d * c.num_experts,
+        "mtp_proj": 6 * c.mtp_num_layers * 2 * d * d,
+        "heads": 6 * (1 + c.mtp_num_layers) * d * c.vocab_size,
+        "attention": 3 * scores,
+    }
+
+
+def train_flops_per_token(c: Config) -> float:
+    """6 x matmul parameters used per token + causal attention (3 x forward), per token; with
+    multi-token prediction each depth adds its block, its [2D, D] projection and one more
+    output head (models/mtp.py)."""
+    return float(sum(_flops_per_token_parts(c).values()))
+
+
+def fp8_flops_fraction(c: Config) -> float:
+    """The fraction of the training FLOPs that run as fp8 GEMMs under `quantization` (0 off):
+    the decoder layers' linears and expert FFNs; router, MTP projection, heads and the
+    attention core stay in dtype."""
+    if not c.quantization:
+        return 0.0
+    parts = _flops_per_token_parts(c)
+    return parts["linears"] / sum(parts.values())
 
 
 def perplexity(loss: float) -> float:

@@ -23,7 +23,7 @@ from expertax.config import config_rules
 from expertax.config.checks import ConfigError, check_attention_platform, check_moe_chunk_offload
 from expertax.config.schema import Config
 from expertax.models import decoder, init_params
-from expertax.nn import param
+from expertax.nn import fp8_gemm, param
 from expertax.nn.moe import gmm, strategy
 from expertax.parallel import remat
 from expertax.sharding import logical_to_spec, make_mesh, use_rules
@@ -113,7 +113,15 @@ class Trainer:
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, None),
             donate_argnums=0,
+            compiler_options=self.compiler_options(),
         )
+
+    def compiler_options(self) -> dict | None:
+        """XLA options of the step: a GPU program of fp8 GEMMs with XLA's Triton GEMMs off,
+        so that cuBLASLt's fp8 rewrite sees the dots (nn/fp8_gemm.py)."""
+        if self.c.quantization and platform.of_mesh(self.mesh) == "gpu":
+            return dict(fp8_gemm.GPU_COMPILER_OPTIONS)
+        return None
 
     def compile(self):
         with self.context():

@@ -1,0 +1,98 @@
+"""fp8 training against bfloat16: the same model, seed and data trained with each fp8 recipe
+(`quantization`) and without, on this machine's CPU (the recipe's numerics exactly; no time).
+
+Each run is `expertax train` with `dtype=bfloat16` (float32 master weights), synthetic data
+and the model's preset otherwise; its per-step metrics (metrics.jsonl) give, against the
+bfloat16 run: the mean of |loss_fp8 - loss_bf16| / loss_bf16 over the last 50 steps, the
+number of non-finite steps, and the mean ratio of the gradient norms over all steps (and its
+range over the last 50).
+
+Run: python benchmarks/fp8_training.py [--models deepseek3-tiny mixtral-tiny] [--steps 300]
+       [--out DIR] [--json PATH]
+Prints a JSON line per (model, recipe), then a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+RECIPES = ("", "fp8_tensorwise", "fp8_blockwise")
+
+
+def run(model: str, recipe: str, steps: int, out: str) -> list[dict]:
+    name = f"{model}-{recipe or 'bf16'}"
+    cmd = [
+        sys.executable, "-m", "expertax.cli", "train", f"model_name={model}", f"steps={steps}",
+        "dtype=bfloat16", f"quantization={recipe}", f"run_name={name}",
+        f"base_output_directory={out}", "checkpoint_period=100000", "log_period=100",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out, name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def compare(base: list[dict], other: list[dict], last: int = 50) -> dict:
+    lb = np.array([m["loss"] for m in base])
+    lo = np.array([m["loss"] for m in other])
+    gb = np.array([m["grad_norm"] for m in base])
+    go = np.array([m["grad_norm"] for m in other])
+    ratio = go / gb
+    return {
+        "steps": len(lo),
+        "rel_dloss_last": float(np.mean(np.abs(lo[-last:] - lb[-last:]) / lb[-last:])),
+        "nonfinite_steps": int(np.sum(~np.isfinite(lo)) + sum(m["nonfinite"] > 0 for m in other)),
+        "grad_norm_ratio_mean": float(np.mean(ratio)),
+        "grad_norm_ratio_min_last": float(np.min(ratio[-last:])),
+        "grad_norm_ratio_max_last": float(np.max(ratio[-last:])),
+        "loss_first": float(lo[0]),
+        "loss_last50": float(np.mean(lo[-last:])),
+        "bf16_loss_last50": float(np.mean(lb[-last:])),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["deepseek3-tiny", "mixtral-tiny"])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="fp8-training-")
+    rows = []
+    for model in args.models:
+        base = run(model, "", args.steps, out)
+        for recipe in RECIPES[1:]:
+            row = {
+                "model": model,
+                "recipe": recipe,
+                **compare(base, run(model, recipe, args.steps, out)),
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(
+        "\n| model | recipe | mean abs dloss/loss, last 50 | non-finite steps "
+        "| grad-norm ratio mean "
+        "(last 50: min-max) | loss last 50 (bf16) |"
+    )
+    print("|---|---|---:|---:|---|---|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['recipe']} | {100 * r['rel_dloss_last']:.3f} % | "
+            f"{r['nonfinite_steps']} | {r['grad_norm_ratio_mean']:.4f} "
+            f"({r['grad_norm_ratio_min_last']:.3f}-{r['grad_norm_ratio_max_last']:.3f}) | "
+            f"{r['loss_last50']:.4f} ({r['bf16_loss_last50']:.4f}) |"
+        )
+
+
+if __name__ == "__main__":
+    main()
