@@ -63,6 +63,23 @@ class ModelSection(_Section):
         "(kernel.attend_dot; every attention_impl but cudnn, which is refused). Zero at init; "
         "training, prefill and decoding alike.",
     )
+    sliding_window_size: int = _key(
+        MODEL,
+        0,
+        ge=0,
+        description="Sliding-window attention: a query of a sliding layer reads the keys at most "
+        "this many positions back, itself included (q - k < window; Mistral's, GPT-OSS's 128); "
+        "0: none. Which layers slide: attention_layer_pattern (empty: every layer).",
+    )
+    attention_layer_pattern: str = _key(
+        MODEL,
+        "",
+        description="GQA: the attention kind of each layer as a cycle, comma-separated kinds "
+        "`full` or `sliding` (sliding_window_size), layer l taking entry l mod the cycle's "
+        "length; GPT-OSS: sliding,full. Its length divides both layer stacks; the layers are "
+        "scanned one cycle at a time, so every layer's mask is static (models/layer_pattern.py). "
+        "Empty: every layer sliding when sliding_window_size > 0, else full.",
+    )
     attention_qk_norm: bool = _key(
         MODEL,
         False,
@@ -124,6 +141,12 @@ class ModelSection(_Section):
         "head_dim x factor, an even count; the rest pass unrotated), as GLM-4.5's 0.5; 1: all.",
     )
     rope_max_timescale: float = _key(MODEL, 10_000.0, gt=0, description="RoPE base (theta).")
+    rope_yarn_truncate: bool = _key(
+        MODEL,
+        True,
+        description="YaRN: round the ramp's correction range to whole dims (floor / ceil), as "
+        "the paper and DeepSeek do; false keeps the fractional bounds (GPT-OSS's truncate: false).",
+    )
     rope_factor: float = _key(MODEL, 1.0, ge=1.0, description="YaRN context-extension factor.")
     original_max_position_embeddings: int = _key(
         MODEL, 4096, gt=0, description="YaRN: context length the model was pretrained with."
