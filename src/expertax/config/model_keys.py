@@ -200,6 +200,20 @@ class MoESection(_Section):
         ge=0,
         description="Step of the bias update bias += rate*sign(mean load - load).",
     )
+    router_logit_bias: bool = _key(
+        MODEL,
+        False,
+        description="A trained bias of the router's logits (GPT-OSS: logits = x W + b, top-k "
+        "and weights from the biased logits); zero at init, not weight-decayed. Unlike "
+        "routed_bias (DeepSeek-V3's selection-only bias, updated outside the optimizer).",
+    )
+    moe_expert_bias: bool = _key(
+        MODEL,
+        False,
+        description="Routed experts with biases (GPT-OSS): act(x W_gate + b_gate, x W_up + "
+        "b_up) W_down + b_down per expert (nn/moe/bias.py); zero at init, not weight-decayed. "
+        "Every dispatch path; the fused routed FFN steps aside for the grouped matmuls.",
+    )
     routed_scaling_factor: float = _key(
         MODEL, 1.0, gt=0, description="Multiplies the routing weights."
     )

@@ -64,8 +64,10 @@ from expertax.parallel import remat
 
 
 def use_fused(c: Config) -> bool:
-    """Whether the sparse path runs `routed_ffn` (`moe_fused_routed_ffn` and the tiled gmm)."""
-    return c.moe_fused_routed_ffn and gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
+    """Whether the sparse path runs `routed_ffn` (`moe_fused_routed_ffn` and the tiled gmm;
+    experts without biases: bias.py adds those between the separate grouped matmuls)."""
+    tiled = gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
+    return c.moe_fused_routed_ffn and tiled and not c.moe_expert_bias
 
 
 def recomputes_gate_up(c: Config) -> bool:
