@@ -11,12 +11,13 @@ class ModelSection(_Section):
     model_name: str = _key(
         RUN, "deepseek3-tiny", description="Preset in configs/models/ to start from."
     )
-    decoder_block: Literal["deepseek", "mixtral", "qwen3", "llama"] = _key(
+    decoder_block: Literal["deepseek", "mixtral", "qwen3", "gpt_oss", "llama"] = _key(
         MODEL,
         "deepseek",
         description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Qwen3-MoE (GQA "
-        "with q/k norm + MoE), Llama. The layers follow the other keys; the family names the "
-        "HuggingFace layout the converter reads and writes.",
+        "with q/k norm + MoE), GPT-OSS (GQA with sinks, biases and sliding layers + MoE with "
+        "biases), Llama. The layers follow the other keys; the family names the HuggingFace "
+        "layout the converter reads and writes.",
     )
     vocab_size: int = _key(MODEL, 512, gt=0, description="Vocabulary size V.")
     base_emb_dim: int = _key(MODEL, 128, gt=0, description="Model width D.")
