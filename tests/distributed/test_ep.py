@@ -22,6 +22,7 @@ from expertax.nn import param
 from expertax.nn.moe import ep, exchange, layer, router
 from expertax.sharding import make_mesh, use_rules
 from tests.tolerances import tol
+from tests.unit.nn.moe.test_moe import with_random_biases
 
 pytestmark = pytest.mark.distributed
 
@@ -208,6 +209,18 @@ LAYOUTS = {
         "sharding_rules=ep-tp",
         "use_ring_of_experts=true",
     ],
+    "a2a-ep2-tp2-data2-gptoss": [
+        "ici_expert_parallelism=2",
+        "ici_fsdp_parallelism=1",
+        "ici_tensor_parallelism=2",
+        "ici_data_parallelism=2",
+        "moe_expert_bias=true",
+        "router_logit_bias=true",
+        "routed_score_func=softmax",
+        "routed_bias=false",
+        "n_routing_groups=-1",
+        "topk_routing_group=-1",
+    ],
     "a2a-ep2-tp2-data2": [
         "ici_expert_parallelism=2",
         "ici_fsdp_parallelism=1",
@@ -229,7 +242,10 @@ def _layer_case(overrides):
     )
     p = param.initialize(layer.spec(c), jax.random.key(0), jnp.float32)
     bias = 0.1 * jax.random.normal(jax.random.key(2), (c.num_experts,))
-    p = dataclasses.replace(p, router=router.Router(p.router.w, bias))
+    if c.moe_expert_bias:  # GPT-OSS: trained router and expert biases, random
+        p = with_random_biases(p)
+    else:
+        p = dataclasses.replace(p, router=router.Router(p.router.w, bias))
     x = jax.random.normal(jax.random.key(1), (8, c.max_target_length, c.base_emb_dim))
     return c, p, x
 

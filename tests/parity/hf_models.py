@@ -14,6 +14,8 @@ import torch
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Qwen3MoeConfig,
@@ -110,12 +112,45 @@ def qwen3_config(*, norm_topk_prob: bool = True, yarn: bool = False) -> Qwen3Moe
     )
 
 
+def gpt_oss_config(*, hidden: int = 64, layers: int = 2) -> GptOssConfig:
+    """Dims that line up nowhere: head_dim 24 (not hidden / heads = 16), 2F = 80 (not 64), top-3
+    of 6 experts; a window of 5 (the prompt is longer), alternating with full layers; YaRN
+    without truncation; a clamp of 1.5 that random activations reach. `hidden` = 80 gives
+    2F = D, the shape where the fused layouts of GPT-OSS and Mixtral coincide."""
+    return GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=40,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_local_experts=6,
+        num_experts_per_tok=3,
+        sliding_window=5,
+        swiglu_limit=1.5,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },  # fmt: skip
+        attn_implementation="eager",
+    )
+
+
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        elif name.endswith("self_attn.sinks"):  # large enough to take weight from the keys
+            p.copy_(4.0 + torch.randn(p.shape, generator=g))
         elif "embed_tokens" in name:
             p.copy_(torch.randn(p.shape, generator=g))
         else:
@@ -128,6 +163,9 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
+    if kind.startswith("gpt_oss"):  # "gpt_oss", or "gpt_oss-2f-is-d"
+        config = gpt_oss_config(hidden=80 if kind.endswith("2f-is-d") else 64)
+        return randomize(GptOssForCausalLM(config), seed)
     if kind.startswith("qwen3"):  # "qwen3", or "qwen3-yarn": YaRN and unnormalized top-k
         yarn = kind == "qwen3-yarn"
         config = qwen3_config(norm_topk_prob=not yarn, yarn=yarn)

@@ -67,6 +67,56 @@ def check_heads(c: Config) -> None:
         )
 
 
+LAYER_KINDS = ("full", "sliding")
+
+
+def check_layer_pattern(c: Config) -> None:
+    """`attention_layer_pattern` and `sliding_window_size` (models/layer_pattern.py)."""
+    text = c.attention_layer_pattern
+    kinds = [k.strip() for k in text.split(",")] if text.strip() else []
+    for kind in kinds:
+        if kind not in LAYER_KINDS:
+            raise ConfigError(
+                f"attention_layer_pattern={text!r}: {kind!r} is not a layer kind; use a "
+                "comma-separated cycle of full and sliding (e.g. sliding,full)"
+            )
+    if "sliding" in kinds and not c.sliding_window_size:
+        raise ConfigError(
+            f"attention_layer_pattern={text!r} has sliding layers and sliding_window_size=0; "
+            "set sliding_window_size to the window in positions"
+        )
+    windows = c.attention_windows
+    if all(w is None for w in windows):
+        return
+    if c.attention_type == "mla":
+        raise ConfigError(
+            f"sliding_window_size={c.sliding_window_size} with attention_type=mla: only GQA "
+            "layers slide; use attention_type=gqa or sliding_window_size=0"
+        )
+    if c.mtp_num_layers:
+        raise ConfigError(
+            f"sliding_window_size={c.sliding_window_size} with mtp_num_layers="
+            f"{c.mtp_num_layers}: the MTP block has no layer kind; use one or the other"
+        )
+    if len(set(windows)) == 1:
+        return
+    n = len(windows)
+    for name, count in (("dense", c.num_dense_layers), ("MoE", c.num_moe_layers)):
+        if count % n:
+            raise ConfigError(
+                f"attention_layer_pattern={text!r} is a cycle of {n} layers, which does not "
+                f"divide the {count} {name} layers (base_num_decoder_layers="
+                f"{c.base_num_decoder_layers}, first_num_dense_layers={c.first_num_dense_layers});"
+                " use a cycle whose length divides both stacks"
+            )
+    if c.pipeline_stages > 1 or c.moe_paged_stash:
+        key = "moe_paged_stash=true" if c.moe_paged_stash else "pipeline parallelism"
+        raise ConfigError(
+            f"attention_layer_pattern={text!r} (layers of different kinds) with {key}: that "
+            "stack runs one layer kind; use one kind (or none) or drop " + key
+        )
+
+
 # GQA's optional pieces (nn/attention/gqa.py), refused with MLA: key -> what it is.
 GQA_ONLY = {
     "attention_qk_norm": "the per-head q/k norm (MLA normalizes its low-rank latents instead)",
@@ -465,6 +515,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_routing_groups,
     check_heads,
     check_mla,
+    check_layer_pattern,
     check_attention_impl,
     check_rope,
     check_capacity,

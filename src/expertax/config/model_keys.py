@@ -11,12 +11,13 @@ class ModelSection(_Section):
     model_name: str = _key(
         RUN, "deepseek3-tiny", description="Preset in configs/models/ to start from."
     )
-    decoder_block: Literal["deepseek", "mixtral", "qwen3", "llama"] = _key(
+    decoder_block: Literal["deepseek", "mixtral", "qwen3", "gpt_oss", "llama"] = _key(
         MODEL,
         "deepseek",
         description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Qwen3-MoE (GQA "
-        "with q/k norm + MoE), Llama. The layers follow the other keys; the family names the "
-        "HuggingFace layout the converter reads and writes.",
+        "with q/k norm + MoE), GPT-OSS (GQA with sinks, biases and sliding layers + MoE with "
+        "biases), Llama. The layers follow the other keys; the family names the HuggingFace "
+        "layout the converter reads and writes.",
     )
     vocab_size: int = _key(MODEL, 512, gt=0, description="Vocabulary size V.")
     base_emb_dim: int = _key(MODEL, 128, gt=0, description="Model width D.")
@@ -62,6 +63,23 @@ class ModelSection(_Section):
         "every row's softmax with no value, so a head can give a row less than all its weight "
         "(kernel.attend_dot; every attention_impl but cudnn, which is refused). Zero at init; "
         "training, prefill and decoding alike.",
+    )
+    sliding_window_size: int = _key(
+        MODEL,
+        0,
+        ge=0,
+        description="Sliding-window attention: a query of a sliding layer reads the keys at most "
+        "this many positions back, itself included (q - k < window; Mistral's, GPT-OSS's 128); "
+        "0: none. Which layers slide: attention_layer_pattern (empty: every layer).",
+    )
+    attention_layer_pattern: str = _key(
+        MODEL,
+        "",
+        description="GQA: the attention kind of each layer as a cycle, comma-separated kinds "
+        "`full` or `sliding` (sliding_window_size), layer l taking entry l mod the cycle's "
+        "length; GPT-OSS: sliding,full. Its length divides both layer stacks; the layers are "
+        "scanned one cycle at a time, so every layer's mask is static (models/layer_pattern.py). "
+        "Empty: every layer sliding when sliding_window_size > 0, else full.",
     )
     attention_qk_norm: bool = _key(
         MODEL,
@@ -124,6 +142,12 @@ class ModelSection(_Section):
         "head_dim x factor, an even count; the rest pass unrotated), as GLM-4.5's 0.5; 1: all.",
     )
     rope_max_timescale: float = _key(MODEL, 10_000.0, gt=0, description="RoPE base (theta).")
+    rope_yarn_truncate: bool = _key(
+        MODEL,
+        True,
+        description="YaRN: round the ramp's correction range to whole dims (floor / ceil), as "
+        "the paper and DeepSeek do; false keeps the fractional bounds (GPT-OSS's truncate: false).",
+    )
     rope_factor: float = _key(MODEL, 1.0, ge=1.0, description="YaRN context-extension factor.")
     original_max_position_embeddings: int = _key(
         MODEL, 4096, gt=0, description="YaRN: context length the model was pretrained with."
@@ -176,6 +200,20 @@ class MoESection(_Section):
         1e-3,
         ge=0,
         description="Step of the bias update bias += rate*sign(mean load - load).",
+    )
+    router_logit_bias: bool = _key(
+        MODEL,
+        False,
+        description="A trained bias of the router's logits (GPT-OSS: logits = x W + b, top-k "
+        "and weights from the biased logits); zero at init, not weight-decayed. Unlike "
+        "routed_bias (DeepSeek-V3's selection-only bias, updated outside the optimizer).",
+    )
+    moe_expert_bias: bool = _key(
+        MODEL,
+        False,
+        description="Routed experts with biases (GPT-OSS): act(x W_gate + b_gate, x W_up + "
+        "b_up) W_down + b_down per expert (nn/moe/bias.py); zero at init, not weight-decayed. "
+        "Every dispatch path; the fused routed FFN steps aside for the grouped matmuls.",
     )
     routed_scaling_factor: float = _key(
         MODEL, 1.0, gt=0, description="Multiplies the routing weights."

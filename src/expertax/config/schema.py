@@ -123,6 +123,17 @@ class Config(
         return self.head_dim
 
     @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """One cycle of the layers' sliding windows (None: full attention), layer l taking
+        entry l mod its length: `attention_layer_pattern` with `sliding_window_size`
+        (checks.check_layer_pattern refuses a pattern that is not one)."""
+        text = self.attention_layer_pattern.strip()
+        kinds = [k.strip() for k in text.split(",")] if text else []
+        if not kinds:
+            kinds = ["sliding" if self.sliding_window_size else "full"]
+        return tuple(self.sliding_window_size if k == "sliding" else None for k in kinds)
+
+    @property
     def attn_v_head_dim(self) -> int:
         return self.v_head_dim if self.attention_type == "mla" else self.head_dim
 

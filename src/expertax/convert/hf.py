@@ -1,4 +1,5 @@
-"""HuggingFace safetensors <-> expertax parameters, for DeepSeek-V3, Mixtral and Qwen3-MoE.
+"""HuggingFace safetensors <-> expertax parameters, for DeepSeek-V3, Mixtral, Qwen3-MoE and
+GPT-OSS (from HF; its fused experts are read by hf_read.py).
 
 Each HF tensor maps to one slice of one expertax leaf (layers are stacked along a leading axis,
 experts along the next). `tensor_map(config)` lists every such mapping, in the HF checkpoint's
@@ -39,7 +40,7 @@ class TensorMap:
     hf_name: str
     leaf: str  # path in the Decoder tree, e.g. "moe_layers.attn.wq_b"
     index: tuple[int, ...]  # leading indices into the leaf: (layer,) or (layer, expert)
-    kind: str  # "linear" or "copy"
+    kind: str  # "linear", "copy" or "flat" (a copy the hub stores flat: [H * Q] <-> our [H, Q])
     n_in: int = 1  # linear: how many leading dims of the slice are the input dims
     rope: tuple[int, int] | None = None  # (offset, size) of interleaved RoPE columns, last axis
     # A copy the hub keeps of a main-model tensor that expertax holds once (an MTP layer's
@@ -63,12 +64,24 @@ def _attention(c: Config, a: str, i: int, p: str, interleave: bool) -> list[Tens
             for n in ("q_norm", "k_norm")
             if c.attention_qk_norm
         ]
+        extra = [  # GPT-OSS's and GLM's biases, GPT-OSS's sinks, where the model has them
+            TensorMap(p + f"self_attn.{hf}", f"{a}.{ours}", (i,), "flat")
+            for hf, ours, key in (
+                ("q_proj.bias", "bq", "attention_qkv_bias"),
+                ("k_proj.bias", "bk", "attention_qkv_bias"),
+                ("v_proj.bias", "bv", "attention_qkv_bias"),
+                ("o_proj.bias", "bo", "attention_out_bias"),
+                ("sinks", "sinks", "attention_sinks"),
+            )
+            if getattr(c, key)
+        ]
         return [
             TensorMap(p + "self_attn.q_proj.weight", f"{a}.wq", (i,), "linear"),
             TensorMap(p + "self_attn.k_proj.weight", f"{a}.wk", (i,), "linear"),
             TensorMap(p + "self_attn.v_proj.weight", f"{a}.wv", (i,), "linear"),
             TensorMap(p + "self_attn.o_proj.weight", f"{a}.wo", (i,), "linear", n_in=2),
             *norms,
+            *extra,
         ]
     r = c.qk_rope_head_dim
     q_rope = (c.qk_nope_head_dim, r) if interleave else None
@@ -106,6 +119,11 @@ def _moe(c: Config, m: str, i: int, p: str) -> list[TensorMap]:
     "moe_layers.moe", "mtp.block.moe"): Mixtral's names, or DeepSeek-V3's and Qwen3-MoE's
     (`mlp.gate`, `mlp.experts.{j}.{gate,up,down}_proj`; the routing bias and shared experts
     where the model has them)."""
+    if c.decoder_block == "gpt_oss":  # the experts: fused tensors (hf_read.py)
+        return [
+            TensorMap(p + "mlp.router.weight", f"{m}.router.w", (i,), "linear"),
+            TensorMap(p + "mlp.router.bias", f"{m}.router.logit_bias", (i,), "copy"),
+        ]
     if c.decoder_block == "mixtral":
         out = [TensorMap(p + "block_sparse_moe.gate.weight", f"{m}.router.w", (i,), "linear")]
         for j in range(c.num_experts):
@@ -209,7 +227,7 @@ def _rope_perm(size: int) -> np.ndarray:
 
 def to_ours(t: TensorMap, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """An HF tensor as the slice `shape` of our leaf."""
-    if t.kind == "copy":
+    if t.kind in ("copy", "flat"):
         return w.reshape(shape)
     x = transpose(w).reshape(shape)
     if t.rope is not None:
@@ -220,8 +238,8 @@ def to_ours(t: TensorMap, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 def to_hf(t: TensorMap, x: np.ndarray) -> np.ndarray:
     """Our leaf slice as the HF tensor (inverse of `to_ours`)."""
-    if t.kind == "copy":
-        return x
+    if t.kind in ("copy", "flat"):
+        return x.reshape(-1) if t.kind == "flat" else x
     if t.rope is not None:
         off, r = t.rope
         y = x.copy()
@@ -232,7 +250,7 @@ def to_hf(t: TensorMap, x: np.ndarray) -> np.ndarray:
 
 
 def hf_shape(t: TensorMap, slice_shape: tuple[int, ...]) -> tuple[int, ...]:
-    if t.kind == "copy":
-        return slice_shape
+    if t.kind in ("copy", "flat"):
+        return (int(np.prod(slice_shape)),) if t.kind == "flat" else slice_shape
     n_in = int(np.prod(slice_shape[: t.n_in]))
     return (int(np.prod(slice_shape)) // n_in, n_in)

@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from expertax.config import Config, build_config
-from expertax.convert import fp8, hf_qwen3
+from expertax.convert import fp8, hf_gpt_oss, hf_qwen3
 from expertax.convert.errors import ConversionError, require
 
-SUPPORTED = ("deepseek_v3", "mixtral", hf_qwen3.MODEL_TYPE)
+SUPPORTED = ("deepseek_v3", "mixtral", hf_qwen3.MODEL_TYPE, hf_gpt_oss.MODEL_TYPE)
 
 # Fields that do not affect the model's forward pass (or are handled elsewhere), with the reason.
 _IGNORED: dict[str, str] = {
@@ -112,6 +112,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1_000_000.0,
     },
     hf_qwen3.MODEL_TYPE: hf_qwen3.HF_DEFAULTS,
+    hf_gpt_oss.MODEL_TYPE: hf_gpt_oss.HF_DEFAULTS,
 }
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -138,8 +139,6 @@ def _rope(hf: dict) -> tuple[dict, dict[str, Any]]:
             "HF config field rope_parameters.attention_factor is not supported; expertax derives "
             "the YaRN amplitude from mscale and mscale_all_dim"
         )
-    if params.get("truncate", True) is not True:
-        raise ConversionError("HF config field rope_parameters.truncate=false is not supported")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConversionError("HF config field partial_rotary_factor is not supported")
     orig = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
@@ -159,6 +158,7 @@ def _rope(hf: dict) -> tuple[dict, dict[str, Any]]:
         # HF uses the mscale ratio only when both are set, else mscale(factor); 0 does the same.
         "mscale": float(params.get("mscale") or 0.0),
         "mscale_all_dim": float(params.get("mscale_all_dim") or 0.0),
+        "rope_yarn_truncate": bool(params.get("truncate", True)),
     }
 
 
@@ -303,6 +303,7 @@ _FAMILIES = {
     "deepseek_v3": _deepseek,
     "mixtral": _mixtral,
     hf_qwen3.MODEL_TYPE: hf_qwen3.keys_from_hf,
+    hf_gpt_oss.MODEL_TYPE: hf_gpt_oss.keys_from_hf,
 }
 
 
@@ -382,6 +383,11 @@ _NOT_IN_HF: dict[str, tuple[Any, str]] = {
     "attention_sinks": (False, "no attention sinks"),
     "partial_rotary_factor": (1.0, "RoPE over whole heads"),
     "mlp_activation": ("swiglu", "silu(gate) * up"),
+    "rope_yarn_truncate": (True, "YaRN's whole-dim correction range"),
+    "attention_layer_pattern": ("", "one attention kind for every layer"),
+    "sliding_window_size": (0, "no sliding-window layers"),
+    "router_logit_bias": (False, "no trained router bias"),
+    "moe_expert_bias": (False, "no expert biases"),
 }
 
 

@@ -54,6 +54,18 @@ def _experts(hf: dict) -> int:
     return int(e)
 
 
+def gqa_dims(hf: dict) -> dict[str, Any]:
+    """The vocabulary, width and GQA head keys of a config.json (Qwen3-MoE's, GPT-OSS's)."""
+    heads = hf["num_attention_heads"]
+    return {
+        "vocab_size": hf["vocab_size"],
+        "base_emb_dim": hf["hidden_size"],
+        "base_num_query_heads": heads,
+        "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+    }
+
+
 def keys_from_hf(hf: dict) -> tuple[dict[str, Any], set[str]]:
     """(Config keys, the HF fields they account for) of a qwen3_moe config.json (defaults
     applied); refuses what expertax does not implement."""
@@ -66,17 +78,12 @@ def keys_from_hf(hf: dict) -> tuple[dict[str, Any], set[str]]:
             f"HF config field mlp_only_layers={hf['mlp_only_layers']!r}: dense layers among the "
             "MoE layers are not supported (expertax's dense layers come first); supported: []"
         )
-    heads = hf["num_attention_heads"]
     keys = {
         "decoder_block": "qwen3",
         "model_name": "qwen3-moe-tiny",
         "attention_type": "gqa",
         "attention_qk_norm": True,
-        "vocab_size": hf["vocab_size"],
-        "base_emb_dim": hf["hidden_size"],
-        "base_num_query_heads": heads,
-        "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        **gqa_dims(hf),
         "base_mlp_dim": hf["intermediate_size"],  # unused: no dense layers
         "base_moe_mlp_dim": hf["moe_intermediate_size"],
         "base_num_decoder_layers": hf["num_hidden_layers"],

@@ -32,7 +32,7 @@ from expertax.convert.hf_config import ConversionError, config_from_hf
 from expertax.convert.safetensors_io import Reader
 
 CHUNK_BYTES = 64 * 2**20  # a tensor larger than this (as stored) is converted in row blocks
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -83,17 +83,43 @@ def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None
 
 
 def _fused_targets(c: Config, name: str) -> tuple[str, int, str, tuple[int, ...]]:
-    """(MoE leaf prefix, layer index into it, gate_up_proj or down_proj, HF shape)."""
+    """(MoE leaf prefix, layer index into it, gate_up_proj or down_proj (with `_bias`), HF
+    shape). The layout is the model type's, never guessed from the shape (GPT-OSS's
+    [E, D, 2F] and transformers' Mixtral / Qwen3-MoE [E, 2F, D] are one shape when 2F = D)."""
     match = _FUSED.match(name)
     assert match is not None, name  # callers pass fused names only
-    layer, which = int(match.group(1)), match.group(2)
+    layer, which = int(match.group(1)), match.group(2) + (match.group(3) or "")
+    gpt_oss = c.decoder_block == "gpt_oss"
+    if which.endswith("_bias") and not gpt_oss:
+        raise ConversionError(
+            f"tensor {name}: expert biases are GPT-OSS's; decoder_block={c.decoder_block!r} "
+            "has none"
+        )
     m, i = "moe_layers.moe", layer - c.num_dense_layers
     if layer >= c.base_num_decoder_layers:  # a multi-token-prediction module's block
         m, i = "mtp.block.moe", layer - c.base_num_decoder_layers
     if i < 0:
         raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
     e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
+    if gpt_oss:
+        shapes = {"gate_up_proj": (e, d, 2 * f), "down_proj": (e, f, d),
+                  "gate_up_proj_bias": (e, 2 * f), "down_proj_bias": (e, d)}  # fmt: skip
+        return m, i, which, shapes[which]
     return m, i, which, (e, 2 * f, d) if which == "gate_up_proj" else (e, d, f)
+
+
+# The leaves each fused tensor fills.
+_FUSED_LEAVES = {"gate_up_proj": ("wi_0", "wi_1"), "down_proj": ("wo",),
+                 "gate_up_proj_bias": ("bi_0", "bi_1"), "down_proj_bias": ("bo",)}  # fmt: skip
+
+
+def _fused_gpt_oss(which: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    """GPT-OSS's fused tensor of one layer as our leaves' [E, ...] slices: gate and up are
+    interleaved along the last axis (gate = [..., ::2], up = [..., 1::2]); the rest as stored."""
+    if which.startswith("gate_up_proj"):
+        gate, up = np.ascontiguousarray(w[..., ::2]), np.ascontiguousarray(w[..., 1::2])
+        return dict(zip(_FUSED_LEAVES[which], (gate, up), strict=True))
+    return {_FUSED_LEAVES[which][0]: w}
 
 
 def _layer(name: str) -> int | None:
@@ -138,7 +164,7 @@ SHARES = (
 def _split_rows(t: TensorMap, slice_shape: tuple[int, ...], itemsize: int) -> int | None:
     """Rows per block when a tensor of this map is converted in row blocks, else None: 2-D
     slices without RoPE columns larger than CHUNK_BYTES, in multiples of 128 (fp8 blocks)."""
-    if len(slice_shape) != 2 or t.rope is not None:
+    if len(slice_shape) != 2 or t.rope is not None or t.kind == "flat":
         return None
     hf_rows, hf_cols = hf_shape(t, slice_shape)
     if hf_rows * hf_cols * itemsize <= CHUNK_BYTES:
@@ -193,8 +219,8 @@ def plan(reader: Reader, hf: dict) -> Plan:
                 raise ConversionError(f"fused expert tensor {name} in fp8 is not supported")
             m, i, which, want = _fused_targets(c, name)
             _check_shape(name, shape, want)
-            leaves = ("wi_0", "wi_1") if which == "gate_up_proj" else ("wo",)
-            for leaf in leaves:
+            for leaf in _FUSED_LEAVES[which]:
+                depth[f"{m}.{leaf}"] = 2
                 leaf_dtype(f"{m}.{leaf}", dtype, name)
                 filled.update((f"{m}.{leaf}", (i, j)) for j in range(c.num_experts))
             units.append(Unit(name, None, None, reader_nbytes(shape, dtype)))
@@ -223,6 +249,9 @@ def plan(reader: Reader, hf: dict) -> Plan:
             f"{reader.directory} lacks tensors {', '.join(missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
+    unfilled = sorted(set(specs) - set(depth))
+    if unfilled:
+        raise ConversionError(f"{reader.directory} lacks the tensors of {', '.join(unfilled)}")
     layouts = {}
     for leaf, spec in specs.items():
         k = depth[leaf]
@@ -285,7 +314,10 @@ def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
         m, i, which, _ = _fused_targets(p.c, u.name)
         w = _read(reader, p, u, p.layouts[f"{m}.wo"][1])
         f = p.c.base_moe_mlp_dim
-        if which == "gate_up_proj":
+        if p.c.decoder_block == "gpt_oss":
+            for leaf, x in _fused_gpt_oss(which, w).items():
+                write(f"{m}.{leaf}", (i,), x)
+        elif which == "gate_up_proj":
             write(f"{m}.wi_0", (i,), np.stack([transpose(x[:f]) for x in w]))
             write(f"{m}.wi_1", (i,), np.stack([transpose(x[f:]) for x in w]))
         else:

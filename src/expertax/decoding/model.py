@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 from expertax import quant
 from expertax.config.schema import Config
 from expertax.decoding.cache import Cache
-from expertax.models import decoder, mtp
+from expertax.models import decoder, layer_pattern, mtp
 from expertax.nn import norm
 from expertax.nn.attention.cache import LayerCache
 from expertax.nn.linear import project
@@ -25,12 +25,15 @@ from expertax.sharding.rules import current_rules, logical_to_spec
 
 
 def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, lc: LayerCache, dtype,
-               slots=None):  # fmt: skip
+               slots=None, window: int | None = None):  # fmt: skip
     """One decoder layer (training's, `decoder.block_apply`) over its cache: (x, the updated
-    cache). `slots` (static): only the first `slots` slots are read and written (a prefill:
-    the prompt's), the rest of the cache kept as it is."""
+    cache). `window`: the layer's sliding window (None: full; the cache keeps every slot and
+    the mask reads the window's). `slots` (static): only the first `slots` slots are read and
+    written (a prefill: the prompt's), the rest of the cache kept as it is."""
     view = lc if slots is None else type(lc)(*(a[:, :slots] for a in lc))
-    x_BTD, _, _, view = decoder.block_apply(p, x_BTD, c, positions_BT, None, dtype, cache=view)
+    x_BTD, _, _, view = decoder.block_apply(
+        p, x_BTD, c, positions_BT, None, dtype, cache=view, window=window
+    )
     if slots is None:
         return x_BTD, view
     return x_BTD, type(lc)(*(a.at[:, :slots].set(w) for a, w in zip(lc, view, strict=True)))
@@ -40,8 +43,9 @@ def _layers(layers, caches: list[LayerCache], x_BTD, c: Config, positions_BT, sl
     """A layer stack unrolled (decoding/weights.py): (x, the layers' updated caches)."""
     dtype = jnp.dtype(c.dtype)
     new = []
-    for p, lc in zip(layers or [], caches, strict=True):
-        x_BTD, lc = block_step(p, x_BTD, c, positions_BT, lc, dtype, slots)
+    for i, (p, lc) in enumerate(zip(layers or [], caches, strict=True)):
+        window = layer_pattern.window_of(c, i)
+        x_BTD, lc = block_step(p, x_BTD, c, positions_BT, lc, dtype, slots, window)
         new.append(lc)
     return x_BTD, new
 

@@ -35,6 +35,7 @@ from expertax.decoding import joint, model
 from expertax.models import decoder
 from expertax.nn import param
 from expertax.nn.attention import mla
+from expertax.nn.moe import bias as expert_bias
 
 
 def layer_specs(c: Config, *, fp8_weights: bool):
@@ -100,7 +101,7 @@ def _one_device(params: decoder.Decoder, c: Config) -> decoder.Decoder:
     float weights, the matrices that read the same input joined (decoding/joint.py)."""
 
     def block(b: decoder.Block) -> decoder.Block:
-        if b.moe is not None:
+        if b.moe is not None and expert_bias.of(b.moe) is None:  # biased experts stay stacked
             b = dataclasses.replace(b, moe=joint.unstack(b.moe))
         if any(quant.is_fp8(x) for x in jax.tree.leaves(b, is_leaf=quant.is_fp8)):
             return b

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from expertax import quant
 from expertax.config.schema import Config
-from expertax.models import pipeline, stashed_stack
+from expertax.models import layer_pattern, pipeline, stashed_stack
 from expertax.nn import activation, embed, linear, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.linear import project
@@ -115,14 +115,16 @@ def spec(c: Config) -> Decoder:
 
 
 def block_apply(
-    p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, side=None, cache=None
-):
+    p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, side=None, cache=None,
+    window: int | None = None,
+):  # fmt: skip
     """One pre-norm decoder layer, for training, prefill and decoding alike: (x, MoEStats or
     None, the MoE side left, the attention cache).
 
     `side` (nn/moe/side.py): the MoE layer's paged stash and imposed routing, or None.
     `cache`: the attention layer's (nn/attention/cache.py; decoding), written and read by
-    position, or None. fp8 weights (quant.py) are dequantized here, and a MoE layer whose
+    position, or None. `window`: the layer's sliding attention window (None: full attention;
+    models/layer_pattern.py). fp8 weights (quant.py) are dequantized here, and a MoE layer whose
     experts are held apart runs nn/moe/unstacked.py (decoding on one device: only the chosen
     experts' fp8 weights are dequantized)."""
     experts = p.moe if unstacked.is_unstacked(p.moe) else None
@@ -133,9 +135,10 @@ def block_apply(
     eps = c.normalization_layer_epsilon
     attn = mla if c.attention_type == "mla" else gqa
     h = norm.rms_norm(p.attn_norm, x_BTD, eps)
+    kw = {} if window is None else {"window": window}  # (checks: MLA layers never slide)
     # fp8 training GEMMs (`quantization`) in the layer's linears; decoding (a cache) in dtype
     with linear.fp8(c.quantization if cache is None else ""):
-        out, cache = attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype, cache)
+        out, cache = attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype, cache, **kw)
         x_BTD = x_BTD + out
         h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
         stats = None
@@ -168,8 +171,10 @@ def run_stack(
     if not pipelined:
         return _run_layers(stacked, x_BTD, c, positions_BT, segment_ids_BT, dtype, imposed_LBTK)
 
+    window = layer_pattern.window_of(c, 0)  # (checks: one layer kind with a pipeline)
+
     def layer(x, p, positions, segment_ids):
-        return block_apply(p, x, c, positions, segment_ids, dtype)[:2]
+        return block_apply(p, x, c, positions, segment_ids, dtype, window=window)[:2]
 
     head = jax.tree.map(lambda a: a[:pipelined], stacked)
     axes = logical_axes(block_spec(c, moe=moe))
@@ -189,28 +194,39 @@ def _run_layers(
 ):
     """`run_stack` without a pipeline: one scan (or unrolled loop) over the layers, each with its
     imposed routing when `imposed_LBTK` is given."""
+    windows = layer_pattern.windows(c)
     if stacked.moe is not None and c.moe_paged_stash:
+        window = windows[0]  # (checks: one layer kind with the stash)
 
         def block(p, x, positions_BT, segment_ids_BT, stash):
-            out = block_apply(p, x, c, positions_BT, segment_ids_BT, dtype, Side(stash=stash))
+            side = Side(stash=stash)
+            out = block_apply(p, x, c, positions_BT, segment_ids_BT, dtype, side, window=window)
             return out[0], out[1], out[2].stash
 
         return stashed_stack.run(stacked, x_BTD, positions_BT, segment_ids_BT, c, block)
 
-    def body(x, layer):
-        layer_params, imposed_BTK = layer
-        side = None if imposed_BTK is None else Side(imposed=imposed_BTK)
-        return block_apply(layer_params, x, c, positions_BT, segment_ids_BT, dtype, side)[:2]
+    def layer_body(window):
+        def body(x, layer):
+            layer_params, imposed_BTK = layer
+            side = None if imposed_BTK is None else Side(imposed=imposed_BTK)
+            out = block_apply(
+                layer_params, x, c, positions_BT, segment_ids_BT, dtype, side, window=window
+            )
+            return out[:2]
 
-    # One policy for the dense and the MoE stack; jax.checkpoint's CSE prevention is only
-    # needed unrolled (scan already keeps the recomputation from being merged with the forward).
-    body = remat.wrap_layer(body, c, prevent_cse=not c.scan_layers)
+        # One policy for the dense and the MoE stack; jax.checkpoint's CSE prevention is only
+        # needed unrolled (scan already keeps the recomputation from being merged with the
+        # forward).
+        return remat.wrap_layer(body, c, prevent_cse=not c.scan_layers)
+
+    bodies = [layer_body(w) for w in windows]
     if c.scan_layers:
-        return jax.lax.scan(body, x_BTD, (stacked, imposed_LBTK))
+        return layer_pattern.scan(bodies, x_BTD, (stacked, imposed_LBTK))
     n = jax.tree.leaves(stacked)[0].shape[0]
     all_stats = []
     for i in range(n):
-        x_BTD, stats = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], (stacked, imposed_LBTK)))
+        layer = jax.tree.map(lambda a, i=i: a[i], (stacked, imposed_LBTK))
+        x_BTD, stats = bodies[i % len(bodies)](x_BTD, layer)
         all_stats.append(stats)
     stacked_stats = (
         None if all_stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *all_stats)

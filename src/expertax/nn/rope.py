@@ -34,8 +34,11 @@ def inverse_frequencies(c: Config, dim: int) -> tuple[jax.Array, float]:
         return extrapolation, 1.0
     interpolation = extrapolation / c.rope_factor
     orig = c.original_max_position_embeddings
-    low = max(math.floor(_correction_dim(c.beta_fast, dim, base, orig)), 0)
-    high: float = min(math.ceil(_correction_dim(c.beta_slow, dim, base, orig)), dim - 1)
+    low: float = _correction_dim(c.beta_fast, dim, base, orig)
+    high: float = _correction_dim(c.beta_slow, dim, base, orig)
+    if c.rope_yarn_truncate:  # whole dims (the paper's); GPT-OSS keeps the fractions
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn.attention import kernel
+from expertax.nn.attention.mask import CAUSAL, MaskSpec
 from expertax.parallel import remat
 
 # fn(x_chunk [B, T/n, D], positions_chunk [B, T/n], q_offset, end) -> [B, T/n, D]: the chunk's
@@ -92,11 +93,12 @@ def mean_offset(c: Config, length: int) -> float:
 
 def attend_chunk(
     q, k, v, c: Config, segment_ids_BT, q_offset, end: int, scale: float, q_positions_BT,
-    kv_positions_BS, sink_logits_H=None,
+    kv_positions_BS, sink_logits_H=None, mask_spec: MaskSpec = CAUSAL,
 ):  # fmt: skip
     """The kernel call of one chunk's queries `q` (at `q_positions_BT`) against the layer's keys
     and values (at `kv_positions_BS`) up to `end` (`over_queries`' ChunkFn arguments), with the
-    layer's learned attention sinks if it has them; [B, T/n, H, O]."""
+    layer's learned attention sinks if it has them, under `mask_spec` (a sliding window);
+    [B, T/n, H, O]."""
     seg = None if segment_ids_BT is None else segment_ids_BT[:, :end]
     return kernel.attend(
         q,
@@ -110,4 +112,5 @@ def attend_chunk(
         q_positions_BT=q_positions_BT,
         kv_positions_BS=kv_positions_BS[:, :end],
         sink_logits_H=sink_logits_H,
+        mask_spec=mask_spec,
     )

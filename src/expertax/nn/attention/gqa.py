@@ -11,6 +11,7 @@ from expertax.config.schema import Config
 from expertax.nn import rope
 from expertax.nn.attention import chunks, kernel, qk_norm
 from expertax.nn.attention.cache import KV, constrain_layer, slot_positions, write
+from expertax.nn.attention.mask import MaskSpec
 from expertax.nn.linear import project
 from expertax.nn.param import Param, ParamSpec, given, optional, params_dataclass, projection
 from expertax.parallel import remat
@@ -72,9 +73,14 @@ def _queries(p: GQA, x_BTD, c: Config, positions_BT, dtype) -> jax.Array:
     return constrain(rope.apply(q, cos, sin), ("batch", "length", "act_heads", None))
 
 
-def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: KV | None = None):
+def apply(
+    p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: KV | None = None,
+    window: int | None = None,
+):  # fmt: skip
     """The layer's output [B, T, D] and its cache (None without one; with one, the new
-    tokens' keys and values written at their positions and every slot read: cache.py)."""
+    tokens' keys and values written at their positions and every slot read: cache.py).
+    `window`: a sliding-window layer's window (mask.MaskSpec; None: causal over all keys)."""
+    mask_spec = MaskSpec(window=window)
     t = x_BTD.shape[1]
     k = remat.tag(_project(x_BTD, p.wk, given(p.bk), dtype), remat.KEY_PROJ)
     k = qk_norm.apply(given(p.k_norm), k, c)
@@ -88,6 +94,7 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
             _queries(p, x_BTD, c, positions_BT, dtype), cache.k, cache.v,
             scale=rope.softmax_scale(c), q_positions_BT=positions_BT,
             kv_positions_BS=slot_positions(cache.k.shape[1]), sink_logits_H=given(p.sinks),
+            mask_spec=mask_spec,
         )  # fmt: skip
         return _project(out, p.wo, given(p.bo), dtype, 2), cache
     kv_positions_BS = positions_BT
@@ -97,7 +104,7 @@ def apply(p: GQA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache: 
         scale = rope.softmax_scale(c)
         out = chunks.attend_chunk(
             q, k, v, c, segment_ids_BT, q_offset, end, scale, positions_BT, kv_positions_BS,
-            given(p.sinks),
+            given(p.sinks), mask_spec,
         )  # fmt: skip
         return _project(remat.tag(out, remat.ATTENTION_OUT), p.wo, given(p.bo), dtype, 2)
 

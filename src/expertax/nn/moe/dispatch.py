@@ -18,7 +18,9 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import activation, linear
+from expertax.nn.moe import bias as bias_mod
 from expertax.nn.moe import fp8_gmm, routed
+from expertax.nn.moe.bias import ExpertBias
 from expertax.nn.moe.gmm import gmm, gmm_glu
 from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.nn.moe.vma import varying_like
@@ -35,9 +37,11 @@ def expert_ffn_sorted(
     dtype,
     group_offset=None,
     stash: Stash | None = None,
+    bias: ExpertBias | None = None,
 ):
     """The gated FFN (`activation.of(c)`) over rows sorted by expert, with grouped matmuls
-    (local experts only if offset).
+    (local experts only if offset), and the experts' biases where given (bias.py: added to
+    the gate, up and output rows by each row's expert).
 
     Returns (y [M, D], stash): with a paged stash (moe/stash.py) the stashed names' values are
     written to it, or, in its read mode, taken from it instead of computed.
@@ -49,41 +53,40 @@ def expert_ffn_sorted(
         tile_rows_min=c.gmm_tile_rows_min,
     )
 
+    # fp8 (`quantization`, decoder.block_apply): fp8 grouped GEMMs (moe/fp8_gmm.py), the gated
+    # activation between them on all rows (the wo GEMM's quantized operand)
     recipe = linear.current_fp8()
-
-    def ffn_fp8(given):
-        # fp8 (`quantization`, decoder.block_apply): three fp8 grouped GEMMs (moe/fp8_gmm.py),
-        # the gated activation between them on all rows (the wo GEMM's quantized operand)
-        def mm(lhs, w, name):
-            g = given.get(name)
-            y = fp8_gmm.gmm(lhs, w.astype(dtype), group_sizes_E, recipe, given=g, **kw)
-            return remat.tag(y, name)
-
-        gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
-        up = mm(rows_MD, wi_1_EDF, remat.MOE_MLPWI_1)
-        y = mm(activation.of(c)(gate, up), wo_EFD, remat.MOE_MLPWO)
-        return y, {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
 
     def ffn(given):
         def mm(lhs, w, name):
-            return remat.tag(
-                gmm(lhs, w.astype(dtype), group_sizes_E, given=given.get(name), **kw), name
-            )
+            w, g = w.astype(dtype), given.get(name)
+            if recipe:
+                return remat.tag(fp8_gmm.gmm(lhs, w, group_sizes_E, recipe, given=g, **kw), name)
+            return remat.tag(gmm(lhs, w, group_sizes_E, given=g, **kw), name)
 
         gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
         up = mm(rows_MD, wi_1_EDF, remat.MOE_MLPWI_1)
-        # The SwiGLU runs inside the second matmul, on each work item's rows (gmm_glu): no
-        # [M, F] hidden buffer, and none of the worst-case padding rows of EP is touched.
-        wo = wo_EFD.astype(dtype)
-        given_y = given.get(remat.MOE_MLPWO)
-        y = gmm_glu(gate, up, wo, group_sizes_E, act=activation.of(c), given=given_y, **kw)
-        y = remat.tag(y, remat.MOE_MLPWO)
-        values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up, remat.MOE_MLPWO: y}
+        values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up}
+        if bias is not None:  # the values kept are the matmuls' (a stash gives them back)
+            ids_M = bias_mod.row_experts(group_sizes_E, rows_MD.shape[0], group_offset)
+            gate = gate + bias_mod.rows(bias.gate_EF, ids_M, dtype)
+            up = up + bias_mod.rows(bias.up_EF, ids_M, dtype)
+        if recipe:
+            y = mm(activation.of(c)(gate, up), wo_EFD, remat.MOE_MLPWO)
+        else:
+            # The SwiGLU runs inside the second matmul, on each work item's rows (gmm_glu): no
+            # [M, F] hidden buffer, and none of the worst-case padding rows of EP is touched.
+            wo = wo_EFD.astype(dtype)
+            given_y = given.get(remat.MOE_MLPWO)
+            y = gmm_glu(gate, up, wo, group_sizes_E, act=activation.of(c), given=given_y, **kw)
+            y = remat.tag(y, remat.MOE_MLPWO)
+        values[remat.MOE_MLPWO] = y
+        if bias is not None:
+            y = y + bias_mod.rows(bias.down_ED, ids_M, dtype)
         return y, values
 
     m = rows_MD.shape[0]
-    body = ffn_fp8 if recipe else ffn
-    return run_ffn(stash, m, group_sizes_E, group_offset, wi_0_EDF.shape[0], body)
+    return run_ffn(stash, m, group_sizes_E, group_offset, wi_0_EDF.shape[0], ffn)
 
 
 def permute(x_ND, experts_NK, num_experts):
@@ -172,7 +175,9 @@ def sparse(x_ND, routing, p, c: Config, dtype, stash: Stash | None = None):
         )
         return out.astype(dtype), jnp.int32(0), stash
     rows, order, sizes = permute(x_ND, routing.experts_NK, c.num_experts)
-    y, stash = expert_ffn_sorted(rows, p.wi_0, p.wi_1, p.wo, sizes, c, dtype, stash=stash)
+    y, stash = expert_ffn_sorted(
+        rows, p.wi_0, p.wi_1, p.wo, sizes, c, dtype, stash=stash, bias=bias_mod.of(p)
+    )
     return unpermute_combine(y, order, routing.weights_NK, c, dtype), jnp.int32(0), stash
 
 
@@ -198,8 +203,13 @@ def capacity_einsum(x_BTD, experts_BTK, weights_BTK, p, c: Config, dtype):
     x_EBCD = jnp.einsum("btd,btec->ebcd", x_BTD, dispatch_BTEC)
     gate = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_0.astype(dtype)), remat.MOE_MLPWI_0)
     up = remat.tag(jnp.einsum("ebcd,edf->ebcf", x_EBCD, p.wi_1.astype(dtype)), remat.MOE_MLPWI_1)
+    if (b := bias_mod.of(p)) is not None:  # an empty slot's output has no combine weight
+        gate = gate + b.gate_EF.astype(dtype)[:, None, None]
+        up = up + b.up_EF.astype(dtype)[:, None, None]
     y = jnp.einsum("ebcf,efd->ebcd", activation.of(c)(gate, up), p.wo.astype(dtype))
     y = remat.tag(y, remat.MOE_MLPWO)
+    if b is not None:
+        y = y + b.down_ED.astype(dtype)[:, None, None]
     # The expert outputs stay in `dtype`; the float32 combine weights set the accumulation
     # (a mixed-dtype dot_general: no float32 copy of y [E, B, C, D]).
     acc = jnp.float32 if c.float32_weight_sum else dtype

@@ -34,8 +34,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
+from expertax.nn.moe import bias as bias_mod
 from expertax.nn.moe import chunks, dispatch, routed, router, rows
 from expertax.nn.moe import stash as stash_mod
+from expertax.nn.moe.bias import ExpertBias
 from expertax.nn.moe.exchange import (
     ExchangePlan,
     all_to_all,
@@ -147,12 +149,20 @@ def sort_by_local_expert(recv_MD, recv_counts_PX):
 
 
 def local_expert_ffn(
-    rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c: Config, dtype, stash: Stash | None
+    rows_MD,
+    wi_0_XDF,
+    wi_1_XDF,
+    wo_XFD,
+    group_sizes_X,
+    c: Config,
+    dtype,
+    stash: Stash | None,
+    bias=None,
 ):
     """The grouped matmuls of this shard's X experts over rows sorted by local expert:
     (y, stash)."""
     return dispatch.expert_ffn_sorted(
-        rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c, dtype, stash=stash
+        rows_MD, wi_0_XDF, wi_1_XDF, wo_XFD, group_sizes_X, c, dtype, stash=stash, bias=bias
     )
 
 
@@ -177,8 +187,10 @@ def send_back(y_MD, plan: ExchangePlan, num_rows: int, impl: str, block_rows: in
     )
 
 
-def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, stash):
-    """The all-to-all strategy on one shard: (partial output [N, D], dropped rows, stash)."""
+def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, stash,
+                 bias=None):  # fmt: skip
+    """The all-to-all strategy on one shard: (partial output [N, D], dropped rows, stash).
+    `bias`: the local experts' biases (bias.py), or None."""
     wi_0, wi_1, wo = w
     recv_MD, plan, send_order_M = sort_and_send(x_ND, routing.experts_NK, c, impl)
     m, n = recv_MD.shape[0], x_ND.shape[0]
@@ -201,7 +213,9 @@ def a2a_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, impl: str, 
         home_weights_NK = jnp.ones_like(routing.weights_NK)
     else:
         sorted_MD, recv_order, sizes_X = sort_by_local_expert(recv_MD, plan.recv_counts_PX)
-        y_sorted, stash = local_expert_ffn(sorted_MD, wi_0, wi_1, wo, sizes_X, c, dtype, stash)
+        y_sorted, stash = local_expert_ffn(
+            sorted_MD, wi_0, wi_1, wo, sizes_X, c, dtype, stash, bias
+        )
         y_MD = rows.gather_rows(y_sorted, recv_order.dst_M, recv_order.total)
     back_MD = send_back(y_MD, plan, send_order_M.shape[0], impl, block)
     out_ND = dispatch.unpermute_combine(back_MD, send_order_M, home_weights_NK, c, dtype)
@@ -255,7 +269,9 @@ def select_local(experts_NK, weights_NK, first_expert, num_local: int) -> LocalR
     )
 
 
-def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, gathered: bool):
+def ring_dispatch(
+    x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, gathered: bool, bias=None
+):
     """All-gather over `expert`, local experts only, combine, reduce-scatter: (out [N, D], 0,
     stash).
 
@@ -282,7 +298,7 @@ def ring_dispatch(x_ND, routing: router.Routing, w, c: Config, dtype, stash, *, 
     else:
         rows_RD = rows.gather_rows(x_ND, sel.token_R, sel.count)
         y, stash = dispatch.expert_ffn_sorted(
-            rows_RD, wi_0, wi_1, wo, sel.sizes_X, c, dtype, stash=stash
+            rows_RD, wi_0, wi_1, wo, sel.sizes_X, c, dtype, stash=stash, bias=bias
         )
         acc = jnp.float32 if c.float32_weight_sum else dtype
         out_all = rows.scatter_rows(y, sel.token_R, sel.weight_R.astype(acc), sel.count, n_all)
@@ -317,24 +333,25 @@ def _psum_all(x, axes):
     return jax.lax.psum(varying_over(x, axes), axes)
 
 
-def _chunk(x_ND, side: Side, router_p, w, *, c, dtype, impl, split):
+def _chunk(x_ND, side: Side, router_p, w, *, c, dtype, impl, split, bias=None):
     """One token chunk on one shard, rows x [N, D] and their side (imposed routing [N, K] or
     None, the stash): ((partial out [N, D], the router's own choice [N, K] or None),
     (counts_E, prob_sum_E, dropped), side)."""
     routing = router.route(router_p, x_ND, c, side.imposed)
     if c.use_ring_of_experts:
         out_ND, dropped, stash = ring_dispatch(
-            x_ND, routing, w, c, dtype, side.stash, gathered=not split
+            x_ND, routing, w, c, dtype, side.stash, gathered=not split, bias=bias
         )
     else:
-        out_ND, dropped, stash = a2a_dispatch(x_ND, routing, w, c, dtype, impl, side.stash)
+        out_ND, dropped, stash = a2a_dispatch(x_ND, routing, w, c, dtype, impl, side.stash, bias)
     sums = (routing.counts_E, routing.prob_sum_E, dropped)
     return (out_ND, routing.chosen_NK), sums, side.with_stash(stash)
 
 
 def _body(
-    x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, side: Side, *, c, dtype, impl, specs
-):
+    x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, side: Side, bias_local, *, c, dtype,
+    impl, specs,
+):  # fmt: skip
     """One shard. The tokens are sharded over `specs.tokens`; when those do not include `expert`
     (expert-as-TP rules) they are replicated over it.
 
@@ -343,6 +360,7 @@ def _body(
     b, t, d = x_BTD_local.shape
     x_ND, side = x_BTD_local.reshape(b * t, d), side.rows()
     w = (wi_0_local, wi_1_local, wo_local)
+    bias_local = bias_mod.once_over(bias_local, specs.mlp)
     ring = c.use_ring_of_experts
     split = EXPERT in specs.tokens
     stat_axes = specs.tokens
@@ -354,7 +372,9 @@ def _body(
         side = Side(side.stash, jax.tree.map(mine, side.imposed))
     routed_tokens = x_ND.shape[0]
     (out_ND, chosen_NK), (counts_E, prob_sum_E, dropped), side = chunks.over_rows(
-        lambda x, s: _chunk(x, s, router_p, w, c=c, dtype=dtype, impl=impl, split=split),
+        lambda x, s: _chunk(
+            x, s, router_p, w, c=c, dtype=dtype, impl=impl, split=split, bias=bias_local
+        ),
         x_ND,
         c,
         side,
@@ -380,6 +400,7 @@ def apply(
     c: Config,
     dtype,
     side: Side | None = None,
+    bias: ExpertBias | None = None,
 ) -> tuple[jax.Array, router.MoEStats, Side]:
     """Routed experts' output [B, T, D], global MoEStats and the side left, under the active mesh.
 
@@ -400,9 +421,9 @@ def apply(
     # A stash in write mode comes back filled; one in read mode is only read (returns None).
     writes = side.stash is not None and side.stash.mode == stash_mod.WRITE
 
-    def body(x, rp, wi_0, wi_1, wo, side):
+    def body(x, rp, wi_0, wi_1, wo, side, b):
         out, stats, stash = _body(
-            x, rp, wi_0, wi_1, wo, side, c=c, dtype=dtype, impl=impl, specs=specs
+            x, rp, wi_0, wi_1, wo, side, b, c=c, dtype=dtype, impl=impl, specs=specs
         )
         return out, stats, stash if writes else None
 
@@ -411,11 +432,14 @@ def apply(
         load_E=P(), lb_loss=P(), dropped=P(), prob_sum_E=P(), chosen_BTK=chosen_spec
     )
     side_spec = side_specs(side, specs.x, jax.sharding.get_abstract_mesh().axis_names)
+    gate_up = P(specs.expert, specs.mlp or None)  # [E, F], the expert biases (bias.py)
+    down = P(specs.expert, None)  # [E, D]
+    bias_spec = None if bias is None else ExpertBias._make([gate_up, gate_up, down])
     fn = jax.shard_map(
         body,
-        in_specs=(specs.x, router_spec, specs.wi, specs.wi, specs.wo, side_spec),
+        in_specs=(specs.x, router_spec, specs.wi, specs.wi, specs.wo, side_spec, bias_spec),
         out_specs=(specs.x, stats_spec, side_spec.stash if writes else None),
         check_vma=c.pipeline_stages == 1,
     )
-    out, stats, stash = fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, side)
+    out, stats, stash = fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, side, bias)
     return out, stats, side.with_stash(stash)

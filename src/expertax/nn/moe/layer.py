@@ -9,10 +9,10 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import activation, mlp
-from expertax.nn.moe import chunks, dispatch, ep, router, strategy, tiles
+from expertax.nn.moe import bias, chunks, dispatch, ep, router, strategy, tiles
 from expertax.nn.moe.side import Side
 from expertax.nn.moe.side import of as side_of
-from expertax.nn.param import Param, params_dataclass, projection
+from expertax.nn.param import Param, optional, params_dataclass, projection
 from expertax.sharding import constrain
 from expertax.sharding.rules import current_rules
 
@@ -24,6 +24,9 @@ class MoE:
     wi_1: Param  # [E, D, F]
     wo: Param  # [E, F, D]
     shared: mlp.MLP | None
+    bi_0: Param = optional()  # [E, F] gate bias (moe_expert_bias; bias.py)
+    bi_1: Param = optional()  # [E, F] up bias
+    bo: Param = optional()  # [E, D] down bias
 
 
 def spec(c: Config) -> MoE:
@@ -35,6 +38,7 @@ def spec(c: Config) -> MoE:
         wi_1=projection((e, d, f), ("exp", "exp_embed", "exp_mlp"), d),
         wo=projection((e, f, d), ("exp", "exp_mlp", "exp_embed"), f),
         shared=shared,
+        **(bias.specs(e, d, f) if c.moe_expert_bias else {}),
     )
 
 
@@ -76,7 +80,7 @@ def _apply(p: MoE, x_BTD: jax.Array, c: Config, dtype, side: Side):
     x_in_BTD = x_BTD.astype(dtype)
     if strategy.uses_shard_map(c, ep.mesh_size()):
         out_BTD, stats, out_side = ep.apply(
-            p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype, side
+            p.router, p.wi_0, p.wi_1, p.wo, x_in_BTD, c, dtype, side, bias.of(p)
         )
         return finish(p, x_BTD, out_BTD, c, dtype), stats, out_side
     if c.sparse_matmul:

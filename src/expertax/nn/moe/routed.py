@@ -65,9 +65,10 @@ from expertax.parallel import remat
 
 def use_fused(c: Config) -> bool:
     """Whether the sparse path runs `routed_ffn` (`moe_fused_routed_ffn` and the tiled gmm;
-    not under an fp8 `quantization`, whose grouped GEMMs are the sorted path's)."""
-    fused = c.moe_fused_routed_ffn and gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
-    return fused and not c.quantization  # fp8: the sorted path's fp8 grouped GEMMs
+    experts without biases, not under an fp8 `quantization`: bias.py adds the biases between
+    the separate grouped matmuls, moe/fp8_gmm.py quantizes them)."""
+    tiled = gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
+    return c.moe_fused_routed_ffn and tiled and not c.moe_expert_bias and not c.quantization
 
 
 def recomputes_gate_up(c: Config) -> bool:

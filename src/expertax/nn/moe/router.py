@@ -1,6 +1,8 @@
 """The router: float32 logits -> scores -> (group-limited) top-k -> weights, and balancing stats.
 
-Mixtral: softmax scores, top-k, weights renormalized (`norm_topk_prob`).
+Mixtral: softmax scores, top-k, weights renormalized (`norm_topk_prob`). GPT-OSS: the same
+with a trained bias on the logits (`router_logit_bias`); its softmax over the top-k logits is
+the renormalized top-k of the softmax over all.
 DeepSeek-V3 (arXiv:2412.19437 Sec. 2.1.2): sigmoid scores; a per-expert bias added for the
 *selection only* (aux-loss-free balancing, updated outside the gradient from the global expert
 loads); experts split into `n_routing_groups`, each token keeps the `topk_routing_group` groups
@@ -19,13 +21,14 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn.param import Leaf, Param, ParamSpec, params_dataclass, projection
+from expertax.nn.param import Leaf, Param, ParamSpec, given, optional, params_dataclass, projection
 
 
 @params_dataclass
 class Router:
     w: Param  # [D, E]
     bias: Param  # [E], selection-only, not trained by the optimizer; None when absent
+    logit_bias: Param = optional()  # [E], trained, added to the logits (router_logit_bias)
 
 
 @params_dataclass
@@ -64,7 +67,10 @@ def spec(c: Config) -> Router:
         if c.routed_bias
         else None
     )
-    return Router(w=projection((d, e), ("embed", None), d), bias=bias)
+    extra = {}
+    if c.router_logit_bias:  # GPT-OSS
+        extra["logit_bias"] = ParamSpec((e,), (None,), "zeros", weight_decay=False)
+    return Router(w=projection((d, e), ("embed", None), d), bias=bias, **extra)
 
 
 def _group_mask(choice_NE: jax.Array, c: Config) -> jax.Array:
@@ -82,6 +88,8 @@ def route(p: Router, x_ND: jax.Array, c: Config, imposed_NK: jax.Array | None = 
     that (token, slot) instead of the router's choice; the router's own choice is then returned as
     `chosen_NK`. Without it the program is the plain router's."""
     logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), p.w.astype(jnp.float32))
+    if (logit_bias_E := given(p.logit_bias)) is not None:
+        logits_NE = logits_NE + logit_bias_E.astype(jnp.float32)[None, :]
     if c.use_random_routing:
         key = jax.random.key(17)
         logits_NE = jax.random.normal(key, logits_NE.shape, jnp.float32)

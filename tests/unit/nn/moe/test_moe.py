@@ -53,15 +53,22 @@ def assert_trees_close(a, b, **kw):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), **kw)
 
 
-@pytest.mark.parametrize("routing", ROUTINGS)
-def test_sparse_dense_reference_agree_forward_and_backward(routing):
-    c, p, x = setup(routing)
+def assert_paths_agree(c, p, x):
+    """The sparse and dense paths equal the loop reference, outputs and gradients; returns the
+    reference's (output, gradients)."""
     ref = run(c, p, x, "reference")
     for path in ("sparse", "dense"):
         np.testing.assert_allclose(run(c, p, x, path), ref, **tol())
     g_ref = grads(c, p, x, "reference")
     for path in ("sparse", "dense"):
         assert_trees_close(grads(c, p, x, path), g_ref, **tol())
+    return ref, g_ref
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_sparse_dense_reference_agree_forward_and_backward(routing):
+    c, p, x = setup(routing)
+    assert_paths_agree(c, p, x)
 
 
 def test_perturbed_expert_weight_fails_the_comparison():
@@ -145,3 +152,33 @@ def test_load_balance_loss_is_one_when_balanced_and_larger_when_skewed():
     skew_counts = jnp.zeros(e).at[0].set(n).at[1].set(n)
     skew = router.balance_stats(skew_counts, jnp.zeros(e).at[0].set(n), n, c, 0)
     assert float(skew.lb_loss) > 1.5
+
+
+GPT_OSS = {"model_name": "mixtral-tiny", "router_logit_bias": True, "moe_expert_bias": True,
+           "mlp_activation": "swiglu_clamped", "mlp_activation_limit": 1.0}  # fmt: skip
+
+
+def with_random_biases(p, scale=0.3):
+    """GPT-OSS's router logit bias and expert biases, random (they start at zero)."""
+    keys = iter(jax.random.split(jax.random.key(5), 4))
+    rnd = {f: scale * jax.random.normal(next(keys), getattr(p, f).shape) for f in ("bi_0", "bi_1")}
+    rnd["bo"] = scale * jax.random.normal(next(keys), p.bo.shape)
+    logit_bias = jax.random.normal(next(keys), p.router.logit_bias.shape)
+    routed = dataclasses.replace(p.router, logit_bias=logit_bias)
+    return dataclasses.replace(p, router=routed, **rnd)
+
+
+def test_expert_and_router_biases_on_every_path_and_read():
+    c, p, x = setup("softmax", **{k: v for k, v in GPT_OSS.items() if k != "model_name"})
+    e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
+    assert (p.bi_0.shape, p.bi_1.shape, p.bo.shape) == ((e, f), (e, f), (e, d))
+    p = with_random_biases(p)
+    ref, g_ref = assert_paths_agree(c, p, x)
+    assert all(float(jnp.max(jnp.abs(getattr(g_ref[0], f)))) > 1e-6 for f in ("bi_0", "bi_1", "bo"))
+    assert float(jnp.max(jnp.abs(g_ref[0].router.logit_bias))) > 1e-6
+    # controls: each bias is read (zeroing any one of them changes the output)
+    zero_router = dataclasses.replace(p.router, logit_bias=jnp.zeros_like(p.router.logit_bias))
+    for changed in [{"router": zero_router}, *({f: jnp.zeros_like(getattr(p, f))} for f in
+                                               ("bi_0", "bi_1", "bo"))]:  # fmt: skip
+        out = run(c, dataclasses.replace(p, **changed), x, "sparse")
+        assert not np.allclose(out, ref, atol=1e-4), changed.keys()

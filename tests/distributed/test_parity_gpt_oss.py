@@ -1,0 +1,38 @@
+"""`expertax parity` row of gpt-oss-tiny: GQA with q/k/v/o biases and sinks, sliding-window layers
+alternating with full ones (the layer stack scanned one cycle at a time), YaRN without
+truncation, a router with a trained bias, experts with biases and the clamped SwiGLU. The
+default run trains one layout against one device (the all-to-all exchange with expert x tensor x
+data: the heads split over `tensor`, the expert MLP dim too, so the down bias is counted on one
+F shard). On demand (-m full_grid): about 60 s of CPU on 2 cores, twice qwen3-moe-tiny's row,
+more than CI's margin holds. A file of its own so that pytest-xdist runs it beside the other
+parity tests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from expertax.config import load_config
+from tests.distributed.test_parity import SMALL, _check_rows, parity_child
+
+pytestmark = pytest.mark.distributed
+
+MODEL = ["model_name=gpt-oss-tiny", *SMALL]
+
+
+@pytest.mark.full_grid
+def test_parity_gpt_oss_tiny_row(tmp_path):
+    """3 steps of EP=2 x TP=2 x data=2 (padded all-to-all) equal the one-device run's losses."""
+    c = load_config(overrides=MODEL)
+    assert c.moe_expert_bias and c.attention_sinks and c.attention_layer_pattern == "sliding,full"
+    path = tmp_path / "parity.json"
+    run = parity_child([*MODEL, "--steps", "3", "--layouts", "sparse-padded-ep2-tp2-data2"], path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Involuntary full rematerialization" not in run.stdout + run.stderr
+    report = json.loads(path.read_text())
+    assert report["ok"] and report["refused"] == []
+    _check_rows(report["rows"], report["tolerance"], 10.0, 1)  # losses below 10 (vocab 512)
+    row = report["rows"][0]
+    print(f"\ngpt-oss-tiny ep2-tp2-data2: max |dloss| {row['max_abs_loss_diff']:.3g}")
+    assert (row["ep"], row["tp"], row["data"]) == (2, 2, 2)

@@ -1,0 +1,110 @@
+"""HuggingFace parity for GPT-OSS: a tiny random GptOssForCausalLM (float32; non-zero sinks,
+attention, router and expert biases; 2F != D, head_dim != D / heads; sliding layers shorter than
+the prompt) read by `load_hf`: logits within float32's relative tolerance, greedy continuations
+equal to transformers' `generate`, each GPT-OSS piece read (negative controls), and the fused
+expert layout read by model type where GPT-OSS's [E, D, 2F] has Mixtral's [E, 2F, D] shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="parity tests need torch (pip install expertax[parity])")
+pytest.importorskip("transformers", reason="parity tests need transformers (extra 'parity')")
+
+from hf_models import build, hf_logits, prompt, save  # noqa: E402
+from tests.tolerances import tol  # noqa: E402
+
+import expertax  # noqa: E402
+from expertax.convert import ConversionError, config_from_hf, write_hf  # noqa: E402
+
+pytestmark = pytest.mark.parity
+MISS = 1e-3  # a wrong mapping misses by far more than the tolerance (rtol)
+
+
+def _relative(out, ref) -> float:
+    diff = np.max(np.abs(np.asarray(out, np.float64) - np.asarray(ref, np.float64)))
+    return float(diff / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    model = build("gpt_oss", seed=3)
+    path = save(model, tmp_path_factory.mktemp("gpt_oss"))
+    config, params = expertax.load_hf(path)
+    return model, path, config, params
+
+
+def test_logits_and_greedy_match_transformers(gpt_oss):
+    import jax
+
+    model, path, config, params = gpt_oss
+    assert config.decoder_block == "gpt_oss" and config.attention_layer_pattern == "sliding,full"
+    assert config.head_dim == 24 != config.base_emb_dim // config.base_num_query_heads
+    assert 2 * config.base_moe_mlp_dim != config.base_emb_dim
+    assert not config.rope_yarn_truncate and config.mlp_activation_limit == 1.5
+    tokens = prompt().numpy()
+    ref = hf_logits(model, prompt())
+    forward = jax.jit(lambda p: expertax.logits(p, tokens, config))
+    relative = _relative(forward(params), ref)
+    print(f"\ngpt_oss: max |logits diff| / max |logit| = {relative:.3g}")
+    assert relative <= tol(np.float32)["rtol"]
+    # controls: the sinks, a sliding layer's window, the router bias and an expert bias are read
+    attn, moe = params.moe_layers.attn, params.moe_layers.moe
+    changed = [
+        dataclasses.replace(attn, sinks=attn.sinks.at[0].add(-8.0)),
+        dataclasses.replace(moe, router=dataclasses.replace(
+            moe.router, logit_bias=moe.router.logit_bias.at[0, 0].add(2.0))),
+        dataclasses.replace(moe, bo=moe.bo.at[0].add(1.0)),
+    ]  # fmt: skip
+    for part in changed:
+        field = "attn" if part is changed[0] else "moe"
+        bad = dataclasses.replace(params, moe_layers=dataclasses.replace(
+            params.moe_layers, **{field: part}))  # fmt: skip
+        miss = _relative(forward(bad), ref)
+        print(f"control: {miss:.3g}")
+        assert miss > MISS
+    full = config.model_copy(update={"attention_layer_pattern": "", "sliding_window_size": 0})
+    assert _relative(expertax.logits(params, tokens, full), ref) > MISS
+
+    short = prompt()[:, :24]
+    want = model.generate(short, max_new_tokens=6, do_sample=False)[0, 24:].tolist()
+    got = expertax.generate(params, config, [short[0].tolist()], max_new_tokens=6,
+                            devices=jax.devices()[:1])  # fmt: skip
+    assert got.tokens[0] == want
+
+
+def test_fused_experts_read_by_model_type_where_shapes_coincide(tmp_path):
+    """2F = D: GPT-OSS's interleaved [E, D, 2F] is Mixtral's [E, 2F, D] in shape; read as
+    GPT-OSS's (by model type), the logits match; the same tensors read as the other layout
+    would not (control: de-interleaving them differently misses)."""
+    model = build("gpt_oss-2f-is-d", seed=4)
+    path = save(model, tmp_path)
+    config, params = expertax.load_hf(path)
+    assert 2 * config.base_moe_mlp_dim == config.base_emb_dim
+    ref = hf_logits(model, prompt())
+    tokens = prompt().numpy()
+    assert _relative(expertax.logits(params, tokens, config), ref) <= tol(np.float32)["rtol"]
+    moe = params.moe_layers.moe
+    gate_up = np.concatenate([moe.wi_0, moe.wi_1], axis=-1)  # as if [.., :F] and [.., F:]
+    f = config.base_moe_mlp_dim
+    misread = dataclasses.replace(moe, wi_0=gate_up[..., ::2], wi_1=gate_up[..., 1::2])
+    assert f == misread.wi_0.shape[-1]
+    bad = dataclasses.replace(params, moe_layers=dataclasses.replace(params.moe_layers,
+                                                                      moe=misread))  # fmt: skip
+    assert _relative(expertax.logits(bad, tokens, config), ref) > MISS
+    hf = json.loads((path / "config.json").read_text())
+    assert hf["model_type"] == "gpt_oss"
+
+
+def test_to_hf_and_mxfp4_are_refused_naming_the_key(gpt_oss, tmp_path):
+    _, path, config, params = gpt_oss
+    with pytest.raises(ConversionError, match="attention_qkv_bias"):
+        write_hf(params, config, tmp_path / "out")
+    hf = json.loads((path / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "mxfp4"}
+    with pytest.raises(ConversionError, match="mxfp4"):
+        config_from_hf(hf)
