@@ -3,9 +3,11 @@
 
 Each run is `expertax train` with `dtype=bfloat16` (float32 master weights), synthetic data
 and the model's preset otherwise; its per-step metrics (metrics.jsonl) give, against the
-bfloat16 run: the mean of |loss_fp8 - loss_bf16| / loss_bf16 over the last 50 steps, the
-number of non-finite steps, and the mean ratio of the gradient norms over all steps (and its
-range over the last 50).
+bfloat16 run: the mean of |loss_fp8 - loss_bf16| / loss_bf16 over the last 50 steps (and of
+|loss_fp8 - loss_bf16|), the number of non-finite steps, and the mean ratio of the gradient
+norms over all steps (and its range over the last 50). A float32 run of the same model (no
+quantization) against the bfloat16 one is the comparison's noise floor: how far two runs drift
+when only the products' rounding differs.
 
 Run: python benchmarks/fp8_training.py [--models deepseek3-tiny mixtral-tiny] [--steps 300]
        [--out DIR] [--json PATH]
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,17 +27,29 @@ import tempfile
 import numpy as np
 
 RECIPES = ("", "fp8_tensorwise", "fp8_blockwise")
+# the same model in float32 (no quantization) against bfloat16: how far two runs drift apart when
+# only the rounding of the products differs (the noise floor of the comparison)
+FLOAT32 = "float32"
 
 
 def run(model: str, recipe: str, steps: int, out: str) -> list[dict]:
+    """The run's metrics (reused when `out` holds a finished run of the same name)."""
     name = f"{model}-{recipe or 'bf16'}"
+    path = os.path.join(out, name, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            done = [json.loads(line) for line in f if line.strip()]
+        if len(done) == steps:
+            return done
+    dtype, quantization = ("float32", "") if recipe == FLOAT32 else ("bfloat16", recipe)
     cmd = [
         sys.executable, "-m", "expertax.cli", "train", f"model_name={model}", f"steps={steps}",
-        "dtype=bfloat16", f"quantization={recipe}", f"run_name={name}",
+        f"dtype={dtype}", f"quantization={quantization}", f"run_name={name}",
         f"base_output_directory={out}", "checkpoint_period=100000", "log_period=100",
     ]  # fmt: skip
+    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(os.path.join(out, name, "metrics.jsonl")) as f:
+    with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -47,6 +62,7 @@ def compare(base: list[dict], other: list[dict], last: int = 50) -> dict:
     return {
         "steps": len(lo),
         "rel_dloss_last": float(np.mean(np.abs(lo[-last:] - lb[-last:]) / lb[-last:])),
+        "abs_dloss_last": float(np.mean(np.abs(lo[-last:] - lb[-last:]))),
         "nonfinite_steps": int(np.sum(~np.isfinite(lo)) + sum(m["nonfinite"] > 0 for m in other)),
         "grad_norm_ratio_mean": float(np.mean(ratio)),
         "grad_norm_ratio_min_last": float(np.min(ratio[-last:])),
@@ -68,7 +84,7 @@ def main() -> None:
     rows = []
     for model in args.models:
         base = run(model, "", args.steps, out)
-        for recipe in RECIPES[1:]:
+        for recipe in (*RECIPES[1:], FLOAT32):
             row = {
                 "model": model,
                 "recipe": recipe,
@@ -80,15 +96,15 @@ def main() -> None:
         with open(args.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     print(
-        "\n| model | recipe | mean abs dloss/loss, last 50 | non-finite steps "
-        "| grad-norm ratio mean "
-        "(last 50: min-max) | loss last 50 (bf16) |"
+        "\n| model | against bf16 | mean abs dloss / loss, last 50 | mean abs dloss, last 50 "
+        "| non-finite steps | grad-norm ratio mean (last 50: min-max) | loss last 50 (bf16) |"
     )
-    print("|---|---|---:|---:|---|---|")
+    print("|---|---|---:|---:|---:|---|---|")
     for r in rows:
         print(
-            f"| {r['model']} | {r['recipe']} | {100 * r['rel_dloss_last']:.3f} % | "
-            f"{r['nonfinite_steps']} | {r['grad_norm_ratio_mean']:.4f} "
+            f"| {r['model']} | {r['recipe']} | {100 * r['rel_dloss_last']:.2f} % | "
+            f"{r['abs_dloss_last']:.4f} | {r['nonfinite_steps']} | "
+            f"{r['grad_norm_ratio_mean']:.4f} "
             f"({r['grad_norm_ratio_min_last']:.3f}-{r['grad_norm_ratio_max_last']:.3f}) | "
             f"{r['loss_last50']:.4f} ({r['bf16_loss_last50']:.4f}) |"
         )

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from expertax.nn import fp8_gemm
 from expertax.nn.moe import gmm as gmm_mod
+from expertax.nn.moe import tiles
 from expertax.nn.moe.vma import varying_like
 
 TILE = fp8_gemm.TILE
@@ -43,7 +44,10 @@ def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None,
         valid = fp8_gemm.RECIPES
         raise ValueError(f"quantization={recipe!r}: an fp8 GEMM recipe is one of {valid}")
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
-    opts = (recipe, group_offset is not None, tuple(sorted(kw.items())))
+    # the balanced-routing rows the tile loops are named with (tiles.py), also in the backward
+    # products, which are traced later, outside the MoE layer's scope
+    expected = tiles.current_expected_rows()
+    opts = (recipe, group_offset is not None, tuple(sorted(kw.items())), expected)
     args = (lhs_MK, rhs_EKN, sizes_E.astype(jnp.int32), offset)
     lhs_MK, rhs_EKN, sizes_E, offset = (varying_like(a, *args) for a in args)
     if given is None:
@@ -53,11 +57,12 @@ def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None,
 
 
 def _backend(x_MK, w_EKN, sizes_E, offset, opts):
-    _, has_offset, kw = opts
-    return gmm_mod.gmm(
-        x_MK, w_EKN, sizes_E, group_offset=offset if has_offset else None,
-        preferred_element_type=x_MK.dtype, **dict(kw),
-    )  # fmt: skip
+    _, has_offset, kw, expected = opts
+    with tiles.expected_group_rows(expected):
+        return gmm_mod.gmm(
+            x_MK, w_EKN, sizes_E, group_offset=offset if has_offset else None,
+            preferred_element_type=x_MK.dtype, **dict(kw),
+        )  # fmt: skip
 
 
 def _quantize_weights(w_EKN, recipe):
