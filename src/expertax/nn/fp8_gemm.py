@@ -112,11 +112,15 @@ def _gemm_bwd(recipe: str, res, dy_MN):
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
 
 
+def check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"quantization={recipe!r}: an fp8 GEMM recipe is one of {RECIPES}")
+
+
 def matmul(x: jax.Array, w_KN: jax.Array, recipe: str) -> jax.Array:
     """`x @ w_KN` ([..., K] x [K, N] -> [..., N]) with fp8 operands in all three GEMMs under
     `recipe` (one of `RECIPES`)."""
-    if recipe not in RECIPES:
-        raise ValueError(f"quantization={recipe!r}: an fp8 GEMM recipe is one of {RECIPES}")
+    check_recipe(recipe)
     lead, k = x.shape[:-1], x.shape[-1]
     if w_KN.ndim != 2 or w_KN.shape[0] != k:
         raise ValueError(f"fp8 matmul: x {x.shape} and w {w_KN.shape} do not contract")

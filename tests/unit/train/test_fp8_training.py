@@ -24,7 +24,7 @@ def _calls(c, p, toks):
 
 
 # per scanned layer kind, once each (a scan's body is one jaxpr): the dense linears (`_gemm`) and
-# the routed experts' grouped GEMMs (`_gmm`)
+# the routed experts' grouped GEMMs (`_gmm`: gate and up; `_glu`: wo with the activation)
 # mixtral-tiny: q, k, v, o; deepseek3-tiny: MLA's wq_a, wq_b, wkv_a, wkv_b, wo in its dense and
 # its MoE layer, the dense layer's MLP (3) and the shared expert (3)
 EXPECTED = {"mixtral-tiny": (4, 3), "deepseek3-tiny": (16, 3)}
@@ -36,9 +36,10 @@ def test_the_recipe_takes_every_layer_linear_and_expert_gemm(model):
     c = _config(model, "fp8_blockwise")
     p = init_params(c)
     calls = _calls(c, p, toks)
-    assert (calls.count("_gemm"), calls.count("_gmm")) == EXPECTED[model]
+    assert (calls.count("_gemm"), calls.count("_gmm") + calls.count("_glu")) == EXPECTED[model]
+    assert calls.count("_glu") == 1
     plain = _calls(_config(model), p, toks)
-    assert "_gemm" not in plain and "_gmm" not in plain
+    assert not {"_gemm", "_gmm", "_glu"} & set(plain)
 
 
 def test_loss_and_gradients_near_the_unquantized_model():

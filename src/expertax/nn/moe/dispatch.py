@@ -54,7 +54,7 @@ def expert_ffn_sorted(
     )
 
     # fp8 (`quantization`, decoder.block_apply): fp8 grouped GEMMs (moe/fp8_gmm.py), the gated
-    # activation between them on all rows (the wo GEMM's quantized operand)
+    # activation inside the second (its fp8 inputs are what it saves)
     recipe = linear.current_fp8()
 
     def ffn(given):
@@ -71,8 +71,13 @@ def expert_ffn_sorted(
             ids_M = bias_mod.row_experts(group_sizes_E, rows_MD.shape[0], group_offset)
             gate = gate + bias_mod.rows(bias.gate_EF, ids_M, dtype)
             up = up + bias_mod.rows(bias.up_EF, ids_M, dtype)
-        if recipe:
-            y = mm(activation.of(c)(gate, up), wo_EFD, remat.MOE_MLPWO)
+        if recipe:  # the activation's inputs kept in fp8 under gate's and up's names
+            names = (remat.MOE_MLPWI_0, remat.MOE_MLPWI_1)
+            y = fp8_gmm.gmm_glu(
+                gate, up, wo_EFD.astype(dtype), group_sizes_E, recipe, activation.of(c), names,
+                given=given.get(remat.MOE_MLPWO), **kw,
+            )  # fmt: skip
+            y = remat.tag(y, remat.MOE_MLPWO)
         else:
             # The SwiGLU runs inside the second matmul, on each work item's rows (gmm_glu): no
             # [M, F] hidden buffer, and none of the worst-case padding rows of EP is touched.

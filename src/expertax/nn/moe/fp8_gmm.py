@@ -19,6 +19,14 @@ wgrad), but no fp8 tensor-core time: no backend here multiplies e4m3 in its grou
 
 `given=` (the paged stash): the output is known; the value is `given`, the backward is this
 one's.
+
+`gmm_glu(gate, up, wo, sizes, recipe, act, names)`: the expert FFN's second GEMM with its gated
+activation, as DeepSeek-V3 stores it (Sec. 3.3.3: the SwiGLU's inputs cached in fp8, its output
+recomputed in the backward): the forward computes `act(gate, up)` from the exact inputs and
+multiplies its quantized tiles; what it saves is gate and up in 1 x 128 e4m3 tiles (named
+`names`, the remat names of gate and up: a policy that keeps them keeps these fp8 bytes, a
+quarter of the two bf16 arrays plus the scales), from which the backward recomputes the hidden
+rows for the wgrad and takes the activation's gradient.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from expertax.nn import fp8_gemm
 from expertax.nn.moe import gmm as gmm_mod
 from expertax.nn.moe import tiles
 from expertax.nn.moe.vma import varying_like
+from expertax.parallel import remat
 
 TILE = fp8_gemm.TILE
 
@@ -40,9 +49,7 @@ def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None,
     """`gmm_mod.gmm(lhs_MK, rhs_EKN, sizes_E, group_offset=..., **kw)` with fp8 operands under
     `recipe` (`fp8_gemm.RECIPES`); `kw`: `backend`, `tile_rows`, `tile_rows_min`. The output
     is in lhs_MK's dtype."""
-    if recipe not in fp8_gemm.RECIPES:
-        valid = fp8_gemm.RECIPES
-        raise ValueError(f"quantization={recipe!r}: an fp8 GEMM recipe is one of {valid}")
+    fp8_gemm.check_recipe(recipe)
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
     # the balanced-routing rows the tile loops are named with (tiles.py), also in the backward
     # products, which are traced later, outside the MoE layer's scope
@@ -54,6 +61,32 @@ def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None,
         return _gmm(lhs_MK, rhs_EKN, sizes_E, offset, opts)
     given = varying_like(given.astype(lhs_MK.dtype), lhs_MK)
     return _gmm_given(lhs_MK, rhs_EKN, sizes_E, offset, given, opts)
+
+
+def gmm_glu(
+    gate_MF,
+    up_MF,
+    rhs_EFN,
+    sizes_E,
+    recipe: str,
+    act,
+    names,
+    *,
+    group_offset=None,
+    given=None,
+    **kw,
+):
+    """`gmm(act(gate, up), rhs, sizes, recipe)` saving gate and up in fp8 under the checkpoint
+    `names` (gate's, up's) for the backward (the module docstring); `act` hashable."""
+    fp8_gemm.check_recipe(recipe)
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    expected = tiles.current_expected_rows()
+    opts = (recipe, group_offset is not None, tuple(sorted(kw.items())), expected)
+    args = (gate_MF, up_MF, rhs_EFN, sizes_E.astype(jnp.int32), offset)
+    gate_MF, up_MF, rhs_EFN, sizes_E, offset = (varying_like(a, *args) for a in args)
+    if given is not None:
+        given = varying_like(given.astype(gate_MF.dtype), gate_MF)
+    return _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, tuple(names))
 
 
 def _backend(x_MK, w_EKN, sizes_E, offset, opts):
@@ -142,3 +175,51 @@ def _gmm_given_bwd(opts, res, dy_MN):
 
 
 _gmm_given.defvjp(_gmm_given_fwd, _gmm_given_bwd)
+
+
+def _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names):
+    recipe = opts[0]
+    qw = _quantize_weights(rhs_EFN, recipe)
+    if given is None:
+        h = _tiles(act(gate_MF, up_MF), recipe, 1, TILE)
+        given = _backend(h, _dequantize_weights(qw, rhs_EFN.dtype), sizes_E, offset, opts)
+    # the activation's inputs in 1 x 128 tiles under their checkpoint names (remat keeps or
+    # recomputes these fp8 bytes as the policy places the names)
+    qg, qu = (fp8_gemm.quantize(a, recipe, 1, TILE) for a in (gate_MF, up_MF))
+    qg, qu = (jax.tree.map(lambda a, n=n: remat.tag(a, n), q) for q, n in zip((qg, qu), names))
+    tags = (jnp.zeros((0,), gate_MF.dtype), jnp.zeros((0,), rhs_EFN.dtype))
+    return given, (qg, qu, qw, sizes_E, offset, tags)
+
+
+def _glu_backward(opts, act, names, res, dy_MN):
+    recipe = opts[0]
+    qg, qu, qw, sizes_E, offset, (x_tag, w_tag) = res
+    gate, up = (fp8_gemm.dequantize(q, x_tag.dtype, 1, TILE) for q in (qg, qu))
+    h, act_vjp = jax.vjp(act, gate, up)
+    w = _dequantize_weights(qw, w_tag.dtype)
+    dy_MN = dy_MN.astype(h.dtype)
+    _, pull_h = jax.vjp(lambda a: _backend(a, w, sizes_E, offset, opts), h)
+    (dh,) = pull_h(_tiles(dy_MN, recipe, 1, TILE))
+    dgate, dup = act_vjp(dh)
+    local = _local_rows(sizes_E, offset, w.shape[0], h.shape[0])
+    h_m = _tiles(jnp.where(local, _tiles(h, recipe, 1, TILE), 0), recipe, TILE, 1)
+    dy_m = _tiles(jnp.where(local, dy_MN, 0), recipe, TILE, 1)
+    _, pull_w = jax.vjp(lambda b: _backend(h_m, b, sizes_E, offset, opts), w)
+    (dw,) = pull_w(dy_m)
+    return dgate, dup, dw.astype(w_tag.dtype), None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names):
+    return _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names)[0]
+
+
+def _glu_fwd(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names):
+    return _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names)
+
+
+def _glu_bwd(opts, act, names, res, dy_MN):
+    return (*_glu_backward(opts, act, names, res, dy_MN), None)
+
+
+_glu.defvjp(_glu_fwd, _glu_bwd)

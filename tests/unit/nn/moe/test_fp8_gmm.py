@@ -1,15 +1,18 @@
 """The routed experts' fp8 grouped GEMM (nn/moe/fp8_gmm.py): fprop, dgrad and wgrad equal a
 loop over experts of float32 products of the recipe's quantized operands (re-derived here from
 the tiles), padding rows and EP's foreign groups kept out of the wgrad's row tiles, the paged
-stash's `given` value with the same backward, and e4m3 residuals."""
+stash's `given` value with the same backward, and e4m3 residuals; the second GEMM with its
+gated activation (`gmm_glu`) keeping the activation's inputs in fp8 under their remat names."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.ad_checkpoint import saved_residuals  # (public: print_saved_residuals only)
 
 from expertax import quant
 from expertax.nn import fp8_gemm
+from expertax.nn.activation import swiglu
 from expertax.nn.moe import fp8_gmm
 from tests.tolerances import tol
 
@@ -100,3 +103,57 @@ def test_residuals_are_fp8():
     _, (qx, qw, *_) = fp8_gmm._gmm_fwd(x.astype(jnp.bfloat16), w, sizes, zero, opts)
     assert qx[0].dtype == qw[0].dtype == quant.E4M3
     assert qx[1].shape == (M, K // 128) and qw[1].shape == (E, K // 128, N // 128 + 1)
+
+
+@pytest.mark.parametrize("recipe", fp8_gemm.RECIPES)
+def test_glu_products_and_activation_gradient_from_fp8_inputs(recipe):
+    """gmm_glu: the forward multiplies the tiles of act(gate, up) from the exact inputs; the
+    backward recomputes the hidden rows and the activation's gradient from gate and up in
+    1 x 128 e4m3 tiles (what it saves)."""
+    ks = jax.random.split(jax.random.key(4), 3)
+    gate, up = (jax.random.normal(k, (M, K)) for k in ks[:2])
+    w, dy = _operands()[1], jax.random.normal(ks[2], (M, N))
+    sizes = jnp.array(SIZES)
+    names = ("moe_mlpwi_0", "moe_mlpwi_1")
+    f = lambda g, u, w: fp8_gmm.gmm_glu(g, u, w, sizes, recipe, swiglu, names, backend="tiled")
+    y, vjp = jax.vjp(f, gate, up, w)
+    dg, du, dw = vjp(dy)
+    h_exact = swiglu(gate, up)
+    g8, u8 = _deq(recipe, gate, 1, 128), _deq(recipe, up, 1, 128)
+    h8, act_vjp = jax.vjp(swiglu, g8, u8)
+    mask = (np.arange(M) < sum(SIZES))[:, None]
+    h_m = _deq(recipe, jnp.where(mask, _deq(recipe, h8, 1, 128), 0), 128, 1)
+    dy_m = _deq(recipe, jnp.where(mask, dy, 0), 128, 1)
+    starts = np.concatenate([[0], np.cumsum(SIZES)])
+    want_y, dh = jnp.zeros((M, N)), jnp.zeros((M, K))
+    for e in range(E):
+        rows, we = slice(starts[e], starts[e + 1]), _deq(recipe, w[e], 128, 128)
+        want_y = want_y.at[rows].set(_deq(recipe, h_exact, 1, 128)[rows] @ we)
+        dh = dh.at[rows].set(_deq(recipe, dy, 1, 128)[rows] @ we.T)
+        np.testing.assert_allclose(dw[e], h_m[rows].T @ dy_m[rows], **tol(jnp.float32))
+    want_dg, want_du = act_vjp(dh)
+    routed = slice(0, sum(SIZES))
+    np.testing.assert_allclose(y[routed], want_y[routed], **tol(jnp.float32))
+    np.testing.assert_allclose(dg[routed], want_dg[routed], **tol(jnp.float32))
+    np.testing.assert_allclose(du[routed], want_du[routed], **tol(jnp.float32))
+
+
+def test_glu_keeps_gate_and_up_as_fp8_under_their_names():
+    """A remat policy that keeps gate's and up's names keeps their e4m3 tiles and scales, not
+    the bfloat16 arrays."""
+    x, w, _ = _operands()
+    gate, up = x.astype(jnp.bfloat16), (x * 0.5).astype(jnp.bfloat16)
+    names = ("moe_mlpwi_0", "moe_mlpwi_1")
+
+    def f(g, u, w):
+        y = fp8_gmm.gmm_glu(jnp.sin(g), jnp.sin(u), w, jnp.array(SIZES), "fp8_blockwise",
+                            swiglu, names, backend="tiled")  # fmt: skip
+        return jnp.sum(jnp.sin(y))
+
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    wt = w[:, :, :K].astype(jnp.bfloat16)
+    saved = saved_residuals(jax.checkpoint(f, policy=policy), gate, up, wt)
+    named = [(a.dtype, a.shape) for a, why in saved if "named" in why]
+    assert sorted(named, key=str) == sorted(
+        [(quant.E4M3, (M, K)), (jnp.float32, (M, K // 128))] * 2, key=str
+    )
