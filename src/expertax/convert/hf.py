@@ -1,4 +1,5 @@
-"""HuggingFace safetensors <-> expertax parameters, for DeepSeek-V3, Mixtral and Qwen3-MoE.
+"""HuggingFace safetensors <-> expertax parameters, for the DeepSeek family (DeepSeek-V3, Kimi-K2,
+DeepSeek-V2), GLM-4.5, Mixtral and Qwen3-MoE.
 
 Each HF tensor maps to one slice of one expertax leaf (layers are stacked along a leading axis,
 experts along the next). `tensor_map(config)` lists every such mapping, in the HF checkpoint's
@@ -7,14 +8,14 @@ order; both directions read it, so they cannot disagree.
 Transforms (HF `nn.Linear` weights are [out, in]; ours are [in..., out...]):
 - `linear`: ours = W.T reshaped to our (head-split) shape; HF = ours reshaped to [in, out], .T.
 - `copy`: norms (Qwen3's per-head `q_norm`/`k_norm` [Q] among them), the embedding, the
-  routing bias.
+  routing bias; `bias`: a projection's bias, HF's [H*Q] as our [H, Q] (GLM-4.5's q/k/v).
 - RoPE columns (DeepSeek, `rope_interleave`): HF rotates interleaved pairs (x0, x1), (x2, x3), ...
   and emits them de-interleaved; `nn.rope.apply` rotates half-split pairs (x_i, x_{i+R/2}). Taking
   the even then the odd RoPE columns of wq/wq_b and wkv_a at conversion gives the same q and k
   after RoPE, so attention scores are identical. The inverse permutation restores HF's layout.
 Every transform is a transpose, reshape or permutation: the round trip is exact, bit for bit.
 
-DeepSeek-V3's multi-token-prediction modules (`mtp_num_layers` = the hub's
+DeepSeek-V3's and GLM-4.5's multi-token-prediction modules (`mtp_num_layers` = the hub's
 `num_nextn_predict_layers`) are the layers after the main stack, `model.layers.<L + k - 1>.`;
 each also stores a copy of the embedding and of the output head, which expertax holds once
 (`TensorMap.shared`).
@@ -39,7 +40,7 @@ class TensorMap:
     hf_name: str
     leaf: str  # path in the Decoder tree, e.g. "moe_layers.attn.wq_b"
     index: tuple[int, ...]  # leading indices into the leaf: (layer,) or (layer, expert)
-    kind: str  # "linear" or "copy"
+    kind: str  # "linear", "copy", or "bias" (a copy flattened: HF's [H*Q] is our [H, Q])
     n_in: int = 1  # linear: how many leading dims of the slice are the input dims
     rope: tuple[int, int] | None = None  # (offset, size) of interleaved RoPE columns, last axis
     # A copy the hub keeps of a main-model tensor that expertax holds once (an MTP layer's
@@ -63,12 +64,18 @@ def _attention(c: Config, a: str, i: int, p: str, interleave: bool) -> list[Tens
             for n in ("q_norm", "k_norm")
             if c.attention_qk_norm
         ]
+        biases = [
+            TensorMap(p + f"self_attn.{n}_proj.bias", f"{a}.b{n}", (i,), "bias")
+            for n in ("q", "k", "v")
+            if c.attention_qkv_bias
+        ]
         return [
             TensorMap(p + "self_attn.q_proj.weight", f"{a}.wq", (i,), "linear"),
             TensorMap(p + "self_attn.k_proj.weight", f"{a}.wk", (i,), "linear"),
             TensorMap(p + "self_attn.v_proj.weight", f"{a}.wv", (i,), "linear"),
             TensorMap(p + "self_attn.o_proj.weight", f"{a}.wo", (i,), "linear", n_in=2),
             *norms,
+            *biases,
         ]
     r = c.qk_rope_head_dim
     q_rope = (c.qk_nope_head_dim, r) if interleave else None
@@ -209,7 +216,7 @@ def _rope_perm(size: int) -> np.ndarray:
 
 def to_ours(t: TensorMap, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """An HF tensor as the slice `shape` of our leaf."""
-    if t.kind == "copy":
+    if t.kind in ("copy", "bias"):
         return w.reshape(shape)
     x = transpose(w).reshape(shape)
     if t.rope is not None:
@@ -222,6 +229,8 @@ def to_hf(t: TensorMap, x: np.ndarray) -> np.ndarray:
     """Our leaf slice as the HF tensor (inverse of `to_ours`)."""
     if t.kind == "copy":
         return x
+    if t.kind == "bias":
+        return x.reshape(-1)
     if t.rope is not None:
         off, r = t.rope
         y = x.copy()
@@ -234,5 +243,7 @@ def to_hf(t: TensorMap, x: np.ndarray) -> np.ndarray:
 def hf_shape(t: TensorMap, slice_shape: tuple[int, ...]) -> tuple[int, ...]:
     if t.kind == "copy":
         return slice_shape
+    if t.kind == "bias":
+        return (int(np.prod(slice_shape)),)
     n_in = int(np.prod(slice_shape[: t.n_in]))
     return (int(np.prod(slice_shape)) // n_in, n_in)

@@ -138,7 +138,7 @@ SHARES = (
 def _split_rows(t: TensorMap, slice_shape: tuple[int, ...], itemsize: int) -> int | None:
     """Rows per block when a tensor of this map is converted in row blocks, else None: 2-D
     slices without RoPE columns larger than CHUNK_BYTES, in multiples of 128 (fp8 blocks)."""
-    if len(slice_shape) != 2 or t.rope is not None:
+    if len(slice_shape) != 2 or t.rope is not None or t.kind == "bias":
         return None
     hf_rows, hf_cols = hf_shape(t, slice_shape)
     if hf_rows * hf_cols * itemsize <= CHUNK_BYTES:
