@@ -172,7 +172,9 @@ def test_round_trip_is_bitwise_sharded_bfloat16(tmp_path):
         _assert_bitwise_equal(src, changed)
 
 
-@pytest.mark.parametrize("preset", ["deepseek3-tiny", "mixtral-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize(
+    "preset", ["deepseek3-tiny", "mixtral-tiny", "qwen3-moe-tiny", "glm4.5-tiny"]
+)
 def test_transformers_loads_to_hf_output(tmp_path, preset):
     """An expertax-native model written by to-hf loads in transformers with the same logits."""
     import jax
