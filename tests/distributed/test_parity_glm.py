@@ -1,8 +1,8 @@
 """`expertax parity` rows of glm4.5-tiny: GQA with q/k/v biases, the per-head q/k norm and RoPE
 over half of each head (head dim 40, not 96 / 4), a dense layer, then sigmoid routing with a
 selection-only bias over 4 groups of 4 experts and a shared expert. On demand (-m full_grid):
-one row costs 52 s on 2 cores, more than the default run's margin; qwen3-moe-tiny's default row already covers
-the all-to-all exchange with the q/k norm's heads split over `tensor`."""
+one row costs 52 s on 2 cores, more than the default run's margin; qwen3-moe-tiny's default
+row already covers the all-to-all exchange with the q/k norm's heads split over `tensor`."""
 
 from __future__ import annotations
 
