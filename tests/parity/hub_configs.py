@@ -271,3 +271,16 @@ HUB_DEEPSEEK_V2_LITE = {
     "v_head_dim": 128,
     "vocab_size": 102400,
 }
+
+# config.json of mistralai/Mixtral-8x22B-Instruct-v0.1 as published on the hub.
+HUB_MIXTRAL_8X22B = {
+    **HUB_MIXTRAL_8X7B,
+    "hidden_size": 6144,
+    "intermediate_size": 16384,
+    "max_position_embeddings": 65536,
+    "num_attention_heads": 48,
+    "num_hidden_layers": 56,
+    "router_aux_loss_coef": 0.001,
+    "transformers_version": "4.38.0",
+    "vocab_size": 32768,
+}

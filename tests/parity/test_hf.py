@@ -23,6 +23,7 @@ from hub_configs import (  # noqa: E402
     HUB_GLM_45,
     HUB_GLM_45_AIR,
     HUB_MIXTRAL_8X7B,
+    HUB_MIXTRAL_8X22B,
     HUB_QWEN3_30B_A3B,
     HUB_QWEN3_235B_A22B,
 )
@@ -425,6 +426,7 @@ def test_qwen3_round_trip_is_bitwise(tmp_path):
     [
         (HUB_DEEPSEEK_V3, "deepseek3-671b"),
         (HUB_MIXTRAL_8X7B, "mixtral-8x7b"),
+        (HUB_MIXTRAL_8X22B, "mixtral-8x22b"),
         (HUB_QWEN3_30B_A3B, "qwen3-30b-a3b"),
         (HUB_QWEN3_235B_A22B, "qwen3-235b-a22b"),
         (HUB_GLM_45, "glm4.5"),

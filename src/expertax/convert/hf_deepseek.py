@@ -245,6 +245,7 @@ def to_hf(c: Config, base: dict) -> dict[str, Any]:
         model_type=KIMI_K2 if kimi else "deepseek_v3",
         scoring_func="sigmoid",
         topk_method="noaux_tc",
+        rope_interleave=True,  # hf_write sets the layout the weights are written in
     )
     if kimi and "auto_map" in base:  # the hub's Kimi-K2 loads through its remote code
         hf["auto_map"] = base["auto_map"]
