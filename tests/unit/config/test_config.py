@@ -18,6 +18,10 @@ PRESETS = [
     "qwen3-moe-tiny",
     "qwen3-30b-a3b",
     "qwen3-235b-a22b",
+    "glm4.5-tiny",
+    "glm4.5-air",
+    "glm4.5",
+    "mixtral-8x22b",
 ]
 
 
