@@ -4,7 +4,7 @@ Public API:
     load_config(*preset_files, overrides=...) -> Config
     init_params(config, key=None) -> params
     logits(params, tokens, config) -> float32 [B, T, V]
-    load_hf(path) -> (config, params)   a HuggingFace DeepSeek-V3, Mixtral or Qwen3-MoE checkpoint
+    load_hf(path) -> (config, params)   a HuggingFace checkpoint (DeepSeek, GLM-4.5, Mixtral, Qwen3)
     generate(params, config, prompt_ids, ...) -> Generation   sample with a KV cache
 
 The names load on first use, so that `import expertax.<module>` (the `expertax` command's

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     MixtralConfig,
@@ -143,6 +147,69 @@ def gpt_oss_config(*, hidden: int = 64, layers: int = 2) -> GptOssConfig:
     )
 
 
+def glm_config(*, qk_norm: bool = True) -> Glm4MoeConfig:
+    """GLM-4.5 with dims that line up nowhere: head_dim 24 (not 64 / 4), 12 of them rotated
+    (partial_rotary_factor 0.5), 2F = 80 (not 64); q/k/v biases, 1 dense layer, top-3 of 8
+    experts in 4 groups keeping 2, a shared expert; no MTP layer (transformers has none)."""
+    return Glm4MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=40,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        attention_bias=True,
+        use_qk_norm=qk_norm,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        attn_implementation="eager",
+        num_mtp_layers=0,
+    )
+
+
+def deepseek_v2_config(*, topk_method: str = "greedy") -> DeepseekV2Config:
+    """DeepSeek-V2(-Lite): MLA without q LoRA, softmax routing without bias or renormalization,
+    two shared experts, 1 dense layer; `group_limited_greedy`: groups scored by their best."""
+    return DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        n_shared_experts=2,
+        n_routed_experts=8,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        num_experts_per_tok=3,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        topk_method=topk_method,
+        n_group=4 if topk_method == "group_limited_greedy" else None,
+        topk_group=2 if topk_method == "group_limited_greedy" else None,
+        norm_topk_prob=False,
+        max_position_embeddings=512,
+        rope_parameters=_yarn(0.707),
+        attn_implementation="eager",
+    )
+
+
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
@@ -170,6 +237,11 @@ def build(kind: str, seed: int = 0) -> torch.nn.Module:
         yarn = kind == "qwen3-yarn"
         config = qwen3_config(norm_topk_prob=not yarn, yarn=yarn)
         return randomize(Qwen3MoeForCausalLM(config), seed)
+    if kind.startswith("glm"):  # "glm", or "glm-plain": without the q/k norm
+        return randomize(Glm4MoeForCausalLM(glm_config(qk_norm=kind == "glm")), seed)
+    if kind.startswith("deepseek-v2"):  # "deepseek-v2", or "deepseek-v2-groups"
+        method = "group_limited_greedy" if kind == "deepseek-v2-groups" else "greedy"
+        return randomize(DeepseekV2ForCausalLM(deepseek_v2_config(topk_method=method)), seed)
     if kind.startswith("mixtral"):
         config = mixtral_config()
         config.tie_word_embeddings = kind == "mixtral-tied"

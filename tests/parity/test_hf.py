@@ -20,7 +20,10 @@ import torch  # noqa: E402
 from hf_models import build, hf_logits, prompt, save  # noqa: E402
 from hub_configs import (  # noqa: E402
     HUB_DEEPSEEK_V3,
+    HUB_GLM_45,
+    HUB_GLM_45_AIR,
     HUB_MIXTRAL_8X7B,
+    HUB_MIXTRAL_8X22B,
     HUB_QWEN3_30B_A3B,
     HUB_QWEN3_235B_A22B,
 )
@@ -170,7 +173,9 @@ def test_round_trip_is_bitwise_sharded_bfloat16(tmp_path):
         _assert_bitwise_equal(src, changed)
 
 
-@pytest.mark.parametrize("preset", ["deepseek3-tiny", "mixtral-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize(
+    "preset", ["deepseek3-tiny", "mixtral-tiny", "qwen3-moe-tiny", "glm4.5-tiny"]
+)
 def test_transformers_loads_to_hf_output(tmp_path, preset):
     """An expertax-native model written by to-hf loads in transformers with the same logits."""
     import jax
@@ -421,8 +426,11 @@ def test_qwen3_round_trip_is_bitwise(tmp_path):
     [
         (HUB_DEEPSEEK_V3, "deepseek3-671b"),
         (HUB_MIXTRAL_8X7B, "mixtral-8x7b"),
+        (HUB_MIXTRAL_8X22B, "mixtral-8x22b"),
         (HUB_QWEN3_30B_A3B, "qwen3-30b-a3b"),
         (HUB_QWEN3_235B_A22B, "qwen3-235b-a22b"),
+        (HUB_GLM_45, "glm4.5"),
+        (HUB_GLM_45_AIR, "glm4.5-air"),
     ],
 )
 def test_hub_configs_map_to_our_presets(hub, preset):
@@ -430,7 +438,8 @@ def test_hub_configs_map_to_our_presets(hub, preset):
     from expertax.convert import config_to_hf
 
     ours = config_from_hf(hub)
-    # the hub's DeepSeek-V3 has one multi-token-prediction layer; the preset trains without
+    # the hub's DeepSeek-V3 and GLM-4.5 have one multi-token-prediction layer; the presets
+    # train without
     mtp = hub.get("num_nextn_predict_layers", 0)
     want = expertax.load_config(overrides={"model_name": preset, "mtp_num_layers": mtp})
     unused = {"model_name", "load_balance_loss_weight", "base_mlp_dim", "head_dim", "mscale"}

@@ -14,9 +14,10 @@ class ModelSection(_Section):
     decoder_block: Literal["deepseek", "mixtral", "qwen3", "gpt_oss", "llama"] = _key(
         MODEL,
         "deepseek",
-        description="Model family: DeepSeek-V3 (MLA + MoE), Mixtral (GQA + MoE), Qwen3-MoE (GQA "
-        "with q/k norm + MoE), GPT-OSS (GQA with sinks, biases and sliding layers + MoE with "
-        "biases), Llama. The layers follow the other keys; the family names the HuggingFace "
+        description="Model family: DeepSeek (DeepSeek-V3, Kimi-K2, DeepSeek-V2 with MLA; GLM-4.5 "
+        "with GQA: DeepSeek's MoE stack), Mixtral (GQA + MoE), Qwen3-MoE (GQA with q/k norm + "
+        "MoE), GPT-OSS (GQA with sinks, biases and sliding layers + MoE with biases), Llama. The "
+        "layers follow the other keys; the family names the HuggingFace "
         "layout the converter reads and writes.",
     )
     vocab_size: int = _key(MODEL, 512, gt=0, description="Vocabulary size V.")
@@ -222,7 +223,16 @@ class MoESection(_Section):
         MODEL, -1, description="Group-limited routing: experts split in this many groups; -1 = off."
     )
     topk_routing_group: int = _key(
-        MODEL, -1, description="Group-limited routing: groups kept per token (by top-2 score sum)."
+        MODEL,
+        -1,
+        description="Group-limited routing: groups kept per token (by routing_group_score).",
+    )
+    routing_group_score: Literal["top2_sum", "max"] = _key(
+        MODEL,
+        "top2_sum",
+        description="Group-limited routing: a group's score, the sum of its two best experts' "
+        "selection scores (DeepSeek-V3, GLM-4.5) or its best one's (DeepSeek-V2's "
+        "group_limited_greedy).",
     )
     norm_topk_prob: bool = _key(
         MODEL, True, description="Normalize the top-k weights to sum to one."

@@ -1,4 +1,5 @@
-"""HuggingFace <-> expertax conversion (DeepSeek-V3, Mixtral, Qwen3-MoE); docs/design/convert.md.
+"""HuggingFace <-> expertax conversion (DeepSeek-V3, Kimi-K2, DeepSeek-V2, GLM-4.5, Mixtral,
+Qwen3-MoE); docs/design/convert.md.
 
 load_hf(hf_dir) -> (config, params)          an HF checkpoint, ready for `expertax.logits`
 from_hf(hf_dir, out_dir) -> Config            HF checkpoint -> expertax model directory
@@ -51,8 +52,8 @@ class Summary:
 
 
 def load_hf(hf_dir: str | Path, *, workers: int = 2) -> tuple[Config, object]:
-    """The Config and parameters (jax arrays) of an HF DeepSeek-V3, Mixtral or Qwen3-MoE
-    checkpoint."""
+    """The Config and parameters (jax arrays) of an HF checkpoint of a supported family
+    (hf_config.SUPPORTED)."""
     c, params, _ = params_from_hf(hf_dir, workers=workers)
     return c, jax.tree.map(jnp.asarray, params)
 
@@ -115,14 +116,20 @@ def convert_from_hf(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 2
                 out / model_dir.FP8_SCALES, entries, ((n, reader.get(n)) for n in scales)
             )
         writer.finish(p.c)
-    for name in model_dir.TOKENIZER_FILES:  # as they are, for `expertax generate`
-        if (hf_dir / name).is_file():
-            shutil.copyfile(hf_dir / name, out / name)
+    _copy_tokenizer_files(hf_dir, out)  # as they are, for `expertax generate`
     model_dir.write_marker(out, source="huggingface")
     journal.finish()
     summary.gib = todo_bytes / 2**30
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _copy_tokenizer_files(src: Path, out: Path) -> list[str]:
+    """Copy the tokenizer files (model_dir.TOKENIZER_FILES) found in `src` into `out`."""
+    found = [name for name in model_dir.TOKENIZER_FILES if (src / name).is_file()]
+    for name in found:
+        shutil.copyfile(src / name, out / name)
+    return found
 
 
 def from_hf(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 2) -> Config:
@@ -216,9 +223,10 @@ def convert_to_hf(
     )
     progress.close()
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    tokenizer = _copy_tokenizer_files(_model_dir_of(ckpt_dir, c), out)
     journal.finish()
     summary.resumed = skipped
-    summary.files = ["config.json", *files]
+    summary.files = ["config.json", *files, *tokenizer]
     summary.gib = progress.done_bytes / 2**30
     summary.seconds = time.perf_counter() - start
     return summary
@@ -262,6 +270,14 @@ def write_hf(
     files, _ = hf_write.write_shards(out, read, entries, jobs, max_shard_bytes=max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return ["config.json", *files]
+
+
+def _model_dir_of(ckpt_dir: str | Path, c: Config) -> Path:
+    """The model directory holding the source's tokenizer files: `ckpt_dir` itself, or for a
+    training run the model directory it started from (load_parameters_path)."""
+    if params_io.is_run_dir(ckpt_dir) and c.load_parameters_path:
+        return Path(c.load_parameters_path)
+    return Path(ckpt_dir)
 
 
 def _source_hf_config(c: Config) -> dict | None:

@@ -8,14 +8,14 @@ order; both directions read it, so they cannot disagree.
 Transforms (HF `nn.Linear` weights are [out, in]; ours are [in..., out...]):
 - `linear`: ours = W.T reshaped to our (head-split) shape; HF = ours reshaped to [in, out], .T.
 - `copy`: norms (Qwen3's per-head `q_norm`/`k_norm` [Q] among them), the embedding, the
-  routing bias.
+  routing bias; `bias`: a projection's bias, HF's [H*Q] as our [H, Q] (GLM-4.5's q/k/v).
 - RoPE columns (DeepSeek, `rope_interleave`): HF rotates interleaved pairs (x0, x1), (x2, x3), ...
   and emits them de-interleaved; `nn.rope.apply` rotates half-split pairs (x_i, x_{i+R/2}). Taking
   the even then the odd RoPE columns of wq/wq_b and wkv_a at conversion gives the same q and k
   after RoPE, so attention scores are identical. The inverse permutation restores HF's layout.
 Every transform is a transpose, reshape or permutation: the round trip is exact, bit for bit.
 
-DeepSeek-V3's multi-token-prediction modules (`mtp_num_layers` = the hub's
+DeepSeek-V3's and GLM-4.5's multi-token-prediction modules (`mtp_num_layers` = the hub's
 `num_nextn_predict_layers`) are the layers after the main stack, `model.layers.<L + k - 1>.`;
 each also stores a copy of the embedding and of the output head, which expertax holds once
 (`TensorMap.shared`).

@@ -1,5 +1,5 @@
-"""HuggingFace `config.json` <-> expertax `Config`, for DeepSeek-V3, Mixtral and Qwen3-MoE
-(hf_qwen3.py).
+"""HuggingFace `config.json` <-> expertax `Config`, for DeepSeek-V3, Kimi-K2 and DeepSeek-V2
+(hf_deepseek.py), GLM-4.5 (hf_glm.py), Mixtral and Qwen3-MoE (hf_qwen3.py).
 
 Every field of the HF config is either mapped to a Config key, checked against the one value
 expertax implements (anything else is refused with a `ConversionError` naming the HF field), or
@@ -15,10 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 from expertax.config import Config, build_config
-from expertax.convert import fp8, hf_gpt_oss, hf_qwen3
+from expertax.convert import fp8, hf_deepseek, hf_glm, hf_gpt_oss, hf_qwen3
 from expertax.convert.errors import ConversionError, require
 
-SUPPORTED = ("deepseek_v3", "mixtral", hf_qwen3.MODEL_TYPE, hf_gpt_oss.MODEL_TYPE)
+SUPPORTED = (
+    *hf_deepseek.MODEL_TYPES,
+    hf_glm.MODEL_TYPE,
+    "mixtral",
+    hf_qwen3.MODEL_TYPE,
+    hf_gpt_oss.MODEL_TYPE,
+)
 
 # Fields that do not affect the model's forward pass (or are handled elsewhere), with the reason.
 _IGNORED: dict[str, str] = {
@@ -68,34 +74,11 @@ _IGNORED.update(
     )
 )
 
-# Values transformers' config classes (DeepseekV3Config, MixtralConfig) use for absent fields, so
-# a sparse config.json means what it means to transformers.
+# Values transformers' config classes (DeepseekV3Config, MixtralConfig, ...) use for absent
+# fields, so a sparse config.json means what it means to transformers.
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "deepseek_v3": {
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "num_attention_heads": 128,
-        "n_shared_experts": 1,
-        "n_routed_experts": 256,
-        "routed_scaling_factor": 2.5,
-        "kv_lora_rank": 512,
-        "q_lora_rank": 1536,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "qk_nope_head_dim": 128,
-        "n_group": 8,
-        "topk_group": 4,
-        "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3,
-        "norm_topk_prob": True,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "rope_theta": 10_000.0,
-    },
+    **hf_deepseek.HF_DEFAULTS,
+    hf_glm.MODEL_TYPE: hf_glm.HF_DEFAULTS,
     "mixtral": {
         "vocab_size": 32000,
         "hidden_size": 4096,
@@ -139,8 +122,6 @@ def _rope(hf: dict) -> tuple[dict, dict[str, Any]]:
             "HF config field rope_parameters.attention_factor is not supported; expertax derives "
             "the YaRN amplitude from mscale and mscale_all_dim"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConversionError("HF config field partial_rotary_factor is not supported")
     orig = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
     if not orig:
         raise ConversionError(
@@ -165,94 +146,37 @@ def _rope(hf: dict) -> tuple[dict, dict[str, Any]]:
 _ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
 
 
+# The formats whose multi-token-prediction layers are converted (`num_nextn_predict_layers`;
+# glm4_moe also as transformers 5's `num_mtp_layers`).
+_MTP: dict[str, tuple[str, ...]] = dict.fromkeys(
+    ("deepseek_v3", hf_deepseek.KIMI_K2), ("num_nextn_predict_layers",)
+)
+_MTP[hf_glm.MODEL_TYPE] = ("num_nextn_predict_layers", "num_mtp_layers")
+
+
 def _no_mtp(hf: dict, model_type: str) -> None:
-    """Refuse multi-token-prediction layers outside DeepSeek-V3's `num_nextn_predict_layers`."""
+    """Refuse multi-token-prediction layers outside the formats of `_MTP`."""
     for key in ("num_nextn_predict_layers", "num_mtp_layers"):
-        if key == "num_nextn_predict_layers" and model_type == "deepseek_v3":
+        if key in _MTP.get(model_type, ()):
             continue
         if hf.get(key):
             raise ConversionError(
                 f"HF config field {key}={hf[key]!r}: multi-token-prediction layers are "
-                f"converted for deepseek_v3 (num_nextn_predict_layers) only, not for {model_type}"
+                f"converted for {', '.join(_MTP)} only, not for {model_type}"
             )
 
 
-def _deepseek(hf: dict) -> tuple[dict[str, Any], set[str]]:
-    require(hf, "hidden_act", ("silu",), "silu")
-    require(hf, "attention_bias", (False,), False)
-    require(hf, "scoring_func", ("sigmoid",), "sigmoid")
-    require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
-    require(hf, "moe_layer_freq", (1,), 1)
-    heads = hf["num_attention_heads"]
-    require(hf, "num_key_value_heads", (heads, None), heads)
-    q_lora = hf.get("q_lora_rank") or 0
-    shared = hf.get("n_shared_experts") or 0
-    mtp = hf.get("num_nextn_predict_layers") or 0
-    dense = hf.get("first_k_dense_replace") or 0
-    if mtp and dense >= hf["num_hidden_layers"]:
-        # HF's MTP layer is an MoE layer by its index, ours is MoE when the model has MoE layers
+def _partial_rotary_factor(hf: dict, params: dict, rope_type: str) -> float:
+    """The RoPE share of each head (top level in hub configs, in rope_parameters in
+    transformers 5); other than 1 for glm4_moe with default RoPE only."""
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if factor != 1.0 and (hf["model_type"] != hf_glm.MODEL_TYPE or rope_type != "default"):
         raise ConversionError(
-            f"HF config fields num_nextn_predict_layers={mtp} with first_k_dense_replace="
-            f"{dense} >= num_hidden_layers={hf['num_hidden_layers']} (no MoE layer): "
-            "multi-token prediction is supported for models with MoE layers only"
+            f"HF config field partial_rotary_factor={factor} is not supported with "
+            f"model_type={hf['model_type']} and rope_type={rope_type} (supported: 1.0; "
+            "glm4_moe with default RoPE: any)"
         )
-    keys = {
-        "decoder_block": "deepseek",
-        "model_name": "deepseek3-tiny",
-        "attention_type": "mla",
-        "vocab_size": hf["vocab_size"],
-        "base_emb_dim": hf["hidden_size"],
-        "base_mlp_dim": hf["intermediate_size"],
-        "base_moe_mlp_dim": hf["moe_intermediate_size"],
-        "base_num_decoder_layers": hf["num_hidden_layers"],
-        "base_num_query_heads": heads,
-        "base_num_kv_heads": heads,
-        "first_num_dense_layers": hf.get("first_k_dense_replace", 0) or 0,
-        "q_lora_rank": q_lora,
-        "kv_lora_rank": hf["kv_lora_rank"],
-        "qk_nope_head_dim": hf["qk_nope_head_dim"],
-        "qk_rope_head_dim": hf["qk_rope_head_dim"],
-        "v_head_dim": hf["v_head_dim"],
-        "num_experts": hf["n_routed_experts"],
-        "num_experts_per_tok": hf["num_experts_per_tok"],
-        "shared_experts": shared,
-        "routed_score_func": "sigmoid",
-        "routed_bias": True,
-        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-        "n_routing_groups": hf.get("n_group") or 1,
-        "topk_routing_group": hf.get("topk_group") or 1,
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-        "mtp_num_layers": mtp,
-    }
-    mapped = {
-        "hidden_act",
-        "attention_bias",
-        "scoring_func",
-        "topk_method",
-        "moe_layer_freq",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "q_lora_rank",
-        "n_shared_experts",
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "moe_intermediate_size",
-        "num_hidden_layers",
-        "first_k_dense_replace",
-        "kv_lora_rank",
-        "qk_nope_head_dim",
-        "qk_rope_head_dim",
-        "v_head_dim",
-        "n_routed_experts",
-        "num_local_experts",
-        "num_experts_per_tok",
-        "routed_scaling_factor",
-        "n_group",
-        "topk_group",
-        "norm_topk_prob",
-    }
-    return keys, mapped
+    return factor
 
 
 def _mixtral(hf: dict) -> tuple[dict[str, Any], set[str]]:
@@ -300,7 +224,8 @@ def _mixtral(hf: dict) -> tuple[dict[str, Any], set[str]]:
 
 
 _FAMILIES = {
-    "deepseek_v3": _deepseek,
+    **dict.fromkeys(hf_deepseek.MODEL_TYPES, hf_deepseek.keys_from_hf),
+    hf_glm.MODEL_TYPE: hf_glm.keys_from_hf,
     "mixtral": _mixtral,
     hf_qwen3.MODEL_TYPE: hf_qwen3.keys_from_hf,
     hf_gpt_oss.MODEL_TYPE: hf_gpt_oss.keys_from_hf,
@@ -319,7 +244,10 @@ def config_from_hf(hf: dict) -> Config:
     require(hf, "attention_dropout", (0, 0.0, None), 0.0)
     _no_mtp(hf, model_type)
     keys, mapped = _FAMILIES[model_type](hf)
-    _, rope_keys = _rope(hf)
+    params, rope_keys = _rope(hf)
+    factor = _partial_rotary_factor(hf, params, rope_keys["rope_type"])
+    if keys["attention_type"] == "gqa":  # MLA rotates its own qk_rope_head_dim
+        keys["partial_rotary_factor"] = factor
     if model_type == "mixtral" and rope_keys["rope_type"] != "default":
         raise ConversionError("HF config field rope_parameters: Mixtral supports default RoPE only")
     if keys["num_experts_per_tok"] == 1 and keys["norm_topk_prob"]:
@@ -399,17 +327,21 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
     if c.mtp_num_layers and c.decoder_block != "deepseek":
         raise ConversionError(
             f"mtp_num_layers={c.mtp_num_layers} with decoder_block={c.decoder_block!r}: HF's "
-            "format has multi-token-prediction layers for DeepSeek-V3 only "
+            "formats have multi-token-prediction layers for DeepSeek-V3 and GLM-4.5 only "
             "(num_nextn_predict_layers); this model's MTP modules have no place in it"
         )
+    glm = c.decoder_block == "deepseek" and c.attention_type == "gqa"
     for key, (plain, what) in _NOT_IN_HF.items():
-        if getattr(c, key) != plain:
+        if getattr(c, key) != plain and not (glm and key in hf_glm.HOLDS):
             raise ConversionError(
                 f"{key}={getattr(c, key)!r}: the HF formats the converter writes (deepseek_v3, "
-                f"mixtral, qwen3_moe) have {what}; needs {key}={plain!r}"
+                f"mixtral, qwen3_moe; glm4_moe holds {', '.join(hf_glm.HOLDS)}) have {what}; "
+                f"needs {key}={plain!r}"
             )
     if c.decoder_block == "deepseek" and c.attention_type == "mla":
-        hf = _deepseek_to_hf(c)
+        hf = hf_deepseek.to_hf(c, dict(base or {}))
+    elif glm:
+        hf = hf_glm.to_hf(c)
     elif c.decoder_block == "mixtral" and c.attention_type == "gqa" and c.num_dense_layers == 0:
         hf = _mixtral_to_hf(c)
     elif c.decoder_block == "qwen3":
@@ -417,7 +349,7 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
     else:
         raise ConversionError(
             f"decoder_block={c.decoder_block!r} with attention_type={c.attention_type!r} has no "
-            "HF equivalent in the converter (deepseek + mla, mixtral + gqa, qwen3 + gqa)"
+            "HF equivalent in the converter (deepseek + mla or gqa, mixtral + gqa, qwen3 + gqa)"
         )
     hf.update(_rope_to_hf(c))
     hf.update(
@@ -438,37 +370,6 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
         if key in base:
             hf[key] = base[key]
     return hf
-
-
-def _deepseek_to_hf(c: Config) -> dict[str, Any]:
-    if c.routed_score_func != "sigmoid" or not c.routed_bias:
-        raise ConversionError(
-            "decoder_block=deepseek needs routed_score_func=sigmoid and routed_bias=true for HF"
-        )
-    if c.num_moe_layers == 0:
-        raise ConversionError("decoder_block=deepseek without MoE layers has no HF equivalent")
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "intermediate_size": c.base_mlp_dim,
-        "moe_intermediate_size": c.base_moe_mlp_dim,
-        "num_key_value_heads": c.base_num_query_heads,
-        "first_k_dense_replace": c.num_dense_layers,
-        "q_lora_rank": c.q_lora_rank or None,
-        "kv_lora_rank": c.kv_lora_rank,
-        "qk_nope_head_dim": c.qk_nope_head_dim,
-        "qk_rope_head_dim": c.qk_rope_head_dim,
-        "v_head_dim": c.v_head_dim,
-        "n_routed_experts": c.num_experts,
-        "n_shared_experts": c.shared_experts,
-        "routed_scaling_factor": c.routed_scaling_factor,
-        "n_group": max(c.n_routing_groups, 1),
-        "topk_group": max(c.topk_routing_group, 1),
-        "norm_topk_prob": c.norm_topk_prob,
-        "rope_interleave": True,
-        "attention_bias": False,
-        "num_nextn_predict_layers": c.mtp_num_layers,
-    }
 
 
 def _mixtral_to_hf(c: Config) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def plan(
     """(HF config dict, entries, jobs by tensor name)."""
     hf = config_to_hf(c, base)
     interleave = c.attention_type == "mla" and bool(base.get("rope_interleave", True))
-    if c.attention_type == "mla":
+    if c.attention_type == "mla" and hf["model_type"] != "deepseek_v2":  # V2: always
         hf["rope_interleave"] = interleave
     if use_fp8:
         hf["quantization_config"] = dict(fp8.HUB_QUANTIZATION_CONFIG)
@@ -67,7 +67,8 @@ def plan(
             )
         slice_ndim = len(shapes[t.leaf]) - len(t.index)
         row_bytes = shape[-1] * np.dtype(dtypes[t.leaf]).itemsize
-        if slice_ndim == 2 and t.rope is None and row_bytes * shape[0] > CHUNK_BYTES:
+        rows_of_2d = slice_ndim == 2 and len(shape) == 2 and t.rope is None
+        if rows_of_2d and row_bytes * shape[0] > CHUNK_BYTES:
             rows = max(fp8.BLOCK, CHUNK_BYTES // row_bytes // fp8.BLOCK * fp8.BLOCK)
             jobs[t.hf_name] = [
                 Job(t, (a, min(a + rows, shape[0])), q) for a in range(0, shape[0], rows)

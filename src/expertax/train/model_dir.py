@@ -45,7 +45,18 @@ MARKER = "expertax_model.json"
 PARAMS_DIR = "params"
 HF_CONFIG = "hf_config.json"
 # Copied from an HF folder as they are (`expertax generate` reads tokenizer.json).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The HF folder's tokenizer files (tokenizer.json first: `expertax generate` reads it), its chat
+# template and generation defaults: copied as they are by from-hf, and back by to-hf.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 FP8_SCALES = "hf_fp8_scales.safetensors"
 CHUNK_BYTES = 64 * 2**20  # the most bytes of one stored chunk that `default_chunks` picks
 _ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA")

@@ -287,7 +287,7 @@ def test_to_hf_refuses_mtp_outside_deepseek(model, tmp_path):
     over = {"model_name": model, "vocab_size": 64, "base_emb_dim": 32, "weight_dtype": "bfloat16"}
     c = expertax.load_config(overrides={**over, "mtp_num_layers": 1})
     model_dir.save(tmp_path / "ours", c, random_params(c, 0), source="test")
-    msg = f"mtp_num_layers=1 with decoder_block='{c.decoder_block}': HF's format has multi"
+    msg = f"mtp_num_layers=1 with decoder_block='{c.decoder_block}': HF's formats have multi"
     with pytest.raises(ConversionError, match=msg):
         convert_to_hf(tmp_path / "ours", tmp_path / "back")
     assert not (tmp_path / "back").exists()

@@ -1,5 +1,5 @@
 """from-hf copies the HF folder's tokenizer files into the model directory (for `expertax
-generate`), and to-hf reads such a directory as before."""
+generate`), and to-hf copies them back beside the weights."""
 
 from __future__ import annotations
 
@@ -39,8 +39,12 @@ def test_from_hf_copies_the_tokenizer_files_it_finds(tmp_path):
     for name in model_dir.TOKENIZER_FILES:
         copied = tmp_path / "model" / name
         assert copied.read_text() == files[name] if name in files else not copied.exists()
-    # to-hf of the directory: every tensor back, bit for bit
-    convert_to_hf(tmp_path / "model", tmp_path / "back")
+    # to-hf of the directory: every tensor back, bit for bit, and the tokenizer files
+    summary = convert_to_hf(tmp_path / "model", tmp_path / "back")
+    for name in model_dir.TOKENIZER_FILES:
+        copied = tmp_path / "back" / name
+        assert copied.read_text() == files[name] if name in files else not copied.exists()
+        assert (name in summary.files) == (name in files)
     back = dict(iter_tensors(tmp_path / "back"))
     source = dict(iter_tensors(hf))
     assert back.keys() == source.keys()

@@ -3,9 +3,10 @@
 Tiny random DeepSeek-V3 (MLA with and without q-LoRA, YaRN, sigmoid routing with its correction
 bias, groups, a shared expert, one dense layer), Mixtral (GQA, softmax top-2) and Qwen3-MoE (GQA
 with per-head q/k RMSNorm, softmax top-3 with and without renormalization, default RoPE and
-YaRN) models are built and saved with transformers (tests/parity/hf_models.py) and read with
-`expertax.load_hf`,
-float32 on both sides. Three prompts of different lengths (one past YaRN's original 128
+YaRN), GLM-4.5 (GQA with q/k/v biases, the q/k norm and partial RoPE on DeepSeek's MoE stack)
+and DeepSeek-V2 (MLA without q LoRA, softmax group-limited routing) models are built and saved
+with transformers (tests/parity/hf_models.py) and read with `expertax.load_hf`, float32 on both
+sides. Three prompts of different lengths (one past YaRN's original 128
 positions) decode together in one expertax batch (right-padded, one device); transformers
 decodes each prompt alone (no padding to get wrong on the reference side). The EOS id given to
 both is a token that one prompt's continuation reaches after a few steps: that sequence stops
@@ -56,6 +57,8 @@ CASES = [
     ("mixtral", "compressed"),  # GQA: one cache form
     ("qwen3", "compressed"),  # GQA with the per-head q/k norm: the cache holds normed keys
     ("qwen3-yarn", "compressed"),  # ... with YaRN and unnormalized top-k weights
+    ("glm", "compressed"),  # GLM-4.5: GQA with q/k/v biases, q/k norm, partial RoPE; DeepSeek MoE
+    ("deepseek-v2-groups", "compressed"),  # MLA without q LoRA, softmax group-limited routing
 ]
 
 

@@ -6,7 +6,8 @@ the renormalized top-k of the softmax over all.
 DeepSeek-V3 (arXiv:2412.19437 Sec. 2.1.2): sigmoid scores; a per-expert bias added for the
 *selection only* (aux-loss-free balancing, updated outside the gradient from the global expert
 loads); experts split into `n_routing_groups`, each token keeps the `topk_routing_group` groups
-with the largest sum of their two best scores; weights normalized and scaled by
+with the largest sum of their two best scores (DeepSeek-V2: the largest best score,
+`routing_group_score`); weights normalized and scaled by
 `routed_scaling_factor`. Masked experts get -inf before top-k (as DeepSeek's reference code).
 
 A selection can be imposed (`route(..., imposed_NK)`, `expertax parity --impose-routing`): the
@@ -77,8 +78,11 @@ def _group_mask(choice_NE: jax.Array, c: Config) -> jax.Array:
     n, e = choice_NE.shape
     u = c.n_routing_groups
     grouped = choice_NE.reshape(n, u, e // u)  # [N, U, E/U]
-    top2_NU = jax.lax.top_k(grouped, min(2, e // u))[0].sum(-1)
-    _, keep_idx = jax.lax.top_k(top2_NU, c.topk_routing_group)
+    if c.routing_group_score == "max":
+        score_NU = grouped.max(-1)
+    else:
+        score_NU = jax.lax.top_k(grouped, min(2, e // u))[0].sum(-1)
+    _, keep_idx = jax.lax.top_k(score_NU, c.topk_routing_group)
     keep_NU = jnp.zeros((n, u), bool).at[jnp.arange(n)[:, None], keep_idx].set(True)
     return jnp.repeat(keep_NU, e // u, axis=1)
 
