@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from expertax.config import Config, build_config
-from expertax.convert import fp8, hf_gpt_oss, hf_qwen3
+from expertax.convert import hf_gpt_oss, hf_qwen3, mxfp4
 from expertax.convert.errors import ConversionError, require
 
 SUPPORTED = ("deepseek_v3", "mixtral", hf_qwen3.MODEL_TYPE, hf_gpt_oss.MODEL_TYPE)
@@ -315,7 +315,13 @@ def config_from_hf(hf: dict) -> Config:
             f"HF config field model_type={model_type!r} is not supported ({', '.join(SUPPORTED)})"
         )
     hf = {**_HF_DEFAULTS[model_type], **hf}
-    fp8.check_quantization_config(hf.get("quantization_config"))
+    if mxfp4.quantization_format(hf.get("quantization_config")) == mxfp4.QUANT_METHOD and (
+        model_type != hf_gpt_oss.MODEL_TYPE
+    ):
+        raise ConversionError(
+            f"HF config field quantization_config.quant_method='mxfp4' with model_type="
+            f"{model_type!r}: MXFP4 experts are read for gpt_oss only"
+        )
     require(hf, "attention_dropout", (0, 0.0, None), 0.0)
     _no_mtp(hf, model_type)
     keys, mapped = _FAMILIES[model_type](hf)
