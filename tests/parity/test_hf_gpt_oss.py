@@ -19,7 +19,7 @@ from hf_models import build, hf_logits, load_mxfp4, prompt, save, save_mxfp4  # 
 from tests.tolerances import tol  # noqa: E402
 
 import expertax  # noqa: E402
-from expertax.convert import ConversionError, config_from_hf  # noqa: E402
+from expertax.convert import ConversionError, config_from_hf, write_hf  # noqa: E402
 
 pytestmark = pytest.mark.parity
 MISS = 1e-3  # a wrong mapping misses by far more than the tolerance (rtol)
@@ -145,3 +145,46 @@ def test_mxfp4_refusals_name_the_tensor_or_field(gpt_oss, tmp_path):
     (hub / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConversionError, match=r"experts.\w+_proj_blocks is MXFP4 but config"):
         expertax.load_hf(hub)
+
+
+def test_to_hf_is_read_by_transformers_with_the_same_logits(gpt_oss, tmp_path):
+    """expertax's parameters written as GPT-OSS (config.json and weights) and loaded by
+    transformers give the original model's logits exactly (the same weights, every field of
+    the config that matters: layer_types, sliding_window, sinks, biases, YaRN, swiglu_limit)."""
+    from transformers import GptOssForCausalLM
+
+    model, _, config, params = gpt_oss
+    write_hf(params, config, tmp_path / "out")
+    again = GptOssForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert np.array_equal(hf_logits(again.eval(), prompt()), hf_logits(model, prompt()))
+
+
+def test_hub_to_expertax_to_hub_is_bit_for_bit(tmp_path, monkeypatch):
+    """A bfloat16 hub checkpoint through the streaming converters (from-hf, then to-hf, fused
+    experts in units and jobs of two experts): the same tensors bit for bit and the same
+    config fields."""
+    import torch
+
+    from expertax.convert import convert_from_hf, convert_to_hf, hf_read, hf_write
+    from expertax.convert.safetensors_io import iter_tensors
+
+    hub = save(build("gpt_oss", seed=6).to(torch.bfloat16), tmp_path / "hub")
+    per_expert = 64 * 80 * 2  # gate_up_proj [D, 2F] bfloat16
+    monkeypatch.setattr(hf_read, "CHUNK_BYTES", 2 * per_expert)
+    monkeypatch.setattr(hf_write, "CHUNK_BYTES", 2 * per_expert)
+    convert_from_hf(hub, tmp_path / "ours")
+    summary = convert_to_hf(tmp_path / "ours", tmp_path / "back")
+    assert summary.tensors > len(dict(iter_tensors(hub)))  # fused tensors in several jobs
+    want, got = dict(iter_tensors(hub)), dict(iter_tensors(tmp_path / "back"))
+    assert sorted(want) == sorted(got)
+    for name, w in want.items():
+        assert got[name].dtype == w.dtype and np.array_equal(
+            got[name].view(np.uint16), w.view(np.uint16)), name  # fmt: skip
+    hf = json.loads((hub / "config.json").read_text())
+    out = json.loads((tmp_path / "back" / "config.json").read_text())
+    rope = hf.get("rope_parameters") or hf["rope_scaling"]
+    for key, value in rope.items():
+        assert out["rope_scaling"].get("type" if key == "rope_type" else key, value) == value, key
+    differ = {k: (v, out.get(k)) for k, v in hf.items() if k in out and out[k] != v}
+    print(f"\nfields written otherwise: {differ}; not written: {sorted(set(hf) - set(out))}")
+    assert not differ and config_from_hf(out) == config_from_hf(hf)

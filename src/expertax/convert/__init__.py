@@ -1,4 +1,5 @@
-"""HuggingFace <-> expertax conversion (DeepSeek-V3, Mixtral, Qwen3-MoE); docs/design/convert.md.
+"""HuggingFace <-> expertax conversion (DeepSeek-V3, Mixtral, Qwen3-MoE, GPT-OSS); docs/design/
+convert.md.
 
 load_hf(hf_dir) -> (config, params)          an HF checkpoint, ready for `expertax.logits`
 from_hf(hf_dir, out_dir) -> Config            HF checkpoint -> expertax model directory
@@ -51,7 +52,7 @@ class Summary:
 
 
 def load_hf(hf_dir: str | Path, *, workers: int = 2) -> tuple[Config, object]:
-    """The Config and parameters (jax arrays) of an HF DeepSeek-V3, Mixtral or Qwen3-MoE
+    """The Config and parameters (jax arrays) of an HF DeepSeek-V3, Mixtral, Qwen3-MoE or GPT-OSS
     checkpoint."""
     c, params, _ = params_from_hf(hf_dir, workers=workers)
     return c, jax.tree.map(jnp.asarray, params)

@@ -373,6 +373,8 @@ def _rope_to_hf(c: Config) -> dict[str, Any]:
         scaling["mscale"] = c.mscale
     if c.mscale_all_dim:
         scaling["mscale_all_dim"] = c.mscale_all_dim
+    if not c.rope_yarn_truncate:  # GPT-OSS's (the other families' configs refuse it)
+        scaling["truncate"] = False
     return {"rope_theta": c.rope_max_timescale, "rope_scaling": scaling}
 
 
@@ -408,11 +410,13 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
             "format has multi-token-prediction layers for DeepSeek-V3 only "
             "(num_nextn_predict_layers); this model's MTP modules have no place in it"
         )
+    gpt_oss = c.decoder_block == "gpt_oss"
     for key, (plain, what) in _NOT_IN_HF.items():
-        if getattr(c, key) != plain:
+        if getattr(c, key) != plain and not (gpt_oss and key in hf_gpt_oss.WRITTEN):
+            only = " (gpt_oss's has it)" if key in hf_gpt_oss.WRITTEN else ""
             raise ConversionError(
-                f"{key}={getattr(c, key)!r}: the HF formats the converter writes (deepseek_v3, "
-                f"mixtral, qwen3_moe) have {what}; needs {key}={plain!r}"
+                f"{key}={getattr(c, key)!r}: the HF formats the converter writes for "
+                f"decoder_block={c.decoder_block!r} have {what}{only}; needs {key}={plain!r}"
             )
     if c.decoder_block == "deepseek" and c.attention_type == "mla":
         hf = _deepseek_to_hf(c)
@@ -420,10 +424,13 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
         hf = _mixtral_to_hf(c)
     elif c.decoder_block == "qwen3":
         hf = hf_qwen3.to_hf(c)
+    elif gpt_oss:
+        hf = hf_gpt_oss.to_hf(c)
     else:
         raise ConversionError(
             f"decoder_block={c.decoder_block!r} with attention_type={c.attention_type!r} has no "
-            "HF equivalent in the converter (deepseek + mla, mixtral + gqa, qwen3 + gqa)"
+            "HF equivalent in the converter (deepseek + mla, mixtral + gqa, qwen3 + gqa, "
+            "gpt_oss + gqa)"
         )
     hf.update(_rope_to_hf(c))
     hf.update(

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from expertax.config import Config
-from expertax.convert import fp8, mxfp4
+from expertax.convert import fp8, hf_gpt_oss, mxfp4
 from expertax.convert.hf import TensorMap, hf_shape, leaf_specs, tensor_map, to_ours, transpose
 from expertax.convert.hf_config import ConversionError, config_from_hf
 from expertax.convert.safetensors_io import Reader
@@ -103,24 +103,11 @@ def _fused_targets(c: Config, name: str) -> tuple[str, int, str, tuple[int, ...]
         raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
     e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
     if gpt_oss:
-        shapes = {"gate_up_proj": (e, d, 2 * f), "down_proj": (e, f, d),
-                  "gate_up_proj_bias": (e, 2 * f), "down_proj_bias": (e, d)}  # fmt: skip
-        return m, i, which, shapes[which]
+        return m, i, which, hf_gpt_oss.fused_shapes(c)[which]
     return m, i, which, (e, 2 * f, d) if which == "gate_up_proj" else (e, d, f)
 
 
-# The leaves each fused tensor fills.
-_FUSED_LEAVES = {"gate_up_proj": ("wi_0", "wi_1"), "down_proj": ("wo",),
-                 "gate_up_proj_bias": ("bi_0", "bi_1"), "down_proj_bias": ("bo",)}  # fmt: skip
-
-
-def _fused_gpt_oss(which: str, w: np.ndarray) -> dict[str, np.ndarray]:
-    """GPT-OSS's fused tensor of one layer as our leaves' [E, ...] slices: gate and up are
-    interleaved along the last axis (gate = [..., ::2], up = [..., 1::2]); the rest as stored."""
-    if which.startswith("gate_up_proj"):
-        gate, up = np.ascontiguousarray(w[..., ::2]), np.ascontiguousarray(w[..., 1::2])
-        return dict(zip(_FUSED_LEAVES[which], (gate, up), strict=True))
-    return {_FUSED_LEAVES[which][0]: w}
+_FUSED_LEAVES = hf_gpt_oss.FUSED_LEAVES  # the same leaves for every fused layout
 
 
 def _layer(name: str) -> int | None:
@@ -389,7 +376,7 @@ def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
         w = _read(reader, p, u, p.layouts[f"{m}.wo"][1])
         f = p.c.base_moe_mlp_dim
         if p.c.decoder_block == "gpt_oss":
-            for leaf, x in _fused_gpt_oss(which, w).items():
+            for leaf, x in hf_gpt_oss.split_fused(which, w).items():
                 write(f"{m}.{leaf}", (i,), x)
         elif which == "gate_up_proj":
             write(f"{m}.wi_0", (i,), np.stack([transpose(x[:f]) for x in w]))
