@@ -172,6 +172,10 @@ def test_hub_to_expertax_to_hub_is_bit_for_bit(tmp_path, monkeypatch):
     per_expert = 64 * 80 * 2  # gate_up_proj [D, 2F] bfloat16
     monkeypatch.setattr(hf_read, "CHUNK_BYTES", 2 * per_expert)
     monkeypatch.setattr(hf_write, "CHUNK_BYTES", 2 * per_expert)
+    with hf_read.Reader(hub) as reader:
+        units = hf_read.plan(reader, hf_read.read_hf_config(hub)).units
+    assert [u.rows for u in units if u.name.endswith("1.mlp.experts.gate_up_proj")] == [
+        (0, 2), (2, 4), (4, 6)]  # fmt: skip
     convert_from_hf(hub, tmp_path / "ours")
     summary = convert_to_hf(tmp_path / "ours", tmp_path / "back")
     assert summary.tensors > len(dict(iter_tensors(hub)))  # fused tensors in several jobs

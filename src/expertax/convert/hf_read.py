@@ -222,7 +222,7 @@ def plan(reader: Reader, hf: dict) -> Plan:
                 depth[f"{m}.{leaf}"] = 2
                 leaf_dtype(f"{m}.{leaf}", dtype, name)
                 filled.update((f"{m}.{leaf}", (i, j)) for j in range(c.num_experts))
-            units.append(Unit(name, None, None, reader_nbytes(shape, dtype)))
+            units += _expert_units(name, shape, dtype)
             continue
         t = maps.get(name)
         if t is None:
@@ -261,6 +261,17 @@ def plan(reader: Reader, hf: dict) -> Plan:
         layouts[leaf] = (tuple(spec.shape), dtypes[leaf][0], tuple(chunks))
     checks = _check_units(canonical, shared, specs, dtypes)
     return Plan(c, hf, units, layouts, checks, quantized, notes)
+
+
+def _expert_units(name: str, shape: tuple[int, ...], dtype: np.dtype) -> list[Unit]:
+    """A fused expert tensor [E, ...] as one unit, or as units of whole experts when larger
+    than CHUNK_BYTES (gpt-oss-20b's gate_up_proj: 1 GiB a layer in bfloat16)."""
+    e, per_expert = shape[0], reader_nbytes(shape[1:], dtype)
+    step = max(1, CHUNK_BYTES // per_expert)
+    if step >= e:
+        return [Unit(name, None, None, e * per_expert)]
+    return [Unit(name, None, (a, min(a + step, e)), (min(a + step, e) - a) * per_expert)
+            for a in range(0, e, step)]  # fmt: skip
 
 
 def _base(name: str, suffix: str) -> str:
@@ -371,18 +382,18 @@ def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
     if u.name.endswith(mxfp4.BLOCKS):
         _run_mxfp4(reader, p, u, write)
         return
-    if u.t is None:  # fused: gate_up_proj [E, 2F, D] or down_proj [E, D, F], one layer
+    if u.t is None:  # fused: a layer's gate_up_proj and down_proj (or experts [a, b) of them)
         m, i, which, _ = _fused_targets(p.c, u.name)
         w = _read(reader, p, u, p.layouts[f"{m}.wo"][1])
-        f = p.c.base_moe_mlp_dim
+        f, at = p.c.base_moe_mlp_dim, (i, slice(*(u.rows or (None,))))  # the unit's experts
         if p.c.decoder_block == "gpt_oss":
             for leaf, x in hf_gpt_oss.split_fused(which, w).items():
-                write(f"{m}.{leaf}", (i,), x)
+                write(f"{m}.{leaf}", at, x)
         elif which == "gate_up_proj":
-            write(f"{m}.wi_0", (i,), np.stack([transpose(x[:f]) for x in w]))
-            write(f"{m}.wi_1", (i,), np.stack([transpose(x[f:]) for x in w]))
+            write(f"{m}.wi_0", at, np.stack([transpose(x[:f]) for x in w]))
+            write(f"{m}.wi_1", at, np.stack([transpose(x[f:]) for x in w]))
         else:
-            write(f"{m}.wo", (i,), np.stack([transpose(x) for x in w]))
+            write(f"{m}.wo", at, np.stack([transpose(x) for x in w]))
         return
     t = u.t
     shape, dtype, _ = p.layouts[t.leaf]
