@@ -371,9 +371,11 @@ def _run_mxfp4(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
         base,
     )
     for j, w_RC in enumerate(w_ERC, start=u.rows[0]):
-        if which == "gate_up_proj":
-            write(f"{m}.wi_0", (i, j), transpose(w_RC[0::2]))
-            write(f"{m}.wi_1", (i, j), transpose(w_RC[1::2]))
+        if which == "gate_up_proj":  # rows (2f, 2f + 1) as one row: [F, 2D].T is [gate.T; up.T]
+            d = w_RC.shape[1]
+            both = transpose(w_RC.reshape(-1, 2 * d))
+            write(f"{m}.wi_0", (i, j), both[:d])
+            write(f"{m}.wi_1", (i, j), both[d:])
         else:
             write(f"{m}.wo", (i, j), transpose(w_RC))
 
