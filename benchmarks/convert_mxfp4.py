@@ -6,7 +6,8 @@
 Writes a checkpoint in the hub's layout (gpt-oss-20b's shapes: hidden 2880, 32 experts of
 2880, 64 query and 8 kv heads of 64, vocabulary 201088; the experts' weights as MXFP4 blocks
 and scales, everything else bfloat16; random bytes, ~500 MB shards) with `--layers` layers
-(24: ~12.8 GiB, the real model's size; check `df -h` first), then runs the CLI
+(24: ~12.8 GiB, the real model's size, and its bfloat16 output ~37 GiB more, float32 twice
+that: check `df -h` first), then runs the CLI
 (`python -m expertax.cli convert from-hf`) in a child process, its peak RSS from
 getrusage(RUSAGE_CHILDREN). The targets: >= 0.5 GiB/s read, peak RSS <= 2.5 GiB.
 
