@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import (
     DeepseekV2Config,
@@ -116,7 +117,7 @@ def qwen3_config(*, norm_topk_prob: bool = True, yarn: bool = False) -> Qwen3Moe
     )
 
 
-def gpt_oss_config(*, hidden: int = 64, layers: int = 2) -> GptOssConfig:
+def gpt_oss_config(*, hidden: int = 64, layers: int = 2, intermediate: int = 40) -> GptOssConfig:
     """Dims that line up nowhere: head_dim 24 (not hidden / heads = 16), 2F = 80 (not 64), top-3
     of 6 experts; a window of 5 (the prompt is longer), alternating with full layers; YaRN
     without truncation; a clamp of 1.5 that random activations reach. `hidden` = 80 gives
@@ -124,7 +125,7 @@ def gpt_oss_config(*, hidden: int = 64, layers: int = 2) -> GptOssConfig:
     return GptOssConfig(
         vocab_size=VOCAB,
         hidden_size=hidden,
-        intermediate_size=40,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -230,8 +231,11 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    if kind.startswith("gpt_oss"):  # "gpt_oss", or "gpt_oss-2f-is-d"
-        config = gpt_oss_config(hidden=80 if kind.endswith("2f-is-d") else 64)
+    if kind.startswith("gpt_oss"):  # "gpt_oss", "gpt_oss-2f-is-d", or "gpt_oss-mxfp4" (F = 64)
+        config = gpt_oss_config(
+            hidden=80 if kind.endswith("2f-is-d") else 64,
+            intermediate=64 if kind.endswith("mxfp4") else 40,
+        )
         return randomize(GptOssForCausalLM(config), seed)
     if kind.startswith("qwen3"):  # "qwen3", or "qwen3-yarn": YaRN and unnormalized top-k
         yarn = kind == "qwen3-yarn"
@@ -271,3 +275,39 @@ def prompt(seed: int = 0) -> torch.Tensor:
 @torch.no_grad()
 def hf_logits(model: torch.nn.Module, tokens: torch.Tensor):
     return model(tokens).logits.float().numpy()
+
+
+def save_mxfp4(model: torch.nn.Module, path: Path, seed: int = 0) -> Path:
+    """A GPT-OSS checkpoint as the hub stores it: the experts' weights in MXFP4 (random codes,
+    scales 2^-6 .. 2^-3: weights of about unit scale / sqrt(fan-in)), the rest as saved. Blocks
+    [E, out, in / 32, 16] and scales [E, out, in / 32], as OCP MX and transformers' reader
+    define them; the model's own expert weights are discarded."""
+    from safetensors.numpy import load_file, save_file
+
+    model.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, n_in, n_out = tensors.pop(name).shape  # transformers: [E, in, out]
+        tensors[name + "_blocks"] = rng.integers(0, 256, (e, n_out, n_in // 32, 16), np.uint8)
+        tensors[name + "_scales"] = rng.integers(121, 125, (e, n_out, n_in // 32), np.uint8)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head",
+        ],
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def load_mxfp4(path: Path) -> torch.nn.Module:
+    """transformers' own reading of an MXFP4 checkpoint, dequantized (the oracle)."""
+    from transformers import Mxfp4Config
+
+    return GptOssForCausalLM.from_pretrained(
+        path, quantization_config=Mxfp4Config(dequantize=True), attn_implementation="eager"
+    ).eval()

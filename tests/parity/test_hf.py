@@ -230,8 +230,9 @@ def test_transformers_loads_to_hf_output(tmp_path, preset):
 
 
 @pytest.mark.parametrize("kind", ["deepseek-plain-q", "qwen3"])
-def test_fused_expert_layout_is_read(hf_dirs, tmp_path, kind):
-    """transformers >= 5 in-memory names (experts.gate_up_proj / down_proj) convert the same."""
+def test_fused_expert_layout_is_read(hf_dirs, tmp_path, kind, monkeypatch):
+    """transformers >= 5 in-memory names (experts.gate_up_proj / down_proj) convert the same,
+    whole or in units of a few experts (CHUNK_BYTES lowered)."""
     path, _ = hf_dirs[kind]
     t = _tensors(path)
     fused: dict[str, np.ndarray] = {}
@@ -256,10 +257,15 @@ def test_fused_expert_layout_is_read(hf_dirs, tmp_path, kind):
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     _, a = expertax.load_hf(path)
     _, b = expertax.load_hf(tmp_path)
+    from expertax.convert import hf_read
+
+    gate_up = next(x for n, x in fused.items() if n.endswith("gate_up_proj"))
+    monkeypatch.setattr(hf_read, "CHUNK_BYTES", 3 * gate_up[0].nbytes)  # 3 experts a unit
+    _, split = expertax.load_hf(tmp_path)
     import jax
 
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(split), strict=True):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes() == np.asarray(z).tobytes()
 
 
 def test_cli_round_trip(hf_dirs, tmp_path):

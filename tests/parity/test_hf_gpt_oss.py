@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch", reason="parity tests need torch (pip install expertax[parity])")
 pytest.importorskip("transformers", reason="parity tests need transformers (extra 'parity')")
 
-from hf_models import build, hf_logits, prompt, save  # noqa: E402
+from hf_models import build, hf_logits, load_mxfp4, prompt, save, save_mxfp4  # noqa: E402
 from tests.tolerances import tol  # noqa: E402
 
 import expertax  # noqa: E402
@@ -100,11 +100,95 @@ def test_fused_experts_read_by_model_type_where_shapes_coincide(tmp_path):
     assert hf["model_type"] == "gpt_oss"
 
 
-def test_to_hf_and_mxfp4_are_refused_naming_the_key(gpt_oss, tmp_path):
-    _, path, config, params = gpt_oss
-    with pytest.raises(ConversionError, match="attention_qkv_bias"):
-        write_hf(params, config, tmp_path / "out")
+def test_mxfp4_checkpoint_matches_transformers_reading_it(tmp_path, monkeypatch):
+    """The hub's format: experts in MXFP4 (blocks + scales), read by expertax in units of two
+    experts (CHUNK_BYTES lowered) and by transformers (dequantized): the same logits; the same
+    bytes read with the nibbles swapped (a wrong packing) miss. (Greedy decoding is the bf16
+    test's: the format changes only how expert weights are read.)"""
+    import jax
+    from safetensors.numpy import load_file, save_file
+
+    from expertax.convert import hf_read, safetensors_io
+
+    path = save_mxfp4(build("gpt_oss-mxfp4", seed=5), tmp_path / "hub")
+    model = load_mxfp4(path)
+    ref = hf_logits(model, prompt())
+    per_expert = 64 * 128 * 4  # [D, 2F] float32: two experts per unit, three units a tensor
+    monkeypatch.setattr(hf_read, "CHUNK_BYTES", 2 * per_expert)
+    with safetensors_io.Reader(path) as reader:
+        units = hf_read.plan(reader, hf_read.read_hf_config(path)).units
+    assert [u.rows for u in units if u.name.endswith("0.mlp.experts.gate_up_proj_blocks")] == [
+        (0, 2), (2, 4), (4, 6)]  # fmt: skip
+    config, params = expertax.load_hf(path)
+    tokens = prompt().numpy()
+    forward = jax.jit(lambda p: expertax.logits(p, tokens, config))
+    relative = _relative(forward(params), ref)
+    print(f"\ngpt_oss mxfp4: max |logits diff| / max |logit| = {relative:.3g}")
+    assert relative <= tol(np.float32)["rtol"]
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("_blocks")]:
+        tensors[name] = (tensors[name] << 4) | (tensors[name] >> 4)
+    save_file(tensors, path / "model.safetensors")
+    _, swapped = expertax.load_hf(path)
+    assert _relative(forward(swapped), ref) > MISS
+
+
+def test_mxfp4_refusals_name_the_tensor_or_field(gpt_oss, tmp_path):
+    _, path, _, _ = gpt_oss
     hf = json.loads((path / "config.json").read_text())
-    hf["quantization_config"] = {"quant_method": "mxfp4"}
-    with pytest.raises(ConversionError, match="mxfp4"):
+    hf["quantization_config"] = {"quant_method": "mxfp4", "block_size": 64}
+    with pytest.raises(ConversionError, match="quantization_config.block_size=64"):
         config_from_hf(hf)
+    hub = save_mxfp4(build("gpt_oss-mxfp4", seed=5), tmp_path / "hub")
+    cfg = json.loads((hub / "config.json").read_text())
+    del cfg["quantization_config"]
+    (hub / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match=r"experts.\w+_proj_blocks is MXFP4 but config"):
+        expertax.load_hf(hub)
+
+
+def test_to_hf_is_read_by_transformers_with_the_same_logits(gpt_oss, tmp_path):
+    """expertax's parameters written as GPT-OSS (config.json and weights) and loaded by
+    transformers give the original model's logits exactly (the same weights, every field of
+    the config that matters: layer_types, sliding_window, sinks, biases, YaRN, swiglu_limit)."""
+    from transformers import GptOssForCausalLM
+
+    model, _, config, params = gpt_oss
+    write_hf(params, config, tmp_path / "out")
+    again = GptOssForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert np.array_equal(hf_logits(again.eval(), prompt()), hf_logits(model, prompt()))
+
+
+def test_hub_to_expertax_to_hub_is_bit_for_bit(tmp_path, monkeypatch):
+    """A bfloat16 hub checkpoint through the streaming converters (from-hf, then to-hf, fused
+    experts in units and jobs of two experts): the same tensors bit for bit and the same
+    config fields."""
+    import torch
+
+    from expertax.convert import convert_from_hf, convert_to_hf, hf_read, hf_write
+    from expertax.convert.safetensors_io import iter_tensors
+
+    hub = save(build("gpt_oss", seed=6).to(torch.bfloat16), tmp_path / "hub")
+    per_expert = 64 * 80 * 2  # gate_up_proj [D, 2F] bfloat16
+    monkeypatch.setattr(hf_read, "CHUNK_BYTES", 2 * per_expert)
+    monkeypatch.setattr(hf_write, "CHUNK_BYTES", 2 * per_expert)
+    with hf_read.Reader(hub) as reader:
+        units = hf_read.plan(reader, hf_read.read_hf_config(hub)).units
+    assert [u.rows for u in units if u.name.endswith("1.mlp.experts.gate_up_proj")] == [
+        (0, 2), (2, 4), (4, 6)]  # fmt: skip
+    convert_from_hf(hub, tmp_path / "ours")
+    summary = convert_to_hf(tmp_path / "ours", tmp_path / "back")
+    assert summary.tensors > len(dict(iter_tensors(hub)))  # fused tensors in several jobs
+    want, got = dict(iter_tensors(hub)), dict(iter_tensors(tmp_path / "back"))
+    assert sorted(want) == sorted(got)
+    for name, w in want.items():
+        assert got[name].dtype == w.dtype and np.array_equal(
+            got[name].view(np.uint16), w.view(np.uint16)), name  # fmt: skip
+    hf = json.loads((hub / "config.json").read_text())
+    out = json.loads((tmp_path / "back" / "config.json").read_text())
+    rope = hf.get("rope_parameters") or hf["rope_scaling"]
+    for key, value in rope.items():
+        assert out["rope_scaling"].get("type" if key == "rope_type" else key, value) == value, key
+    differ = {k: (v, out.get(k)) for k, v in hf.items() if k in out and out[k] != v}
+    print(f"\nfields written otherwise: {differ}; not written: {sorted(set(hf) - set(out))}")
+    assert not differ and config_from_hf(out) == config_from_hf(hf)

@@ -1,5 +1,5 @@
 """HuggingFace <-> expertax conversion (DeepSeek-V3, Kimi-K2, DeepSeek-V2, GLM-4.5, Mixtral,
-Qwen3-MoE); docs/design/convert.md.
+Qwen3-MoE, GPT-OSS); docs/design/convert.md.
 
 load_hf(hf_dir) -> (config, params)          an HF checkpoint, ready for `expertax.logits`
 from_hf(hf_dir, out_dir) -> Config            HF checkpoint -> expertax model directory

@@ -1,5 +1,5 @@
 """HuggingFace safetensors <-> expertax parameters, for DeepSeek-V3, Mixtral, Qwen3-MoE and
-GPT-OSS (from HF; its fused experts are read by hf_read.py).
+GPT-OSS (its fused experts are read by hf_read.py and written by hf_write.py).
 
 Each HF tensor maps to one slice of one expertax leaf (layers are stacked along a leading axis,
 experts along the next). `tensor_map(config)` lists every such mapping, in the HF checkpoint's

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from expertax.config import Config, build_config
-from expertax.convert import fp8, hf_deepseek, hf_glm, hf_gpt_oss, hf_qwen3
+from expertax.convert import hf_deepseek, hf_glm, hf_gpt_oss, hf_qwen3, mxfp4
 from expertax.convert.errors import ConversionError, require
 
 SUPPORTED = (
@@ -240,7 +240,13 @@ def config_from_hf(hf: dict) -> Config:
             f"HF config field model_type={model_type!r} is not supported ({', '.join(SUPPORTED)})"
         )
     hf = {**_HF_DEFAULTS[model_type], **hf}
-    fp8.check_quantization_config(hf.get("quantization_config"))
+    if mxfp4.quantization_format(hf.get("quantization_config")) == mxfp4.QUANT_METHOD and (
+        model_type != hf_gpt_oss.MODEL_TYPE
+    ):
+        raise ConversionError(
+            f"HF config field quantization_config.quant_method='mxfp4' with model_type="
+            f"{model_type!r}: MXFP4 experts are read for gpt_oss only"
+        )
     require(hf, "attention_dropout", (0, 0.0, None), 0.0)
     _no_mtp(hf, model_type)
     keys, mapped = _FAMILIES[model_type](hf)
@@ -295,6 +301,8 @@ def _rope_to_hf(c: Config) -> dict[str, Any]:
         scaling["mscale"] = c.mscale
     if c.mscale_all_dim:
         scaling["mscale_all_dim"] = c.mscale_all_dim
+    if not c.rope_yarn_truncate:  # GPT-OSS's (the other families' configs refuse it)
+        scaling["truncate"] = False
     return {"rope_theta": c.rope_max_timescale, "rope_scaling": scaling}
 
 
@@ -331,12 +339,16 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
             "(num_nextn_predict_layers); this model's MTP modules have no place in it"
         )
     glm = c.decoder_block == "deepseek" and c.attention_type == "gqa"
+    gpt_oss = c.decoder_block == "gpt_oss"
     for key, (plain, what) in _NOT_IN_HF.items():
-        if getattr(c, key) != plain and not (glm and key in hf_glm.HOLDS):
+        held = (glm and key in hf_glm.HOLDS) or (gpt_oss and key in hf_gpt_oss.WRITTEN)
+        if getattr(c, key) != plain and not held:
+            holders = (("glm4_moe", hf_glm.HOLDS), ("gpt_oss", hf_gpt_oss.WRITTEN))
+            only = [f for f, keys in holders if key in keys]
+            has = f" ({' and '.join(only)} hold it)" if only else ""
             raise ConversionError(
-                f"{key}={getattr(c, key)!r}: the HF formats the converter writes (deepseek_v3, "
-                f"mixtral, qwen3_moe; glm4_moe holds {', '.join(hf_glm.HOLDS)}) have {what}; "
-                f"needs {key}={plain!r}"
+                f"{key}={getattr(c, key)!r}: the HF formats the converter writes for "
+                f"decoder_block={c.decoder_block!r} have {what}{has}; needs {key}={plain!r}"
             )
     if c.decoder_block == "deepseek" and c.attention_type == "mla":
         hf = hf_deepseek.to_hf(c, dict(base or {}))
@@ -346,10 +358,13 @@ def config_to_hf(c: Config, base: dict | None = None) -> dict[str, Any]:
         hf = _mixtral_to_hf(c)
     elif c.decoder_block == "qwen3":
         hf = hf_qwen3.to_hf(c)
+    elif gpt_oss:
+        hf = hf_gpt_oss.to_hf(c)
     else:
         raise ConversionError(
             f"decoder_block={c.decoder_block!r} with attention_type={c.attention_type!r} has no "
-            "HF equivalent in the converter (deepseek + mla or gqa, mixtral + gqa, qwen3 + gqa)"
+            "HF equivalent in the converter (deepseek + mla or gqa, mixtral + gqa, qwen3 + gqa, "
+            "gpt_oss + gqa)"
         )
     hf.update(_rope_to_hf(c))
     hf.update(

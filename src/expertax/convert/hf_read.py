@@ -2,8 +2,9 @@
 
 `plan` reads only the safetensors headers: it maps every tensor to a slice of a leaf
 (`hf.tensor_map`), checks shapes and dtypes, decides each leaf's stored dtype (fp8 weights
-become the config's weight_dtype) and its chunk layout, and cuts tensors larger than a chunk
-into blocks of rows (the embedding and lm_head of DeepSeek-V3 are 1.8 GiB each). `run` then
+become the config's weight_dtype, as do GPT-OSS's MXFP4 experts, read in units of whole
+experts: mxfp4.py) and its chunk layout, and cuts tensors larger than a chunk into blocks of
+rows (the embedding and lm_head of DeepSeek-V3 are 1.8 GiB each). `run` then
 converts the units on worker threads (numpy, safetensors and tensorstore release the GIL for
 their copies), each unit read -> dequantized -> transformed -> written -> released, so the
 memory held is a few units, never a leaf or the model.
@@ -26,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from expertax.config import Config
-from expertax.convert import fp8
+from expertax.convert import fp8, hf_gpt_oss, mxfp4
 from expertax.convert.hf import TensorMap, hf_shape, leaf_specs, tensor_map, to_ours, transpose
 from expertax.convert.hf_config import ConversionError, config_from_hf
 from expertax.convert.safetensors_io import Reader
@@ -102,24 +103,11 @@ def _fused_targets(c: Config, name: str) -> tuple[str, int, str, tuple[int, ...]
         raise ConversionError(f"tensor {name}: layer {layer} is a dense layer in the config")
     e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
     if gpt_oss:
-        shapes = {"gate_up_proj": (e, d, 2 * f), "down_proj": (e, f, d),
-                  "gate_up_proj_bias": (e, 2 * f), "down_proj_bias": (e, d)}  # fmt: skip
-        return m, i, which, shapes[which]
+        return m, i, which, hf_gpt_oss.fused_shapes(c)[which]
     return m, i, which, (e, 2 * f, d) if which == "gate_up_proj" else (e, d, f)
 
 
-# The leaves each fused tensor fills.
-_FUSED_LEAVES = {"gate_up_proj": ("wi_0", "wi_1"), "down_proj": ("wo",),
-                 "gate_up_proj_bias": ("bi_0", "bi_1"), "down_proj_bias": ("bo",)}  # fmt: skip
-
-
-def _fused_gpt_oss(which: str, w: np.ndarray) -> dict[str, np.ndarray]:
-    """GPT-OSS's fused tensor of one layer as our leaves' [E, ...] slices: gate and up are
-    interleaved along the last axis (gate = [..., ::2], up = [..., 1::2]); the rest as stored."""
-    if which.startswith("gate_up_proj"):
-        gate, up = np.ascontiguousarray(w[..., ::2]), np.ascontiguousarray(w[..., 1::2])
-        return dict(zip(_FUSED_LEAVES[which], (gate, up), strict=True))
-    return {_FUSED_LEAVES[which][0]: w}
+_FUSED_LEAVES = hf_gpt_oss.FUSED_LEAVES  # the same leaves for every fused layout
 
 
 def _layer(name: str) -> int | None:
@@ -176,7 +164,8 @@ def plan(reader: Reader, hf: dict) -> Plan:
     """Every unit of work of converting `reader`'s checkpoint, from its headers only."""
     names = set(reader.names())
     c, notes = _config(hf, names)
-    quantized = fp8.check_quantization_config(hf.get("quantization_config"))
+    fmt = mxfp4.quantization_format(hf.get("quantization_config"))
+    quantized = fmt == "fp8"
     canonical, maps = _maps(c, hf)
     specs = leaf_specs(c)
     depth = {t.leaf: len(t.index) for t in canonical}
@@ -211,6 +200,16 @@ def plan(reader: Reader, hf: dict) -> Plan:
             and name[: -len(fp8.SCALE_SUFFIX)] in names
         ):
             continue  # read with its weight
+        if name.endswith(mxfp4.SCALES) and _base(name, mxfp4.SCALES) + mxfp4.BLOCKS in names:
+            continue  # read with its blocks
+        if name.endswith(mxfp4.BLOCKS) and c.is_moe:
+            m, i, which, mx_units = _mxfp4_units(reader, c, name, fmt)
+            for leaf in _FUSED_LEAVES[which]:
+                depth[f"{m}.{leaf}"] = 2
+                leaf_dtype(f"{m}.{leaf}", _np_dtype(c.weight_dtype), name)
+                filled.update((f"{m}.{leaf}", (i, j)) for j in range(c.num_experts))
+            units += mx_units
+            continue
         dtype, shape = reader.dtype(name), reader.shape(name)
         if dtype == fp8.FP8 and fp8.scale_name(name) not in names:
             raise ConversionError(f"fp8 tensor {name} has no {fp8.scale_name(name)}")
@@ -223,7 +222,7 @@ def plan(reader: Reader, hf: dict) -> Plan:
                 depth[f"{m}.{leaf}"] = 2
                 leaf_dtype(f"{m}.{leaf}", dtype, name)
                 filled.update((f"{m}.{leaf}", (i, j)) for j in range(c.num_experts))
-            units.append(Unit(name, None, None, reader_nbytes(shape, dtype)))
+            units += _expert_units(name, shape, dtype)
             continue
         t = maps.get(name)
         if t is None:
@@ -262,6 +261,56 @@ def plan(reader: Reader, hf: dict) -> Plan:
         layouts[leaf] = (tuple(spec.shape), dtypes[leaf][0], tuple(chunks))
     checks = _check_units(canonical, shared, specs, dtypes)
     return Plan(c, hf, units, layouts, checks, quantized, notes)
+
+
+def _expert_units(name: str, shape: tuple[int, ...], dtype: np.dtype) -> list[Unit]:
+    """A fused expert tensor [E, ...] as one unit, or as units of whole experts when larger
+    than CHUNK_BYTES (gpt-oss-20b's gate_up_proj: 1 GiB a layer in bfloat16)."""
+    e, per_expert = shape[0], reader_nbytes(shape[1:], dtype)
+    step = max(1, CHUNK_BYTES // per_expert)
+    if step >= e:
+        return [Unit(name, None, None, e * per_expert)]
+    return [Unit(name, None, (a, min(a + step, e)), (min(a + step, e) - a) * per_expert)
+            for a in range(0, e, step)]  # fmt: skip
+
+
+def _base(name: str, suffix: str) -> str:
+    return name[: -len(suffix)]
+
+
+def _mxfp4_units(reader: Reader, c: Config, name: str, fmt: str):
+    """(MoE leaf prefix, layer index, gate_up_proj or down_proj, units) of a GPT-OSS expert
+    weight stored in MXFP4 (`name` its `_blocks`): units of whole experts, each at most
+    CHUNK_BYTES once dequantized."""
+    base = _base(name, mxfp4.BLOCKS)
+    match = _FUSED.match(base)
+    if match is None or match.group(3) or c.decoder_block != "gpt_oss":
+        raise ConversionError(
+            f"tensor {name}: MXFP4 is read for GPT-OSS's fused expert weights "
+            "(model.layers.<i>.mlp.experts.gate_up_proj / down_proj) only"
+        )
+    if fmt != mxfp4.QUANT_METHOD:
+        raise ConversionError(
+            f"tensor {name} is MXFP4 but config.json's quantization_config does not declare "
+            f"quant_method='mxfp4' (it has {fmt or 'none'})"
+        )
+    scales = _base(name, mxfp4.BLOCKS) + mxfp4.SCALES
+    if scales not in reader.names():
+        raise ConversionError(f"MXFP4 tensor {name} has no {scales}")
+    m, i, which, (e, a, b) = _fused_targets(c, base)
+    want_blocks, want_scales = mxfp4.stored_shapes((e, b, a), base)  # stored as [E, out, in]
+    for n, want in ((name, want_blocks), (scales, want_scales)):
+        _check_shape(n, reader.shape(n), want)
+        if reader.dtype(n) != np.uint8:
+            raise ConversionError(f"MXFP4 tensor {n} has dtype {reader.dtype(n)}; needs uint8")
+    per_expert = a * b * _np_dtype(c.weight_dtype).itemsize
+    step = max(1, CHUNK_BYTES // per_expert)
+    units = [
+        Unit(name, None, (j, min(j + step, e)), reader_nbytes(
+            (min(j + step, e) - j, *want_blocks[1:]), np.dtype(np.uint8)) * 17 // 16)
+        for j in range(0, e, step)
+    ]  # fmt: skip
+    return m, i, which, units
 
 
 def _check_units(canonical: list[TensorMap], shared: list, specs, dtypes) -> list[tuple[Unit, str]]:
@@ -309,19 +358,44 @@ def _read(reader: Reader, p: Plan, u: Unit, dtype: np.dtype) -> np.ndarray:
 Write = Callable[[str, tuple, np.ndarray], None]  # (leaf, where, value)
 
 
+def _run_mxfp4(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
+    """Experts [a, b) of an MXFP4 weight: dequantized, then as our leaves' [D, F] / [F, D]
+    slices (gate_up_proj's rows interleave gate and up: gate = rows 0::2, up = rows 1::2)."""
+    assert u.rows is not None, u.name  # MXFP4 units are ranges of experts
+    base = _base(u.name, mxfp4.BLOCKS)
+    m, i, which, _ = _fused_targets(p.c, base)
+    w_ERC = mxfp4.dequantize(
+        reader.get(u.name, u.rows),
+        reader.get(base + mxfp4.SCALES, u.rows),
+        p.layouts[f"{m}.wo"][1],
+        base,
+    )
+    for j, w_RC in enumerate(w_ERC, start=u.rows[0]):
+        if which == "gate_up_proj":  # rows (2f, 2f + 1) as one row: [F, 2D].T is [gate.T; up.T]
+            d = w_RC.shape[1]
+            both = transpose(w_RC.reshape(-1, 2 * d))
+            write(f"{m}.wi_0", (i, j), both[:d])
+            write(f"{m}.wi_1", (i, j), both[d:])
+        else:
+            write(f"{m}.wo", (i, j), transpose(w_RC))
+
+
 def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
-    if u.t is None:  # fused: gate_up_proj [E, 2F, D] or down_proj [E, D, F], one layer
+    if u.name.endswith(mxfp4.BLOCKS):
+        _run_mxfp4(reader, p, u, write)
+        return
+    if u.t is None:  # fused: a layer's gate_up_proj and down_proj (or experts [a, b) of them)
         m, i, which, _ = _fused_targets(p.c, u.name)
         w = _read(reader, p, u, p.layouts[f"{m}.wo"][1])
-        f = p.c.base_moe_mlp_dim
+        f, at = p.c.base_moe_mlp_dim, (i, slice(*(u.rows or (None,))))  # the unit's experts
         if p.c.decoder_block == "gpt_oss":
-            for leaf, x in _fused_gpt_oss(which, w).items():
-                write(f"{m}.{leaf}", (i,), x)
+            for leaf, x in hf_gpt_oss.split_fused(which, w).items():
+                write(f"{m}.{leaf}", at, x)
         elif which == "gate_up_proj":
-            write(f"{m}.wi_0", (i,), np.stack([transpose(x[:f]) for x in w]))
-            write(f"{m}.wi_1", (i,), np.stack([transpose(x[f:]) for x in w]))
+            write(f"{m}.wi_0", at, np.stack([transpose(x[:f]) for x in w]))
+            write(f"{m}.wi_1", at, np.stack([transpose(x[f:]) for x in w]))
         else:
-            write(f"{m}.wo", (i,), np.stack([transpose(x) for x in w]))
+            write(f"{m}.wo", at, np.stack([transpose(x) for x in w]))
         return
     t = u.t
     shape, dtype, _ = p.layouts[t.leaf]

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from expertax.config import Config
-from expertax.convert import fp8, safetensors_io
+from expertax.convert import fp8, hf_gpt_oss, safetensors_io
+from expertax.convert.errors import ConversionError
 from expertax.convert.hf import TensorMap, hf_shape, tensor_map, to_hf, transpose
 from expertax.convert.hf_config import config_to_hf
 from expertax.convert.hf_read import CHUNK_BYTES
@@ -29,11 +30,20 @@ Read = Callable[[str, tuple], np.ndarray]  # (leaf, where) -> the region's value
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """Rows [a, b) of one HF tensor (and, for fp8, of its scale grid)."""
+    """Rows [a, b) of one HF tensor (and, for fp8, of its scale grid); for GPT-OSS's fused
+    expert tensors, experts [a, b)."""
 
-    t: TensorMap
+    t: TensorMap | None  # None: a fused expert tensor, `fused`
     rows: tuple[int, int] | None
     quantize: bool
+    fused: tuple[str, str, int, str] | None = None  # (HF name, MoE leaves, layer, which)
+
+    @property
+    def name(self) -> str:
+        if self.t is not None:
+            return self.t.hf_name
+        assert self.fused is not None  # one of the two is set
+        return self.fused[0]
 
 
 def quantized(t: TensorMap) -> bool:
@@ -52,6 +62,12 @@ def plan(
     interleave = c.attention_type == "mla" and bool(base.get("rope_interleave", True))
     if c.attention_type == "mla" and hf["model_type"] != "deepseek_v2":  # V2: always
         hf["rope_interleave"] = interleave
+    gpt_oss = c.decoder_block == "gpt_oss"
+    if use_fp8 and gpt_oss:
+        raise ConversionError(
+            "to-hf --fp8 (use_fp8) writes DeepSeek-V3's fp8 block format; decoder_block="
+            "'gpt_oss' is written in its own dtype (the hub's MXFP4 is not written)"
+        )
     if use_fp8:
         hf["quantization_config"] = dict(fp8.HUB_QUANTIZATION_CONFIG)
     entries: list[safetensors_io.Entry] = []
@@ -75,12 +91,34 @@ def plan(
             ]
         else:
             jobs[t.hf_name] = [Job(t, None, q)]
+        if gpt_oss and t.hf_name.endswith("mlp.router.bias"):  # the layer's experts follow
+            _fused(c, t.index[0], t.hf_name.removesuffix("router.bias"), dtypes, entries, jobs)
     return hf, entries, jobs
+
+
+def _fused(c: Config, i: int, prefix: str, dtypes, entries: list, jobs: dict) -> None:
+    """GPT-OSS's fused expert tensors of MoE layer `i`, in jobs of whole experts of at most
+    CHUNK_BYTES."""
+    for which, shape in hf_gpt_oss.fused_shapes(c).items():
+        name, m = f"{prefix}experts.{which}", "moe_layers.moe"
+        dtype = np.dtype(dtypes[f"{m}.{hf_gpt_oss.FUSED_LEAVES[which][0]}"])
+        entries.append((name, shape, dtype))
+        per_expert = int(np.prod(shape[1:])) * dtype.itemsize
+        step, e = max(1, CHUNK_BYTES // per_expert), shape[0]
+        jobs[name] = [
+            Job(None, (a, min(a + step, e)), False, (name, m, i, which)) for a in range(0, e, step)
+        ]
 
 
 def run_job(read: Read, job: Job, hints) -> tuple[np.ndarray, np.ndarray | None]:
     """The job's rows of the HF tensor (fp8 values and their scale rows when quantizing)."""
     t = job.t
+    if t is None:
+        assert job.fused is not None and job.rows is not None  # a fused tensor's experts
+        _, m, i, which = job.fused
+        experts = slice(*job.rows)
+        leaves = [read(f"{m}.{leaf}", (i, experts)) for leaf in hf_gpt_oss.FUSED_LEAVES[which]]
+        return hf_gpt_oss.join_fused(which, leaves), None
     if job.rows is None:
         w = to_hf(t, read(t.leaf, t.index))
     elif t.kind == "copy":
@@ -113,13 +151,13 @@ def shard_blocks(
         futures[k] = None  # release the block once written
         if k + ahead < len(work):
             futures.append(pool.submit(run_job, read, work[k + ahead], hints))
-        yield job.t.hf_name, w
+        yield job.name, w
         on_block(w.nbytes)
         if s is not None:
             scales.append(s)
-            last = k + 1 == len(work) or work[k + 1].t.hf_name != job.t.hf_name
+            last = k + 1 == len(work) or work[k + 1].name != job.name
             if last:
-                yield fp8.scale_name(job.t.hf_name), np.concatenate(scales)
+                yield fp8.scale_name(job.name), np.concatenate(scales)
                 scales = []
 
 

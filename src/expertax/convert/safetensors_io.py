@@ -44,6 +44,7 @@ _DTYPE_NAMES = {
     np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
     np.dtype(np.int64): "I64",
     np.dtype(np.int32): "I32",
+    np.dtype(np.uint8): "U8",  # MXFP4 blocks and scales
 }
 _FROM_NAMES = {v: k for k, v in _DTYPE_NAMES.items()}
 
