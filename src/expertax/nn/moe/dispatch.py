@@ -60,8 +60,8 @@ def expert_ffn_sorted(
     def ffn(given):
         def mm(lhs, w, name):
             w, g = w.astype(dtype), given.get(name)
-            if recipe:
-                return remat.tag(fp8_gmm.gmm(lhs, w, group_sizes_E, recipe, given=g, **kw), name)
+            if recipe:  # untagged: the names go on gmm_glu's fp8 copies of gate and up
+                return fp8_gmm.gmm(lhs, w, group_sizes_E, recipe, given=g, **kw)
             return remat.tag(gmm(lhs, w, group_sizes_E, given=g, **kw), name)
 
         gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
