@@ -27,7 +27,7 @@ pytestmark = pytest.mark.distributed
 # The replaced paths (argsort over every assignment / the whole receive buffer), as references.
 
 
-def argsort_ring_dispatch(x_ND, routing, w, c, dtype, stash, *, gathered):
+def argsort_ring_dispatch(x_ND, routing, w, c, dtype, stash, *, gathered, bias=None):
     wi_0, wi_1, wo = w
     experts_NK, weights_NK = routing.experts_NK, routing.weights_NK
     if not gathered:
@@ -37,7 +37,7 @@ def argsort_ring_dispatch(x_ND, routing, w, c, dtype, stash, *, gathered):
     rows_MD, order, sizes_E = dispatch.permute(x_ND, experts_NK, c.num_experts)
     offset = jax.lax.axis_index(ep.EXPERT) * wi_0.shape[0]
     y, stash = dispatch.expert_ffn_sorted(
-        rows_MD, wi_0, wi_1, wo, sizes_E, c, dtype, group_offset=offset, stash=stash
+        rows_MD, wi_0, wi_1, wo, sizes_E, c, dtype, group_offset=offset, stash=stash, bias=bias
     )
     out_all = dispatch.unpermute_combine(y, order, weights_NK, c, dtype)
     if gathered:
@@ -45,7 +45,7 @@ def argsort_ring_dispatch(x_ND, routing, w, c, dtype, stash, *, gathered):
     return jax.lax.psum_scatter(out_all, ep.EXPERT, tiled=True), jnp.int32(0), stash
 
 
-def argsort_a2a_dispatch(x_ND, routing, w, c, dtype, impl, stash):
+def argsort_a2a_dispatch(x_ND, routing, w, c, dtype, impl, stash, bias=None):
     wi_0, wi_1, wo = w
     recv_MD, plan, send_order_M = ep.sort_and_send(x_ND, routing.experts_NK, c, impl)
     m = recv_MD.shape[0]
@@ -55,7 +55,15 @@ def argsort_a2a_dispatch(x_ND, routing, w, c, dtype, impl, stash):
     order_M = jnp.argsort(jnp.where(segment < ends.shape[0], segment % x, x), stable=True)
     sizes_X = plan.recv_counts_PX.sum(0)
     y_sorted, stash = dispatch.expert_ffn_sorted(
-        jnp.take(recv_MD, order_M, axis=0), wi_0, wi_1, wo, sizes_X, c, dtype, stash=stash
+        jnp.take(recv_MD, order_M, axis=0),
+        wi_0,
+        wi_1,
+        wo,
+        sizes_X,
+        c,
+        dtype,
+        stash=stash,
+        bias=bias,
     )
     y_MD = jnp.zeros_like(y_sorted).at[order_M].set(y_sorted)
     n, nk = x_ND.shape[0], send_order_M.shape[0]

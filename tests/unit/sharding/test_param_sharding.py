@@ -61,8 +61,9 @@ def _specs(c, shape: dict[str, int], rules):
 
 
 def _is_vector(s: param.ParamSpec) -> bool:
-    """Norm scales and the routing bias: one dimension besides the stacked `layers`."""
-    return len([a for a in s.axes if a != "layers"]) == 1
+    """Norm scales and the routing bias (one dimension besides the stacked `layers`), and the
+    biases and sinks (never weight-decayed: a vector per head or per expert, zeros at init)."""
+    return len([a for a in s.axes if a != "layers"]) == 1 or not s.weight_decay
 
 
 def param_bytes(c, shape: dict[str, int], rules) -> dict[str, float]:

@@ -19,6 +19,7 @@ from expertax.train import optimizer
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[3] / "configs" / "models").glob("*.yml"))
 NO_DECAY_NAMES = {"attn_norm", "ffn_norm", "final_norm", "q_norm", "k_norm", "kv_norm", "bias"}
 NO_DECAY_NAMES |= {"bq", "bk", "bv", "bo", "sinks"}  # GQA's biases and sinks (glm4.5: q/k/v)
+NO_DECAY_NAMES |= {"bi_0", "bi_1", "logit_bias"}  # GPT-OSS: expert biases, trained router bias
 DECAY_NAMES = {"embed", "lm_head", "w", "wq", "wq_a", "wq_b", "wk", "wv", "wkv_a", "wkv_b"}
 DECAY_NAMES |= {"wo", "wi_0", "wi_1"}
 
