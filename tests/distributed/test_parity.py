@@ -70,6 +70,45 @@ def parity_child(
     )
 
 
+def one_row(model: list[str], layout: str, tmp_path) -> dict:
+    """3 steps of one `layout` of a model (its `model_name=...` overrides) against the
+    one-device run, in a child: the row, checked within tolerance (losses below 10, vocab 512)."""
+    path = tmp_path / "parity.json"
+    run = parity_child([*model, "--steps", "3", "--layouts", layout], path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Involuntary full rematerialization" not in run.stdout + run.stderr
+    report = json.loads(path.read_text())
+    assert report["ok"] and report["refused"] == []
+    _check_rows(report["rows"], report["tolerance"], 10.0, 1)
+    row = report["rows"][0]
+    print(f"\n{model[0]} {layout}: max |dloss| {row['max_abs_loss_diff']:.3g}")
+    return row
+
+
+def layouts_with_control(c, good: list[str], bad: str, corrupt) -> None:
+    """The `good` layouts equal the one-device run of `c`; `bad` with its state changed by
+    `corrupt(state, trainer)` does not (100 x the tolerance off: the negative control)."""
+    layouts = [parity.parse_layout(n) for n in (*good, bad)]
+    result = parity.parity_table(
+        c, steps=3, layout_list=layouts, corrupt={layouts[-1]: corrupt}, echo=lambda *_: None
+    )
+    scale = max(abs(x) for x in result["reference_losses"])
+    for r in result["rows"]:
+        print(f"\nep{r['ep']} fsdp{r['fsdp']} tp{r['tp']}: |dloss| {r['max_abs_loss_diff']:.3g}")
+    _check_rows(result["rows"][: len(good)], result["tolerance"], scale, len(good))
+    assert result["rows"][-1]["max_abs_loss_diff"] > 100 * result["tolerance"] * scale
+    assert not result["ok"]
+
+
+def with_moe_attn(state, name: str, fn):
+    """`state` with the MoE layers' attention parameter `name` replaced by `fn` of it."""
+    layers = state.params.moe_layers
+    old = getattr(layers.attn, name)
+    attn = dataclasses.replace(layers.attn, **{name: jax.device_put(fn(old), old.sharding)})
+    params = dataclasses.replace(state.params, moe_layers=dataclasses.replace(layers, attn=attn))
+    return dataclasses.replace(state, params=params)
+
+
 def _swap_expert_shards(ep: int):
     """Test hook: each expert shard gets the next shard's wi_0 (a mis-sharded weight)."""
 

@@ -6,15 +6,10 @@ row already covers the all-to-all exchange with the q/k norm's heads split over 
 
 from __future__ import annotations
 
-import dataclasses
-import json
-
-import jax
 import pytest
 
 from expertax.config import load_config
-from expertax.tools import parity
-from tests.distributed.test_parity import SMALL, _check_rows, parity_child
+from tests.distributed.test_parity import SMALL, layouts_with_control, one_row, with_moe_attn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.full_grid]
 
@@ -25,38 +20,16 @@ def test_parity_glm45_tiny_row(tmp_path):
     """3 steps of EP=2 x TP=2 x data=2 (padded all-to-all) equal the one-device run's losses."""
     c = load_config(overrides=MODEL)
     assert c.attention_qkv_bias and c.attention_qk_norm and c.partial_rotary_factor == 0.5
-    path = tmp_path / "parity.json"
-    run = parity_child([*MODEL, "--steps", "3", "--layouts", "sparse-padded-ep2-tp2-data2"], path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(path.read_text())
-    assert report["ok"] and report["refused"] == []
-    _check_rows(report["rows"], report["tolerance"], 10.0, 1)  # losses below 10 (vocab 512)
-    row = report["rows"][0]
-    print(f"\nglm4.5-tiny ep2-tp2-data2: max |dloss| {row['max_abs_loss_diff']:.3g}")
+    row = one_row(MODEL, "sparse-padded-ep2-tp2-data2", tmp_path)
     assert (row["ep"], row["tp"], row["data"]) == (2, 2, 2)
 
 
 def _larger_key_bias(state, trainer):
     """Test hook: the key bias of every MoE layer shifted by 2 (the negative control)."""
-    layers = state.params.moe_layers
-    bk = layers.attn.bk
-    bk = jax.device_put(bk + 2.0, bk.sharding)
-    attn = dataclasses.replace(layers.attn, bk=bk)
-    params = dataclasses.replace(state.params, moe_layers=dataclasses.replace(layers, attn=attn))
-    return dataclasses.replace(state, params=params)
+    return with_moe_attn(state, "bk", lambda b: b + 2.0)
 
 
 def test_parity_glm45_tiny_ep_fsdp_with_control():
     """EP=4 x FSDP=2 equals the one-device run; EP=8 with a shifted key bias does not."""
     c = load_config(overrides=MODEL)
-    good = parity.parse_layout("sparse-padded-ep4-fsdp2")
-    bad = parity.parse_layout("sparse-padded-ep8")
-    result = parity.parity_table(
-        c, steps=3, layout_list=[good, bad], corrupt={bad: _larger_key_bias}, echo=lambda *_: None
-    )
-    scale = max(abs(x) for x in result["reference_losses"])
-    for r in result["rows"]:
-        print(f"\nep{r['ep']} fsdp{r['fsdp']}: |dloss| {r['max_abs_loss_diff']:.3g}")
-    _check_rows(result["rows"][:1], result["tolerance"], scale, 1)
-    assert result["rows"][1]["max_abs_loss_diff"] > 100 * result["tolerance"] * scale
-    assert not result["ok"]
+    layouts_with_control(c, ["sparse-padded-ep4-fsdp2"], "sparse-padded-ep8", _larger_key_bias)

@@ -17,6 +17,7 @@ from typing import Any
 from expertax.config import Config
 from expertax.convert import hf_deepseek
 from expertax.convert.errors import ConversionError, require_keys
+from expertax.convert.hf_qwen3 import gqa_dims
 
 MODEL_TYPE = "glm4_moe"
 
@@ -61,13 +62,10 @@ def keys_from_hf(hf: dict) -> tuple[dict[str, Any], set[str]]:
                 f"HF config fields {key}={hf[key]} and num_nextn_predict_layers="
                 f"{keys['mtp_num_layers']} disagree; they name the same count: keep one"
             )
-    heads = hf["num_attention_heads"]
     keys.update(
+        gqa_dims(hf),
         model_name="glm4.5-tiny",
         attention_type="gqa",
-        base_num_query_heads=heads,
-        base_num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         attention_qkv_bias=bool(hf["attention_bias"]),
         attention_qk_norm=bool(hf["use_qk_norm"]),
     )

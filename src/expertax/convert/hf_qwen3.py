@@ -55,7 +55,8 @@ def _experts(hf: dict) -> int:
 
 
 def gqa_dims(hf: dict) -> dict[str, Any]:
-    """The vocabulary, width and GQA head keys of a config.json (Qwen3-MoE's, GPT-OSS's)."""
+    """The vocabulary, width and GQA head keys of a config.json (Qwen3-MoE's, GPT-OSS's,
+    GLM-4.5's)."""
     heads = hf["num_attention_heads"]
     return {
         "vocab_size": hf["vocab_size"],

@@ -49,14 +49,8 @@ def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None,
     """`gmm_mod.gmm(lhs_MK, rhs_EKN, sizes_E, group_offset=..., **kw)` with fp8 operands under
     `recipe` (`fp8_gemm.RECIPES`); `kw`: `backend`, `tile_rows`, `tile_rows_min`. The output
     is in lhs_MK's dtype."""
-    fp8_gemm.check_recipe(recipe)
-    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
-    # the balanced-routing rows the tile loops are named with (tiles.py), also in the backward
-    # products, which are traced later, outside the MoE layer's scope
-    expected = tiles.current_expected_rows()
-    opts = (recipe, group_offset is not None, tuple(sorted(kw.items())), expected)
-    args = (lhs_MK, rhs_EKN, sizes_E.astype(jnp.int32), offset)
-    lhs_MK, rhs_EKN, sizes_E, offset = (varying_like(a, *args) for a in args)
+    opts, args = _prepare(recipe, group_offset, kw, lhs_MK, rhs_EKN, sizes_E)
+    lhs_MK, rhs_EKN, sizes_E, offset = args
     if given is None:
         return _gmm(lhs_MK, rhs_EKN, sizes_E, offset, opts)
     given = varying_like(given.astype(lhs_MK.dtype), lhs_MK)
@@ -78,15 +72,24 @@ def gmm_glu(
 ):
     """`gmm(act(gate, up), rhs, sizes, recipe)` saving gate and up in fp8 under the checkpoint
     `names` (gate's, up's) for the backward (the module docstring); `act` hashable."""
-    fp8_gemm.check_recipe(recipe)
-    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
-    expected = tiles.current_expected_rows()
-    opts = (recipe, group_offset is not None, tuple(sorted(kw.items())), expected)
-    args = (gate_MF, up_MF, rhs_EFN, sizes_E.astype(jnp.int32), offset)
-    gate_MF, up_MF, rhs_EFN, sizes_E, offset = (varying_like(a, *args) for a in args)
+    opts, args = _prepare(recipe, group_offset, kw, gate_MF, up_MF, rhs_EFN, sizes_E)
+    gate_MF, up_MF, rhs_EFN, sizes_E, offset = args
     if given is not None:
         given = varying_like(given.astype(gate_MF.dtype), gate_MF)
     return _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, tuple(names))
+
+
+def _prepare(recipe, group_offset, kw, *arrays):
+    """(the custom VJPs' static options, `arrays` with int32 sizes last and the group offset
+    appended, all with the same varying mesh axes as `gmm._gmm_tiled` gives its operands)."""
+    fp8_gemm.check_recipe(recipe)
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    # the balanced-routing rows the tile loops are named with (tiles.py), also in the backward
+    # products, which are traced later, outside the MoE layer's scope
+    expected = tiles.current_expected_rows()
+    opts = (recipe, group_offset is not None, tuple(sorted(kw.items())), expected)
+    args = (*arrays[:-1], arrays[-1].astype(jnp.int32), offset)
+    return opts, tuple(varying_like(a, *args) for a in args)
 
 
 def _backend(x_MK, w_EKN, sizes_E, offset, opts):
