@@ -98,6 +98,7 @@ def cmd_parity(args) -> int:
         layout_list=chosen,
         skip_refused=args.skip_refused,
         impose_routing=args.impose_routing,
+        packed=args.packed,
     )
     print(parity.format_table(result))
     if args.json:
@@ -362,6 +363,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--skip-refused",
         action="store_true",
         help="list layouts the config checks refuse as skipped instead of failing the table",
+    )
+    par.add_argument(
+        "--packed",
+        action="store_true",
+        help="train on packed data: each sequence cut into up to three documents (segment ids, "
+        "positions from 0 per document)",
     )
     par.add_argument(
         "--impose-routing",

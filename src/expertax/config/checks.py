@@ -309,7 +309,8 @@ def check_pipeline(c: Config) -> None:
 
 def check_parallelism_values(c: Config) -> None:
     for prefix in ("ici", "dcn"):
-        keys = [f"{prefix}_{a}_parallelism" for a in ("data", "fsdp", "expert", "tensor")]
+        axes = ("data", "fsdp", "context", "expert", "tensor")
+        keys = [f"{prefix}_{a}_parallelism" for a in axes]
         fills = [k for k in keys if getattr(c, k) == -1]
         if len(fills) > 1:
             raise ConfigError(f"only one {prefix}_*_parallelism may be -1; got {', '.join(fills)}")

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 DType = Literal["float32", "bfloat16", "float16"]
 
 # The mesh axes, in mesh order; each has ici_<axis>_parallelism and dcn_<axis>_parallelism keys.
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+MESH_AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 # What a key changes, declared with the key (`_key(KIND, default, ...)`); one classification used
 # by the resume check, the `load_parameters_path` check and `--help-keys`:

@@ -20,6 +20,12 @@ class ParallelSection(_Section):
         LAYOUT, 1, description="Data-parallel axis size (-1: the rest)."
     )
     ici_fsdp_parallelism: int = _key(LAYOUT, -1, description="FSDP axis size (-1: the rest).")
+    ici_context_parallelism: int = _key(
+        LAYOUT,
+        1,
+        description="Context-parallel axis size (-1: the rest): each sequence split along its "
+        "tokens over this many devices (nn/attention/context.py; docs/design/context.md).",
+    )
     ici_expert_parallelism: int = _key(
         LAYOUT, 1, description="Expert-parallel axis size (-1: the rest)."
     )
@@ -58,6 +64,16 @@ class ParallelSection(_Section):
     )
     dcn_data_parallelism: int = _key(LAYOUT, 1, description="Data-parallel across hosts/slices.")
     dcn_fsdp_parallelism: int = _key(LAYOUT, 1, description="FSDP across hosts/slices.")
+    dcn_context_parallelism: int = _key(
+        LAYOUT, 1, description="Context parallelism across hosts/slices."
+    )
+    context_parallel_load_balance: bool = _key(
+        LAYOUT,
+        True,
+        description="Under context parallelism, reorder each sequence once per batch so that "
+        "device i holds chunks i and 2cp-1-i of 2cp (causal attention's work even); "
+        "positions, segment ids, targets and MTP targets move with the tokens.",
+    )
     dcn_expert_parallelism: int = _key(
         LAYOUT, 1, description="Expert parallelism across hosts/slices."
     )

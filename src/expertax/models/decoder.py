@@ -272,7 +272,7 @@ def embed_tokens(params: Decoder, inputs_BT: jax.Array, c: Config) -> jax.Array:
     activations shard on B (e.g. `expert`), a move the SPMD partitioner can only make by
     replicating the whole [B, T, D] activation ("involuntary full rematerialization").
     """
-    table_VD = constrain(params.embed, ("vocab", None))
+    table_VD = constrain(params.embed, ("vocab", None), replicated=True)
     x_BTD = embed.lookup(table_VD, inputs_BT, jnp.dtype(c.dtype), use_iota=c.use_iota_embed)
     return constrain(x_BTD, ACT_BTD)
 

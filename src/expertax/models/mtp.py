@@ -97,7 +97,10 @@ def forward(
     depths, all_stats = [], []
     for k in range(1, c.mtp_num_layers + 1):
         layer = jax.tree.map(lambda a, k=k: a[k - 1], params.mtp)
-        tokens_BT, targets_BT, weights_BT = depth_targets(batch, k)
+        if "mtp_depths" in batch:  # computed before a reorder of the sequence (context.py)
+            tokens_BT, targets_BT, weights_BT = batch["mtp_depths"][k - 1]
+        else:
+            tokens_BT, targets_BT, weights_BT = depth_targets(batch, k)
         x_BTD = module_input(params, layer, h_BTD, tokens_BT, c)
         h_BTD, stats = block(x_BTD, layer.block)
         out_BTD = norm.rms_norm(layer.head_norm, h_BTD, eps)

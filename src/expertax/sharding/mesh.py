@@ -63,6 +63,7 @@ def check_mesh_fit(c: Config, shape: dict[str, int]) -> None:
         raise ConfigError(
             f"base_num_kv_heads={c.base_num_kv_heads} is not divisible by the tensor axis ({tp})"
         )
+    check_context_fit(c, shape)
     batch_shards = shape["data"] * shape["fsdp"] * shape["expert"]
     devices = math.prod(shape.values())
     global_batch = c.per_device_batch_size * devices
@@ -80,6 +81,22 @@ def check_mesh_fit(c: Config, shape: dict[str, int]) -> None:
             f"num_moe_token_chunks={chunks} does not divide the {shard_tokens} tokens per batch "
             f"shard (global batch {int(global_batch)} x max_target_length={c.max_target_length} "
             f"/ data x fsdp x expert = {batch_shards}); use a divisor such as {valid[-4:]}"
+        )
+
+
+def check_context_fit(c: Config, shape: dict[str, int]) -> None:
+    """The sequence must split evenly over the context axis: into cp chunks, or 2cp with
+    context_parallel_load_balance (nn/attention/context.py)."""
+    cp = shape.get("context", 1)
+    if cp == 1:
+        return
+    pieces = 2 * cp if c.context_parallel_load_balance else cp
+    if c.max_target_length % pieces:
+        how = "2 x context" if c.context_parallel_load_balance else "context"
+        raise ConfigError(
+            f"max_target_length={c.max_target_length} does not split into {pieces} equal chunks "
+            f"({how}, from ici_context_parallelism={c.ici_context_parallelism}); use a multiple "
+            f"of {pieces}"
         )
 
 

@@ -79,13 +79,15 @@ def named_sharding(mesh, axes, rules: Rules, shape=None) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, rules, mesh, shape))
 
 
-def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """Constrain an activation's sharding by logical axes; a no-op without mesh and rules."""
+def constrain(x: jax.Array, axes: Sequence[str | None], *, replicated: bool = False) -> jax.Array:
+    """Constrain an activation's sharding by logical axes; a no-op without mesh and rules.
+    `replicated`: emit the constraint even where every dim is replicated (a weight gathered
+    whole before a lookup), which is otherwise left to the partitioner."""
     rules = _RULES.get()
     mesh = jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty:
         return x
     spec = logical_to_spec(axes, rules, mesh, x.shape)
-    if all(s is None for s in spec):
+    if all(s is None for s in spec) and not replicated:
         return x
     return jax.lax.with_sharding_constraint(x, spec)

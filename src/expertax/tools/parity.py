@@ -95,12 +95,14 @@ class Layout:
     stash: bool = False  # moe_paged_stash (sparse layouts only)
     rules: str = "default"  # sharding_rules preset
     pp: int = 1  # pipeline stages (ici_pipeline_parallelism)
+    cp: int = 1  # context parallelism (ici_context_parallelism)
+    balance: bool = True  # context_parallel_load_balance (`-nolb`: off)
     microbatches: int = -1  # num_pipeline_microbatches (-1: the stages)
     repeats: int = 1  # num_pipeline_repeats (circular schedule)
 
     @property
     def num_devices(self) -> int:
-        return self.pp * self.ep * self.fsdp * self.tp * self.data
+        return self.pp * self.cp * self.ep * self.fsdp * self.tp * self.data
 
     @property
     def pipeline_microbatches(self) -> int:
@@ -125,11 +127,14 @@ class Layout:
         elif self.a2a_impl != "-":
             parts.append(self.a2a_impl)
         parts += self.pipeline_parts
+        parts += [f"cp{self.cp}"] if self.cp != 1 else []
         sizes = (("ep", self.ep), ("fsdp", self.fsdp), ("tp", self.tp), ("data", self.data))
         parts += [f"{k}{v}" for k, v in sizes if v != 1]
         parts += [part for part, preset in RULES_PARTS.items() if preset == self.rules]
         if self.stash:
             parts.append("stash")
+        if self.cp != 1 and not self.balance:
+            parts.append("nolb")
         return "-".join(parts)
 
     def overrides(self, global_batch: int) -> dict:
@@ -143,6 +148,8 @@ class Layout:
             "ici_tensor_parallelism": self.tp,
             "ici_data_parallelism": self.data,
             "ici_pipeline_parallelism": self.pp,
+            "ici_context_parallelism": self.cp,
+            "context_parallel_load_balance": self.balance,
             "num_pipeline_microbatches": self.microbatches,
             "num_pipeline_repeats": self.repeats,
             "per_device_batch_size": global_batch / self.num_devices,
@@ -235,6 +242,7 @@ def pipeline_layouts(num_devices: int, backend: str) -> list[Layout]:
 # Layout name part (letters before the number) -> Layout field.
 SIZE_PARTS = {
     "pp": "pp",
+    "cp": "cp",
     "mb": "microbatches",
     "r": "repeats",
     "ep": "ep",
@@ -251,11 +259,13 @@ def parse_layout(name: str, backend: str | None = None) -> Layout:
     `backend` has (the platform compiled for; default `platform.current()`)."""
     mode, *parts = name.split("-")
     sizes: dict[str, int] = {}
-    ring, impl, stash, rules = False, "-", False, "default"
+    ring, impl, stash, rules, balance = False, "-", False, "default", True
     for part in parts:
         key = part.rstrip("0123456789")
         if part == "stash":
             stash = True
+        elif part == "nolb":
+            balance = False
         elif part in RULES_PARTS:
             rules = RULES_PARTS[part]
         elif part in ("ring", "ragged", "padded"):
@@ -267,7 +277,7 @@ def parse_layout(name: str, backend: str | None = None) -> Layout:
         else:
             raise ConfigError(
                 f"--layouts {name!r}: unknown part {part!r} (e.g. sparse-ring-ep8; sizes "
-                f"{', '.join(k + 'N' for k in SIZE_PARTS)}; {', '.join(RULES_PARTS)}, stash)"
+                f"{', '.join(k + 'N' for k in SIZE_PARTS)}; {', '.join(RULES_PARTS)}, stash, nolb)"
             )
     if mode not in ("sparse", "dense") or (mode == "dense" and (ring or impl != "-")):
         raise ConfigError(f"--layouts {name!r}: use sparse-[ring|ragged|padded]-... or dense-...")
@@ -280,7 +290,7 @@ def parse_layout(name: str, backend: str | None = None) -> Layout:
         )
     if mode == "sparse" and not ring and impl == "-":
         impl = a2a_impls(backend or platform.current())[0]
-    return Layout(mode, ring, impl, **sizes, stash=stash, rules=rules)
+    return Layout(mode, ring, impl, **sizes, stash=stash, rules=rules, balance=balance)
 
 
 def reference_layout() -> Layout:
@@ -329,6 +339,7 @@ def run_layout(
     global_batch: int,
     corrupt: Callable | None = None,
     routing: list | None = None,
+    packed: bool = False,
 ) -> dict:
     """Train `steps` steps of `base` under `layout`; per-step losses and throughput.
 
@@ -346,6 +357,8 @@ def run_layout(
         seed=c.data_shuffle_seed,
     )
     batches = [data.batch_at(i) for i in range(steps)]
+    if packed:
+        batches = [pack(b, i) for i, b in enumerate(batches)]
     probes = None
     if routing and corrupt is None and parity_routing.probed(c):
         probes = parity_routing.probe(c, devices, batches[0], routing)
@@ -380,6 +393,23 @@ def run_layout(
     }
 
 
+def pack(batch: dict, step: int) -> dict:
+    """`batch` as packed data: each row cut into up to three documents at random points (seeded
+    by `step`), positions from 0 per document, no target across a document's end."""
+    rng = np.random.default_rng(step)
+    b, t = batch["inputs"].shape
+    out = dict(batch)
+    seg, pos, w = (np.empty((b, t), np.int32) for _ in range(3))
+    for r in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), size=min(2, t - 1), replace=False))
+        seg[r] = 1 + np.searchsorted(cuts, np.arange(t), side="right")
+        starts = np.concatenate([[0], cuts])[seg[r] - 1]
+        pos[r] = np.arange(t) - starts
+        w[r] = np.append(seg[r, 1:] == seg[r, :-1], True)
+    out.update(segment_ids=seg, positions=pos, weights=batch["weights"] * w)
+    return out
+
+
 def make_row(layout: Layout, run: dict, ref_losses: list[float], ref_probe: dict | None = None):
     """The row of `layout`; with the reference's probe (`ref_probe`, {"loss", "chosen"}) and the
     layout's probes (run["probes"]: its own routing, then the imposed one if any), its routing
@@ -397,6 +427,8 @@ def make_row(layout: Layout, run: dict, ref_losses: list[float], ref_probe: dict
         "ring": layout.ring,
         "a2a_impl": layout.a2a_impl,
         "pp": layout.pp,
+        "cp": layout.cp,
+        "load_balance": layout.balance,
         "microbatches": layout.pipeline_microbatches,
         "repeats": layout.repeats,
         "ep": layout.ep,
@@ -423,6 +455,7 @@ def parity_table(
     corrupt: dict | None = None,
     echo=print,
     impose_routing: bool = False,
+    packed: bool = False,
 ) -> dict:
     """Run the reference and every layout.
 
@@ -475,6 +508,7 @@ def parity_table(
             steps=steps,
             global_batch=global_batch,
             routing=[None] if probe else None,
+            packed=packed,
         )
         ref_losses, ref_probe = ref["losses"], (ref.get("probes") or [None])[0]
         bar.update(1)
@@ -486,8 +520,9 @@ def parity_table(
         if ref_probe is not None:
             routing = [None, ref_probe["chosen"]] if impose_routing else [None]
         run = run_layout(
-            base, layout, steps=steps, global_batch=global_batch, corrupt=hook, routing=routing
-        )
+            base, layout, steps=steps, global_batch=global_batch, corrupt=hook, routing=routing,
+            packed=packed,
+        )  # fmt: skip
         rows.append(make_row(layout, run, ref_losses, ref_probe))
         bar.update(1)
         say(format_row(rows[-1], tol, ref_losses))
@@ -511,6 +546,7 @@ HEADER = (
     "ring",
     "a2a",
     "PP",
+    "CP",
     "EP",
     "FSDP",
     "TP",
@@ -535,6 +571,11 @@ def pp_cell(pp: int, microbatches: int, repeats: int) -> str:
     return " ".join([str(pp), *extra])
 
 
+def cp_cell(cp: int, balance: bool) -> str:
+    """The CP column: the context axis, `nolb` when its load balancing is off."""
+    return f"{cp} nolb" if cp != 1 and not balance else str(cp)
+
+
 def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
     _, ok = parity_routing.verdict(r, tol * max(abs(x) for x in ref_losses))
     imposed = r.get("imposed_loss_diff")
@@ -544,6 +585,7 @@ def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
         str(r["ring"]),
         r["a2a_impl"],
         pp_cell(pp, r.get("microbatches", pp), r.get("repeats", 1)),
+        cp_cell(r.get("cp", 1), r.get("load_balance", True)),
         r["ep"],
         r["fsdp"],
         r["tp"],
@@ -565,7 +607,8 @@ def format_refused_row(refused: dict, skipped: bool, why: str = "refused") -> st
     """A refused (or skipped) layout's row: its name in the first cells, the reason in the last."""
     layout = parse_layout(refused["layout"])
     pp = pp_cell(layout.pp, layout.pipeline_microbatches, layout.repeats)
-    cells = [layout.mode, str(layout.ring), layout.a2a_impl, pp, layout.ep, layout.fsdp]
+    cp = cp_cell(layout.cp, layout.balance)
+    cells = [layout.mode, str(layout.ring), layout.a2a_impl, pp, cp, layout.ep, layout.fsdp]
     cells += [layout.tp, layout.data, "yes" if layout.stash else "no", layout.rules]
     cells += ["-"] * 6
     word = "skipped" if skipped else "NO"

@@ -12,6 +12,7 @@ import optax
 from expertax.config.schema import Config
 from expertax.models import decoder, mtp
 from expertax.nn import vocab_loss
+from expertax.nn.attention import context
 from expertax.nn.moe.router import MoEStats, updated_bias
 from expertax.train import optimizer
 from expertax.train.state import TrainState
@@ -46,6 +47,7 @@ def loss_fn(params, batch: dict, c: Config, *, acceptance: bool = False):
     With `num_vocab_tiling` > 1 the cross-entropy is computed a sequence tile at a time from the
     hidden states (`nn.vocab_loss`), so the float32 [B, T, V] logits never exist at once.
     """
+    batch = context.balance(batch, c, mtp.depth_targets)  # (context parallelism's reorder)
     kwargs = dict(positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids"))
     w_BT = batch["weights"].astype(jnp.float32)
     x_BTD = decoder.embed_tokens(params, batch["inputs"], c)

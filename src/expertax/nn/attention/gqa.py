@@ -9,7 +9,7 @@ import jax
 
 from expertax.config.schema import Config
 from expertax.nn import rope
-from expertax.nn.attention import chunks, kernel, qk_norm
+from expertax.nn.attention import chunks, context, kernel, qk_norm
 from expertax.nn.attention.cache import KV, constrain_layer, slot_positions, write
 from expertax.nn.attention.mask import MaskSpec
 from expertax.nn.linear import project
@@ -97,6 +97,14 @@ def apply(
             mask_spec=mask_spec,
         )  # fmt: skip
         return _project(out, p.wo, given(p.bo), dtype, 2), cache
+    if context.size() > 1:  # context parallelism: the keys and values cross devices
+        out = context.attend(
+            _queries(p, x_BTD, c, positions_BT, dtype), (k, v), lambda kv, _: kv, None, c,
+            positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+            scale=rope.softmax_scale(c), sink_logits_H=given(p.sinks), mask_spec=mask_spec,
+        )  # fmt: skip
+        out = _project(remat.tag(out, remat.ATTENTION_OUT), p.wo, given(p.bo), dtype, 2)
+        return remat.tag(out, remat.OUT_PROJ), None
     kv_positions_BS = positions_BT
 
     def queries_out(x_BTD, positions_BT, q_offset, end):  # a chunk's queries (chunks.py)

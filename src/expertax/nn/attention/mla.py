@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import norm, rope
-from expertax.nn.attention import chunks, kernel
+from expertax.nn.attention import chunks, context, kernel
 from expertax.nn.attention.cache import KV, Latent, constrain_layer, slot_positions, write
 from expertax.nn.linear import is_joint, per_head, project
 from expertax.nn.param import Param, params_dataclass, projection
@@ -131,6 +131,8 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache=N
     kv_a = remat.tag(project(x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
     latent_BTR, k_rope_BTQ = kv_a[..., : c.kv_lora_rank], kv_a[..., c.kv_lora_rank :]
     latent_BTR = norm.rms_norm(p.kv_norm, latent_BTR, c.normalization_layer_epsilon)
+    if context.size() > 1:
+        return _context_parallel(p, x_BTD, c, positions_BT, segment_ids_BT, dtype, kv_a, latent_BTR)
     kv_BTHZ = remat.tag(  # Z = Qn+O: no-RoPE keys, then values
         project(latent_BTR, p.wkv_b.astype(dtype)), remat.MLA_KV
     )
@@ -146,11 +148,7 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache=N
     kv_positions_BS = positions_BT
 
     def queries_out(x_BTD, positions_BT, q_offset, end):  # a chunk's queries (chunks.py)
-        q_BTHQ = remat.tag(queries(p, x_BTD, c, dtype), remat.MLA_Q)
-        cos, sin = rope.cos_sin(c, positions_BT, rdim)
-        q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
-        q = remat.tag(jnp.concatenate([q_BTHQ[..., :nope], q_rope], -1), remat.QUERY_PROJ)
-        q = constrain(q, ("batch", "length", "act_heads", None))
+        q = _queries_roped(p, x_BTD, c, positions_BT, dtype)
         scale = rope.softmax_scale(c)
         out = chunks.attend_chunk(
             q, k, v, c, segment_ids_BT, q_offset, end, scale, positions_BT, kv_positions_BS
@@ -161,6 +159,41 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache=N
     out = chunks.over_queries(queries_out, x_BTD, positions_BT, c, scan=scan)
     # named here, not inside a chunk: a name inside a chunk's checkpoint is saved by the
     # chunk, on device, whatever its placement
+    return remat.tag(out, remat.OUT_PROJ), None
+
+
+def _queries_roped(p: MLA, x_BTD, c: Config, positions_BT, dtype) -> jax.Array:
+    """Per-head queries [B, T, H, Qn+Qr] with RoPE on their last Qr dims."""
+    nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
+    q_BTHQ = remat.tag(queries(p, x_BTD, c, dtype), remat.MLA_Q)
+    cos, sin = rope.cos_sin(c, positions_BT, rdim)
+    q_rope = rope.apply(q_BTHQ[..., nope:], cos, sin)
+    q = remat.tag(jnp.concatenate([q_BTHQ[..., :nope], q_rope], -1), remat.QUERY_PROJ)
+    return constrain(q, ("batch", "length", "act_heads", None))
+
+
+def _context_parallel(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, kv_a,
+                      latent_BTR):  # fmt: skip
+    """The layer under context parallelism (context.py): the normed latent [B, T, Rkv] and the
+    rotated RoPE key [B, T, Qr] are what crosses devices; each device up-projects the gathered
+    latent by `wkv_b` into its keys and values."""
+    nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
+    cos, sin = rope.cos_sin(c, positions_BT, rdim)
+    k_rope_BTQ = rope.apply(kv_a[..., None, c.kv_lora_rank :], cos, sin)[:, :, 0]
+
+    def expand(kv, wkv_b_RHZ):
+        latent_BSR, k_rope_BSQ = kv
+        kv_BSHZ = project(latent_BSR, wkv_b_RHZ)
+        h = kv_BSHZ.shape[2]
+        k_rope_BSHQ = jnp.broadcast_to(k_rope_BSQ[:, :, None], (*k_rope_BSQ.shape[:2], h, rdim))
+        return jnp.concatenate([kv_BSHZ[..., :nope], k_rope_BSHQ], -1), kv_BSHZ[..., nope:]
+
+    q = _queries_roped(p, x_BTD, c, positions_BT, dtype)
+    out = context.attend(
+        q, (latent_BTR, k_rope_BTQ), expand, p.wkv_b.astype(dtype), c,
+        positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, scale=rope.softmax_scale(c),
+    )  # fmt: skip
+    out = project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
     return remat.tag(out, remat.OUT_PROJ), None
 
 

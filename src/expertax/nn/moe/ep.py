@@ -363,7 +363,7 @@ def _body(
     bias_local = bias_mod.once_over(bias_local, specs.mlp)
     ring = c.use_ring_of_experts
     split = EXPERT in specs.tokens
-    stat_axes = specs.tokens
+    stat_axes = specs.tokens + specs.seq  # every axis whose shards route other tokens
     if not split and not ring:  # replicated tokens: each expert shard routes and sends 1/EP
         stat_axes = (*stat_axes, EXPERT)
         n = b * t // jax.lax.axis_size(EXPERT)

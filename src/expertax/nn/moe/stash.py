@@ -36,11 +36,12 @@ from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
 
 WRITE, READ = "write", "read"
-# The mesh axes over which a device's stashed rows differ: its tokens (data, fsdp, expert), its
-# experts (expert) and its slice of F (tensor). The buffers are replicated over any other axis.
+# The mesh axes over which a device's stashed rows differ: its tokens (data, fsdp, context,
+# expert), its experts (expert) and its slice of F (tensor). The buffers are replicated over
+# any other axis.
 # every mesh axis the MoE tokens or experts may vary over (`pipeline` is a batch axis outside a
 # pipeline; the stash itself is refused with pipeline stages, config/checks.py)
-AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +159,7 @@ def run_ffn(stash: Stash | None, m: int, group_sizes_E, group_offset, num_local:
 def expected_rows(c: Config, num_tokens: int, axis_sizes: dict[str, int]) -> int:
     """Rows a device's experts receive per layer on average: its tokens' N*K (the tokens of all
     B*T spread over the batch axes; a device receives as many rows as it sends)."""
-    shards = math.prod(axis_sizes.get(a, 1) for a in ("data", "fsdp", "expert"))
+    shards = math.prod(axis_sizes.get(a, 1) for a in ("data", "fsdp", "context", "expert"))
     return math.ceil(num_tokens * c.num_experts_per_tok / shards)
 
 

@@ -23,6 +23,7 @@ from expertax.sharding.rules import Rules
 
 BATCH_AXES = ("data", "fsdp", "expert", "pipeline")
 EXPERT = "expert"
+CONTEXT = "context"
 
 
 def uses_shard_map(c: Config, mesh_size: int) -> bool:
@@ -31,16 +32,20 @@ def uses_shard_map(c: Config, mesh_size: int) -> bool:
 
 
 def token_axes(rules: Rules | None) -> tuple[str, ...]:
-    """Mesh axes the MoE input tokens are sharded over: the rules' `batch` entry (batch axes)."""
-    return moe_specs(rules).tokens
+    """Mesh axes the MoE input tokens are sharded over: the rules' `batch` entry (batch axes),
+    then `length`'s (the context axis: a sequence's tokens keep their context split)."""
+    specs = moe_specs(rules)
+    return specs.tokens + specs.seq
 
 
 @dataclasses.dataclass(frozen=True)
 class MoESpecs:
     """The MoE `shard_map`'s layout, read from the rules table (`ep.apply`'s in/out specs).
 
-    tokens: mesh axes of the token rows (rule `batch`); expert: the mesh axis of the expert dim
-    E while the layer computes (rule `act_exp`: the exchange's collectives run over it); mlp: mesh
+    tokens: mesh axes of the token rows (rule `batch`); seq: of the sequence dim (rule
+    `length`: `context`, so the tokens enter the exchange with their context split); expert:
+    the mesh axis of the expert dim E while the layer computes (rule `act_exp`: the
+    exchange's collectives run over it); mlp: mesh
     axes of the expert MLP dim F (rule `exp_mlp`), whose partial outputs are psum-reduced. Weights
     stored otherwise (`exp_embed` over fsdp, `shard_exp_on_fsdp`'s `exp`) are resharded to this
     layout at the `shard_map` boundary.
@@ -49,9 +54,12 @@ class MoESpecs:
     tokens: tuple[str, ...]
     expert: str
     mlp: tuple[str, ...]
+    seq: tuple[str, ...] = ()  # mesh axes of the sequence dim T (rule `length`: context)
 
     @property
     def x(self) -> PartitionSpec:  # [B, T, D]
+        if self.seq:
+            return PartitionSpec(self.tokens, self.seq)
         return PartitionSpec(self.tokens)
 
     @property
@@ -70,6 +78,12 @@ def moe_specs(rules: Rules | None) -> MoESpecs:
     tokens = tuple(rules.get("batch", BATCH_AXES))
     expert = tuple(rules.get("act_exp", (EXPERT,)))
     mlp = tuple(rules.get("exp_mlp", ("tensor",)))
+    seq = tuple(rules.get("length", ()))
+    if any(a != CONTEXT for a in seq):
+        raise ConfigError(
+            f"sharding_rules: length -> {list(seq)}: the sequence dim of the MoE layer's tokens "
+            f"is split only over the {CONTEXT!r} mesh axis; valid: [] or [{CONTEXT}]"
+        )
     bad = [a for a in tokens if a not in BATCH_AXES]
     if bad:
         raise ConfigError(
@@ -81,13 +95,13 @@ def moe_specs(rules: Rules | None) -> MoESpecs:
             f"sharding_rules: act_exp -> {list(expert)}: the MoE layer's expert-parallel "
             f"exchange runs over the {EXPERT!r} mesh axis; valid: [{EXPERT}]"
         )
-    clash = [a for a in mlp if a in tokens or a == EXPERT]
+    clash = [a for a in mlp if a in tokens or a in seq or a == EXPERT]
     if clash:
         raise ConfigError(
             f"sharding_rules: exp_mlp -> {list(mlp)}: {clash} already shard the tokens or the "
             f"experts; valid: mesh axes outside batch and act_exp, e.g. [tensor]"
         )
-    return MoESpecs(tokens=tokens, expert=EXPERT, mlp=mlp)
+    return MoESpecs(tokens=tokens, expert=EXPERT, mlp=mlp, seq=seq)
 
 
 def resolve_a2a_impl(c: Config, backend: str | None = None) -> str:

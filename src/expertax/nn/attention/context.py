@@ -1,0 +1,172 @@
+"""Context parallelism: each sequence split along its tokens over the `context` mesh axis.
+
+Outside attention nothing is special: the rules presets map the logical `length` axis to
+`context`, so every [B, T, ...] activation between layers is split along T, the MoE layer takes
+its tokens with that split into the exchange (`strategy.MoESpecs.seq`) and reduces its balancing
+statistics over it, and the losses are sums over the global batch (GSPMD reduces them).
+
+Attention is the one place a query needs other devices' tokens. `attend` runs the kernel in a
+`shard_map` manual over `context` only (the other axes stay with GSPMD): the queries stay local,
+the layer's compact key state (`kv`: MLA's normed latent and rotated RoPE key, 576 values per
+token for DeepSeek-V3; GQA's keys and values) is all-gathered over `context` with its positions
+and segment ids, and `expand` turns the gathered state into keys and values on each device
+(MLA's up-projection by `wkv_b`). So only the latent crosses devices, never the per-head keys and
+values (71x more for DeepSeek-V3). Every kernel that takes positions serves: `dot` builds the mask
+from them, `blockwise` skips by row against the gathered keys in sequence order, given the
+queries' offset (a traced value from the device's index).
+
+Load balancing (`context_parallel_load_balance`): with contiguous chunks the last device's
+queries read the most keys. `balance` reorders each sequence once per batch (inputs, targets,
+weights, positions, segment ids and the MTP depths' targets, computed before it) so that device i
+holds chunks i and 2cp-1-i of 2cp: every device then does the same causal work. Its gathered keys
+are put back into sequence order, and its two query chunks each attend with their own offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from expertax.config.schema import Config
+from expertax.nn.attention import kernel
+from expertax.nn.attention.mask import CAUSAL, MaskSpec
+from expertax.sharding.rules import current_rules
+
+CONTEXT = "context"
+
+
+def size() -> int:
+    """The context axis's size in the active mesh when the rules split `length` over it (1 when
+    no mesh or rules are set)."""
+    rules = current_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty or CONTEXT not in tuple(rules.get("length", ())):
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(CONTEXT, 1)
+
+
+def chunk_order(cp: int) -> list[int]:
+    """The 2cp chunks of a sequence in the order the load-balanced layout holds them: device i's
+    two chunks, i and 2cp-1-i, one device after the other."""
+    return [k for i in range(cp) for k in (i, 2 * cp - 1 - i)]
+
+
+def balanced_index(length: int, cp: int) -> np.ndarray:
+    """Row r of the reordered sequence is row `balanced_index(...)[r]` of the original one."""
+    size = length // (2 * cp)
+    return np.concatenate([np.arange(k * size, (k + 1) * size) for k in chunk_order(cp)])
+
+
+def balance(batch: dict, c: Config, mtp_depths: Callable[[dict, int], tuple] | None = None):
+    """The batch reordered for the load-balanced layout (module docstring), or as it is when the
+    context axis is one device or `context_parallel_load_balance` is off. Positions (from 0 per
+    row when the batch has none) move with the tokens, so attention masks by true position;
+    `mtp_depths(batch, k)` (models/mtp.py's depth_targets) gives depth k's shifted tokens,
+    targets and weights, computed here in sequence order and stored as `batch["mtp_depths"]`."""
+    cp = size()
+    if cp == 1 or not c.context_parallel_load_balance:
+        return batch
+    b, t = batch["inputs"].shape
+    out = dict(batch)
+    if out.get("positions") is None:
+        out["positions"] = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if mtp_depths is not None and c.mtp_num_layers:
+        out["mtp_depths"] = [mtp_depths(batch, k) for k in range(1, c.mtp_num_layers + 1)]
+    return jax.tree.map(lambda a: reorder(a, cp), out)
+
+
+def reorder(a_BT: jax.Array, cp: int) -> jax.Array:
+    """`a_BT` [B, T, ...] with its 2cp chunks of T in `chunk_order`: static slices joined (not a
+    gather, which the partitioner reshards through a replicated copy)."""
+    size = a_BT.shape[1] // (2 * cp)
+    return jnp.concatenate([a_BT[:, k * size : (k + 1) * size] for k in chunk_order(cp)], axis=1)
+
+
+def kernel_impl(c: Config, length: int) -> str:
+    """The kernel under context parallelism: one that takes the queries' offset at run time
+    (`kernel.SCANNED`); `auto` picks `blockwise` for long sequences, `dot` for short ones
+    (config checks refuse the others before this runs)."""
+    if c.attention_impl != "auto":
+        return c.attention_impl
+    return "blockwise" if length >= kernel.AUTO_BLOCKWISE_MIN_LENGTH else "dot"
+
+
+def attend(
+    q_BTHQ: jax.Array,
+    kv: Any,
+    expand: Callable[[Any, Any], tuple[jax.Array, jax.Array]],
+    weights: Any,
+    c: Config,
+    *,
+    positions_BT: jax.Array,
+    segment_ids_BT: jax.Array | None,
+    scale: float,
+    sink_logits_H: jax.Array | None = None,
+    mask_spec: MaskSpec = CAUSAL,
+) -> jax.Array:
+    """Attention of the local queries [B, T, H, Q] (global shapes, T split over `context`)
+    against the whole sequence's keys: `kv` (a pytree of [B, T, ...] arrays, the layer's compact
+    key state, split like the queries) is gathered over `context` and `expand(kv, weights)`
+    gives keys [B, S, G, Q] and values [B, S, G, O] from it on each device. [B, T, H, O]."""
+    cp = size()
+    t = q_BTHQ.shape[1]
+    balanced = c.context_parallel_load_balance
+    impl = kernel_impl(c, t)
+    pieces = 2 * cp if balanced else cp
+    if t % pieces:
+        raise ValueError(
+            f"context parallelism: the sequence length {t} does not split into {pieces} chunks"
+        )
+    chunk = t // pieces
+    # key rows in sequence order from the gathered (device-order) rows
+    natural = np.argsort(balanced_index(t, cp)) if balanced else None
+    order = chunk_order(cp) if balanced else list(range(cp))
+
+    def gather(a):
+        a = jax.lax.all_gather(a, CONTEXT, axis=1, tiled=True)
+        return a if natural is None else jnp.take(a, jnp.asarray(natural, jnp.int32), axis=1)
+
+    def body(q, kv, weights, pos, seg, sinks):
+        k, v = expand(jax.tree.map(gather, kv), weights)
+        kv_pos, kv_seg = gather(pos), None if seg is None else gather(seg)
+        me = jax.lax.axis_index(CONTEXT)
+        per = 2 if balanced else 1
+        outs = []
+        for n in range(per):  # the device's query chunks, each at its own offset
+            which = jnp.asarray(order, jnp.int32)[me * per + n]
+            rows = slice(n * chunk, (n + 1) * chunk)
+            outs.append(
+                kernel.attend(
+                    q[:, rows],
+                    k,
+                    v,
+                    scale=scale,
+                    segment_ids_BT=kv_seg,
+                    impl=impl,
+                    q_offset=which * chunk,
+                    mean_q_offset=(t - chunk) / 2,
+                    q_positions_BT=pos[:, rows],
+                    kv_positions_BS=kv_pos,
+                    mask_spec=mask_spec,
+                    sink_logits_H=sinks,
+                )  # fmt: skip
+            )
+        return outs[0] if per == 1 else jnp.concatenate(outs, axis=1)
+
+    seq = P(None, CONTEXT)
+    rep = jax.tree.map(lambda _: P(), weights)
+    seg_spec = None if segment_ids_BT is None else seq
+    sink_spec = None if sink_logits_H is None else P()
+    fn = jax.shard_map(
+        body,
+        in_specs=(seq, jax.tree.map(lambda _: seq, kv), rep, seq, seg_spec, sink_spec),
+        out_specs=seq,
+        axis_names=frozenset({CONTEXT}),
+        check_vma=c.pipeline_stages == 1,
+    )
+    return fn(q_BTHQ, kv, weights, positions_BT, segment_ids_BT, sink_logits_H)
