@@ -36,6 +36,8 @@ def _check_rows(rows, tol, ref_scale, n):
             "ring",
             "a2a_impl",
             "pp",
+            "cp",
+            "load_balance",
             "microbatches",
             "repeats",
             "ep",
@@ -436,11 +438,11 @@ def test_pipeline_row_fields_and_pp_column():
     row = parity.make_row(layout, {"losses": [2.0, 1.5], "tokens_per_s_per_device": 3.0}, [2, 2])
     assert (row["pp"], row["microbatches"], row["repeats"]) == (2, 4, 2)
     assert parity.format_row(row, 1e-5, [2.0, 1.5]).startswith(
-        "| sparse | True | - | 2 mb4 r2 | 2 | 2 | 1 | 1 | no | default | 1.500000 |"
+        "| sparse | True | - | 2 mb4 r2 | 1 | 2 | 2 | 1 | 1 | no | default | 1.500000 |"
     )
     run = {"losses": [2.0, 1.5], "tokens_per_s_per_device": 3.0}
     plain = parity.make_row(parity.parse_layout("dense-pp2-fsdp4"), run, [2.0, 1.5])
     assert (plain["pp"], plain["microbatches"], plain["repeats"]) == (2, 2, 1)
-    assert "| dense | False | - | 2 | 1 | 4 |" in parity.format_row(plain, 1e-5, [2.0, 1.5])
+    assert "| dense | False | - | 2 | 1 | 1 | 4 |" in parity.format_row(plain, 1e-5, [2.0, 1.5])
     old = {k: v for k, v in row.items() if k not in ("pp", "microbatches", "repeats")}
-    assert parity.format_row(old, 1e-5, [2.0, 1.5]).startswith("| sparse | True | - | 1 | 2 |")
+    assert parity.format_row(old, 1e-5, [2.0, 1.5]).startswith("| sparse | True | - | 1 | 1 | 2 |")

@@ -447,6 +447,29 @@ def check_attention_token_chunks(c: Config) -> None:
         )
 
 
+def check_context(c: Config) -> None:
+    """Context parallelism (nn/attention/context.py) needs a kernel that takes its queries'
+    offset at run time, and the whole sequence's queries in one call."""
+    sizes = {k: getattr(c, k) for k in ("ici_context_parallelism", "dcn_context_parallelism")}
+    on = {k: v for k, v in sizes.items() if v != 1}
+    if not on:
+        return
+    key, value = next(iter(on.items()))
+    if c.attention_impl in ("cudnn", "splash"):
+        raise ConfigError(
+            f"attention_impl={c.attention_impl} with {key}={value}: its causal mask is built at "
+            "trace time from where the rows sit, and a context shard's queries sit at an offset "
+            "known only on the device (two offsets with context_parallel_load_balance); use "
+            "attention_impl=auto, dot or blockwise"
+        )
+    if c.num_attention_token_chunks != 1:
+        raise ConfigError(
+            f"num_attention_token_chunks={c.num_attention_token_chunks} with {key}={value}: "
+            "the context axis already splits each sequence's queries; set "
+            "num_attention_token_chunks=1"
+        )
+
+
 def check_paged_stash(c: Config) -> None:
     if not c.moe_paged_stash:
         return
@@ -528,6 +551,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_ring_of_experts,
     check_moe_token_chunks,
     check_attention_token_chunks,
+    check_context,
     check_paged_stash,
     check_placements,
     check_data_files,

@@ -25,12 +25,19 @@ from jax.sharding import NamedSharding, PartitionSpec
 from expertax.config.schema import Config
 from expertax.models import decoder
 from expertax.nn import vocab_loss
+from expertax.nn.attention import context
 from expertax.train.trainer import build_trainer
 
 
 def probe_loss(params, batch: dict, imposed_LBTK, c: Config):
     """The first step's cross-entropy (the train step's `loss`) and the routers' own choices
-    [L_moe, B, T, K] under `imposed_LBTK` (-1: the router's own choice)."""
+    [L_moe, B, T, K] under `imposed_LBTK` (-1: the router's own choice). Under a
+    load-balanced context axis the batch and the imposed routing are reordered as the train step
+    reorders them (nn/attention/context.py), and the choices come back in sequence order."""
+    balanced = context.balance(batch, c)
+    if balanced is not batch:
+        batch = balanced
+        imposed_LBTK = context.reorder(imposed_LBTK, context.size(), axis=2)
     logits_BTV, stats = decoder.forward(
         params,
         batch["inputs"],
@@ -43,7 +50,10 @@ def probe_loss(params, batch: dict, imposed_LBTK, c: Config):
         raise ValueError("the routing probe needs a model with MoE layers")
     w_BT = batch["weights"].astype(jnp.float32)
     ce = vocab_loss.nll_sum(logits_BTV, batch["targets"], w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0)
-    return ce, stats.chosen_BTK
+    chosen = stats.chosen_BTK
+    if balanced is batch:
+        chosen = context.reorder(chosen, context.size(), axis=2, inverse=True)
+    return ce, chosen
 
 
 def probed(c: Config) -> bool:

@@ -30,12 +30,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
 from expertax.nn.attention import kernel
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
-from expertax.sharding.rules import current_rules
+from expertax.sharding.rules import current_rules, logical_to_spec
 
 CONTEXT = "context"
 
@@ -80,11 +79,16 @@ def balance(batch: dict, c: Config, mtp_depths: Callable[[dict, int], tuple] | N
     return jax.tree.map(lambda a: reorder(a, cp), out)
 
 
-def reorder(a_BT: jax.Array, cp: int) -> jax.Array:
-    """`a_BT` [B, T, ...] with its 2cp chunks of T in `chunk_order`: static slices joined (not a
-    gather, which the partitioner reshards through a replicated copy)."""
-    size = a_BT.shape[1] // (2 * cp)
-    return jnp.concatenate([a_BT[:, k * size : (k + 1) * size] for k in chunk_order(cp)], axis=1)
+def reorder(a: jax.Array, cp: int, axis: int = 1, *, inverse: bool = False) -> jax.Array:
+    """`a` with the 2cp chunks of its sequence `axis` in `chunk_order` (`inverse`: back in
+    sequence order): static slices joined (not a gather, which the partitioner reshards through
+    a replicated copy)."""
+    size = a.shape[axis] // (2 * cp)
+    order = chunk_order(cp)
+    if inverse:
+        order = [order.index(k) for k in range(2 * cp)]
+    parts = [jax.lax.slice_in_dim(a, k * size, (k + 1) * size, axis=axis) for k in order]
+    return jnp.concatenate(parts, axis=axis)
 
 
 def kernel_impl(c: Config, length: int) -> str:
@@ -158,15 +162,27 @@ def attend(
             )
         return outs[0] if per == 1 else jnp.concatenate(outs, axis=1)
 
-    seq = P(None, CONTEXT)
-    rep = jax.tree.map(lambda _: P(), weights)
-    seg_spec = None if segment_ids_BT is None else seq
-    sink_spec = None if sink_logits_H is None else P()
+    rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
+
+    def spec(axes, x):  # every mesh axis manual: the rules' layout (no `pipeline` in a stage)
+        return None if x is None else logical_to_spec(axes, rules, mesh, x.shape)
+
+    def kv_spec(a):  # MLA's [B, T, R] latent parts; GQA's [B, T, G, Q] keys and values
+        heads = ("act_kv_heads",) if a.ndim > 3 else ()
+        return spec(("batch", "length", *heads, None), a)
+
+    q_spec = spec(("batch", "length", "act_heads", None), q_BTHQ)
     fn = jax.shard_map(
         body,
-        in_specs=(seq, jax.tree.map(lambda _: seq, kv), rep, seq, seg_spec, sink_spec),
-        out_specs=seq,
-        axis_names=frozenset({CONTEXT}),
+        in_specs=(
+            q_spec,
+            jax.tree.map(kv_spec, kv),
+            jax.tree.map(lambda w: spec((None,) * (w.ndim - 2) + ("act_heads", None), w), weights),
+            spec(("batch", "length"), positions_BT),
+            spec(("batch", "length"), segment_ids_BT),
+            spec(("act_heads",), sink_logits_H),
+        ),
+        out_specs=q_spec,
         check_vma=c.pipeline_stages == 1,
     )
     return fn(q_BTHQ, kv, weights, positions_BT, segment_ids_BT, sink_logits_H)

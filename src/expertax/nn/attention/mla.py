@@ -31,6 +31,9 @@ from expertax.nn.param import Param, params_dataclass, projection
 from expertax.parallel import remat
 from expertax.sharding import constrain
 
+# the low-rank activations' layout: tokens split like the layer input, the rank dim whole
+LOW_RANK_BTR = ("batch", "length", None)
+
 
 @params_dataclass
 class MLA:
@@ -107,6 +110,9 @@ def queries(p: MLA, x_BTD, c: Config, dtype) -> jax.Array:
     if p.wq is not None:
         return project(x_BTD, p.wq.astype(dtype))
     low_BTR = remat.tag(project(x_BTD, p.wq_a.astype(dtype)), remat.QUERY_WA_PROJ)
+    # tokens split like x, the low-rank dim whole: else the partitioner may split it over the
+    # axes that store wq_b (q_lora: fsdp, context, ...) and reshard x's tokens to match
+    low_BTR = constrain(low_BTR, LOW_RANK_BTR)
     low_BTR = norm.rms_norm(p.q_norm, low_BTR, c.normalization_layer_epsilon)
     return project(low_BTR, p.wq_b.astype(dtype))
 
@@ -128,7 +134,9 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache=N
         return _cached(p, x_BTD, c, positions_BT, dtype, cache)
     t = x_BTD.shape[1]
     nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
-    kv_a = remat.tag(project(x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ)
+    kv_a = constrain(
+        remat.tag(project(x_BTD, p.wkv_a.astype(dtype)), remat.KV_WA_PROJ), LOW_RANK_BTR
+    )
     latent_BTR, k_rope_BTQ = kv_a[..., : c.kv_lora_rank], kv_a[..., c.kv_lora_rank :]
     latent_BTR = norm.rms_norm(p.kv_norm, latent_BTR, c.normalization_layer_epsilon)
     if context.size() > 1:
@@ -189,8 +197,10 @@ def _context_parallel(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dt
         return jnp.concatenate([kv_BSHZ[..., :nope], k_rope_BSHQ], -1), kv_BSHZ[..., nope:]
 
     q = _queries_roped(p, x_BTD, c, positions_BT, dtype)
+    # gathered whole (over its kv_lora shards) before the shard_map, which takes it so
+    wkv_b_RHZ = constrain(p.wkv_b.astype(dtype), (None, "act_heads", None), replicated=True)
     out = context.attend(
-        q, (latent_BTR, k_rope_BTQ), expand, p.wkv_b.astype(dtype), c,
+        q, (latent_BTR, k_rope_BTQ), expand, wkv_b_RHZ, c,
         positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, scale=rope.softmax_scale(c),
     )  # fmt: skip
     out = project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
