@@ -84,7 +84,7 @@ def _mesh(c):
     return Mesh(devices, MESH_AXES)
 
 
-def _under_cp(c, seg):
+def _under_cp(c, seg, fused):
     """mla.context_attend under the mesh, its inputs and outputs in sequence order."""
     cp, balanced = c.ici_context_parallelism, c.context_parallel_load_balance
     order = (lambda a: context.reorder(a, cp)) if balanced else (lambda a: a)
@@ -94,7 +94,7 @@ def _under_cp(c, seg):
     def fn(q, lat, rope, wkv_b):
         out = mla.context_attend(
             order(q), order(lat), order(rope), wkv_b, c, positions_BT=positions,
-            segment_ids_BT=order(seg), scale=SCALE,
+            segment_ids_BT=order(seg), scale=SCALE, fused=fused,
         )  # fmt: skip
         return jnp.take(out, jnp.asarray(back), axis=1)
 
@@ -110,31 +110,33 @@ def small_blocks(monkeypatch):
     )
 
 
-# (cp, impl, load balance): each kernel at both cp and with and without load balance; query
-# chunks of 16 rows (cp 4), 4 rows (cp 8, balanced: blocks of 4 x 8, eight key blocks), 8 rows
+# (cp, impl, load balance, fused): each kernel at both cp and with and without load balance;
+# query chunks of 16 rows (cp 4), 4 rows (cp 8, balanced: blocks of 4 x 8, eight key blocks),
+# 8 rows; and blockwise on the expanded keys (`fused` off: GQA's path, blocks of 512)
 CASES = [
-    (4, "blockwise", False),
-    (8, "blockwise", True),
-    (4, "dot", True),
-    (8, "dot", False),
+    (4, "blockwise", False, True),
+    (8, "blockwise", True, True),
+    (4, "blockwise", True, False),
+    (4, "dot", True, True),
+    (8, "dot", False, True),
 ]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp, impl, balanced", CASES)
-def test_context_parallel_mla_equals_one_device(cp, impl, balanced, small_blocks):
+@pytest.mark.parametrize("cp, impl, balanced, fused", CASES)
+def test_context_parallel_mla_equals_one_device(cp, impl, balanced, fused, small_blocks):
     q, lat, rope, wkv_b, seg, d_out = _inputs()
     args = (q, lat, rope, wkv_b)
     want = _jitted(_reference(seg), d_out)(*args)
     c = _config(cp, impl, balanced)
-    fn = _under_cp(c, seg)
+    fn = _under_cp(c, seg, fused)
     with jax.set_mesh(_mesh(c)), use_rules(config_rules(c)):
         assert context.size() == cp
         jaxpr = str(jax.make_jaxpr(fn)(*args))
         got = _jitted(fn, d_out)(*args)
-    # blockwise: the latent kernel, never the expanded keys' kernel; dot: neither
-    assert ("name=_latent_attention" in jaxpr) == (impl == "blockwise")
-    assert "name=_blocked_attention" not in jaxpr
+    # blockwise: the latent kernel or, not fused, the expanded keys' kernel; dot: neither
+    assert ("name=_latent_attention" in jaxpr) == (impl == "blockwise" and fused)
+    assert ("name=_blocked_attention" in jaxpr) == (impl == "blockwise" and not fused)
     for name, w, x in zip(("out", "dq", "d latent", "d rope key", "d wkv_b"), want, got):
         np.testing.assert_allclose(x, w, **tol(jnp.float32), err_msg=name)
     # negative control: other documents (segments shifted at one boundary) change the output
