@@ -73,7 +73,7 @@ def _config(cp: int, length: int):
     )
 
 
-def compile_attention(spec: str, cp: int, length: int, fused: bool):
+def compile_attention(spec: str, cp: int, length: int, fused: bool, options=None):
     """The compiled forward+backward of `mla.context_attend` on `spec`'s first cp devices."""
     import jax
     import jax.numpy as jnp
@@ -114,7 +114,8 @@ def compile_attention(spec: str, cp: int, length: int, fused: bool):
         return jnp.sum(out.astype(jnp.float32))
 
     with platform.use(t.platform), jax.set_mesh(mesh), use_rules(rules):
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args).compile()
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args)
+        return lowered.compile(compiler_options=options)
 
 
 def collectives(text: str, rows: int) -> list[dict]:
