@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from expertax.nn.attention import mask
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
+from expertax.nn.moe.vma import varying_like
 
 # Score given to masked (non-causal, other-document) pairs. Finite, so that a row of a block whose
 # pairs are all masked has a finite max and no inf - inf; the probabilities of masked pairs are set
@@ -110,6 +111,14 @@ class Blocks(NamedTuple):
     sinks_GJ: jax.Array | None
 
 
+def _varying(carry, blocks: Blocks):
+    """Loop carries made varying over the manual axes of any input (inside a `shard_map` under
+    context parallelism, nn/moe/vma.py: a `while_loop` needs its carry's type to equal its
+    body's output's, which varies with the local queries)."""
+    refs = [a for a in blocks if a is not None]
+    return jax.tree.map(lambda a: varying_like(a, *refs), carry)
+
+
 def _forward(blocks: Blocks, offset, scale, hint, spec):
     """Blocked inputs -> (out [nq, B, G, J, bq, O] in v's dtype, lse [nq, B, G, J, bq] float32).
 
@@ -146,11 +155,8 @@ def _forward(blocks: Blocks, offset, scale, hint, spec):
             m0, l0 = jnp.full((b, g, r, bq), MASKED_SCORE, jnp.float32), 0.0
         else:
             m0, l0 = jnp.broadcast_to(blocks.sinks_GJ[None, :, :, None], (b, g, r, bq)), 1.0
-        init = (
-            m0,
-            jnp.full((b, g, r, bq), l0, jnp.float32),
-            jnp.zeros((b, g, r, bq, vd), jnp.float32),
-        )
+        l_init = jnp.full((b, g, r, bq), l0, jnp.float32)
+        init = _varying((m0, l_init, jnp.zeros((b, g, r, bq, vd), jnp.float32)), blocks)
         visits = sum(min(nk, (hint + (n + 1) * bq - 1) // bk + 1) for n in range(nq))
         with jax.named_scope(_trips(visits, nq)):
             trips = _num_key_blocks(i, bq, bk, nk, offset)
@@ -218,11 +224,8 @@ def _backward(scale, hint, spec, res, d_out):
             )
             return dq_acc.at[i].add(dq_t), dk_BGSQ, dv_BGSO
 
-        init = (
-            dq_acc,
-            jnp.zeros(k_blk.shape, jnp.float32),
-            jnp.zeros(v_blk.shape, jnp.float32),
-        )
+        zeros = (jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32))
+        init = (dq_acc, *_varying(zeros, blocks))
         first = _first_query_block(j, bq, bk, offset)
         visits = sum(nq - max(0, (n * bk - hint) // bq) for n in range(nk))
         with jax.named_scope(_trips(visits, nk)):
@@ -230,7 +233,7 @@ def _backward(scale, hint, spec, res, d_out):
         return dq_acc, (dk.astype(k_blk.dtype), dv.astype(v_blk.dtype))
 
     _, b, g, r, _, qd = blocks.q.shape
-    dq0 = jnp.zeros((nq, b, g, qd, r, bq), jnp.float32)  # dQ^T per query block
+    dq0 = _varying(jnp.zeros((nq, b, g, qd, r, bq), jnp.float32), blocks)  # dQ^T per query block
     dq_t, (dk, dv) = jax.lax.scan(
         one_key_block, dq0, (jnp.arange(nk), blocks.k, blocks.v, blocks.seg_k, blocks.pos_k)
     )
@@ -327,7 +330,9 @@ def attend_blockwise(
     pos_k_blocks = _to_blocks(kv_positions_BS.astype(jnp.int32), bk, pad_value=PAD_POSITION)
     sinks_GJ = None
     if sink_logits_H is not None:
-        sinks_GJ = sink_logits_H.astype(jnp.float32).reshape(g, h // g)
+        # varying like the queries inside a shard_map, so that its cotangent may too (the
+        # pcast's transpose sums it over those axes)
+        sinks_GJ = varying_like(sink_logits_H.astype(jnp.float32).reshape(g, h // g), q_BTHQ)
     blocks = Blocks(
         q_blocks, k_blocks, v_blocks, seg_q_blocks, seg_k_blocks, pos_q_blocks, pos_k_blocks,
         sinks_GJ,

@@ -11,9 +11,12 @@ the layer's compact key state (`kv`: MLA's normed latent and rotated RoPE key, 5
 token for DeepSeek-V3; GQA's keys and values) is all-gathered over `context` with its positions
 and segment ids, and `expand` turns the gathered state into keys and values on each device
 (MLA's up-projection by `wkv_b`). So only the latent crosses devices, never the per-head keys and
-values (71x more for DeepSeek-V3). Every kernel that takes positions serves: `dot` builds the mask
-from them, `blockwise` skips by row against the gathered keys in sequence order, given the
-queries' offset (a traced value from the device's index).
+values (71x more for DeepSeek-V3). With the `blockwise` kernel MLA does not expand at all: its
+`latent` kernel (latent_blockwise.py) up-projects one key block at a time inside the loops, so
+no device holds the whole sequence's per-head keys and values either (`dot` holds [T, S] scores
+per head anyway, and takes the expanded keys). Every kernel that takes positions serves: `dot`
+builds the mask from them, `blockwise` skips by row against the gathered keys in sequence
+order, given the queries' offset (a traced value from the device's index).
 
 Load balancing (`context_parallel_load_balance`): with contiguous chunks the last device's
 queries read the most keys. `balance` reorders each sequence once per batch (inputs, targets,
@@ -112,11 +115,14 @@ def attend(
     scale: float,
     sink_logits_H: jax.Array | None = None,
     mask_spec: MaskSpec = CAUSAL,
+    latent: Callable[..., jax.Array] | None = None,
 ) -> jax.Array:
     """Attention of the local queries [B, T, H, Q] (global shapes, T split over `context`)
     against the whole sequence's keys: `kv` (a pytree of [B, T, ...] arrays, the layer's compact
     key state, split like the queries) is gathered over `context` and `expand(kv, weights)`
-    gives keys [B, S, G, Q] and values [B, S, G, O] from it on each device. [B, T, H, O]."""
+    gives keys [B, S, G, Q] and values [B, S, G, O] from it on each device. [B, T, H, O].
+    `latent(q, kv, weights, **kernel arguments)`: where given and the kernel is `blockwise`,
+    called on the gathered state instead of expanding it (MLA: latent_blockwise.py)."""
     cp = size()
     t = q_BTHQ.shape[1]
     balanced = c.context_parallel_load_balance
@@ -127,16 +133,19 @@ def attend(
             f"context parallelism: the sequence length {t} does not split into {pieces} chunks"
         )
     chunk = t // pieces
-    # key rows in sequence order from the gathered (device-order) rows
-    natural = np.argsort(balanced_index(t, cp)) if balanced else None
     order = chunk_order(cp) if balanced else list(range(cp))
 
     def gather(a):
         a = jax.lax.all_gather(a, CONTEXT, axis=1, tiled=True)
-        return a if natural is None else jnp.take(a, jnp.asarray(natural, jnp.int32), axis=1)
+        return reorder(a, cp, inverse=True) if balanced else a
+
+    fused = latent is not None and impl == "blockwise"
+    if fused and sink_logits_H is not None:
+        raise ValueError("context parallelism: the latent kernel takes no attention sinks")
 
     def body(q, kv, weights, pos, seg, sinks):
-        k, v = expand(jax.tree.map(gather, kv), weights)
+        kv = jax.tree.map(gather, kv)
+        k_v = None if fused else expand(kv, weights)
         kv_pos, kv_seg = gather(pos), None if seg is None else gather(seg)
         me = jax.lax.axis_index(CONTEXT)
         per = 2 if balanced else 1
@@ -144,22 +153,15 @@ def attend(
         for n in range(per):  # the device's query chunks, each at its own offset
             which = jnp.asarray(order, jnp.int32)[me * per + n]
             rows = slice(n * chunk, (n + 1) * chunk)
-            outs.append(
-                kernel.attend(
-                    q[:, rows],
-                    k,
-                    v,
-                    scale=scale,
-                    segment_ids_BT=kv_seg,
-                    impl=impl,
-                    q_offset=which * chunk,
-                    mean_q_offset=(t - chunk) / 2,
-                    q_positions_BT=pos[:, rows],
-                    kv_positions_BS=kv_pos,
-                    mask_spec=mask_spec,
-                    sink_logits_H=sinks,
-                )  # fmt: skip
-            )
+            kw = dict(
+                scale=scale, segment_ids_BT=kv_seg, q_offset=which * chunk,
+                mean_q_offset=(t - chunk) / 2, q_positions_BT=pos[:, rows],
+                kv_positions_BS=kv_pos, mask_spec=mask_spec,
+            )  # fmt: skip
+            if k_v is None:
+                outs.append(latent(q[:, rows], kv, weights, **kw))
+            else:
+                outs.append(kernel.attend(q[:, rows], *k_v, impl=impl, sink_logits_H=sinks, **kw))
         return outs[0] if per == 1 else jnp.concatenate(outs, axis=1)
 
     rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()

@@ -17,6 +17,7 @@ every cached token to H heads. Decoding may hold `wkv_b` as its two halves (`Abs
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import norm, rope
-from expertax.nn.attention import chunks, context, kernel
+from expertax.nn.attention import chunks, context, kernel, latent_blockwise
 from expertax.nn.attention.cache import KV, Latent, constrain_layer, slot_positions, write
 from expertax.nn.linear import is_joint, per_head, project
 from expertax.nn.param import Param, params_dataclass, projection
@@ -184,27 +185,53 @@ def _context_parallel(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dt
                       latent_BTR):  # fmt: skip
     """The layer under context parallelism (context.py): the normed latent [B, T, Rkv] and the
     rotated RoPE key [B, T, Qr] are what crosses devices; each device up-projects the gathered
-    latent by `wkv_b` into its keys and values."""
-    nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
+    latent by `wkv_b` into its keys and values, the whole sequence at once for `dot`, one key
+    block at a time inside the loops for `blockwise` (latent_blockwise.py)."""
+    rdim = c.qk_rope_head_dim
     cos, sin = rope.cos_sin(c, positions_BT, rdim)
     k_rope_BTQ = rope.apply(kv_a[..., None, c.kv_lora_rank :], cos, sin)[:, :, 0]
-
-    def expand(kv, wkv_b_RHZ):
-        latent_BSR, k_rope_BSQ = kv
-        kv_BSHZ = project(latent_BSR, wkv_b_RHZ)
-        h = kv_BSHZ.shape[2]
-        k_rope_BSHQ = jnp.broadcast_to(k_rope_BSQ[:, :, None], (*k_rope_BSQ.shape[:2], h, rdim))
-        return jnp.concatenate([kv_BSHZ[..., :nope], k_rope_BSHQ], -1), kv_BSHZ[..., nope:]
-
     q = _queries_roped(p, x_BTD, c, positions_BT, dtype)
     # gathered whole (over its kv_lora shards) before the shard_map, which takes it so
     wkv_b_RHZ = constrain(p.wkv_b.astype(dtype), (None, "act_heads", None), replicated=True)
-    out = context.attend(
-        q, (latent_BTR, k_rope_BTQ), expand, wkv_b_RHZ, c,
-        positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, scale=rope.softmax_scale(c),
+    out = context_attend(
+        q, latent_BTR, k_rope_BTQ, wkv_b_RHZ, c, positions_BT=positions_BT,
+        segment_ids_BT=segment_ids_BT, scale=rope.softmax_scale(c),
     )  # fmt: skip
     out = project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
     return remat.tag(out, remat.OUT_PROJ), None
+
+
+def context_attend(q_BTHQ, latent_BTR, k_rope_BTQ, wkv_b_RHZ, c: Config, *, positions_BT,
+                   segment_ids_BT, scale: float, fused: bool = True) -> jax.Array:  # fmt: skip
+    """MLA's attention under context parallelism: roped queries [B, T, H, Qn+Qr], the normed
+    latent [B, T, Rkv] and rotated RoPE key [B, T, Qr] (global shapes, T split over `context`)
+    and `wkv_b` [Rkv, H, Qn+O] -> [B, T, H, O]. `dot` up-projects the whole gathered sequence;
+    `blockwise` one key block at a time inside its loops (latent_blockwise.py), unless `fused`
+    is off (benchmarks/context_parallel.py compares the two)."""
+    return context.attend(
+        q_BTHQ, (latent_BTR, k_rope_BTQ), functools.partial(expand, c=c), wkv_b_RHZ, c,
+        positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, scale=scale,
+        latent=attend_latent if fused else None,
+    )  # fmt: skip
+
+
+def expand(kv, wkv_b_RHZ, c: Config):
+    """The gathered (latent [B, S, Rkv], rotated RoPE key [B, S, Qr]) up-projected by `wkv_b`:
+    keys [B, S, H, Qn+Qr] and values [B, S, H, O] of the whole sequence."""
+    nope, rdim = c.qk_nope_head_dim, c.qk_rope_head_dim
+    latent_BSR, k_rope_BSQ = kv
+    kv_BSHZ = project(latent_BSR, wkv_b_RHZ)
+    h = kv_BSHZ.shape[2]
+    k_rope_BSHQ = jnp.broadcast_to(k_rope_BSQ[:, :, None], (*k_rope_BSQ.shape[:2], h, rdim))
+    return jnp.concatenate([kv_BSHZ[..., :nope], k_rope_BSHQ], -1), kv_BSHZ[..., nope:]
+
+
+def attend_latent(q_BTHQ, kv, wkv_b_RHZ, **kernel_args) -> jax.Array:
+    """The blockwise kernel on the gathered (latent, rotated RoPE key) and `wkv_b`."""
+    latent_BSR, k_rope_BSQ = kv
+    return latent_blockwise.attend_latent_blockwise(
+        q_BTHQ, latent_BSR, k_rope_BSQ, wkv_b_RHZ, **kernel_args
+    )
 
 
 def _cached(p: MLA, x_BTD, c: Config, positions_BT, dtype, cache):
