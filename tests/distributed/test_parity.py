@@ -204,15 +204,29 @@ def test_parity_cli_exit_status_on_failure(monkeypatch, capsys):
 
 def test_layout_matrix_and_parsing():
     rows = parity.layouts(8, "cpu")
-    assert len(rows) == 24 and all(r.a2a_impl != "ragged" for r in rows)
-    assert len(parity.layouts(8, "gpu")) == 33
+    assert len(rows) == 30 and all(r.a2a_impl != "ragged" for r in rows)
+    assert len(parity.layouts(8, "gpu")) == 39
+    assert [r.name for r in rows if r.cp > 1] == [
+        "sparse-padded-cp2-ep2-fsdp2",
+        "sparse-ring-cp4-ep2",
+        "dense-cp8",
+        "sparse-ring-pp2-cp2-ep2",
+        "sparse-padded-cp2-ep2-tp2",
+        "sparse-ring-cp4-ep2-nolb",
+    ]
+    assert (
+        parity.parse_layout("sparse-ring-cp4-ep2-nolb").overrides(8)[
+            "context_parallel_load_balance"
+        ]
+        is False
+    )
     stashed = [r.name for r in rows if r.stash]
     assert stashed == ["sparse-padded-ep4-fsdp2-stash", "sparse-ring-ep4-fsdp2-stash"]
     assert [r.name for r in parity.layouts(4, "cpu") if r.stash] == [
         "sparse-padded-ep2-fsdp2-stash",
         "sparse-ring-ep2-fsdp2-stash",
     ]
-    assert {(r.ep, r.fsdp, r.tp, r.data) for r in rows if r.pp == 1} == {
+    assert {(r.ep, r.fsdp, r.tp, r.data) for r in rows if r.pp == 1 and r.cp == 1} == {
         (8, 1, 1, 1),
         (1, 8, 1, 1),
         (4, 2, 1, 1),
@@ -236,8 +250,8 @@ def test_layout_matrix_and_parsing():
     assert parity.parse_layout("sparse-ring-ep2-tp2-data2") == parity.Layout(
         "sparse", True, "-", ep=2, tp=2, data=2
     )
-    with pytest.raises(ConfigError, match="unknown part 'cp2'.*ppN"):
-        parity.parse_layout("sparse-ep4-cp2")
+    with pytest.raises(ConfigError, match="unknown part 'xp2'.*ppN"):
+        parity.parse_layout("sparse-ep4-xp2")
     with pytest.raises(ConfigError, match="dense"):
         parity.parse_layout("dense-ring-ep8")
     assert parity.parse_layout("sparse-ring-ep4-fsdp2-stash") == parity.Layout(
@@ -265,7 +279,7 @@ def test_stash_layout_config_keeps_moe_names():
     assert c.moe_paged_stash and remat.stashed_names(c) == (remat.MOE_MLPWO,)
 
 
-def _fake_run(base, layout, *, steps, global_batch, corrupt=None, routing=None):
+def _fake_run(base, layout, *, steps, global_batch, corrupt=None, routing=None, packed=False):
     """Stands in for training: every layout reproduces the reference losses exactly."""
     return {"losses": [2.0, 1.5][:steps], "tokens_per_s_per_device": 1.0}
 
@@ -282,7 +296,7 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     assert cli.main([*argv, "--json", str(path)]) == 1
     out, err = capsys.readouterr()
     assert (
-        "| sparse | False | padded | 1 | 3 | 1 | 1 | 1 | no | default | - | - | - | - | - | - | "
+        "| sparse | False | padded | 1 | 1 | 3 | 1 | 1 | 1 | no | default | - | - | - | - | - | - | "
         "NO (refused: " in out
     )
     assert "num_experts=8 is not divisible by the expert axis (3" in out
@@ -294,7 +308,7 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     assert cli.main([*argv, "--skip-refused", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| - | skipped (refused: num_experts=8 is not divisible" in out
-    assert "| sparse | False | padded | 1 | 2 | 1 | 1 | 1 | no | default | 1.500000 |" in out
+    assert "| sparse | False | padded | 1 | 1 | 2 | 1 | 1 | 1 | no | default | 1.500000 |" in out
     saved = json.loads(path.read_text())
     assert saved["ok"] is True and saved["skip_refused"] is True
 
@@ -328,7 +342,7 @@ def test_pipeline_layouts_in_the_matrix():
     """The pipelined rows: 2 stages with EP x FSDP inside (every sparse dispatch), 4 stages with EP,
     the dense dispatch over 2 stages x FSDP, a circular ring; scaled down, a mesh left with one
     stage is not a pipeline row, and no scaled mesh appears twice."""
-    staged = [r.name for r in parity.layouts(8, "cpu") if r.pp > 1]
+    staged = [r.name for r in parity.layouts(8, "cpu") if r.pp > 1 and r.cp == 1]
     assert staged == [
         "sparse-padded-pp2-ep2-fsdp2",
         "sparse-ring-pp2-ep2-fsdp2",
@@ -338,7 +352,7 @@ def test_pipeline_layouts_in_the_matrix():
         "sparse-ring-pp2-r2-ep2-fsdp2",
     ]
     assert all(r.num_devices == 8 for r in parity.layouts(8, "cpu"))
-    assert [r.name for r in parity.layouts(4, "gpu") if r.pp > 1] == [
+    assert [r.name for r in parity.layouts(4, "gpu") if r.pp > 1 and r.cp == 1] == [
         "sparse-ragged-pp2-fsdp2",  # the pipeline is halved last among equal axes
         "sparse-padded-pp2-fsdp2",
         "sparse-ring-pp2-fsdp2",
@@ -350,7 +364,7 @@ def test_pipeline_layouts_in_the_matrix():
     ]
     two = [r.name for r in parity.layouts(2, "cpu")]
     assert len(two) == len(set(two))
-    assert [n for n in two if "pp" in n] == [
+    assert [n for n in two if "pp" in n and "cp" not in n] == [
         "sparse-padded-pp2",
         "sparse-ring-pp2",
         "dense-pp2",
@@ -420,7 +434,7 @@ def test_default_matrix_skips_pipelines_the_model_cannot_take(monkeypatch, tmp_p
     out = capsys.readouterr().out
     assert "skipped sparse-ring-pp4-ep2: this model's 1 pipelined MoE layers" in out
     assert (
-        "| sparse | True | - | 4 | 2 | 1 | 1 | 1 | no | default | - | - | - | - | - | - | "
+        "| sparse | True | - | 4 | 1 | 2 | 1 | 1 | 1 | no | default | - | - | - | - | - | - | "
         "skipped (model:" in out
     )
     saved = json.loads(path.read_text())

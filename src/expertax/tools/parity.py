@@ -76,6 +76,17 @@ EPTP_MESHES_8 = ({"expert": 2, "fsdp": 2, "tensor": 2}, {"expert": 2, "tensor": 
 PIPELINE_MESHES_8 = ({"pipeline": 2, "expert": 2, "fsdp": 2}, {"pipeline": 4, "expert": 2})
 PIPELINE_DENSE_MESHES_8 = ({"pipeline": 2, "fsdp": 4},)
 CIRCULAR_MESHES_8 = ({"pipeline": 2, "expert": 2, "fsdp": 2},)
+# Context-parallel rows (name part `cpN`), each with its dispatch; the last runs without the
+# load-balanced reorder (`-nolb`). Every one on packed data in the tests
+# (tests/distributed/test_parity_context.py).
+CONTEXT_LAYOUTS_8 = (
+    ("sparse", "padded", {"context": 2, "expert": 2, "fsdp": 2}, True),
+    ("sparse", "ring", {"context": 4, "expert": 2}, True),
+    ("dense", "-", {"context": 8}, True),
+    ("sparse", "ring", {"pipeline": 2, "context": 2, "expert": 2}, True),
+    ("sparse", "padded", {"context": 2, "expert": 2, "tensor": 2}, True),
+    ("sparse", "ring", {"context": 4, "expert": 2}, False),
+)
 # Layout name part -> rules preset (configs/parallel/); the default preset has no part.
 RULES_PARTS = {"eptp": "ep-tp"}
 
@@ -189,6 +200,7 @@ def meshes_for(num_devices: int, meshes_8=MESHES_8) -> list[dict]:
 def _sizes(mesh: dict) -> dict:
     return {
         "pp": mesh.get("pipeline", 1),
+        "cp": mesh.get("context", 1),
         "ep": mesh.get("expert", 1),
         "fsdp": mesh.get("fsdp", 1),
         "tp": mesh.get("tensor", 1),
@@ -219,7 +231,20 @@ def layouts(num_devices: int, backend: str) -> list[Layout]:
         for impl in a2a_impls(backend):
             rows.append(Layout("sparse", False, impl, **sizes, rules="ep-tp"))
         rows.append(Layout("sparse", True, "-", **sizes, rules="ep-tp"))
-    return rows + pipeline_layouts(num_devices, backend)
+    return rows + pipeline_layouts(num_devices, backend) + context_layouts(num_devices)
+
+
+def context_layouts(num_devices: int) -> list[Layout]:
+    """`CONTEXT_LAYOUTS_8` scaled down to `num_devices` (a mesh left without a context axis, or
+    one already listed, is left out)."""
+    rows: list[Layout] = []
+    for mode, impl, mesh_8, balance in CONTEXT_LAYOUTS_8:
+        mesh = meshes_for(num_devices, (mesh_8,))[0]
+        layout = Layout(mode, impl == "ring", "-" if impl == "ring" else impl, **_sizes(mesh),
+                        balance=balance)  # fmt: skip
+        if layout.cp > 1 and layout not in rows:
+            rows.append(layout)
+    return rows
 
 
 def pipeline_layouts(num_devices: int, backend: str) -> list[Layout]:
@@ -255,6 +280,7 @@ SIZE_PARTS = {
 def parse_layout(name: str, backend: str | None = None) -> Layout:
     """`sparse-padded-ep8`, `sparse-ring-ep4-fsdp2-stash`, `sparse-ring-ep2-tp2-data2-eptp`,
     `dense-ep2-tp2-data2`, `sparse-ring-pp2-ep2-fsdp2`, `dense-pp2-mb4-r2-fsdp4`, ... -> Layout.
+    `cpN` is the context axis, `nolb` its load balancing off.
     A sparse all-to-all layout without an implementation (`sparse-ep8`) takes the first one
     `backend` has (the platform compiled for; default `platform.current()`)."""
     mode, *parts = name.split("-")

@@ -1,0 +1,66 @@
+"""Context parallelism in `expertax parity`: the default matrix's context rows train the same
+model as one device, on packed data (documents of every length, segment ids and positions from
+0 per document, moved with the tokens by the load-balanced reorder), deepseek3-tiny with MTP
+(every row of the matrix) and mixtral-tiny (extended).
+
+Data seed 1: with seed 0 the second batch holds a token whose top-k experts are a near tie that
+the cp2-ep2-fsdp2 layout's float32 rounding flips (the layer outputs differ at that one token
+only, and the same layout matches one device on seed 1); the routing probe of the table covers
+the first step only (tools/parity_routing.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from expertax.tools import parity
+from tests.distributed.test_parity import _check_rows, parity_child
+
+pytestmark = pytest.mark.distributed
+
+ROWS = [r.name for r in parity.context_layouts(8)]
+COMMON = ["per_device_batch_size=1", "max_target_length=32", "data_shuffle_seed=1"]
+
+
+def _context_table(model: list[str], layouts: list[str], tmp_path) -> list[dict]:
+    path = tmp_path / "parity.json"
+    argv = [*model, *COMMON, "--steps", "2", "--packed", "--layouts", ",".join(layouts)]
+    run = parity_child(argv, path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Involuntary full rematerialization" not in run.stdout + run.stderr
+    report = json.loads(path.read_text())
+    assert report["ok"] and report["refused"] == []
+    _check_rows(report["rows"], report["tolerance"], 10.0, len(layouts))
+    for r in report["rows"]:
+        print(f"\ncp{r['cp']} lb={r['load_balance']}: max |dloss| {r['max_abs_loss_diff']:.3g}")
+    assert [r["cp"] for r in report["rows"]] == [parity.parse_layout(n).cp for n in layouts]
+    return report["rows"]
+
+
+DEEPSEEK = ["model_name=deepseek3-tiny", "mtp_num_layers=1"]
+# the default run's half of the matrix's context rows (every dispatch, the pipeline, both
+# reorders); the extended run holds the other half and mixtral-tiny's
+DEFAULT_ROWS = [
+    "sparse-padded-cp2-ep2-fsdp2",
+    "sparse-ring-pp2-cp2-ep2",
+    "sparse-ring-cp4-ep2-nolb",
+]
+
+
+def test_context_rows_deepseek3_tiny_with_mtp(tmp_path):
+    rows = _context_table(DEEPSEEK, DEFAULT_ROWS, tmp_path)
+    assert {r["load_balance"] for r in rows} == {True, False}
+
+
+@pytest.mark.extended
+def test_context_rows_deepseek3_tiny_with_mtp_rest(tmp_path):
+    rest = [n for n in ROWS if n not in DEFAULT_ROWS]
+    assert len(rest) == 3
+    _context_table(DEEPSEEK, rest, tmp_path)
+
+
+@pytest.mark.extended
+def test_context_rows_mixtral_tiny(tmp_path):
+    layouts = ["sparse-padded-cp2-ep2-fsdp2-nolb", "sparse-ring-cp4-ep2", "sparse-ring-pp2-cp2-ep2"]
+    _context_table(["model_name=mixtral-tiny"], layouts, tmp_path)
