@@ -1,6 +1,7 @@
-"""The fit search's candidate space, for N devices: splits of N over (expert, fsdp, tensor) with
-data = 1 that pass the mesh checks (`sharding.mesh.check_mesh_fit`) and shard something (fsdp
-divides the model width D); every `sharding_rules` preset in configs/parallel/; MoE token chunks
+"""The fit search's candidate space, for N devices: splits of N over (context, expert, fsdp,
+tensor) with data = 1 that pass the mesh checks (`sharding.mesh.check_mesh_fit`) and shard
+something (fsdp divides the model width D; context only where a batch shard holds one sequence:
+`context_sizes`); every `sharding_rules` preset in configs/parallel/; MoE token chunks
 (`num_moe_token_chunks`); attention query chunks (`num_attention_token_chunks`) with the `dot`
 kernel, whose [T, S] scores they split; loss vocab tiles (`num_vocab_tiling`); blockwise
 attention where the default would hold whole score matrices; the remat presets and the per-name
