@@ -6,14 +6,16 @@ calibrates one by one against what it compiles (`calibrate.py`):
 - `grads`: the gradients, one buffer per parameter in `grad_dtype`;
 - `residual_device` / `residual_host`: the saved activations by placement, from
   `residuals.layer_residuals` (one layer traced per remat choice at one sequence per device,
-  scaled by the batch per device), or the paged stash's buffers;
+  scaled by the batch per device and divided by the context axis's split of each sequence), or
+  the paged stash's buffers;
 - `working`: what one layer's compute holds besides: its weights gathered for compute (and
   their gradients), then the largest of the attention kernel's working set, a vocab tile's
   logits and the MoE layer's dispatch buffers of one token chunk (the sorted rows, the
   exchange's receive buffer and the kernels' outputs: `ROW_BUFFERS` of them per platform, as
   the compiled programs hold them; with several chunks, the local experts' weight gradients the
   chunk loop accumulates); on GPU, a copy of the stacked expert weights in another layout when
-  their model dim is split (`expert_relayout_elems`);
+  their model dim is split (`expert_relayout_elems`); under context parallelism, T / cp of each
+  sequence's tokens, plus the key state attention gathers (`context_gather`);
 - `state_host`: optimizer state and parameters offloaded to pinned host memory (copied to the
   device for the update: the update's bytes are `update`).
 
@@ -36,6 +38,7 @@ from expertax.config import config_rules
 from expertax.config.schema import MESH_AXES, Config
 from expertax.models import decoder
 from expertax.nn import param
+from expertax.nn.attention.blockwise import DEFAULT_BLOCK
 from expertax.nn.attention.kernel import AUTO_BLOCKWISE_MIN_LENGTH
 from expertax.nn.moe import stash as stash_mod
 from expertax.parallel import remat
@@ -177,7 +180,7 @@ class Estimator:
         if key not in self._state:
             c = self.c
             rules = self.rules(rules_name)
-            mesh = AbstractMesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES)
+            mesh = AbstractMesh(tuple(shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
             elems = trainable = 0
             for s in jax.tree.leaves(decoder.spec(c), is_leaf=param.is_spec):
                 n = _shard_elems(s.shape, s.axes, rules, mesh)
@@ -212,7 +215,7 @@ class Estimator:
             experts = None if moe is None else moe.moe
             if self.on == "gpu" and experts is not None and self.c.sparse_matmul:
                 rules = self.rules(rules_name)
-                mesh = AbstractMesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES)
+                mesh = AbstractMesh(tuple(shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
                 for w in (experts.wi_0, experts.wi_1, experts.wo):
                     spec = logical_to_spec(w.axes, rules, mesh, w.shape)
                     d_dim = w.axes.index("exp_embed")
@@ -233,8 +236,10 @@ class Estimator:
             1, int(c.per_device_batch_size * math.prod(shape.values())) // split("batch", 1 << 60)
         )
         heads = split("act_heads", c.base_num_query_heads)
+        # context parallelism splits each sequence's tokens: a device keeps T / cp of them
+        cp = split("length", c.max_target_length)
         device, host = self.residual_bytes(o)
-        scale = lambda d: b * sum(v // heads if n in _HEAD_SPLIT else v for n, v in d.items())
+        scale = lambda d: b * sum(v // heads if n in _HEAD_SPLIT else v for n, v in d.items()) // cp
         residual_device = scale(device) + self.stash_bytes(o, shape)
         state_host = 0
         args = params + opt
@@ -247,37 +252,40 @@ class Estimator:
             grads=elems * size("grad_dtype"),
             residual_device=residual_device,
             residual_host=scale(host),
-            working=self._working(o, shape, b, heads, layer_elems, size, split, rules)
+            working=self._working(o, shape, b, heads, cp, layer_elems, size, split, rules)
             + self.expert_relayout_elems(shape, o["sharding_rules"]) * size("weight_dtype"),
             state_host=state_host,
             update=state_host,  # the offloaded state, copied to the device for the update
         )
 
-    def _working(self, o, shape, b, heads, layer_elems, size, split, rules) -> int:
+    def _working(self, o, shape, b, heads, cp, layer_elems, size, split, rules) -> int:
         """One layer's working set in its backward pass (module docstring): the layer's weights
         gathered in the compute dtype, a few [B, T, D] activations, the attention kernel's
         saved inputs and outputs (alive while the rest of the layer's backward runs), and the
         largest of the MoE backward's buffers, the attention backward's and a vocab tile's
-        logits."""
+        logits. Under context parallelism (`cp` > 1) a device holds T / cp of each sequence's
+        tokens, and attention the gathered key state besides (`context_gather`)."""
         c = self.c
         t, d, dt = c.max_target_length, c.base_emb_dim, jnp.dtype(c.dtype).itemsize
+        t_local = t // cp
         gathered = layer_elems * dt
-        activations = LAYER_ACTIVATIONS * b * t * d * dt
+        activations = LAYER_ACTIVATIONS * b * t_local * d * dt
         h = c.base_num_query_heads // heads
         qk, v = c.qk_head_dim, c.attn_v_head_dim
         attention = o.get("attention_impl", c.attention_impl)
         if _resolve_attention(attention, t, self.on) == "dot":
             # the float32 scores, of one query chunk (num_attention_token_chunks)
-            saved = b * h * (t // o.get(ATT_CHUNKS_KEY, 1)) * t * 4
+            saved = b * h * (t_local // o.get(ATT_CHUNKS_KEY, 1)) * t * 4
         else:  # q, k, v, the output, its float32 copy (flash kernels' residuals)
-            saved = b * h * t * (2 * qk * dt + 2 * v * dt + 4 * v)
+            saved = b * h * t_local * (2 * qk * dt + 2 * v * dt + 4 * v)
+        saved += context_gather(c, b, h, cp)
         vocab = c.vocab_size // split("act_vocab", c.vocab_size)
-        logits = b * (t // o["num_vocab_tiling"]) * vocab * 4 * 3
+        logits = b * (t_local // o["num_vocab_tiling"]) * vocab * 4 * 3
         moe = 0
         if c.is_moe:
             e, k = shape["expert"], c.num_experts_per_tok
             chunks = o.get(CHUNKS_KEY, 1)
-            n_tok = b * t
+            n_tok = b * t_local
             if e > 1 and c.sparse_matmul and "expert" in rules.get("batch", ()):
                 rows = e * n_tok * min(k, c.num_experts // e)  # the dropless receive buffer
                 factor = o.get("ragged_buffer_factor", c.ragged_buffer_factor)
@@ -298,6 +306,25 @@ class Estimator:
     def estimate(self, o: dict[str, Any], shape: dict[str, int]) -> int:
         """The uncalibrated peak bytes per device."""
         return self.terms(o, shape).peak()
+
+
+def context_gather(c: Config, b: int, h: int, cp: int) -> int:
+    """Bytes per device attention holds under context parallelism besides its local tokens'
+    (nn/attention/context.py), for `b` sequences and `h` query heads per device: the key state
+    gathered over the whole sequence (MLA: the normed latent and the rotated RoPE key, kv_lora_rank
+    + qk_rope_head_dim values per token; GQA: the keys and values of the device's kv heads), and
+    MLA's keys and values up-projected from it one key block at a time (block =
+    blockwise.DEFAULT_BLOCK). 0 without context parallelism."""
+    if cp == 1:
+        return 0
+    t, dt = c.max_target_length, jnp.dtype(c.dtype).itemsize
+    if c.attention_type == "mla":
+        latent = b * t * (c.kv_lora_rank + c.qk_rope_head_dim) * dt
+        up = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim
+        return latent + b * min(DEFAULT_BLOCK, t) * h * up * dt
+    heads = c.base_num_query_heads // h  # the tensor split of the heads
+    kv = max(1, c.base_num_kv_heads // heads)
+    return b * t * kv * c.head_dim * 2 * dt
 
 
 def _shard_elems(shape, axes, rules, mesh) -> int:

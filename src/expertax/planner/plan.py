@@ -21,9 +21,10 @@ compiled for the configured mesh; nothing is placed on a device. The report has 
   of our code that built it (the innermost stack frame under src/expertax) and its checkpoint
   name, if any.
 
-Residual shapes split the batch over the data, fsdp and expert axes only; splits of heads, hidden
-dims or experts (tensor parallelism, the [E, B, C, .] tensors of the dense MoE dispatch under
-expert parallelism) are not applied, so those entries are upper bounds. XLA:CPU has one memory
+Residual shapes split the batch over the data, fsdp and expert axes, and their bytes each
+sequence's tokens over the context axis; splits of heads, hidden dims or experts (tensor
+parallelism, the [E, B, C, .] tensors of the dense MoE dispatch under expert parallelism) are not
+applied, so those entries are upper bounds. XLA:CPU has one memory
 for device and pinned host: its figures count offloaded tensors as device bytes, so the peak
 estimate subtracts what the config itself places on host (offloaded parameters, optimizer state
 and remat names) and says so.
@@ -39,6 +40,7 @@ import jax.extend
 import jax.numpy as jnp
 
 from expertax import platform
+from expertax.config import config_rules
 from expertax.config.schema import Config
 from expertax.parallel import remat
 from expertax.planner import pipeline as memory_pipeline
@@ -76,11 +78,18 @@ def batch_shards(mesh) -> int:
     return shape.get("data", 1) * shape.get("fsdp", 1) * shape.get("expert", 1)
 
 
-def _weight_sum_cost(c: Config, batch_local: int) -> dict:
+def context_shards(c: Config, mesh) -> int:
+    """How many ways each sequence's tokens are split: the context axis, where the rules give it
+    the `length` axis (nn/attention/context.py)."""
+    cp = int(dict(mesh.shape).get("context", 1))
+    return cp if "context" in config_rules(c).get("length", ()) else 1
+
+
+def _weight_sum_cost(c: Config, batch_local: int, context: int = 1) -> dict:
     """Extra temporaries of float32_weight_sum: the [N, D] combine accumulator in float32 instead
     of `dtype` (the K expert outputs are added one slot at a time, never upcast all at once)."""
     itemsize = jnp.dtype(c.dtype).itemsize
-    rows = batch_local * c.max_target_length
+    rows = batch_local * c.max_target_length // context
     extra = rows * c.base_emb_dim * max(4 - itemsize, 0) if c.num_moe_layers else 0
     return {
         "enabled": c.float32_weight_sum,
@@ -208,7 +217,8 @@ def memory_report(
         "residual_bytes_device": residual_total(residuals, "device"),
         "residual_bytes_host": residual_total(residuals, "host"),
         "stash": stash,
-        "float32_weight_sum": _weight_sum_cost(c, local_batch),
+        "context_shards": context_shards(c, trainer.mesh),
+        "float32_weight_sum": _weight_sum_cost(c, local_batch, context_shards(c, trainer.mesh)),
         "xla": xla,
         "offloaded_state_bytes": offloaded,
         "offloaded_residual_bytes": offloaded_residuals,
@@ -261,14 +271,16 @@ def _layer_residuals(c: Config, trainer) -> tuple[list, dict | None]:
 
 def _stack_residuals(c: Config, trainer, local_batch: int, mb_rows: int):
     residuals = []
+    kw = {"batch_local": local_batch, "microbatch_rows": mb_rows}
+    kw["context"] = context_shards(c, trainer.mesh)
     if c.num_dense_layers:
-        residuals += stack_residuals(c, moe=False, batch_local=local_batch, microbatch_rows=mb_rows)
+        residuals += stack_residuals(c, moe=False, **kw)
     stash = None
     if c.num_moe_layers and c.moe_paged_stash:
         stash, moe_residuals = stash_report(c, trainer, local_batch)
         residuals += moe_residuals
     elif c.num_moe_layers:
-        residuals += stack_residuals(c, moe=True, batch_local=local_batch, microbatch_rows=mb_rows)
+        residuals += stack_residuals(c, moe=True, **kw)
     return residuals, stash
 
 

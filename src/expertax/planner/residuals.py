@@ -3,7 +3,8 @@
 Found by linearizing one layer under the layer's remat policy with the per-device batch and
 reading the jaxpr that builds the linear function's residuals (`residual_sources`); a stack's
 figure is one layer's times the layers the scan stacks (`layer_residuals`, `stack_residuals`).
-Residual shapes split the batch over the data, fsdp and expert axes only; splits of heads, hidden
+Residual shapes split the batch over the data, fsdp and expert axes and their bytes each
+sequence's tokens over the context axis (`Residual.context`); splits of heads, hidden
 dims or experts (tensor parallelism, the [E, B, C, .] tensors of the dense MoE dispatch under
 expert parallelism) are not applied, so those entries are upper bounds.
 """
@@ -41,10 +42,13 @@ class Residual:
     placement: str  # "device" or "host"
     stack: str  # "dense" or "moe"
     layers: int  # layers in the stack; the total is bytes * layers
+    # The context axis's split of each sequence's tokens: `shape` is traced with whole
+    # sequences, a device keeps 1 / context of them (nn/attention/context.py).
+    context: int = 1
 
     @property
     def bytes(self) -> int:
-        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize // self.context
 
     def as_json(self) -> dict:
         return {
@@ -55,6 +59,7 @@ class Residual:
             "placement": self.placement,
             "stack": self.stack,
             "layers": self.layers,
+            "context": self.context,
             "total_bytes": self.bytes * self.layers,
         }
 
@@ -152,14 +157,15 @@ def _source(kind: str, var, **fields) -> ResidualSource:
 
 
 def layer_residuals(
-    c: Config, *, moe: bool, batch_local: int, layers: int | None = None
+    c: Config, *, moe: bool, batch_local: int, layers: int | None = None, context: int = 1
 ) -> list[Residual]:
     """The residuals one layer of a stack saves, per device, by name.
 
     Offloaded names are traced as if kept on device (a device_put to host loses the name) and
     reported with placement "host". The layer input, when its own name is rematerialized, is the
     argument `x` of the layer and is reported as decoder_layer_input. `layers`: the count each
-    entry is multiplied by (default: the layers of the stack).
+    entry is multiplied by (default: the layers of the stack); `context`: the context axis's
+    split of each sequence (`Residual.context`).
     """
     place = remat.config_placements(c)
     host = {n for n, p in place.items() if p == remat.OFFLOAD}
@@ -177,7 +183,7 @@ def layer_residuals(
             _TRACED.clear()
         _TRACED[key] = _trace_layer(traced, moe, batch_local)
     return [
-        Residual(name, shape, dtype, "host" if name in host else "device", stack, layers)
+        Residual(name, shape, dtype, "host" if name in host else "device", stack, layers, context)
         for name, shape, dtype in _TRACED[key]
     ]
 
@@ -224,7 +230,7 @@ def _trace_layer(traced: Config, moe: bool, batch_local: int) -> list[tuple]:
 
 
 def stack_residuals(
-    c: Config, *, moe: bool, batch_local: int, microbatch_rows: int
+    c: Config, *, moe: bool, batch_local: int, microbatch_rows: int, context: int = 1
 ) -> list[Residual]:
     """The residuals of the MoE (`moe`) or dense stack per device.
 
@@ -233,22 +239,30 @@ def stack_residuals(
     stage input of each of the M R real work items (`pipeline_iteration_input`, [microbatch
     rows, T, D] per device: the stage axis is sharded over `pipeline`); with remat_policy=none,
     the residuals of a stage's layers of one visit at the microbatch size, for each of the
-    M R + S - 1 iterations (bubbles included).
+    M R + S - 1 iterations (bubbles included). `context`: the context axis's split of each
+    sequence (`Residual.context`).
     """
     outside = memory_pipeline.layers_outside(c, moe=moe)
-    out = layer_residuals(c, moe=moe, batch_local=batch_local, layers=outside) if outside else []
+    out = (
+        layer_residuals(c, moe=moe, batch_local=batch_local, layers=outside, context=context)
+        if outside
+        else []
+    )
     inside = memory_pipeline.pipelined_layers(c, moe=moe)
     if not inside:
         return out
     if c.remat_policy == "none":
         per_visit = inside // (c.pipeline_stages * c.num_pipeline_repeats)
         copies = memory_pipeline.iterations(c) * per_visit
-        return out + layer_residuals(c, moe=moe, batch_local=microbatch_rows, layers=copies)
+        return out + layer_residuals(
+            c, moe=moe, batch_local=microbatch_rows, layers=copies, context=context
+        )
     shape = (microbatch_rows, c.max_target_length, c.base_emb_dim)
     stack = "moe" if moe else "dense"
     dtype_name = str(jnp.dtype(c.dtype))
     items = memory_pipeline.work_items(c)
-    return [*out, Residual(pipeline.ITERATION_INPUT, shape, dtype_name, "device", stack, items)]
+    it = Residual(pipeline.ITERATION_INPUT, shape, dtype_name, "device", stack, items, context)
+    return [*out, it]
 
 
 def iteration_residual_bytes(c: Config, microbatch_rows: int) -> int | None:

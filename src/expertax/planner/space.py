@@ -1,6 +1,7 @@
-"""The fit search's candidate space, for N devices: splits of N over (expert, fsdp, tensor) with
-data = 1 that pass the mesh checks (`sharding.mesh.check_mesh_fit`) and shard something (fsdp
-divides the model width D); every `sharding_rules` preset in configs/parallel/; MoE token chunks
+"""The fit search's candidate space, for N devices: splits of N over (context, expert, fsdp,
+tensor) with data = 1 that pass the mesh checks (`sharding.mesh.check_mesh_fit`) and shard
+something (fsdp divides the model width D; context only where a batch shard holds one sequence:
+`context_sizes`); every `sharding_rules` preset in configs/parallel/; MoE token chunks
 (`num_moe_token_chunks`); attention query chunks (`num_attention_token_chunks`) with the `dot`
 kernel, whose [T, S] scores they split; loss vocab tiles (`num_vocab_tiling`); blockwise
 attention where the default would hold whole score matrices; the remat presets and the per-name
@@ -39,6 +40,8 @@ ATT_CHUNKS = (1, 4, 16)  # num_attention_token_chunks values tried (those dividi
 # Below this length a `dot` kernel's [T, T] scores are small beside the layer: no query chunks
 ATT_CHUNKS_MIN_LENGTH = 2048
 DROPS_BUFFER_FACTOR = 2.0  # ragged_buffer_factor tried with allow_drops
+# Tokens of a sequence each device keeps at least under context parallelism (`context_sizes`).
+MIN_CONTEXT_TOKENS = 1024
 PRESETS = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "full")
 
 
@@ -64,9 +67,10 @@ class Candidate:
     def layout(self) -> str:
         o = self.overrides
         rules = "" if o["sharding_rules"] == "default" else f" {o['sharding_rules']}"
+        cp = o.get("ici_context_parallelism", 1)
         return (
             f"e{o['ici_expert_parallelism']} f{o['ici_fsdp_parallelism']} "
-            f"t{o['ici_tensor_parallelism']}{rules}"
+            f"t{o['ici_tensor_parallelism']}{f' c{cp}' if cp > 1 else ''}{rules}"
         )
 
     @property
@@ -131,22 +135,53 @@ class Candidate:
 
 
 def layouts(c: Config, n: int) -> list[dict[str, int]]:
-    """Mesh shapes (data = 1) splitting `n` devices over expert, fsdp and tensor that pass the
-    mesh checks and shard something: expert divides num_experts (1 for a dense model), tensor
-    divides the heads, fsdp divides the model width D."""
+    """Mesh shapes (data = 1) splitting `n` devices over context, expert, fsdp and tensor that
+    pass the mesh checks and shard something: expert divides num_experts (1 for a dense model),
+    tensor divides the heads, fsdp divides the model width D, context is one of
+    `context_sizes`. Keys in MESH_AXES order."""
     out = []
     experts = c.num_experts if c.is_moe else 1
-    for e in _divisors(n):
-        for t in _divisors(n // e):
-            f = n // (e * t)
-            if experts % e or c.base_emb_dim % f:
-                continue
-            shape = {"pipeline": 1, "data": 1, "fsdp": f, "expert": e, "tensor": t}
-            try:
-                check_mesh_fit(c, shape)
-            except ConfigError:
-                continue
-            out.append(shape)
+    for cp in context_sizes(c, n):
+        for e in _divisors(n // cp):
+            for t in _divisors(n // (cp * e)):
+                f = n // (cp * e * t)
+                if experts % e or c.base_emb_dim % f:
+                    continue
+                shape = {
+                    "pipeline": 1,
+                    "data": 1,
+                    "fsdp": f,
+                    "context": cp,
+                    "expert": e,
+                    "tensor": t,
+                }
+                try:
+                    check_mesh_fit(c, shape)
+                except ConfigError:
+                    continue
+                if cp > 1 and c.per_device_batch_size * n != f * e:
+                    continue  # more than one sequence per batch shard: see `context_sizes`
+                out.append(shape)
+    return out
+
+
+def context_sizes(c: Config, n: int) -> list[int]:
+    """The context axis sizes searched on `n` devices: 1, and powers of two dividing `n` that
+    leave each device at least MIN_CONTEXT_TOKENS of a sequence (below that the gathered keys
+    and the per-device kernels cost more than the split saves). Powers of two only: they split
+    a slice's torus dimensions, and the lengths are powers of two times a block.
+
+    `layouts` keeps a context size > 1 only where each batch shard (data x fsdp x expert) holds
+    one sequence: the tokens per device are per_device_batch_size x T x tensor whatever the
+    split, so where a shard holds several sequences, splitting the batch further instead keeps
+    as many tokens per device without gathering any keys. Context parallelism is then the lever
+    for a batch smaller than the devices (per_device_batch_size < 1), and the search tries one
+    or two context sizes per layout, not every power of two (DeepSeek-V3 on 512 devices at
+    per_device_batch_size=0.5: 186 meshes with every power of two, 51 with this rule)."""
+    out, cp = [1], 2
+    while n % cp == 0 and c.max_target_length // cp >= MIN_CONTEXT_TOKENS:
+        out.append(cp)
+        cp *= 2
     return out
 
 
@@ -197,11 +232,13 @@ def check_inputs(
     if not layouts(c, devices):
         experts = c.num_experts if c.is_moe else 1
         raise ConfigError(
-            f"--devices={devices}: no split of {devices} devices over expert x fsdp x tensor "
+            f"--devices={devices}: no split of {devices} devices over context x expert x fsdp x "
+            "tensor "
             f"passes the mesh checks (expert must divide num_experts={experts}, tensor the "
             f"heads base_num_query_heads={c.base_num_query_heads}, fsdp the width "
             f"base_emb_dim={c.base_emb_dim}, and per_device_batch_size="
-            f"{c.per_device_batch_size} x {devices} must split over fsdp x expert)"
+            f"{c.per_device_batch_size} x {devices} must split over fsdp x expert; context "
+            f"sizes tried: {context_sizes(c, devices)})"
         )
     if not allow_drops and not _dropless(c):
         raise ConfigError(
@@ -275,11 +312,15 @@ def candidates(
                 # chunks' inputs and the keys' gradient accumulators: docs/design/attention.md).
                 # Offload inside a chunk is refused (checks.check_attention_token_chunks).
                 continue
+            if shape["context"] > 1 and n_att > 1:
+                # the context split already bounds each device's queries to T / context
+                continue
             if n_chunks > 1 and est.on in OFFLOAD_PLATFORMS and ch.offloads_any(remat.STASHABLE):
                 continue  # does not compile there (checks.check_moe_chunk_offload)
             o: dict[str, Any] = {
                 "ici_data_parallelism": 1,
                 "ici_fsdp_parallelism": shape["fsdp"],
+                "ici_context_parallelism": shape["context"],
                 "ici_expert_parallelism": shape["expert"],
                 "ici_tensor_parallelism": shape["tensor"],
                 "sharding_rules": rules_name,

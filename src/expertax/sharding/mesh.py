@@ -1,4 +1,5 @@
-"""The device mesh: axes (pipeline, data, fsdp, expert, tensor) sized from ici_*/dcn_* keys."""
+"""The device mesh: axes (pipeline, data, fsdp, context, expert, tensor) sized from ici_* and
+dcn_* keys."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from jax.sharding import AxisType, Mesh
 
 from expertax.config.checks import ConfigError
 from expertax.config.schema import MESH_AXES, Config
+from expertax.nn.attention.blockwise import DEFAULT_BLOCK
+from expertax.nn.attention.kernel import AUTO_BLOCKWISE_MIN_LENGTH
 
 # Auto axis types, chosen deliberately: GSPMD propagates shardings outside the MoE layer (the
 # rules table places parameters and block-boundary activations), and the MoE dispatch is an
@@ -86,18 +89,39 @@ def check_mesh_fit(c: Config, shape: dict[str, int]) -> None:
 
 def check_context_fit(c: Config, shape: dict[str, int]) -> None:
     """The sequence must split evenly over the context axis: into cp chunks, or 2cp with
-    context_parallel_load_balance (nn/attention/context.py)."""
+    context_parallel_load_balance (nn/attention/context.py); with the blockwise kernel, each
+    device's query chunk into whole blocks (`blockwise.DEFAULT_BLOCK`, or the chunk itself when
+    shorter), so no block is padded."""
     cp = shape.get("context", 1)
     if cp == 1:
         return
     pieces = 2 * cp if c.context_parallel_load_balance else cp
-    if c.max_target_length % pieces:
-        how = "2 x context" if c.context_parallel_load_balance else "context"
+    t = c.max_target_length
+    how = "2 x context" if c.context_parallel_load_balance else "context"
+    if t % pieces:
         raise ConfigError(
-            f"max_target_length={c.max_target_length} does not split into {pieces} equal chunks "
+            f"max_target_length={t} does not split into {pieces} equal chunks "
             f"({how}, from ici_context_parallelism={c.ici_context_parallelism}); use a multiple "
             f"of {pieces}"
         )
+    chunk = t // pieces
+    block = min(DEFAULT_BLOCK, chunk)
+    if _context_kernel(c) == "blockwise" and chunk % block:
+        step = pieces * block
+        valid = [step * k for k in range(max(1, t // step), t // step + 3)]
+        raise ConfigError(
+            f"max_target_length={t} with context={cp} ({how} = {pieces} chunks of {chunk} "
+            f"tokens) and attention_impl={c.attention_impl} (blockwise): a chunk is not a whole "
+            f"number of {block}-token blocks; use a max_target_length that is a multiple of "
+            f"{step} (such as {valid}), or another ici_context_parallelism"
+        )
+
+
+def _context_kernel(c: Config) -> str:
+    """The kernel attention runs under context parallelism (nn/attention/context.kernel_impl)."""
+    if c.attention_impl != "auto":
+        return c.attention_impl
+    return "blockwise" if c.max_target_length >= AUTO_BLOCKWISE_MIN_LENGTH else "dot"
 
 
 def make_mesh(c: Config, devices=None) -> Mesh:

@@ -3,12 +3,13 @@ estimate's terms, the per-term calibration, the step-time estimate and the host 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import pytest
 
 from expertax.config import load_config
 from expertax.parallel import remat
 from expertax.planner import calibrate, placements, space, steptime
-from expertax.planner.estimate import Estimator, Terms
+from expertax.planner.estimate import Estimator, Terms, context_gather
 from expertax.targets import CHIPS
 
 SHAPE = {"pipeline": 1, "data": 1, "fsdp": 4, "expert": 2, "tensor": 1}
@@ -200,3 +201,45 @@ def test_accelerators_search_no_moe_offload_inside_moe_chunks():
     for on in ("gpu", "tpu"):
         assert not any(bad(x) for x in space.candidates(c, 8, on=on, state_offload=False))
     assert any(bad(x) for x in space.candidates(c, 8, on="cpu", state_offload=False))
+
+
+def test_context_is_searched_where_a_batch_shard_holds_one_sequence():
+    """Half a sequence per device on 8 devices (4 sequences): context 2 with fsdp x expert = 4;
+    one sequence per device (negative control): no context split, the batch splits instead."""
+    over = {"model_name": "deepseek3-tiny", "max_target_length": 4096}
+    half = load_config(overrides={**over, "per_device_batch_size": 0.5})
+    assert space.context_sizes(half, 8) == [1, 2, 4]  # 4096 / 4 = 1024 tokens per device
+    found = space.layouts(half, 8)
+    by_cp = {cp: [x for x in found if x["context"] == cp] for cp in (1, 2, 4)}
+    assert by_cp[2] and not by_cp[4]  # 4 sequences cannot fill fsdp x expert = 2
+    assert all(x["fsdp"] * x["expert"] == 4 for x in by_cp[2])
+    assert all(x["fsdp"] * x["expert"] * x["context"] * x["tensor"] == 8 for x in found)
+    whole = load_config(overrides={**over, "per_device_batch_size": 1})
+    assert {x["context"] for x in space.layouts(whole, 8)} == {1}
+    short = load_config(overrides={**over, "max_target_length": 1024})
+    assert space.context_sizes(short, 8) == [1]  # below MIN_CONTEXT_TOKENS per device
+
+
+def test_context_splits_the_estimate_along_the_sequence():
+    """The saved residuals per device halve under context 2, attention holds the gathered
+    latent and one up-projected key block besides, and the weights shard over context."""
+    over = {"model_name": "deepseek3-tiny", "max_target_length": 2048}
+    c = load_config(overrides={**over, "per_device_batch_size": 0.5})
+    est = Estimator(c, "tpu")
+    o = {**BASE, "remat_policy": "full", "ici_context_parallelism": 2}
+    split = {"pipeline": 1, "data": 1, "fsdp": 4, "context": 2, "expert": 1, "tensor": 1}
+    whole = {**split, "context": 1, "data": 2}  # the same devices, the batch split instead
+    cp, plain = est.terms(o, split), est.terms(o, whole)
+    assert abs(2 * cp.residual_device - plain.residual_device) <= 2
+    dt, h = jnp.dtype(c.dtype).itemsize, c.base_num_query_heads  # no tensor split
+    latent = c.max_target_length * (c.kv_lora_rank + c.qk_rope_head_dim) * dt
+    block = 512 * h * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * dt
+    assert context_gather(c, 1, h, 2) == latent + block and context_gather(c, 1, h, 1) == 0
+    assert est.terms(o, split).working != est.terms(o, {**split, "context": 1}).working
+    # embed and the low-rank dims shard over fsdp x context: fewer parameters per device
+    assert est.state_bytes(split, "default")[0] < est.state_bytes(whole, "default")[0]
+    assert space.Candidate({**o, **_mesh_keys(split)}, cp, (), "full", 0.0).layout == "e1 f4 t1 c2"
+
+
+def _mesh_keys(shape):
+    return {f"ici_{a}_parallelism": n for a, n in shape.items() if a not in ("pipeline", "data")}

@@ -1,0 +1,44 @@
+"""`check_context_fit`: the sequence must split into whole chunks over the context axis, and with
+the blockwise kernel each chunk into whole blocks, refused before anything compiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertax.config import ConfigError, load_config
+from expertax.nn.attention.blockwise import DEFAULT_BLOCK
+from expertax.sharding.mesh import check_context_fit
+
+
+def cfg(length: int, impl: str = "blockwise", balanced: bool = True):
+    return load_config(
+        overrides={
+            "model_name": "deepseek3-tiny",
+            "max_target_length": length,
+            "attention_impl": impl,
+            "context_parallel_load_balance": balanced,
+        }
+    )
+
+
+def test_a_chunk_of_part_blocks_is_refused_with_the_keys_and_valid_lengths():
+    # 6 x 512 tokens over 2 x 2 chunks: 768 tokens each, one and a half blocks
+    with pytest.raises(ConfigError) as e:
+        check_context_fit(cfg(6 * DEFAULT_BLOCK), {"context": 2})
+    words = str(e.value)
+    for part in ("max_target_length=3072", "context=2", "attention_impl=blockwise", "2048"):
+        assert part in words
+    # controls: whole blocks, or a chunk shorter than a block (the block is the chunk), or the
+    # dot kernel (no blocks), or no context split, pass
+    check_context_fit(cfg(8 * DEFAULT_BLOCK), {"context": 2})
+    check_context_fit(cfg(6 * DEFAULT_BLOCK), {"context": 4})  # chunks of 384 tokens
+    check_context_fit(cfg(6 * DEFAULT_BLOCK, "dot"), {"context": 2})
+    check_context_fit(cfg(6 * DEFAULT_BLOCK), {"context": 1})
+
+
+def test_without_load_balance_the_chunks_are_per_device():
+    check_context_fit(cfg(3 * DEFAULT_BLOCK, balanced=False), {"context": 3})  # 512 each
+    with pytest.raises(ConfigError, match="multiple of 1024"):
+        check_context_fit(cfg(3 * DEFAULT_BLOCK, balanced=False), {"context": 2})  # 768 each
+    with pytest.raises(ConfigError, match="does not split into 4 equal chunks"):
+        check_context_fit(cfg(1030), {"context": 2})
