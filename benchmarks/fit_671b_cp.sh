@@ -5,9 +5,9 @@
 # benchmarks/results/fit-cp/<target>-<T>.{json,txt} and each search's wall time to wall.txt (with
 # the load average before and after). Needs the tpu and gpu extras. Run alone: the wall times
 # are the figures. One case: bash benchmarks/fit_671b_cp.sh tpu-v5p-1024-131072
-# At a26a361 the blockwise kernel does not trace under context parallelism (its loops' initial
-# carries are not varying over `context`: a TypeError in every CP candidate); the 2026-11-28
-# figures were taken with benchmarks/results/fit-cp/blockwise-vma.patch applied to a copy of src/.
+# The 2026-11-28 figures in BENCHMARKS.md were compiled with MLA expanding the whole gathered
+# sequence's keys and values on each device (before nn/attention/latent_blockwise.py); rerun
+# for the current kernel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results/fit-cp

@@ -296,8 +296,8 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     assert cli.main([*argv, "--json", str(path)]) == 1
     out, err = capsys.readouterr()
     assert (
-        "| sparse | False | padded | 1 | 1 | 3 | 1 | 1 | 1 | no | default | - | - | - | - | - | - | "
-        "NO (refused: " in out
+        "| sparse | False | padded | 1 | 1 | 3 | 1 | 1 | 1 | no | default | - | - | - | - | - | "
+        "- | NO (refused: " in out
     )
     assert "num_experts=8 is not divisible by the expert axis (3" in out
     assert "1 refused" in err

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize(
     "keys, shape",
     [
-        (dict(ici_fsdp_parallelism=8), (1, 1, 8, 1, 1)),
-        (dict(ici_expert_parallelism=4, ici_fsdp_parallelism=2), (1, 1, 2, 4, 1)),
+        (dict(ici_fsdp_parallelism=8), (1, 1, 8, 1, 1, 1)),
+        (dict(ici_expert_parallelism=4, ici_fsdp_parallelism=2), (1, 1, 2, 1, 4, 1)),
         (
             dict(
                 ici_data_parallelism=2,
@@ -26,8 +26,9 @@ pytestmark = pytest.mark.distributed
                 ici_tensor_parallelism=2,
                 ici_fsdp_parallelism=1,
             ),
-            (1, 2, 1, 2, 2),
+            (1, 2, 1, 1, 2, 2),
         ),  # fmt: skip
+        (dict(ici_context_parallelism=4, ici_fsdp_parallelism=2), (1, 1, 2, 4, 1, 1)),
     ],
 )
 def test_mesh_axes_types_and_device_order(keys, shape):
