@@ -74,7 +74,12 @@ def needs_compiler(target: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["tpu:v5p-16", "gpu:h100x8"])
+@pytest.mark.parametrize(
+    "target",
+    # the GPU one (100 s) on demand: the extended run compiles the GPU matrix
+    # (test_parity_compile_matrix_gpu.py)
+    ["tpu:v5p-16", pytest.param("gpu:h100x8", marks=pytest.mark.full_grid)],
+)
 def test_compile_only_target(target, tmp_path, capsys):
     """Through the CLI for a TPU slice and for 8 H100s, from this CPU machine: `a2a_impl=auto`
     is the native ragged all-to-all, and no padded exchange is in the program."""

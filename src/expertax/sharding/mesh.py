@@ -12,7 +12,6 @@ from jax.sharding import AxisType, Mesh
 from expertax.config.checks import ConfigError
 from expertax.config.schema import MESH_AXES, Config
 from expertax.nn.attention.blockwise import DEFAULT_BLOCK
-from expertax.nn.attention.kernel import AUTO_BLOCKWISE_MIN_LENGTH
 
 # Auto axis types, chosen deliberately: GSPMD propagates shardings outside the MoE layer (the
 # rules table places parameters and block-boundary activations), and the MoE dispatch is an
@@ -121,6 +120,9 @@ def _context_kernel(c: Config) -> str:
     """The kernel attention runs under context parallelism (nn/attention/context.kernel_impl)."""
     if c.attention_impl != "auto":
         return c.attention_impl
+    # imported here: nn.attention.kernel imports this package (splash's specs)
+    from expertax.nn.attention.kernel import AUTO_BLOCKWISE_MIN_LENGTH  # noqa: PLC0415
+
     return "blockwise" if c.max_target_length >= AUTO_BLOCKWISE_MIN_LENGTH else "dot"
 
 

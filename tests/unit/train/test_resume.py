@@ -145,7 +145,7 @@ def test_run_dir_without_a_checkpoint_restarts_or_refuses(tmp_path):
         prepare_run_dir(tiny(tmp_path, run_name="r"))
 
 
-@pytest.mark.extended  # 73 s; tests/smoke/test_cli.py restarts a run without checkpoints too
+@pytest.mark.full_grid  # 73 s; test_files_training and tests/smoke/test_cli.py resume too
 def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_same_command(tmp_path):
     """SIGKILL during the first steps (no checkpoint yet), then the same command: it trains
     from step 0 to the end, with the losses of the killed attempt, and keeps its metrics."""

@@ -209,7 +209,7 @@ def test_model_uses_the_configured_kernel_with_equal_logits(model):
     np.testing.assert_allclose(out["blockwise"], out["dot"], **tol(jnp.float32))
 
 
-@pytest.mark.extended  # 50-65 s; the one-device blockwise tests stay in the default run
+@pytest.mark.full_grid  # 50-65 s; the one-device blockwise tests stay in the default run
 @pytest.mark.distributed
 def test_sharded_blockwise_model_equals_one_device_dot(monkeypatch):
     """Blockwise under a data x fsdp x tensor mesh (heads sharded), several blocks per sequence:

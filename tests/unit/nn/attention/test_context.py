@@ -114,7 +114,7 @@ def small_blocks(monkeypatch):
 # query chunks of 16 rows (cp 4), 4 rows (cp 8, balanced: blocks of 4 x 8, eight key blocks),
 # 8 rows; and blockwise on the expanded keys (`fused` off: GQA's path, blocks of 512)
 CASES = [
-    (4, "blockwise", False, True),
+    pytest.param(4, "blockwise", False, True, marks=pytest.mark.full_grid),  # 16 s
     (8, "blockwise", True, True),
     (4, "blockwise", True, False),
     (4, "dot", True, True),

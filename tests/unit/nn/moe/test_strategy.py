@@ -109,7 +109,7 @@ def test_moe_specs_come_from_the_rules():
     rules = config_rules(cfg())
     specs = strategy.moe_specs(rules)
     # `pipeline` is a batch axis outside a pipeline's stages (inside them the rules drop it)
-    assert specs.x == P(("data", "fsdp", "expert", "pipeline"))
+    assert specs.x == P(("data", "fsdp", "expert", "pipeline"), "context")
     assert specs.wi == P("expert", None, "tensor") and specs.wo == P("expert", "tensor", None)
     tp = strategy.moe_specs(config_rules(cfg(sharding_rules="ep-tp")))
     assert tp.tokens == ("data", "fsdp", "pipeline") and tp.mlp == ("tensor",)
