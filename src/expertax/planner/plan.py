@@ -40,7 +40,6 @@ import jax.extend
 import jax.numpy as jnp
 
 from expertax import platform
-from expertax.config import config_rules
 from expertax.config.schema import Config
 from expertax.parallel import remat
 from expertax.planner import pipeline as memory_pipeline
@@ -78,11 +77,10 @@ def batch_shards(mesh) -> int:
     return shape.get("data", 1) * shape.get("fsdp", 1) * shape.get("expert", 1)
 
 
-def context_shards(c: Config, mesh) -> int:
-    """How many ways each sequence's tokens are split: the context axis, where the rules give it
-    the `length` axis (nn/attention/context.py)."""
-    cp = int(dict(mesh.shape).get("context", 1))
-    return cp if "context" in config_rules(c).get("length", ()) else 1
+def context_shards(mesh) -> int:
+    """How many ways each sequence's tokens are split: the context axis (build_trainer refuses
+    rules that would not split `length` over it)."""
+    return int(dict(mesh.shape).get("context", 1))
 
 
 def _weight_sum_cost(c: Config, batch_local: int, context: int = 1) -> dict:
@@ -217,8 +215,8 @@ def memory_report(
         "residual_bytes_device": residual_total(residuals, "device"),
         "residual_bytes_host": residual_total(residuals, "host"),
         "stash": stash,
-        "context_shards": context_shards(c, trainer.mesh),
-        "float32_weight_sum": _weight_sum_cost(c, local_batch, context_shards(c, trainer.mesh)),
+        "context_shards": context_shards(trainer.mesh),
+        "float32_weight_sum": _weight_sum_cost(c, local_batch, context_shards(trainer.mesh)),
         "xla": xla,
         "offloaded_state_bytes": offloaded,
         "offloaded_residual_bytes": offloaded_residuals,
@@ -272,7 +270,7 @@ def _layer_residuals(c: Config, trainer) -> tuple[list, dict | None]:
 def _stack_residuals(c: Config, trainer, local_batch: int, mb_rows: int):
     residuals = []
     kw = {"batch_local": local_batch, "microbatch_rows": mb_rows}
-    kw["context"] = context_shards(c, trainer.mesh)
+    kw["context"] = context_shards(trainer.mesh)
     if c.num_dense_layers:
         residuals += stack_residuals(c, moe=False, **kw)
     stash = None

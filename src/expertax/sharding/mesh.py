@@ -117,13 +117,25 @@ def check_context_fit(c: Config, shape: dict[str, int]) -> None:
 
 
 def _context_kernel(c: Config) -> str:
-    """The kernel attention runs under context parallelism (nn/attention/context.kernel_impl)."""
-    if c.attention_impl != "auto":
-        return c.attention_impl
-    # imported here: nn.attention.kernel imports this package (splash's specs)
-    from expertax.nn.attention.kernel import AUTO_BLOCKWISE_MIN_LENGTH  # noqa: PLC0415
+    """The kernel attention runs under context parallelism."""
+    # imported here: nn.attention imports this package (splash's specs)
+    from expertax.nn.attention import context  # noqa: PLC0415
 
-    return "blockwise" if c.max_target_length >= AUTO_BLOCKWISE_MIN_LENGTH else "dot"
+    return context.kernel_impl(c, c.max_target_length)
+
+
+def check_context_rules(c: Config, shape: dict[str, int], rules) -> None:
+    """A context axis above one needs rules that split the sequence over it: else every context
+    shard would compute the same tokens (a run that looks faster per device and trains nothing
+    more)."""
+    cp = shape.get("context", 1)
+    if cp > 1 and "context" not in tuple(rules.get("length", ())):
+        raise ConfigError(
+            f"ici_context_parallelism x dcn_context_parallelism = {cp} but sharding_rules="
+            f"{c.sharding_rules!r} maps length -> {list(rules.get('length', ()))}: the sequence "
+            "would not be split over the context axis; add context to the preset's `length` "
+            "rule (as configs/parallel/default.yml does) or set ici_context_parallelism=1"
+        )
 
 
 def make_mesh(c: Config, devices=None) -> Mesh:

@@ -35,7 +35,8 @@ def probe_loss(params, batch: dict, imposed_LBTK, c: Config):
     load-balanced context axis the batch and the imposed routing are reordered as the train step
     reorders them (nn/attention/context.py), and the choices come back in sequence order."""
     balanced = context.balance(batch, c)
-    if balanced is not batch:
+    reordered = balanced is not batch
+    if reordered:
         batch = balanced
         imposed_LBTK = context.reorder(imposed_LBTK, context.size(), axis=2)
     logits_BTV, stats = decoder.forward(
@@ -51,7 +52,7 @@ def probe_loss(params, batch: dict, imposed_LBTK, c: Config):
     w_BT = batch["weights"].astype(jnp.float32)
     ce = vocab_loss.nll_sum(logits_BTV, batch["targets"], w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0)
     chosen = stats.chosen_BTK
-    if balanced is batch:
+    if reordered:
         chosen = context.reorder(chosen, context.size(), axis=2, inverse=True)
     return ce, chosen
 

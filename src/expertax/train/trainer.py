@@ -27,6 +27,7 @@ from expertax.nn import fp8_gemm, param
 from expertax.nn.moe import gmm, strategy
 from expertax.parallel import remat
 from expertax.sharding import logical_to_spec, make_mesh, use_rules
+from expertax.sharding.mesh import check_context_rules
 from expertax.train import optimizer
 from expertax.train.state import TrainState
 from expertax.train.step import train_step
@@ -147,6 +148,7 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     check_attention_platform(c, platform.of_mesh(mesh))
     check_moe_chunk_offload(c, platform.of_mesh(mesh))
     rules = config_rules(c)
+    check_context_rules(c, dict(mesh.shape), rules)
     if c.is_moe and c.sparse_matmul:
         strategy.moe_specs(rules)  # a rules table the MoE layer cannot compute: ConfigError
         gmm.check_backend(c.gmm_impl, platform.of_mesh(mesh))  # kernels the mesh can run

@@ -15,6 +15,7 @@ from expertax.models import mtp
 from expertax.nn.attention import context
 from expertax.nn.moe import strategy
 from expertax.sharding import check_mesh_fit, use_rules
+from expertax.sharding.mesh import check_context_rules
 
 
 def _shape(**sizes) -> dict[str, int]:
@@ -77,3 +78,14 @@ def test_refusals_name_the_keys():
         load_config(overrides=["ici_context_parallelism=2", "attention_impl=splash"])
     with pytest.raises(ConfigError, match="num_attention_token_chunks=2 with ici_context"):
         load_config(overrides=["ici_context_parallelism=2", "num_attention_token_chunks=2"])
+
+
+def test_a_context_axis_the_rules_do_not_split_over_is_refused():
+    """A rules table whose `length` rule leaves out `context` would run every context shard on
+    the same tokens (a silent no-op): refused before anything compiles."""
+    c = load_config(overrides=["ici_context_parallelism=2", "max_target_length=32"])
+    rules = load_rules("default")
+    check_context_rules(c, _shape(context=2, fsdp=4), rules)
+    with pytest.raises(ConfigError, match="maps length -> \\[\\]: the sequence would not"):
+        check_context_rules(c, _shape(context=2, fsdp=4), {**rules, "length": ()})
+    check_context_rules(c, _shape(fsdp=8), {**rules, "length": ()})  # no context axis: fine
