@@ -341,3 +341,41 @@ def test_tied_embeddings_round_trip(tmp_path):
     )
     with pytest.raises(ConversionError, match="shared_head.head.weight differs from model.embed"):
         convert_from_hf(bad, tmp_path / "out")
+
+
+# GLM-4.5-Air's MTP layer (its 47th, index 46) as the published checkpoint names it: modules from
+# a public list of the hub checkpoint's unquantized tensors, plus the head copy vLLM's GLM-4.5 MTP
+# loader reads (`shared_head.head`). transformers has no GLM MTP module to check against.
+GLM_AIR_MTP_PUBLISHED = {
+    "model.layers.46." + n
+    for n in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "embed_tokens.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+        "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias",
+    )
+}
+
+
+def test_glm_mtp_layer_names_match_the_published_checkpoint():
+    """glm4.5-air with its MTP layer maps every published layer-46 name, and its other layer-46
+    names are the main stack's MoE layer names (layer 45) or the MTP extras."""
+    from expertax.convert.hf import tensor_map
+
+    c = expertax.load_config(overrides={"model_name": "glm4.5-air", "mtp_num_layers": 1})
+    names = {t.hf_name for t in tensor_map(c)}
+    assert GLM_AIR_MTP_PUBLISHED <= names, GLM_AIR_MTP_PUBLISHED - names
+    main = {n.removeprefix("model.layers.45.") for n in names if n.startswith("model.layers.45.")}
+    extras = {n.removeprefix("model.layers.46.") for n in GLM_AIR_MTP_PUBLISHED} - main
+    ours = {n.removeprefix("model.layers.46.") for n in names if n.startswith("model.layers.46.")}
+    assert ours == main | extras
+    assert "model.layers.47.enorm.weight" not in names
