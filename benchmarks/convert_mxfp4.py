@@ -11,6 +11,11 @@ that: check `df -h` first), then runs the CLI
 (`python -m expertax.cli convert from-hf`) in a child process, its peak RSS from
 getrusage(RUSAGE_CHILDREN). The targets: >= 0.5 GiB/s read, peak RSS <= 2.5 GiB.
 
+The baseline, in the same run: the disk's floor for the conversion's output, the same bytes
+(the size of the converted params/) written as 64 MiB files by `--workers` threads, each file
+synced and dropped from the page cache as the converter's writer does (model_dir.settle), no
+computing; and the read rate that floor would allow.
+
 Prints one JSON line per run and a Markdown table.
 """
 
@@ -18,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -158,13 +165,50 @@ def run_cli(src: Path, dst: Path, workers: int) -> dict:
     }
 
 
+def write_floor(directory: Path, nbytes: int, workers: int) -> float:
+    """Seconds to write `nbytes` as 64 MiB files from `workers` threads, each file synced and
+    dropped from the page cache (model_dir.settle) before the next: the disk's floor for the
+    conversion's writes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from expertax.train.model_dir import settle
+
+    directory.mkdir(parents=True, exist_ok=True)
+    chunk = np.random.default_rng(0).integers(0, 256, 64 * 2**20, dtype=np.uint8).tobytes()
+    files = -(-nbytes // len(chunk))
+
+    def worker(k: int) -> None:
+        for f in range(k, files, workers):
+            path = directory / f"{f}.bin"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view, done = memoryview(chunk), 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+                settle(fd)
+            finally:
+                os.close(fd)
+            path.unlink()
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(workers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=24, help="24: gpt-oss-20b's (~12.8 GiB)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/convert-mxfp4"))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the output")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the checkpoint (the converted output is removed to make room for the baseline)",
+    )
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     t = time.perf_counter()
@@ -182,14 +226,23 @@ def main() -> None:
         **m,
         "gib_per_s": nbytes / 2**30 / m["wall_s"],
     }
+    out_bytes = sum(f.stat().st_size for f in (args.dir / "ours").rglob("*") if f.is_file())
+    shutil.rmtree(args.dir / "ours", ignore_errors=True)  # room for the floor's files
+    floor = write_floor(args.dir / "floor", out_bytes, args.workers)
+    row.update({"output_gib": out_bytes / 2**30, "write_floor_s": floor,
+                "floor_gib_per_s": nbytes / 2**30 / floor})  # fmt: skip
     print(json.dumps(row), flush=True)
     if not args.keep:
         shutil.rmtree(args.dir, ignore_errors=True)
-    print("\n| checkpoint | into | size GiB | wall s | CPU s | GiB/s read | peak RSS GiB |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    print(f"| {row['checkpoint']} | {args.dtype} | {row['size_gib']:.2f} | {row['wall_s']:.1f} "
-          f"| {row['cpu_s']:.1f} | {row['gib_per_s']:.2f} | "
-          f"{row['peak_rss_bytes'] / 2**30:.2f} |")  # fmt: skip
+    print(
+        "\n| checkpoint | into | size GiB | output GiB | wall s | CPU s | GiB/s read | peak RSS "
+        "GiB | baseline: output bytes written alone, s | read rate it allows |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {row['checkpoint']} | {args.dtype} | {row['size_gib']:.2f} | "
+          f"{row['output_gib']:.2f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | "
+          f"{row['gib_per_s']:.2f} | {row['peak_rss_bytes'] / 2**30:.2f} | {floor:.1f} | "
+          f"{row['floor_gib_per_s']:.2f} |")  # fmt: skip
     print(f"targets: >= {GIB_TARGET} GiB/s read, peak RSS <= {RSS_TARGET_GIB} GiB")
 
 

@@ -359,25 +359,22 @@ Write = Callable[[str, tuple, np.ndarray], None]  # (leaf, where, value)
 
 
 def _run_mxfp4(reader: Reader, p: Plan, u: Unit, write: Write) -> None:
-    """Experts [a, b) of an MXFP4 weight: dequantized, then as our leaves' [D, F] / [F, D]
-    slices (gate_up_proj's rows interleave gate and up: gate = rows 0::2, up = rows 1::2)."""
+    """Experts [a, b) of an MXFP4 weight, dequantized straight into our leaves' [D, F] / [F, D]
+    layout (gate_up_proj's rows interleave gate and up: gate = rows 0::2, up = rows 1::2)."""
     assert u.rows is not None, u.name  # MXFP4 units are ranges of experts
     base = _base(u.name, mxfp4.BLOCKS)
     m, i, which, _ = _fused_targets(p.c, base)
-    w_ERC = mxfp4.dequantize(
-        reader.get(u.name, u.rows),
-        reader.get(base + mxfp4.SCALES, u.rows),
-        p.layouts[f"{m}.wo"][1],
-        base,
-    )
-    for j, w_RC in enumerate(w_ERC, start=u.rows[0]):
-        if which == "gate_up_proj":  # rows (2f, 2f + 1) as one row: [F, 2D].T is [gate.T; up.T]
-            d = w_RC.shape[1]
-            both = transpose(w_RC.reshape(-1, 2 * d))
-            write(f"{m}.wi_0", (i, j), both[:d])
-            write(f"{m}.wi_1", (i, j), both[d:])
-        else:
-            write(f"{m}.wo", (i, j), transpose(w_RC))
+    blocks, scales = reader.get(u.name, u.rows), reader.get(base + mxfp4.SCALES, u.rows)
+    dtype = p.layouts[f"{m}.wo"][1]
+    if which == "gate_up_proj":
+        for leaf, rows in ((f"{m}.wi_0", slice(0, None, 2)), (f"{m}.wi_1", slice(1, None, 2))):
+            w = mxfp4.dequantize_transposed(blocks[:, rows], scales[:, rows], dtype, base)
+            for j, w_DF in enumerate(w, start=u.rows[0]):
+                write(leaf, (i, j), w_DF)
+    else:
+        w = mxfp4.dequantize_transposed(blocks, scales, dtype, base)
+        for j, w_FD in enumerate(w, start=u.rows[0]):
+            write(f"{m}.wo", (i, j), w_FD)
 
 
 def run_unit(reader: Reader, p: Plan, u: Unit, write: Write) -> None:

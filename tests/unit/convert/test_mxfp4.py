@@ -71,6 +71,26 @@ def test_every_code_and_scale_matches_the_definition(dtype, monkeypatch):
     assert not np.array_equal(mxfp4.dequantize(swapped, scales, dtype).view(bits), want.view(bits))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_transposed_dequantization_is_the_transpose_bit_for_bit(dtype, monkeypatch):
+    """dequantize_transposed (the converter's path) = dequantize's last two axes swapped, for
+    every byte under every scale class, on whole and on every-other-row (strided) inputs, with
+    lookups split into steps that leave a partial last one."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (2, 6, 5, 16), dtype=np.uint8)  # [E, R, G, 16]
+    blocks[0, :, :, :].reshape(-1)[:256] = np.arange(256)
+    scales = rng.choice(np.array(SCALES, np.uint8), (2, 6, 5))
+    bits = f"u{np.dtype(dtype).itemsize}"
+    monkeypatch.setattr(mxfp4, "_STEP", 13)  # 2 scale rows of 6 per lookup: 5 = 2 + 2 + 1
+    for rows in (slice(None), slice(0, None, 2), slice(1, None, 2)):
+        want = mxfp4.dequantize(blocks[:, rows], scales[:, rows], dtype).swapaxes(1, 2)
+        got = mxfp4.dequantize_transposed(blocks[:, rows], scales[:, rows], dtype)
+        assert got.shape == want.shape and got.flags.c_contiguous
+        assert np.array_equal(got.view(bits), want.view(bits))
+    with pytest.raises(ConversionError, match="scale 255"):
+        mxfp4.dequantize_transposed(blocks, np.full_like(scales, 255), dtype, "w")
+
+
 def test_nan_scale_and_bad_shapes_are_refused():
     blocks, scales = _every_code_and_scale()
     scales[3, 5] = 255
