@@ -241,12 +241,14 @@ def _next(pool, cal, times, target, host_budget, best, padding) -> Candidate | N
             r = ratios[x.key] = cal.ratios(x.key)
         x.estimate_bytes = x.terms.peak(r)
         x.estimate_host_bytes = x.terms.host(r)
-        x.step = times.of(x.recompute_share, x.terms, r.get("host", 1.0), padding(x))
+        x.step = times.of(
+            x.recompute_share, x.terms, r.get("host", 1.0), padding(x), times.exchange(x.overrides)
+        )
         if x.estimate_bytes <= target and x.estimate_host_bytes <= host_budget:
             if (best is None or x.step.seconds < _seconds(best)) and not _like_a_miss(x, misses):
                 live.append(x)
     if live:
-        return min(live, key=lambda x: (x.step.seconds, x.estimate_bytes))
+        return min(live, key=_rank)
     if best is not None:
         return None
     # Nothing is estimated to fit: the least estimate, while the estimate's uncertainty leaves
@@ -289,6 +291,13 @@ def _like_a_miss(x: Candidate, compiled: list[Candidate]) -> bool:
         and abs(x.estimate_bytes - (y.peak_device_bytes or 0)) <= 0.02 * (y.peak_device_bytes or 0)
         for y in compiled
     )
+
+
+def _rank(x: Candidate) -> tuple[float, float, int]:
+    """Least estimated step time first; among equal ones, fewer collective bytes, then fewer
+    estimated bytes."""
+    assert x.step is not None
+    return (x.step.seconds, x.step.exchange_bytes, x.estimate_bytes)
 
 
 def _seconds(x: Candidate) -> float:
@@ -334,7 +343,7 @@ def _report(
             and x.estimate_bytes <= target
             and x.estimate_host_bytes <= host_budget
         ),
-        key=lambda x: (x.step.seconds, x.estimate_bytes),
+        key=_rank,
     )
     fitting = sorted((x for x in compiled if _fits(x, target, host_budget)), key=_seconds)
     shown = (

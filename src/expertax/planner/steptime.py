@@ -10,8 +10,12 @@ host placements move over the host link, overlapped with compute where the sched
 - optimizer state and parameters offloaded: moved in (and out) around the update, which waits
   for them: not overlapped;
 - the link: the chip's to host memory, one direction at its nominal rate (targets.HOSTS; the
-  CPU proxy has none: transfers cost 0 there). Collectives are not modelled: layouts that differ
-  in communication rank by compute and transfers alone.
+  CPU proxy has none: transfers cost 0 there). Collectives are not in the seconds: layouts that
+  differ in communication rank by compute and transfers first;
+- among equal seconds, by `exchange_bytes`: what the tensor axis's activation all-reduces and the
+  context axis's key/value gathers move per device and step (bytes, no link rate: a tie-break
+  between splits that compute the same, e.g. a long sequence's heads over `tensor` against its
+  tokens over `context`).
 
 An estimate for ranking, never a measured time; the report says so.
 """
@@ -38,6 +42,7 @@ class StepTime:
     activation_transfer_s: float  # overlapped with compute
     state_transfer_s: float  # not overlapped
     link: str
+    exchange_bytes: float = 0.0  # tensor all-reduces + context gathers per device (tie-break)
 
     @property
     def seconds(self) -> float:
@@ -79,6 +84,32 @@ def layer_forward_flops(c: Config, *, moe: bool, t: int | None = None) -> dict[s
     return {k: 2.0 * v for k, v in parts.items()}
 
 
+def exchange_bytes(c: Config, tensor: int, context: int) -> float:
+    """Bytes one device moves per step in the tensor axis's activation all-reduces and the
+    context axis's gathers (16-bit activations; ring collectives move (n - 1) / n of the whole).
+
+    - tensor t: per layer two all-reduces of the [tokens, D] activations forward (attention's
+      and the MLP's outputs) and two backward, over the tokens the tensor group holds (its
+      devices hold the same ones: per_device_batch_size x T x t);
+    - context c: per layer the sequence's key/value state gathered forward and again when the
+      backward replays it, and its gradient reduce-scattered (float32, twice the bytes): MLA's
+      latent and RoPE key, GQA's keys and values, over the group's c x per_device_batch_size
+      sequences."""
+    layers = c.num_dense_layers + c.num_moe_layers
+    tokens = c.per_device_batch_size * c.max_target_length
+    out = 0.0
+    if tensor > 1:
+        out += layers * 4 * 2 * (tensor - 1) / tensor * tokens * tensor * c.base_emb_dim * 2
+    if context > 1:
+        if c.attention_type == "mla":
+            width = c.kv_lora_rank + c.qk_rope_head_dim
+        else:
+            width = 2 * c.base_num_kv_heads * c.head_dim
+        # two 16-bit gathers and one float32 reduce-scatter: 2 + 2 + 4 bytes per value
+        out += layers * (2 + 2 + 4) * (context - 1) / context * tokens * context * width
+    return out
+
+
 def recompute_share(c: Config) -> float:
     """The fraction of the layers' forward FLOPs the backward pass recomputes under `c`'s
     remat policy (its presets or custom placements, the paged stash's stack included)."""
@@ -113,6 +144,7 @@ class Model:
     FLOPs (the same for every candidate of a config), the chip's peak and host link."""
 
     def __init__(self, c: Config, chip=None):
+        self.c = c
         tokens = c.per_device_batch_size * c.max_target_length
         self.model = train_flops_per_token(c) * tokens
         self.forward = tokens * sum(
@@ -129,11 +161,17 @@ class Model:
         self.link = "none (CPU proxy)" if host is None else f"{host.link}, {self.rate / 1e9:g} GB/s"
 
     def of(
-        self, share: float, terms: Terms, host_ratio: float = 1.0, padding: float = 0.0
+        self,
+        share: float,
+        terms: Terms,
+        host_ratio: float = 1.0,
+        padding: float = 0.0,
+        exchange: float = 0.0,
     ) -> StepTime:
         """A candidate whose remat choice recomputes `share` of the layers' forward FLOPs and
         whose estimate is `terms`, its grouped matmuls computing `padding` more than their rows
-        (`grouped_padding`) (the CPU proxy: a peak of 1 TFLOP/s, transfers free)."""
+        (`grouped_padding`), its collectives moving `exchange` bytes (`exchange_bytes`) (the
+        CPU proxy: a peak of 1 TFLOP/s, transfers free)."""
         recompute = share * self.forward
         waste = padding * self.routed * (1 + share / 3)
         compute = (self.model + recompute + waste) / (self.peak * ASSUMED_MFU)
@@ -141,7 +179,12 @@ class Model:
         # transfer beside another layer's compute: the step takes the longer of the two.
         act = host_ratio * terms.residual_host / self.rate
         state = 2 * terms.state_host / self.rate  # in for the update, the updated state out
-        return StepTime(self.model, recompute, compute, act, state, self.link)
+        return StepTime(self.model, recompute, compute, act, state, self.link, exchange)
+
+    def exchange(self, overrides: dict) -> float:
+        """`exchange_bytes` of a candidate's tensor and context splits."""
+        tensor = overrides.get("ici_tensor_parallelism", 1)
+        return exchange_bytes(self.c, tensor, overrides.get("ici_context_parallelism", 1))
 
     def compiled(self, step: StepTime, compiled_flops: float | None) -> StepTime:
         """`step` with its compute from a compiled program's FLOPs (planner/flops.py: what the

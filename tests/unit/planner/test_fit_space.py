@@ -243,3 +243,33 @@ def test_context_splits_the_estimate_along_the_sequence():
 
 def _mesh_keys(shape):
     return {f"ici_{a}_parallelism": n for a, n in shape.items() if a not in ("pipeline", "data")}
+
+
+def test_equal_step_times_rank_by_collective_bytes():
+    """A long MLA sequence: the heads over `tensor` all-reduce [tokens, D] activations, the
+    tokens over `context` gather a 576-wide latent; the fit ranks the context split first when
+    the compute ties, and a split of nothing moves nothing."""
+    from expertax.planner import fit
+
+    c = load_config(
+        overrides={
+            "model_name": "deepseek3-671b",
+            "per_device_batch_size": 0.25,
+            "max_target_length": 131072,
+        }  # fmt: skip
+    )
+    layers, tokens = c.num_dense_layers + c.num_moe_layers, 0.25 * 131072
+    tensor, context = steptime.exchange_bytes(c, 4, 1), steptime.exchange_bytes(c, 1, 4)
+    assert steptime.exchange_bytes(c, 1, 1) == 0
+    assert tensor == layers * 4 * 2 * 0.75 * tokens * 4 * 7168 * 2
+    assert context == layers * (2 + 2 + 4) * 0.75 * tokens * 4 * (512 + 64)
+    assert tensor / context == pytest.approx(2 * 7168 / 576)  # 4 16-bit all-reduces: 2x
+    model = steptime.Model(c, CHIPS["h100"])
+    terms = Terms(0, 0, 0, 0, 0, 0, 0)
+    ranked = []
+    for split in ({"ici_tensor_parallelism": 4}, {"ici_context_parallelism": 4}):
+        x = space.Candidate({**BASE, **split}, terms, (), "full", 0.0)
+        x.step = model.of(0.0, terms, exchange=model.exchange(split))
+        ranked.append(x)
+    assert ranked[0].step.seconds == ranked[1].step.seconds
+    assert min(ranked, key=fit._rank) is ranked[1]
