@@ -5,6 +5,8 @@ tree ([L, ...] leaves, as every other model's), and the scan runs over L / n cyc
 pattern: its body unrolls one cycle, layer j of it with the j-th kind's mask (MaxText's way for
 Gemma 3 and GPT-OSS), so every mask stays static and each kernel (splash's and cuDNN's local masks
 included) sees its own window. A stack whose layers are all of one kind runs the plain scan.
+The same cycle scan runs a pipeline stage's layers (models/pipeline.py: a stage visit is whole
+cycles).
 """
 
 from __future__ import annotations
