@@ -131,12 +131,6 @@ def check_layer_pattern(c: Config) -> None:
             f"{c.first_num_dense_layers}), not whole cycles; the pipelined layers must be a "
             f"multiple of stages x repeats x {n}: {hint}"
         )
-    if c.moe_paged_stash:
-        raise ConfigError(
-            f"attention_layer_pattern={text!r} (layers of different kinds) with "
-            "moe_paged_stash=true: that stack runs one layer kind; use one kind (or none) or drop "
-            "moe_paged_stash=true"
-        )
 
 
 # GQA's optional pieces (nn/attention/gqa.py), refused with MLA: key -> what it is.

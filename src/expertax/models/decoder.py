@@ -211,14 +211,17 @@ def _run_layers(
         raise ValueError(f"{n} layers from layer {first}: not whole cycles of {len(cycle)} kinds")
     windows = [layer_pattern.window_of(c, first + j) for j in range(len(cycle))]
     if stacked.moe is not None and c.moe_paged_stash:
-        window = windows[0]  # (checks: one layer kind with the stash)
 
-        def block(p, x, positions_BT, segment_ids_BT, stash):
-            side = Side(stash=stash)
-            out = block_apply(p, x, c, positions_BT, segment_ids_BT, dtype, side, window=window)
-            return out[0], out[1], out[2].stash
+        def block(window):
+            def fn(p, x, positions_BT, segment_ids_BT, stash):
+                side = Side(stash=stash)
+                out = block_apply(p, x, c, positions_BT, segment_ids_BT, dtype, side, window=window)
+                return out[0], out[1], out[2].stash
 
-        return stashed_stack.run(stacked, x_BTD, positions_BT, segment_ids_BT, c, block)
+            return fn
+
+        blocks = [block(w) for w in windows]
+        return stashed_stack.run(stacked, x_BTD, positions_BT, segment_ids_BT, c, blocks)
 
     def layer_body(window):
         def body(x, layer):

@@ -6,7 +6,7 @@ pattern: its body unrolls one cycle, layer j of it with the j-th kind's mask (Ma
 Gemma 3 and GPT-OSS), so every mask stays static and each kernel (splash's and cuDNN's local masks
 included) sees its own window. A stack whose layers are all of one kind runs the plain scan.
 The same cycle scan runs a pipeline stage's layers (models/pipeline.py: a stage visit is whole
-cycles).
+cycles) and the paged-stash stack's forward and backward (models/stashed_stack.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Per-layer attention kinds (`attention_layer_pattern`, `sliding_window_size`): refusals, the
 cycle scan equal to the unrolled stack, each layer's window read (a control per kind), the
 parameter tree unchanged by the keys, decoding from the cache equal to the forward, and the
-pipelined stack (stages, repeats, the layers after it) giving the plain stack's loss and
-gradients."""
+pipelined stack (stages, repeats, the layers after it) and the paged-stash stack giving the
+plain stack's loss and gradients."""
 
 import dataclasses
 
@@ -18,6 +18,7 @@ from expertax.train import step as step_lib
 from tests.tolerances import tol
 from tests.unit.decoding.test_generate import oracle
 from tests.unit.models.test_decoder import lm_batch
+from tests.unit.nn.moe.test_stash import SMALL, assert_bitwise, configs, loss_grads_stats
 
 OVER = dict(model_name="mixtral-tiny", dtype="float32", weight_dtype="float32",
             max_target_length=16, base_num_decoder_layers=2)  # fmt: skip
@@ -139,3 +140,31 @@ def _assert_differs(wrong, loss):
     """A loss that a test of `loss` within the float32 tolerance would tell apart (by 100x)."""
     t = tol(jnp.float32)
     assert abs(float(wrong) - float(loss)) > 100 * (t["atol"] + t["rtol"] * abs(float(loss)))
+
+
+@pytest.mark.parametrize(
+    "gmm",
+    # ragged_dot: a third of the tiled grouped matmul's compile time (the default on CPU)
+    ["ragged_dot", pytest.param("tiled", marks=pytest.mark.full_grid)],
+)
+def test_stashed_stack_gives_the_plain_stacks_loss_and_gradients(gmm):
+    """The paged stash with sliding and full layers: bitwise the plain stack's loss and
+    gradients (as tests/unit/nn/moe/test_stash.py without kinds), the first two layers' rows
+    stashed (a sliding and a full layer read back), the last two overflowing (recomputed).
+    Control: the loss with all layers full differs beyond the tolerance."""
+    plain, stashed = configs(
+        "mixtral-tiny", **PATTERN, dtype="float32", weight_dtype="float32", gmm_impl=gmm,
+        moe_paged_stash_capacity_factor=0.6,
+    )  # fmt: skip
+    assert plain.attention_windows == (3, None) and plain.num_moe_layers == 4
+    p = init_params(plain)
+    batch = lm_batch(plain, 2)
+    l0, g0, _ = loss_grads_stats(plain, p, batch)
+    l1, g1, s1 = loss_grads_stats(stashed, p, batch)
+    np.testing.assert_array_equal(np.asarray(s1.stash_overflow), [0, 0, 1, 1])
+    assert float(l0) == float(l1)
+    assert_bitwise(g0, g1)
+    full = load_config(
+        overrides={"model_name": "mixtral-tiny", **SMALL, "dtype": "float32", "gmm_impl": gmm}
+    )
+    _assert_differs(jax.jit(lambda p: step_lib.loss_fn(p, batch, full)[0])(p), l1)
