@@ -5,7 +5,8 @@ pipelined layout equal the one without stages (same global batch, float32 tolera
 pp = 2 and 4, with and without circular repeats, with expert parallelism and FSDP inside the
 stages, both shift methods, both models; a checkpoint saved under pp=2 restores bitwise under
 pp=1 and back; the batch check refuses a batch that does not split into microbatches; a broken
-shift fails the comparison (negative control).
+shift fails the comparison (negative control). On demand also a stack of sliding and full
+attention layers (`attention_layer_pattern`) with repeats.
 """
 
 from __future__ import annotations
@@ -140,6 +141,20 @@ CASES = {
         dict(base_num_decoder_layers=4, ici_pipeline_parallelism=2, pipeline_parallel_layers=2),
     ),
     "llama-pp2": ("llama-tiny", dict(ici_pipeline_parallelism=2)),
+    # sliding and full layers: a stage visit of two layers, one of each kind (the default run's
+    # tests/unit/models/test_layer_pattern.py has the same on one device)
+    "mixtral-l8-sliding-full-pp2-r2-ep2": (
+        "mixtral-tiny",
+        dict(
+            base_num_decoder_layers=8,
+            attention_layer_pattern="sliding,full",
+            sliding_window_size=5,
+            ici_pipeline_parallelism=2,
+            num_pipeline_repeats=2,
+            num_pipeline_microbatches=2,
+            ici_expert_parallelism=2,
+        ),
+    ),
     # remat_policy=none: plain autodiff of the pipeline scan instead of its own VJP
     "mixtral-l4-pp2-r2-remat-none": (
         "mixtral-tiny",
@@ -156,8 +171,8 @@ CASES = {
 # against the reference, with a failing control); the extended run has every case here but six
 # (run on demand, -m full_grid): mixtral's pp2 x EP2 x FSDP2 (that parity test), remat_policy=none
 # (its gradients test below), the deepseek3 repeats with EP and the dense llama (the same stage
-# loop), and both four-stage cases: CI runs no four-stage pipeline (its 45 minutes do not hold
-# them beside the rest).
+# loop), both four-stage cases (CI runs no four-stage pipeline: its 45 minutes do not hold
+# them beside the rest) and the layer kinds (one device in the default run).
 DEFAULT: tuple[str, ...] = ()
 ON_DEMAND = (
     "mixtral-pp2-ep2-fsdp2",
@@ -166,6 +181,7 @@ ON_DEMAND = (
     "deepseek3-l5-pp2-r2-ep2",  # repeats: mixtral r2-ppermute; EP: deepseek3-pp2-mb4-ring-ep2
     "llama-pp2",  # a dense model's stages: the same stage loop as mixtral's
     "deepseek3-l5-pp4-fsdp2",  # four stages (as mixtral-l4-pp4)
+    "mixtral-l8-sliding-full-pp2-r2-ep2",  # kinds: test_layer_pattern.py on one device
 )
 
 
@@ -179,7 +195,12 @@ def _pipeline_cases():
 
 
 def _reference_overrides(over: dict) -> dict:
-    keep = ("base_num_decoder_layers", "use_ring_of_experts")
+    keep = (
+        "base_num_decoder_layers",
+        "use_ring_of_experts",
+        "attention_layer_pattern",
+        "sliding_window_size",
+    )
     return {k: v for k, v in over.items() if k in keep}
 
 
@@ -220,6 +241,7 @@ def test_pipeline_trains_like_no_pipeline(name):
     [
         pytest.param("deepseek3-l5-pp2-r2-ep2", marks=pytest.mark.full_grid),  # on demand
         pytest.param("mixtral-l4-pp2-r2-remat-none", marks=pytest.mark.extended),
+        pytest.param("mixtral-l8-sliding-full-pp2-r2-ep2", marks=pytest.mark.full_grid),
     ],
 )
 def test_pipeline_gradients_equal_no_pipeline(name):

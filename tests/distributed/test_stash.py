@@ -1,6 +1,7 @@
 """The paged stash under expert parallelism (8 simulated devices): gradients bitwise those of the
 plain stack for the all-to-all and the ring at EP=2/4/8 with FSDP, balanced and skewed routing,
-with layers that overflow; a run with the stash resumes bitwise.
+with layers that overflow, with sliding and full attention layers; a run with the stash resumes
+bitwise.
 
 The grid covers every pair of (strategy, mesh, routing) values (`CASES`). The default run keeps
 one case and the fused routed FFN; the extended run two more cases and the ring's fused FFN;
@@ -114,6 +115,22 @@ def test_stash_gradients_bitwise_under_expert_parallelism(model, strategy, mesh,
     over, factor = compare(model, strategy, mesh, routing, moe_paged_stash_capacity_factor=8.0)
     assert over.sum() == 0
     assert factor[-1] > 0
+
+
+@pytest.mark.full_grid  # on demand: tests/unit/models/test_layer_pattern.py has it on one device
+def test_stash_with_sliding_and_full_layers_under_expert_parallelism():
+    """Each layer kind's block in the stashed scan and its backward (`attention_layer_pattern`),
+    the last layers overflowing."""
+    over, _ = compare(
+        "mixtral-tiny",
+        "a2a",
+        "ep4-fsdp2",
+        "skewed",
+        attention_layer_pattern="sliding,full",
+        sliding_window_size=5,
+        moe_paged_stash_capacity_factor=0.6,
+    )
+    assert 0 < over.sum() < len(over)
 
 
 @pytest.mark.parametrize(

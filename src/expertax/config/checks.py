@@ -109,11 +109,27 @@ def check_layer_pattern(c: Config) -> None:
                 f"{c.base_num_decoder_layers}, first_num_dense_layers={c.first_num_dense_layers});"
                 " use a cycle whose length divides both stacks"
             )
-    if c.pipeline_stages > 1 or c.moe_paged_stash:
-        key = "moe_paged_stash=true" if c.moe_paged_stash else "pipeline parallelism"
+    # The pipeline runs layer j of every stage visit as kind j mod n (models/pipeline.py): a
+    # visit must hold whole cycles, else a stage's kinds would differ by stage and repeat (a
+    # switch on a traced kind, every kind's attention computed under the stages' vmap).
+    s, r, layers = c.pipeline_stages, c.num_pipeline_repeats, c.pipelined_layers
+    if s > 1 and layers > 0 and layers % (s * r) == 0 and (layers // (s * r)) % n:
+        name = "MoE" if c.is_moe else "dense"
+        fits = [str(k) for k in range(1, layers + 1) if layers % (s * k * n) == 0]
+        hint = (
+            f"valid num_pipeline_repeats with {s} stages: {', '.join(fits)}"
+            if fits
+            else f"no num_pipeline_repeats fits {s} stages (change the stages, "
+            "pipeline_parallel_layers or the layer count)"
+        )
         raise ConfigError(
-            f"attention_layer_pattern={text!r} (layers of different kinds) with {key}: that "
-            "stack runs one layer kind; use one kind (or none) or drop " + key
+            f"attention_layer_pattern={text!r} (a cycle of {n} layers) with "
+            f"ici_pipeline_parallelism x dcn_pipeline_parallelism = {s} stages and "
+            f"num_pipeline_repeats={r}: a stage visit runs {layers // (s * r)} of the {layers} "
+            f"pipelined {name} layers (pipeline_parallel_layers={c.pipeline_parallel_layers}; "
+            f"base_num_decoder_layers={c.base_num_decoder_layers}, first_num_dense_layers="
+            f"{c.first_num_dense_layers}), not whole cycles; the pipelined layers must be a "
+            f"multiple of stages x repeats x {n}: {hint}"
         )
 
 

@@ -171,39 +171,57 @@ def run_stack(
     if not pipelined:
         return _run_layers(stacked, x_BTD, c, positions_BT, segment_ids_BT, dtype, imposed_LBTK)
 
-    window = layer_pattern.window_of(c, 0)  # (checks: one layer kind with a pipeline)
+    def layer(window):
+        def fn(x, p, positions, segment_ids):
+            return block_apply(p, x, c, positions, segment_ids, dtype, window=window)[:2]
 
-    def layer(x, p, positions, segment_ids):
-        return block_apply(p, x, c, positions, segment_ids, dtype, window=window)[:2]
+        return fn
 
+    # one layer function per kind: the pipeline runs layer l as kind l mod n (its stage visits
+    # are whole cycles, checks.check_layer_pattern)
+    layers = [layer(w) for w in layer_pattern.windows(c)]
     head = jax.tree.map(lambda a: a[:pipelined], stacked)
     axes = logical_axes(block_spec(c, moe=moe))
-    x_BTD, stats = pipeline.run(head, x_BTD, positions_BT, segment_ids_BT, c, layer, axes)
+    x_BTD, stats = pipeline.run(head, x_BTD, positions_BT, segment_ids_BT, c, layers, axes)
     n = jax.tree.leaves(stacked)[0].shape[0]
     if pipelined == n:
         return x_BTD, stats
     rest = jax.tree.map(lambda a: a[pipelined:], stacked)
-    x_BTD, more = _run_layers(rest, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+    x_BTD, more = _run_layers(rest, x_BTD, c, positions_BT, segment_ids_BT, dtype, first=pipelined)
     if stats is None:
         return x_BTD, None
     return x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, more)
 
 
 def _run_layers(
-    stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, imposed_LBTK=None
+    stacked: Block,
+    x_BTD,
+    c: Config,
+    positions_BT,
+    segment_ids_BT,
+    dtype,
+    imposed_LBTK=None,
+    first: int = 0,
 ):
     """`run_stack` without a pipeline: one scan (or unrolled loop) over the layers, each with its
-    imposed routing when `imposed_LBTK` is given."""
-    windows = layer_pattern.windows(c)
+    imposed routing when `imposed_LBTK` is given. `first`: the index of `stacked`'s first layer
+    in its stack (the layers after a pipeline), which places the layers in the kinds' cycle."""
+    cycle, n = layer_pattern.windows(c), jax.tree.leaves(stacked)[0].shape[0]
+    if n % len(cycle):  # (checks.check_layer_pattern refuses it)
+        raise ValueError(f"{n} layers from layer {first}: not whole cycles of {len(cycle)} kinds")
+    windows = [layer_pattern.window_of(c, first + j) for j in range(len(cycle))]
     if stacked.moe is not None and c.moe_paged_stash:
-        window = windows[0]  # (checks: one layer kind with the stash)
 
-        def block(p, x, positions_BT, segment_ids_BT, stash):
-            side = Side(stash=stash)
-            out = block_apply(p, x, c, positions_BT, segment_ids_BT, dtype, side, window=window)
-            return out[0], out[1], out[2].stash
+        def block(window):
+            def fn(p, x, positions_BT, segment_ids_BT, stash):
+                side = Side(stash=stash)
+                out = block_apply(p, x, c, positions_BT, segment_ids_BT, dtype, side, window=window)
+                return out[0], out[1], out[2].stash
 
-        return stashed_stack.run(stacked, x_BTD, positions_BT, segment_ids_BT, c, block)
+            return fn
+
+        blocks = [block(w) for w in windows]
+        return stashed_stack.run(stacked, x_BTD, positions_BT, segment_ids_BT, c, blocks)
 
     def layer_body(window):
         def body(x, layer):
@@ -222,7 +240,6 @@ def _run_layers(
     bodies = [layer_body(w) for w in windows]
     if c.scan_layers:
         return layer_pattern.scan(bodies, x_BTD, (stacked, imposed_LBTK))
-    n = jax.tree.leaves(stacked)[0].shape[0]
     all_stats = []
     for i in range(n):
         layer = jax.tree.map(lambda a, i=i: a[i], (stacked, imposed_LBTK))

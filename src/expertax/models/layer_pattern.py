@@ -5,6 +5,8 @@ tree ([L, ...] leaves, as every other model's), and the scan runs over L / n cyc
 pattern: its body unrolls one cycle, layer j of it with the j-th kind's mask (MaxText's way for
 Gemma 3 and GPT-OSS), so every mask stays static and each kernel (splash's and cuDNN's local masks
 included) sees its own window. A stack whose layers are all of one kind runs the plain scan.
+The same cycle scan runs a pipeline stage's layers (models/pipeline.py: a stage visit is whole
+cycles) and the paged-stash stack's forward and backward (models/stashed_stack.py).
 """
 
 from __future__ import annotations
@@ -31,20 +33,22 @@ def window_of(c: Config, layer: int) -> int | None:
     return cycle[layer % len(cycle)]
 
 
-def scan(bodies: Sequence[Callable], x, xs):
-    """`lax.scan` over the layers `xs` ([L, ...] leaves) with layer l run by
-    `bodies[l % len(bodies)]` (each `(x, layer) -> (x, stats or None)`); stats stacked [L, ...]."""
+def scan(bodies: Sequence[Callable], x, xs, *, reverse: bool = False):
+    """`lax.scan` over the layers `xs` ([L, ...] leaves, L a multiple of n = len(bodies)) with
+    layer l run by `bodies[l % n]` (each `(x, layer) -> (x, out)`, `out` any tree or None);
+    the outs stacked [L, ...] in layer order. `reverse`: the layers from the last to the first
+    (a backward pass), as `lax.scan(..., reverse=True)`."""
     n = len(bodies)
     if n == 1:
-        return jax.lax.scan(bodies[0], x, xs)
+        return jax.lax.scan(bodies[0], x, xs, reverse=reverse)
     cycles = jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), xs)
+    order = range(n - 1, -1, -1) if reverse else range(n)
 
     def cycle(x, layers):
-        stats = []
-        for j, body in enumerate(bodies):
-            x, s = body(x, jax.tree.map(lambda a, j=j: a[j], layers))
-            stats.append(s)
-        return x, None if stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *stats)
+        outs = [None] * n
+        for j in order:
+            x, outs[j] = bodies[j](x, jax.tree.map(lambda a, j=j: a[j], layers))
+        return x, None if outs[0] is None else jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
-    x, stats = jax.lax.scan(cycle, x, cycles)
-    return x, jax.tree.map(lambda a: a.reshape(a.shape[0] * n, *a.shape[2:]), stats)
+    x, outs = jax.lax.scan(cycle, x, cycles, reverse=reverse)
+    return x, jax.tree.map(lambda a: a.reshape(a.shape[0] * n, *a.shape[2:]), outs)

@@ -16,6 +16,11 @@ iteration t, stage s works on k = t - s (microbatch k mod M, repeat k // M) when
 the other (bubble) slots compute on stale data and are masked out of the outputs and statistics.
 Bubble fraction: (S - 1) / (M * R + S - 1).
 
+Layer kinds (`attention_layer_pattern`, models/layer_pattern.py): the caller passes one layer
+function per kind of the n-layer cycle. Lps is a multiple of n (checks.check_layer_pattern), so
+layer l's kind l mod n is j mod n on every stage and in every visit, and a stage's layer scan
+runs one cycle per step (`layer_pattern.scan`), each layer's attention mask static.
+
 Stage-to-stage shift (`pipeline_shift`): `roll` moves stage s's output to stage s + 1 with a
 slice + concatenate on the stage axis, which the SPMD partitioner lowers to one
 collective-permute of local data; `ppermute` does the same explicitly in a `shard_map`. Seed 3922
@@ -48,13 +53,14 @@ their stage once per step (weights and gradients), not per microbatch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from expertax import platform
 from expertax.config.schema import Config
+from expertax.models import layer_pattern
 from expertax.nn.moe import router
 from expertax.nn.moe.router import MoEStats
 from expertax.parallel import remat
@@ -72,10 +78,14 @@ SAVED_AXES = (None, *STATE_AXES)
 LayerFn = Callable[..., tuple[jax.Array, MoEStats | None]]
 
 
-def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, layer: LayerFn, layer_axes):
+def run(
+    stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, layers: Sequence[LayerFn], layer_axes
+):
     """The layers `stacked` ([L, ...] leaves, L = c.pipelined_layers) as a pipeline.
 
-    `layer_axes`: the logical axes of one layer's parameters (the leaves without the layer axis).
+    `layers`: the layer function of each kind of the stack's cycle (models/layer_pattern.py),
+    layer l running `layers[l % len(layers)]`. `layer_axes`: the logical axes of one layer's
+    parameters (the leaves without the layer axis).
     Returns (x [B, T, D], per-layer MoEStats [L, ...] in layer order, or None).
     """
     s_n, r_n, m_n = c.pipeline_stages, c.num_pipeline_repeats, c.pipeline_microbatches
@@ -84,6 +94,8 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, layer: LayerFn,
     b, t, d = x_BTD.shape
     if b % m_n:
         raise ValueError(f"batch {b} does not divide into num_pipeline_microbatches={m_n}")
+    if per_visit % len(layers):  # (checks.check_layer_pattern refuses it)
+        raise ValueError(f"{per_visit} layers per stage visit: not whole cycles of {len(layers)}")
 
     # [L, ...] -> [R, S, Lps, ...], the stage axis on `pipeline`.
     def on_stages(w):
@@ -103,7 +115,7 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, layer: LayerFn,
     pos_MBT = microbatches(positions_BT)
     seg_MBT = None if segment_ids_BT is None else microbatches(segment_ids_BT)
     sched = _Schedule(s_n, r_n, m_n)
-    stages = _Stages(layer, sched, _without_pipeline(current_rules()))
+    stages = _Stages(tuple(layers), sched, _without_pipeline(current_rules()))
     acc0 = stages.zero_stats(w, x_MBTD, pos_MBT, seg_MBT)
 
     if c.remat_policy == "none":
@@ -153,10 +165,12 @@ class _Schedule:
 
 class _Stages:
     """All stages of one iteration at once: a `vmap` over the stage axis (spmd_axis_name
-    `pipeline`, so each device computes its own stage) of a scan over the stage's layers."""
+    `pipeline`, so each device computes its own stage) of a scan over the stage's layers, one
+    cycle of the layer kinds per step (`layers`: one function per kind; layer j of a visit is of
+    kind j mod n, the visit's length a multiple of n)."""
 
-    def __init__(self, layer: LayerFn, sched: _Schedule, inner_rules):
-        self.layer, self.sched, self.inner_rules = layer, sched, inner_rules
+    def __init__(self, layers: tuple[LayerFn, ...], sched: _Schedule, inner_rules):
+        self.layers, self.sched, self.inner_rules = layers, sched, inner_rules
 
     def _rules(self):
         # Inside a stage `pipeline` is the vmapped stage axis: no constraint or shard_map spec
@@ -189,11 +203,12 @@ class _Stages:
         """(y [S, mb, T, D], per-layer stats [S, Lps, ...] or None)."""
 
         def stage(w_s, r, x, pos, seg):
-            def body(x, j):
-                return self.layer(x, self._layer_params(w_s, r, j), pos, seg)
+            def body(layer):
+                return lambda x, j: layer(x, self._layer_params(w_s, r, j), pos, seg)
 
             with self._rules():
-                return jax.lax.scan(body, x, self._layers(w_s))
+                bodies = [body(layer) for layer in self.layers]
+                return layer_pattern.scan(bodies, x, self._layers(w_s))
 
         x_SBTD = remat.tag(x_SBTD, ITERATION_INPUT)
         in_axes = (1, 0, 0, 0, None if seg_SBT is None else 0)
@@ -213,19 +228,18 @@ class _Stages:
             def sums(stats):
                 return None if stats is None else (stats.load_E, stats.prob_sum_E)
 
-            def layer(p, x):
-                y, stats = self.layer(x, p, pos, seg)
-                return y, sums(stats)
+            def kind(fn):
+                def layer(p, x):
+                    y, stats = fn(x, p, pos, seg)
+                    return y, sums(stats)
 
-            with self._rules():
-                layers = self._layers(w_s)
+                return layer
 
-                def again(x, j):
-                    return layer(self._layer_params(w_s, r, j), x)[0], x
+            def again(layer):
+                return lambda x, j: (layer(self._layer_params(w_s, r, j), x)[0], x)
 
-                _, xs = jax.lax.scan(again, x, layers)
-
-                def back(carry, j):
+            def back(layer, xs):
+                def body(carry, j):
                     dx, dw_s = carry
                     x_j = jax.lax.dynamic_index_in_dim(xs, j, 0, False)
                     ds = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), dsums)
@@ -234,7 +248,14 @@ class _Stages:
                     dw_s = jax.tree.map(lambda a, g: _add_at(a, g, self._visit(r), j), dw_s, dp)
                     return (dx, dw_s), None
 
-                (dx, dw_s), _ = jax.lax.scan(back, (dy, dw_s), layers, reverse=True)
+                return body
+
+            with self._rules():
+                layers = self._layers(w_s)
+                kinds = [kind(fn) for fn in self.layers]
+                _, xs = layer_pattern.scan([again(k) for k in kinds], x, layers)
+                backs = [back(k, xs) for k in kinds]
+                (dx, dw_s), _ = layer_pattern.scan(backs, (dy, dw_s), layers, reverse=True)
             return dx, dw_s
 
         seg_axis = None if seg_SBT is None else 0

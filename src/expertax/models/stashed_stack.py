@@ -13,19 +13,25 @@ grouped matmul's own), everything else of the layer is recomputed. A layer that 
 the plain layer's VJP (a full recomputation). Either way the gradients are those of the plain
 stack. The stack owns its residuals: besides the per-layer inputs only the shared buffers are
 saved, never a layer's worst-case tensors. docs/design/stash.md.
+
+Layer kinds (`attention_layer_pattern`): one block function per kind of the n-layer cycle, both
+scans running one cycle per step (`layer_pattern.scan`), layer l with `blocks[l % n]`; the stash
+is written and read in layer order as with one kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from expertax.config.schema import Config
+from expertax.models import layer_pattern
 from expertax.nn.moe import ep, strategy
 from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.router import MoEStats
@@ -41,15 +47,18 @@ def axis_sizes(c: Config) -> dict[str, int]:
     return dict(jax.sharding.get_abstract_mesh().shape)
 
 
-def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, block: BlockFn):
-    """The MoE stack `stacked` ([L, ...] leaves) over x: (x, per-layer MoEStats [L, ...])."""
+def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, blocks: Sequence[BlockFn]):
+    """The MoE stack `stacked` ([L, ...] leaves) over x: (x, per-layer MoEStats [L, ...]).
+
+    `blocks`: the block function of each layer kind of the stack's cycle, layer l running
+    `blocks[l % len(blocks)]` (L a multiple of the cycle's length)."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     b, t, _ = x_BTD.shape
     sizes = axis_sizes(c)
     expected = stash_mod.expected_rows(c, b * t, sizes) * num_layers
 
     def forward(stacked, x_BTD, positions_BT, segment_ids_BT):
-        def body(carry, p):
+        def body(block, carry, p):
             x_BTD, stash = carry
             start = stash.offset
             stash = stash.with_fields(fits=jnp.ones_like(stash.fits))
@@ -64,7 +73,10 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, block: BlockFn)
             return (y_BTD, stash), (stats, x_BTD, start, fits)
 
         stash = stash_mod.empty(c, num_layers, b * t, x_BTD.dtype, sizes)
-        (y_BTD, stash), (stats, xs, starts, fits) = jax.lax.scan(body, (x_BTD, stash), stacked)
+        bodies = [functools.partial(body, block) for block in blocks]
+        (y_BTD, stash), (stats, xs, starts, fits) = layer_pattern.scan(
+            bodies, (x_BTD, stash), stacked
+        )
         return (y_BTD, stats), (stacked, xs, stash, starts, fits, positions_BT, segment_ids_BT)
 
     @jax.custom_vjp
@@ -76,7 +88,7 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, block: BlockFn)
         dy_BTD, dstats = cts
         read = stash.with_fields(mode=stash_mod.READ)
 
-        def layer_vjp(p, x_BTD, layer_stash, dy_BTD, dstat):
+        def layer_vjp(block, p, x_BTD, layer_stash, dy_BTD, dstat):
             def f(p, x_BTD):
                 y_BTD, stats, _ = block(p, x_BTD, positions_BT, segment_ids_BT, layer_stash)
                 return y_BTD, stats
@@ -84,7 +96,7 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, block: BlockFn)
             _, vjp = jax.vjp(f, p, x_BTD)
             return vjp((dy_BTD, dstat))
 
-        def body(dy_BTD, inp):
+        def body(block, dy_BTD, inp):
             p, x_BTD, start, fit, d_load, d_lb, d_prob = inp
             dstat = MoEStats(
                 load_E=d_load,
@@ -94,13 +106,14 @@ def run(stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, block: BlockFn)
             )
             dp, dx = jax.lax.cond(
                 fit,
-                lambda: layer_vjp(p, x_BTD, read.with_fields(offset=start), dy_BTD, dstat),
-                lambda: layer_vjp(p, x_BTD, None, dy_BTD, dstat),
+                lambda: layer_vjp(block, p, x_BTD, read.with_fields(offset=start), dy_BTD, dstat),
+                lambda: layer_vjp(block, p, x_BTD, None, dy_BTD, dstat),
             )
             return dx, dp
 
         inputs = (stacked, xs, starts, fits, dstats.load_E, dstats.lb_loss, dstats.prob_sum_E)
-        dx_BTD, dstacked = jax.lax.scan(body, dy_BTD, inputs, reverse=True)
+        bodies = [functools.partial(body, block) for block in blocks]
+        dx_BTD, dstacked = layer_pattern.scan(bodies, dy_BTD, inputs, reverse=True)
         return dstacked, dx_BTD, None, None
 
     stack.defvjp(forward, backward)

@@ -1,6 +1,8 @@
 """Per-layer attention kinds (`attention_layer_pattern`, `sliding_window_size`): refusals, the
 cycle scan equal to the unrolled stack, each layer's window read (a control per kind), the
-parameter tree unchanged by the keys, and decoding from the cache equal to the forward."""
+parameter tree unchanged by the keys, decoding from the cache equal to the forward, and the
+pipelined stack (stages, repeats, the layers after it) and the paged-stash stack giving the
+plain stack's loss and gradients."""
 
 import dataclasses
 
@@ -12,8 +14,11 @@ import pytest
 from expertax import init_params, load_config, logits
 from expertax.config.checks import ConfigError
 from expertax.decoding import generate
+from expertax.train import step as step_lib
 from tests.tolerances import tol
 from tests.unit.decoding.test_generate import oracle
+from tests.unit.models.test_decoder import lm_batch
+from tests.unit.nn.moe.test_stash import SMALL, assert_bitwise, configs, loss_grads_stats
 
 OVER = dict(model_name="mixtral-tiny", dtype="float32", weight_dtype="float32",
             max_target_length=16, base_num_decoder_layers=2)  # fmt: skip
@@ -26,8 +31,24 @@ PATTERN = dict(sliding_window_size=3, attention_layer_pattern="sliding,full")
         ({"attention_layer_pattern": "sliding,local"}, "'local' is not a layer kind"),
         ({"attention_layer_pattern": "sliding,full"}, "sliding_window_size=0"),
         ({**PATTERN, "base_num_decoder_layers": 3}, "does not divide the 3 MoE layers"),
-        ({**PATTERN, "ici_pipeline_parallelism": 2}, "pipeline parallelism"),
-        ({**PATTERN, "moe_paged_stash": True}, "moe_paged_stash=true"),
+        (  # a stage visit of one layer: its kind would depend on the stage
+            {**PATTERN, "ici_pipeline_parallelism": 2},
+            r"attention_layer_pattern='sliding,full' \(a cycle of 2 layers\) with "
+            r"ici_pipeline_parallelism.*num_pipeline_repeats=1: a stage visit runs 1 of the 2 "
+            r"pipelined MoE layers \(pipeline_parallel_layers=-1; base_num_decoder_layers=2, "
+            r"first_num_dense_layers=0\), not whole cycles.*no num_pipeline_repeats fits",
+        ),
+        (
+            {
+                **PATTERN,
+                "base_num_decoder_layers": 8,
+                "ici_pipeline_parallelism": 2,
+                "num_pipeline_repeats": 4,
+                "num_pipeline_microbatches": 2,
+            },
+            r"num_pipeline_repeats=4: a stage visit runs 1 of the 8 .*valid "
+            r"num_pipeline_repeats with 2 stages: 1, 2$",
+        ),  # fmt: skip
         ({"sliding_window_size": 4, "model_name": "deepseek3-tiny"}, "attention_type=mla"),
     ],
 )
@@ -69,3 +90,81 @@ def test_decoding_with_sliding_layers_equals_the_forward():
     tokens, lps = oracle(c, p, [prompt], 4)
     assert out.tokens == tokens
     np.testing.assert_allclose(out.logprobs, lps, **tol(jnp.float32))
+
+
+def _loss_and_grads(c, p, batch):
+    return jax.jit(jax.value_and_grad(lambda p: step_lib.loss_fn(p, batch, c)[0]))(p)
+
+
+PIPELINED = {
+    "ici_pipeline_parallelism": 2,
+    "num_pipeline_repeats": 2,
+    "num_pipeline_microbatches": 2,
+}
+
+
+@pytest.mark.parametrize(
+    "layers, over",
+    [
+        (8, PIPELINED),
+        # four layers after the pipelined eight: a second scan's compile, twice the pipeline's
+        pytest.param(12, {**PIPELINED, "pipeline_parallel_layers": 8}, marks=pytest.mark.full_grid),
+    ],
+    ids=["pp2-r2", "pp2-r2-rest4"],
+)
+def test_pipelined_stack_gives_the_plain_stacks_loss_and_gradients(layers, over):
+    """Two stages, two repeats (layer l of stage s's r-th visit is (2r + s) * 2 + j, of kind j),
+    on demand four more layers after the pipeline, against the stack without a pipeline; on one
+    device (the kinds do not depend on the mesh; tests/distributed/test_pipeline.py has the
+    pattern on 8 devices on demand) and on the dense stack (the pipeline's stage loop is the
+    MoE stack's; a dense model compiles in a fraction of the time). Control: the loss with the
+    kinds swapped differs beyond the tolerance."""
+    base = {**OVER, **PATTERN, "num_experts": 1, "base_num_decoder_layers": layers}
+    plain = load_config(overrides=base)
+    piped = load_config(overrides={**base, **over})
+    assert piped.pipelined_layers == 8 and piped.pipeline_stages == 2
+    p = init_params(plain)
+    batch = lm_batch(plain, 2)
+    l0, g0 = _loss_and_grads(plain, p, batch)
+    l1, g1 = _loss_and_grads(piped, p, batch)
+    t = tol(jnp.float32)
+    np.testing.assert_allclose(l1, l0, **t)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, **t)
+    # control: the loss with the kinds swapped (each layer's kind its neighbour's)
+    swapped = load_config(overrides={**base, "attention_layer_pattern": "full,sliding"})
+    _assert_differs(jax.jit(lambda p: step_lib.loss_fn(p, batch, swapped)[0])(p), l1)
+
+
+def _assert_differs(wrong, loss):
+    """A loss that a test of `loss` within the float32 tolerance would tell apart (by 100x)."""
+    t = tol(jnp.float32)
+    assert abs(float(wrong) - float(loss)) > 100 * (t["atol"] + t["rtol"] * abs(float(loss)))
+
+
+@pytest.mark.parametrize(
+    "gmm",
+    # ragged_dot: a third of the tiled grouped matmul's compile time (the default on CPU)
+    ["ragged_dot", pytest.param("tiled", marks=pytest.mark.full_grid)],
+)
+def test_stashed_stack_gives_the_plain_stacks_loss_and_gradients(gmm):
+    """The paged stash with sliding and full layers: bitwise the plain stack's loss and
+    gradients (as tests/unit/nn/moe/test_stash.py without kinds), the first two layers' rows
+    stashed (a sliding and a full layer read back), the last two overflowing (recomputed).
+    Control: the loss with all layers full differs beyond the tolerance."""
+    plain, stashed = configs(
+        "mixtral-tiny", **PATTERN, dtype="float32", weight_dtype="float32", gmm_impl=gmm,
+        moe_paged_stash_capacity_factor=0.6,
+    )  # fmt: skip
+    assert plain.attention_windows == (3, None) and plain.num_moe_layers == 4
+    p = init_params(plain)
+    batch = lm_batch(plain, 2)
+    l0, g0, _ = loss_grads_stats(plain, p, batch)
+    l1, g1, s1 = loss_grads_stats(stashed, p, batch)
+    np.testing.assert_array_equal(np.asarray(s1.stash_overflow), [0, 0, 1, 1])
+    assert float(l0) == float(l1)
+    assert_bitwise(g0, g1)
+    full = load_config(
+        overrides={"model_name": "mixtral-tiny", **SMALL, "dtype": "float32", "gmm_impl": gmm}
+    )
+    _assert_differs(jax.jit(lambda p: step_lib.loss_fn(p, batch, full)[0])(p), l1)
