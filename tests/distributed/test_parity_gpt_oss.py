@@ -3,8 +3,8 @@ alternating with full ones (the layer stack scanned one cycle at a time), YaRN w
 truncation, a router with a trained bias, experts with biases and the clamped SwiGLU. The
 default run trains one layout against one device (the all-to-all exchange with expert x tensor x
 data: the heads split over `tensor`, the expert MLP dim too, so the down bias is counted on one
-F shard). On demand (-m full_grid): about 60 s of CPU on 2 cores, twice qwen3-moe-tiny's row,
-more than CI's margin holds. A file of its own so that pytest-xdist runs it beside the other
+F shard; about 60 s of CPU on 2 cores, twice qwen3-moe-tiny's row: each scan step unrolls the
+two-layer sliding/full cycle). A file of its own so that pytest-xdist runs it beside the other
 parity tests."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ pytestmark = pytest.mark.distributed
 MODEL = ["model_name=gpt-oss-tiny", *SMALL]
 
 
-@pytest.mark.full_grid
 def test_parity_gpt_oss_tiny_row(tmp_path):
     """3 steps of EP=2 x TP=2 x data=2 (padded all-to-all) equal the one-device run's losses."""
     c = load_config(overrides=MODEL)
