@@ -79,7 +79,8 @@ class ModelSection(_Section):
         description="GQA: the attention kind of each layer as a cycle, comma-separated kinds "
         "`full` or `sliding` (sliding_window_size), layer l taking entry l mod the cycle's "
         "length; GPT-OSS: sliding,full. Its length divides both layer stacks; the layers are "
-        "scanned one cycle at a time, so every layer's mask is static (models/layer_pattern.py). "
+        "scanned one cycle at a time, so every layer's mask is static (models/layer_pattern.py), "
+        "also in a pipeline stage (each stage visit whole cycles) and in the paged stash's stack. "
         "Empty: every layer sliding when sliding_window_size > 0, else full.",
     )
     attention_qk_norm: bool = _key(
