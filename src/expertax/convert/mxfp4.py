@@ -26,6 +26,7 @@ import numpy as np
 
 from expertax.convert import fp8
 from expertax.convert.errors import ConversionError
+from expertax.convert.hf import transpose
 
 QUANT_METHOD = "mxfp4"
 BLOCK = 32  # values per scale
@@ -142,8 +143,6 @@ def dequantize_transposed(
     lookup then gives row k of that the values of output rows 2k (low nibbles) and 2k + 1 (high
     nibbles) as pairs, which are split into the two rows. Works on strided `blocks` (e.g. every
     other row)."""
-    from expertax.convert.hf import transpose  # (hf imports this module's users)
-
     dtype = np.dtype(dtype)
     _check(blocks, scales, name)
     table = _table(dtype)
