@@ -86,11 +86,26 @@ def _padded_exchange(block_rows):
 # Blocks of 1, 2 and 3 rows take several rounds for the longer chunks; send.max() takes one; 20
 # rows are more than a tight receive buffer holds. "tight": the buffer has exactly the rows the
 # busiest receiver gets, so blocks near its end are written shifted (exchange._exchange_rounds).
+# Each buffer and block once by default, the seeds alternating; the other seed of each on demand
+# (-m full_grid): CI's budget.
+BLOCK_CASES = [
+    ("roomy", 1),
+    ("roomy", 2),
+    ("roomy", None),
+    ("tight", 1),
+    ("tight", 3),
+    ("tight", 20),
+]
+
+
 @pytest.mark.parametrize(
-    "buffer, block",
-    [("roomy", 1), ("roomy", 2), ("roomy", None), ("tight", 1), ("tight", 3), ("tight", 20)],
+    "seed, buffer, block",
+    [
+        pytest.param(seed, *case, marks=[pytest.mark.full_grid] if (i + seed) % 2 else [])
+        for seed in (0, 1)
+        for i, case in enumerate(BLOCK_CASES)
+    ],
 )
-@pytest.mark.parametrize("seed", [0, 1])
 def test_padded_all_to_all_matches_numpy_ragged_model_with_gradients(seed, buffer, block):
     rng = np.random.default_rng(seed)
     operand, send, in_off, out_off = exchange_case(rng)
@@ -381,8 +396,16 @@ CHUNKED = ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "max_target_len
 ROUTING_MODELS = {"deepseek": "model_name=deepseek3-tiny", "mixtral": "model_name=mixtral-tiny"}
 
 
-@pytest.mark.parametrize("routing", sorted(ROUTING_MODELS))
-@pytest.mark.parametrize("strategy", ["a2a", "ring"])
+# a2a with deepseek's routing and the ring with mixtral's by default, the other two on demand
+@pytest.mark.parametrize(
+    "strategy, routing",
+    [
+        ("a2a", "deepseek"),
+        ("ring", "mixtral"),
+        pytest.param("a2a", "mixtral", marks=pytest.mark.full_grid),
+        pytest.param("ring", "deepseek", marks=pytest.mark.full_grid),
+    ],
+)
 def test_token_chunks_match_one_chunk_on_the_mesh(strategy, routing):
     ring = [f"use_ring_of_experts={strategy == 'ring'}"]
     base = [*CHUNKED, *ring, ROUTING_MODELS[routing]]
@@ -437,6 +460,7 @@ def _shapes(text, op):
     return out
 
 
+@pytest.mark.full_grid  # 47 s: on demand (CI's budget)
 def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
     """a2a (padded, on CPU): per-peer blocks of one round (`exchange.padded_block_rows`: twice the
     mean a peer gets, N*K/P) and the receive buffer of M = P*N*min(K, X) rows are a quarter

@@ -183,8 +183,8 @@ def _cases():
     """Every variant for the default case; otherwise one variant per (layout, routing), chosen
     by a Latin square per implementation, so that each layout and each routing meets every
     variant on both the ring and the all-to-all (17 cases where the full product has 51, at ~14 s
-    each on the CI machine): those of even i + j in the extended run, the others on demand
-    (`-m full_grid`)."""
+    each on the CI machine): the default case's variants in the default run, the others on
+    demand (`-m full_grid`: CI's budget)."""
     variants = list(VARIANTS.items())
     for i, layout in enumerate(LAYOUTS):
         for j, routing in enumerate(ROUTINGS):
@@ -194,9 +194,8 @@ def _cases():
                     continue
                 if default:
                     marks = ()
-                else:  # half the square in the extended run, the rest on demand
-                    extended = (i + j) % 2 == 0
-                    marks = (pytest.mark.extended if extended else pytest.mark.full_grid,)
+                else:  # on demand (CI's budget)
+                    marks = (pytest.mark.full_grid,)
                 yield pytest.param(
                     layout, routing, keys, marks=marks, id=f"{layout}-{routing}{variant}"
                 )

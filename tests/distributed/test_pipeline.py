@@ -168,11 +168,12 @@ CASES = {
     ),
 }
 # The default run has test_parity_pipeline_with_negative_control (mixtral-tiny, pp2 x EP2 x FSDP2
-# against the reference, with a failing control); the extended run has every case here but six
-# (run on demand, -m full_grid): mixtral's pp2 x EP2 x FSDP2 (that parity test), remat_policy=none
-# (its gradients test below), the deepseek3 repeats with EP and the dense llama (the same stage
-# loop), both four-stage cases (CI runs no four-stage pipeline: its 45 minutes do not hold
-# them beside the rest) and the layer kinds (one device in the default run).
+# against the reference, with a failing control); the extended run has the cases not in
+# ON_DEMAND (run with -m full_grid): mixtral's pp2 x EP2 x FSDP2 (that parity test),
+# remat_policy=none (its gradients test below), the deepseek3 repeats with EP and the dense
+# llama (the same stage loop), both four-stage cases (CI runs no four-stage pipeline: its 45
+# minutes do not hold them beside the rest), the layer kinds (one device in the default run),
+# mixtral's repeats with ppermute and its partial pipeline.
 DEFAULT: tuple[str, ...] = ()
 ON_DEMAND = (
     "mixtral-pp2-ep2-fsdp2",
@@ -182,6 +183,10 @@ ON_DEMAND = (
     "llama-pp2",  # a dense model's stages: the same stage loop as mixtral's
     "deepseek3-l5-pp4-fsdp2",  # four stages (as mixtral-l4-pp4)
     "mixtral-l8-sliding-full-pp2-r2-ep2",  # kinds: test_layer_pattern.py on one device
+    # CI's budget: repeats in the gradients case below and test_layer_pattern.py, the layers
+    # after a partial pipeline in the 12-layer kinds case (on demand)
+    "mixtral-l4-pp2-r2-ppermute",
+    "mixtral-l4-partial2-pp2",
 )
 
 

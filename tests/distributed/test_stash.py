@@ -183,7 +183,15 @@ def test_a_stash_run_resumes_bitwise_and_trains_like_the_plain_one(tmp_path):
     )
 
 
-@pytest.mark.parametrize("strategy", ["a2a", pytest.param("ring", marks=pytest.mark.extended)])
+# the ring in the extended run, the all-to-all on demand (-m full_grid; CI's budget: the default
+# run's stash-under-EP case above runs the all-to-all)
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("a2a", marks=pytest.mark.full_grid),
+        pytest.param("ring", marks=pytest.mark.extended),
+    ],
+)
 def test_stash_with_the_fused_routed_ffn_under_expert_parallelism(strategy):
     """The fused routed FFN (nn/moe/routed.py) writes its kept gate, up and expert outputs to
     the stash and reads them back: gradients bitwise those of the fused plain stack."""

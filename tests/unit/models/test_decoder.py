@@ -82,6 +82,7 @@ def test_scan_equals_unrolled():
 
 
 @pytest.mark.distributed
+@pytest.mark.full_grid  # 46 s: on demand (CI's budget; the parity rows train these layouts)
 def test_data_fsdp_expert_mesh_equals_one_device():
     overrides = {
         **SMALL,

@@ -216,7 +216,7 @@ def test_config_refuses_what_chunks_cannot_do(overrides, words):
 @pytest.mark.parametrize(
     "impl",
     [
-        pytest.param("dot", marks=pytest.mark.extended),  # 25 s
+        pytest.param("dot", marks=pytest.mark.full_grid),  # 25-47 s: on demand (CI's budget)
         pytest.param("blockwise", marks=pytest.mark.full_grid),  # on demand
     ],
 )

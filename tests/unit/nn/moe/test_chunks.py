@@ -107,7 +107,10 @@ def _saved_residuals(c, p, x, placements):
     return [line for line in out.getvalue().splitlines() if "from the argument" not in line]
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+# the separate path's case on demand (-m full_grid): CI's budget
+@pytest.mark.parametrize(
+    "fused", [True, pytest.param(False, marks=pytest.mark.full_grid)], ids=["fused", "separate"]
+)
 def test_checkpoint_names_work_inside_the_chunk_loop(fused):
     """A kept name is saved once per chunk (M = N/chunks * K rows), stacked by the scan: the
     gate [M, F] (moe_mlpwi_0) of the fused routed FFN, the expert output [M, D] (moe_mlpwo, in

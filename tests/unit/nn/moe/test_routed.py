@@ -89,17 +89,30 @@ def _value_and_grads(fn, a, weighted):
     return (out, *grads)
 
 
+SIZES = [
+    ((5, 0, 13), 24),  # an empty group, a full tile plus a remainder, padding rows
+    ((0, 0, 0), 16),  # nothing routed: zero output, zero gradients
+    ((1, 1, 1), 3),  # one row per group, no padding
+    ((17, 9, 6), 32),  # every row routed; clamped remainder tiles overlap full ones
+]
+
+
+# Every pair of (sizes, gate_up) by default with `weighted` alternating (each pair of values of
+# any two parameters appears); the other half of the product on demand (-m full_grid): CI's budget.
 @pytest.mark.parametrize(
-    "sizes, m",
+    "sizes, m, weighted, gate_up",
     [
-        ((5, 0, 13), 24),  # an empty group, a full tile plus a remainder, padding rows
-        ((0, 0, 0), 16),  # nothing routed: zero output, zero gradients
-        ((1, 1, 1), 3),  # one row per group, no padding
-        ((17, 9, 6), 32),  # every row routed; clamped remainder tiles overlap full ones
+        pytest.param(
+            *case,
+            weighted,
+            gate_up,
+            marks=[pytest.mark.full_grid] if (i + g + weighted) % 2 else [],
+        )
+        for i, case in enumerate(SIZES)
+        for weighted in (True, False)
+        for g, gate_up in enumerate(GATE_UP)
     ],
 )
-@pytest.mark.parametrize("weighted", [True, False])
-@pytest.mark.parametrize("gate_up", list(GATE_UP))
 def test_routed_ffn_equals_a_loop_over_experts(sizes, m, weighted, gate_up):
     c = _config(gate_up)
     a = _inputs(sizes, m, jnp.float32)
@@ -121,7 +134,11 @@ def test_routed_ffn_equals_a_loop_over_experts(sizes, m, weighted, gate_up):
         assert not np.any(np.asarray(got[0])) and not np.any(np.asarray(got[1]))
 
 
-@pytest.mark.parametrize("gate_up", list(GATE_UP))
+# the recomputed case by default, the kept ones on demand (-m full_grid): CI's budget
+@pytest.mark.parametrize(
+    "gate_up",
+    [g if g == "recomputed" else pytest.param(g, marks=pytest.mark.full_grid) for g in GATE_UP],
+)
 def test_routed_ffn_bfloat16_accumulates_the_combine_in_float32(gate_up):
     """bfloat16 compute, float32 combine (`float32_weight_sum`) as in the separate path."""
     sizes, m = (6, 3, 9), 20

@@ -95,7 +95,7 @@ def test_stash_gradients_are_bitwise_the_plain_stacks(model, fused):
 
 
 @pytest.mark.parametrize(
-    "factor, overflowing", [(0.6, "some"), pytest.param(0.01, "all", marks=pytest.mark.extended)]
+    "factor, overflowing", [(0.6, "some"), pytest.param(0.01, "all", marks=pytest.mark.full_grid)]
 )
 def test_layers_that_overflow_are_recomputed_exactly(factor, overflowing):
     plain, stashed = configs("deepseek3-tiny", moe_paged_stash_capacity_factor=factor)
