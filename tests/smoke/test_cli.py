@@ -6,8 +6,6 @@ import shutil
 import subprocess
 import sys
 
-from tests.xla_flags import TOLERANCE_ONLY_CODEGEN, with_devices
-
 METRIC_KEYS = {
     "step",
     "loss",
@@ -21,9 +19,7 @@ METRIC_KEYS = {
 
 
 def run_cli(*args, cwd):
-    # the test process's 8 devices, with the tolerance-only code generation (nothing here is
-    # compared bit for bit)
-    env = dict(os.environ, XLA_FLAGS=with_devices(8, codegen=TOLERANCE_ONLY_CODEGEN))
+    env = dict(os.environ)
     return subprocess.run(
         [sys.executable, "-m", "expertax.cli", *args],
         cwd=cwd,
