@@ -272,7 +272,7 @@ def test_broken_shift_fails_the_comparison(monkeypatch):
         _assert_same_training(got, want)
 
 
-@pytest.mark.extended
+@pytest.mark.full_grid  # 39-54 s: on demand (CI's budget)
 def test_checkpoint_moves_between_pp2_and_pp1_bitwise(tmp_path):
     model, over = CASES["mixtral-pp2-ep2-fsdp2"]
     configs = {"pp2": _config(model, **over), "pp1": _config(model)}

@@ -42,21 +42,10 @@ def test_state_the_gpu_program_keeps_on_device_is_not_subtracted():
     assert plan.device_peak(offloaded, None, xla, on="gpu")[0] == 6
 
 
-# two or three compiles per target: the TPU's in the extended run, the GPU's on demand (CI's
-# budget; the GPU targets' search space is tested in test_fit_space.py)
-@pytest.mark.parametrize(
-    "spec",
-    [
-        pytest.param(
-            *t.values,
-            marks=[
-                *t.marks,
-                pytest.mark.extended if "tpu" in t.values[0] else pytest.mark.full_grid,
-            ],
-        )
-        for t in TARGETS
-    ],
-)
+# two or three compiles per target: on demand (CI's 45 minutes; the targets' search spaces are
+# tested in test_fit_space.py)
+@pytest.mark.full_grid
+@pytest.mark.parametrize("spec", TARGETS)
 def test_fit_finds_the_fastest_plan_that_fits(spec):
     t = _target(spec)
     c = load_config(overrides={**SMALL, "per_device_batch_size": 8})
