@@ -7,10 +7,8 @@ coordinator_address / num_processes / process_id keys) on LOCAL_DEVICES simulate
 import os
 import sys
 
-from tests.xla_flags import (
-    TOLERANCE_ONLY_CODEGEN,
-    with_devices,
-)  # the repository root is on PYTHONPATH
+# the repository root is on PYTHONPATH
+from tests.xla_flags import TOLERANCE_ONLY_CODEGEN, with_devices
 
 # the tolerance-only code generation: the test compares the losses within a tolerance
 os.environ["XLA_FLAGS"] = with_devices(int(sys.argv[1]), codegen=TOLERANCE_ONLY_CODEGEN)

@@ -43,17 +43,10 @@ def check_row(row: dict) -> None:
         assert row["padded_exchange"] == 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "layouts",
-    # with the dense dispatch's row (its FLOPs above the sparse one's) on demand: 45 s more
-    # the CPU's compile-only row on demand as a whole (CI's budget: the TPU target's row below
-    # runs the compile-only path by default)
-    [
-        pytest.param(["sparse-ep8"], marks=pytest.mark.full_grid),
-        pytest.param(["sparse-ep8", "dense-ep8"], marks=pytest.mark.full_grid),
-    ],
-)
+# on demand (CI's budget: the TPU target's row below runs the compile-only path by default);
+# the second case adds the dense dispatch's row (its FLOPs above the sparse one's), 45 s more
+@pytest.mark.full_grid
+@pytest.mark.parametrize("layouts", [["sparse-ep8"], ["sparse-ep8", "dense-ep8"]])
 def test_compile_only_cpu(layouts, tmp_path, capsys):
     """XLA:CPU: the padded exchange (it has no ragged all-to-all) and the dense dispatch."""
     rc, report = compile_only(tmp_path, *TINY, "--layouts", ",".join(layouts))

@@ -91,20 +91,13 @@ def compare(model, strategy, mesh, routing, **extra):
     return np.asarray(s1.stash_overflow), np.asarray(s1.stash_factor)
 
 
-# The first of the rest to run on demand (the other model, a second mesh, skewed routing); the
-# other five complete the pairwise grid (-m full_grid). CI's 45 minutes hold none of them.
-EXTENDED = {
-    ("deepseek3-tiny", "a2a", "ep2-fsdp2-data2", "skewed"),
-}
+# The grid's other cases (deepseek3-tiny's skewed routing among them) run on demand
+# (-m full_grid): CI's 45 minutes do not hold them.
 
 
 def _cases():
     for case in CASES:
-        if case in DEFAULT:
-            marks = ()
-        else:
-            # the EXTENDED case too, on demand: CI's budget
-            marks = (pytest.mark.full_grid,)
+        marks = () if case in DEFAULT else (pytest.mark.full_grid,)
         yield pytest.param(*case, marks=marks, id="-".join(case))
 
 
@@ -182,15 +175,9 @@ def test_a_stash_run_resumes_bitwise_and_trains_like_the_plain_one(tmp_path):
     )
 
 
-# the ring in the extended run, the all-to-all on demand (-m full_grid; CI's budget: the default
-# run's stash-under-EP case above runs the all-to-all)
-@pytest.mark.parametrize(
-    "strategy",
-    [
-        pytest.param("a2a", marks=pytest.mark.full_grid),
-        pytest.param("ring", marks=pytest.mark.full_grid),
-    ],
-)
+# on demand (CI's budget: the default run's stash-under-EP case above runs the all-to-all)
+@pytest.mark.full_grid
+@pytest.mark.parametrize("strategy", ["a2a", "ring"])
 def test_stash_with_the_fused_routed_ffn_under_expert_parallelism(strategy):
     """The fused routed FFN (nn/moe/routed.py) writes its kept gate, up and expert outputs to
     the stash and reads them back: gradients bitwise those of the fused plain stack."""

@@ -100,8 +100,7 @@ def test_estimate_ranks_bigger_candidates_above_smaller(cfg):
     assert more.estimate(base, shape) > e()
 
 
-# 80-145 s of compiles: on demand (CI's budget; the default run keeps the refusal tests, the
-# extended run the search on a TPU target in test_fit_targets.py)
+# 80-145 s of compiles: on demand (CI's budget; the default run keeps the refusal tests)
 @pytest.mark.full_grid
 @pytest.mark.usefixtures("persistent_compile_cache")
 def test_fit_picks_a_candidate_that_compiles_under_the_budget():

@@ -213,13 +213,8 @@ def test_config_refuses_what_chunks_cannot_do(overrides, words):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "impl",
-    [
-        pytest.param("dot", marks=pytest.mark.full_grid),  # 25-47 s: on demand (CI's budget)
-        pytest.param("blockwise", marks=pytest.mark.full_grid),  # on demand
-    ],
-)
+@pytest.mark.full_grid  # 25-47 s per kernel: on demand (CI's budget)
+@pytest.mark.parametrize("impl", ["dot", "blockwise"])
 def test_chunks_under_a_mesh_match_one_device(impl):
     """Four query chunks (the scan) under a data x fsdp x tensor mesh (heads sharded), packed
     documents: loss and gradients equal the one-device unchunked model's."""
