@@ -6,9 +6,10 @@ of `mla.context_attend`, DeepSeek-V3 671B's attention dims (H 128, Qn 128, Qr 64
 512), bfloat16, B=1, packed-document segment ids, `attention_impl=blockwise` (default blocks of
 512), load balance on, under a mesh whose only axis above 1 is `context`, with the default rules
 (the inputs split along T over `context`, `wkv_b` by its FSDP dim, which the rules give to
-`context` too). `fused`: the latent kernel (latent_blockwise.py, keys and values one key block
-at a time); `expanded`: the gathered latent up-projected for the whole sequence, then the
-blockwise kernel (the path before it, and what `dot` does).
+`context` too). `ring`: `context_parallel_strategy=ring` (latent_ring.py: the latent passed
+round the context axis, never gathered); `fused`: gathered, then the latent kernel
+(latent_blockwise.py, keys and values one key block at a time); `expanded`: the gathered
+latent up-projected for the whole sequence, then the blockwise kernel (what `dot` does).
 
 (a) `--bytes`: the all-gathers and reduce-scatters in the optimized HLO at cp=8 on
 `--target` (default tpu:v5p-16, 8 chips), each op's full (gathered) size in bytes, split into
@@ -54,7 +55,7 @@ SHAPE = re.compile(r"\b(bf16|f32|s32|u32|f16|s8|pred)\[([\d,]*)\]")
 SIZES = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "pred": 1}
 
 
-def _config(cp: int, length: int):
+def _config(cp: int, length: int, strategy: str = "all_gather"):
     from expertax.config import load_config
 
     return load_config(
@@ -69,12 +70,14 @@ def _config(cp: int, length: int):
             "ici_tensor_parallelism": 1,
             "attention_impl": "blockwise",
             "context_parallel_load_balance": True,
+            "context_parallel_strategy": strategy,
         }
     )
 
 
-def compile_attention(spec: str, cp: int, length: int, fused: bool, options=None):
-    """The compiled forward+backward of `mla.context_attend` on `spec`'s first cp devices."""
+def compile_attention(spec: str, cp: int, length: int, path: str, options=None):
+    """The compiled forward+backward of `mla.context_attend` on `spec`'s first cp devices;
+    `path`: ring (context_parallel_strategy=ring), fused or expanded (all_gather)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -87,7 +90,8 @@ def compile_attention(spec: str, cp: int, length: int, fused: bool, options=None
     from expertax.sharding import named_sharding, use_rules
 
     t = targets.parse_target(spec)
-    c = _config(cp, length)
+    c = _config(cp, length, "ring" if path == "ring" else "all_gather")
+    fused = path != "expanded"
     rules = config_rules(c)
     shape = [cp if a == "context" else 1 for a in MESH_AXES]
     mesh = Mesh(np.array(t.devices()[:cp]).reshape(shape), MESH_AXES)
@@ -158,7 +162,8 @@ def part_bytes(spec: str, length: int) -> list[dict]:
     full_kv = length * H * (NOPE + QR + VD) * BYTES  # the per-head keys and values of T tokens
     for fused in (True, False):
         t0 = time.perf_counter()
-        ops = collectives(compile_attention(spec, 8, length, fused).as_text(), length)
+        path = "fused" if fused else "expanded"
+        ops = collectives(compile_attention(spec, 8, length, path).as_text(), length)
         seq = [o for o in ops if o["moves"] == "sequence"]
         gathered = sum(o["bytes"] for o in seq if o["kind"] == "all-gather")
         rows.append(
@@ -181,20 +186,20 @@ def part_bytes(spec: str, length: int) -> list[dict]:
     return rows
 
 
-def part_temps(per_device: int) -> list[dict]:
+def part_temps(per_device: int, paths) -> list[dict]:
     rows = []
     spec = TEMPS_TARGET
     for cp in TEMPS_CP:
-        for fused in (True, False):
+        for path in paths:
             t0 = time.perf_counter()
-            mem = compile_attention(spec, cp, cp * per_device, fused).memory_analysis()
+            mem = compile_attention(spec, cp, cp * per_device, path).memory_analysis()
             rows.append(
                 dict(
                     part="temps",
                     target=spec,
                     cp=cp,
                     T=cp * per_device,
-                    path="fused" if fused else "expanded",
+                    path=path,
                     temp_bytes=mem.temp_size_in_bytes,
                     argument_bytes=mem.argument_size_in_bytes,
                     compile_s=round(time.perf_counter() - t0, 1),
@@ -283,6 +288,11 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="tpu:v5p-16")
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--per-device", type=int, default=4096)
+    ap.add_argument(
+        "--paths", nargs="+", default=["ring", "fused", "expanded"],
+        help="(b)'s programs: ring (the latent passed round), fused (gathered, latent kernel), "
+        "expanded (gathered and up-projected whole)",
+    )  # fmt: skip
     ap.add_argument("--json", default=None, help="append the rows to this file (one JSON list)")
     args = ap.parse_args(argv)
     if {"bytes", "temps"} <= set(args.parts):
@@ -300,7 +310,7 @@ def main(argv=None) -> int:
             rows.append(r)
             print(json.dumps(r), flush=True)
     if "temps" in args.parts:
-        rows += part_temps(args.per_device)
+        rows += part_temps(args.per_device, args.paths)
     if args.json:
         kept = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else []
         Path(args.json).write_text(json.dumps(kept + rows, indent=1) + "\n")

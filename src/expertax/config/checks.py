@@ -484,6 +484,19 @@ def check_context(c: Config) -> None:
             "the context axis already splits each sequence's queries; set "
             "num_attention_token_chunks=1"
         )
+    if c.context_parallel_strategy == "ring":
+        # imported here: nn.attention imports this package (splash's specs)
+        from expertax.nn.attention import context  # noqa: PLC0415
+
+        impl = context.kernel_impl(c, c.max_target_length)
+        if c.attention_type != "mla" or impl != "blockwise":
+            raise ConfigError(
+                f"context_parallel_strategy=ring with {key}={value}: the ring passes MLA's "
+                "latent through its blockwise kernel, and this model has attention_type="
+                f"{c.attention_type} with attention_impl={c.attention_impl} (runs {impl}); use "
+                "context_parallel_strategy=all_gather, or attention_impl=blockwise on an MLA "
+                "model"
+            )
 
 
 def check_paged_stash(c: Config) -> None:

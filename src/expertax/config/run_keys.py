@@ -74,6 +74,14 @@ class ParallelSection(_Section):
         "device i holds chunks i and 2cp-1-i of 2cp (causal attention's work even); "
         "positions, segment ids, targets and MTP targets move with the tokens.",
     )
+    context_parallel_strategy: Literal["all_gather", "ring"] = _key(
+        LAYOUT,
+        "all_gather",
+        description="Under context parallelism, how attention reaches the other devices' keys: "
+        "all_gather (the sequence's key state gathered whole, one collective per layer) or ring "
+        "(MLA's latent passed round the context axis, cp steps: no device holds more than two "
+        "shares of it; MLA with the blockwise kernel only; nn/attention/latent_ring.py).",
+    )
     dcn_expert_parallelism: int = _key(
         LAYOUT, 1, description="Expert parallelism across hosts/slices."
     )

@@ -278,7 +278,8 @@ class Estimator:
             saved = b * h * (t_local // o.get(ATT_CHUNKS_KEY, 1)) * t * 4
         else:  # q, k, v, the output, its float32 copy (flash kernels' residuals)
             saved = b * h * t_local * (2 * qk * dt + 2 * v * dt + 4 * v)
-        saved += context_gather(c, b, h, cp)
+        strategy = o.get("context_parallel_strategy", c.context_parallel_strategy)
+        saved += context_gather(c, b, h, cp, strategy)
         vocab = c.vocab_size // split("act_vocab", c.vocab_size)
         logits = b * (t_local // o["num_vocab_tiling"]) * vocab * 4 * 3
         moe = 0
@@ -308,20 +309,25 @@ class Estimator:
         return self.terms(o, shape).peak()
 
 
-def context_gather(c: Config, b: int, h: int, cp: int) -> int:
+def context_gather(c: Config, b: int, h: int, cp: int, strategy: str = "all_gather") -> int:
     """Bytes per device attention holds under context parallelism besides its local tokens'
     (nn/attention/context.py), for `b` sequences and `h` query heads per device: the key state
     gathered over the whole sequence (MLA: the normed latent and the rotated RoPE key, kv_lora_rank
     + qk_rope_head_dim values per token; GQA: the keys and values of the device's kv heads), and
     MLA's keys and values up-projected from it one key block at a time (block =
-    blockwise.DEFAULT_BLOCK). 0 without context parallelism."""
+    blockwise.DEFAULT_BLOCK). Under `strategy` ring (MLA, latent_ring.py) no key state is
+    gathered: a device holds its own share twice (the state it holds and the one arriving) and
+    that share's float32 gradient buffers, T / cp rows each. 0 without context parallelism."""
     if cp == 1:
         return 0
     t, dt = c.max_target_length, jnp.dtype(c.dtype).itemsize
     if c.attention_type == "mla":
-        latent = b * t * (c.kv_lora_rank + c.qk_rope_head_dim) * dt
+        width = c.kv_lora_rank + c.qk_rope_head_dim
         up = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim
-        return latent + b * min(DEFAULT_BLOCK, t) * h * up * dt
+        block = b * min(DEFAULT_BLOCK, t) * h * up * dt
+        if strategy == "ring":
+            return b * (t // cp) * width * (2 * dt + 4) + block
+        return b * t * width * dt + block
     heads = c.base_num_query_heads // h  # the tensor split of the heads
     kv = max(1, c.base_num_kv_heads // heads)
     return b * t * kv * c.head_dim * 2 * dt

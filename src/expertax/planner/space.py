@@ -70,7 +70,8 @@ class Candidate:
         cp = o.get("ici_context_parallelism", 1)
         return (
             f"e{o['ici_expert_parallelism']} f{o['ici_fsdp_parallelism']} "
-            f"t{o['ici_tensor_parallelism']}{f' c{cp}' if cp > 1 else ''}{rules}"
+            f"t{o['ici_tensor_parallelism']}{f' c{cp}' if cp > 1 else ''}"
+            f"{' ring' if cp > 1 and o.get('context_parallel_strategy') == 'ring' else ''}{rules}"
         )
 
     @property
@@ -163,6 +164,15 @@ def layouts(c: Config, n: int) -> list[dict[str, int]]:
                     continue  # more than one sequence per batch shard: see `context_sizes`
                 out.append(shape)
     return out
+
+
+def ring_context(c: Config, attention_impl: str) -> bool:
+    """Whether a context split of `c` passes MLA's latent round a ring (latent_ring.py) rather
+    than gathering it: MLA with the blockwise kernel (or `auto`, which picks it for the ring).
+    The ring moves the same bytes and does the same work as the gather, and holds two shares
+    of the key state instead of the whole sequence's, so the search takes it wherever it
+    runs."""
+    return c.attention_type == "mla" and attention_impl in ("auto", "blockwise")
 
 
 def context_sizes(c: Config, n: int) -> list[int]:
@@ -331,6 +341,8 @@ def candidates(
             }
             if att != c.attention_impl:
                 o["attention_impl"] = att
+            if shape["context"] > 1 and ring_context(c, att):
+                o["context_parallel_strategy"] = "ring"
             o.update(mom)
             o.update(off)
             o.update(drop)

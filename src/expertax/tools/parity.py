@@ -108,6 +108,7 @@ class Layout:
     pp: int = 1  # pipeline stages (ici_pipeline_parallelism)
     cp: int = 1  # context parallelism (ici_context_parallelism)
     balance: bool = True  # context_parallel_load_balance (`-nolb`: off)
+    cp_ring: bool = False  # context_parallel_strategy=ring (`-cpring`; else all_gather)
     microbatches: int = -1  # num_pipeline_microbatches (-1: the stages)
     repeats: int = 1  # num_pipeline_repeats (circular schedule)
 
@@ -146,6 +147,8 @@ class Layout:
             parts.append("stash")
         if self.cp != 1 and not self.balance:
             parts.append("nolb")
+        if self.cp != 1 and self.cp_ring:
+            parts.append("cpring")
         return "-".join(parts)
 
     def overrides(self, global_batch: int) -> dict:
@@ -161,6 +164,7 @@ class Layout:
             "ici_pipeline_parallelism": self.pp,
             "ici_context_parallelism": self.cp,
             "context_parallel_load_balance": self.balance,
+            "context_parallel_strategy": "ring" if self.cp_ring else "all_gather",
             "num_pipeline_microbatches": self.microbatches,
             "num_pipeline_repeats": self.repeats,
             "per_device_batch_size": global_batch / self.num_devices,
@@ -280,18 +284,20 @@ SIZE_PARTS = {
 def parse_layout(name: str, backend: str | None = None) -> Layout:
     """`sparse-padded-ep8`, `sparse-ring-ep4-fsdp2-stash`, `sparse-ring-ep2-tp2-data2-eptp`,
     `dense-ep2-tp2-data2`, `sparse-ring-pp2-ep2-fsdp2`, `dense-pp2-mb4-r2-fsdp4`, ... -> Layout.
-    `cpN` is the context axis, `nolb` its load balancing off.
+    `cpN` is the context axis, `nolb` its load balancing off, `cpring` its ring strategy.
     A sparse all-to-all layout without an implementation (`sparse-ep8`) takes the first one
     `backend` has (the platform compiled for; default `platform.current()`)."""
     mode, *parts = name.split("-")
     sizes: dict[str, int] = {}
-    ring, impl, stash, rules, balance = False, "-", False, "default", True
+    ring, impl, stash, rules, balance, cp_ring = False, "-", False, "default", True, False
     for part in parts:
         key = part.rstrip("0123456789")
         if part == "stash":
             stash = True
         elif part == "nolb":
             balance = False
+        elif part == "cpring":
+            cp_ring = True
         elif part in RULES_PARTS:
             rules = RULES_PARTS[part]
         elif part in ("ring", "ragged", "padded"):
@@ -303,7 +309,8 @@ def parse_layout(name: str, backend: str | None = None) -> Layout:
         else:
             raise ConfigError(
                 f"--layouts {name!r}: unknown part {part!r} (e.g. sparse-ring-ep8; sizes "
-                f"{', '.join(k + 'N' for k in SIZE_PARTS)}; {', '.join(RULES_PARTS)}, stash, nolb)"
+                f"{', '.join(k + 'N' for k in SIZE_PARTS)}; {', '.join(RULES_PARTS)}, stash, "
+                "nolb, cpring)"
             )
     if mode not in ("sparse", "dense") or (mode == "dense" and (ring or impl != "-")):
         raise ConfigError(f"--layouts {name!r}: use sparse-[ring|ragged|padded]-... or dense-...")
@@ -316,7 +323,11 @@ def parse_layout(name: str, backend: str | None = None) -> Layout:
         )
     if mode == "sparse" and not ring and impl == "-":
         impl = a2a_impls(backend or platform.current())[0]
-    return Layout(mode, ring, impl, **sizes, stash=stash, rules=rules, balance=balance)
+    if cp_ring and sizes.get("cp", 1) == 1:
+        raise ConfigError(f"--layouts {name!r}: cpring passes keys round the context axis; add cpN")
+    return Layout(
+        mode, ring, impl, **sizes, stash=stash, rules=rules, balance=balance, cp_ring=cp_ring
+    )
 
 
 def reference_layout() -> Layout:
@@ -455,6 +466,7 @@ def make_row(layout: Layout, run: dict, ref_losses: list[float], ref_probe: dict
         "pp": layout.pp,
         "cp": layout.cp,
         "load_balance": layout.balance,
+        "cp_ring": layout.cp_ring,
         "microbatches": layout.pipeline_microbatches,
         "repeats": layout.repeats,
         "ep": layout.ep,
@@ -597,9 +609,12 @@ def pp_cell(pp: int, microbatches: int, repeats: int) -> str:
     return " ".join([str(pp), *extra])
 
 
-def cp_cell(cp: int, balance: bool) -> str:
-    """The CP column: the context axis, `nolb` when its load balancing is off."""
-    return f"{cp} nolb" if cp != 1 and not balance else str(cp)
+def cp_cell(cp: int, balance: bool, ring: bool = False) -> str:
+    """The CP column: the context axis, `nolb` when its load balancing is off, `ring` under
+    context_parallel_strategy=ring."""
+    if cp == 1:
+        return "1"
+    return " ".join([str(cp)] + (["nolb"] if not balance else []) + (["ring"] if ring else []))
 
 
 def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
@@ -611,7 +626,7 @@ def format_row(r: dict, tol: float, ref_losses: list[float]) -> str:
         str(r["ring"]),
         r["a2a_impl"],
         pp_cell(pp, r.get("microbatches", pp), r.get("repeats", 1)),
-        cp_cell(r.get("cp", 1), r.get("load_balance", True)),
+        cp_cell(r.get("cp", 1), r.get("load_balance", True), r.get("cp_ring", False)),
         r["ep"],
         r["fsdp"],
         r["tp"],
@@ -633,7 +648,7 @@ def format_refused_row(refused: dict, skipped: bool, why: str = "refused") -> st
     """A refused (or skipped) layout's row: its name in the first cells, the reason in the last."""
     layout = parse_layout(refused["layout"])
     pp = pp_cell(layout.pp, layout.pipeline_microbatches, layout.repeats)
-    cp = cp_cell(layout.cp, layout.balance)
+    cp = cp_cell(layout.cp, layout.balance, layout.cp_ring)
     cells = [layout.mode, str(layout.ring), layout.a2a_impl, pp, cp, layout.ep, layout.fsdp]
     cells += [layout.tp, layout.data, "yes" if layout.stash else "no", layout.rules]
     cells += ["-"] * 6

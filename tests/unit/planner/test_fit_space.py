@@ -218,6 +218,16 @@ def test_context_is_searched_where_a_batch_shard_holds_one_sequence():
     assert {x["context"] for x in space.layouts(whole, 8)} == {1}
     short = load_config(overrides={**over, "max_target_length": 1024})
     assert space.context_sizes(short, 8) == [1]  # below MIN_CONTEXT_TOKENS per device
+    # an MLA model's context splits pass the latent round a ring (latent_ring.py); GQA's gather
+    few = space.candidates(
+        half, 8, on="tpu", pinned_host=False, state_offload=False,
+        buildable=lambda x: x["expert"] == 1 and x["tensor"] == 1,
+    )  # fmt: skip
+    assert {x.overrides["ici_context_parallelism"] for x in few} == {2}
+    for x in few:
+        ring = x.overrides.get("context_parallel_strategy") == "ring"
+        assert ring == (x.overrides["ici_context_parallelism"] > 1), x.overrides
+    assert not space.ring_context(load_config(overrides={"model_name": "mixtral-tiny"}), "auto")
 
 
 def test_context_splits_the_estimate_along_the_sequence():
@@ -235,6 +245,10 @@ def test_context_splits_the_estimate_along_the_sequence():
     latent = c.max_target_length * (c.kv_lora_rank + c.qk_rope_head_dim) * dt
     block = 512 * h * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * dt
     assert context_gather(c, 1, h, 2) == latent + block and context_gather(c, 1, h, 1) == 0
+    # the ring holds its own share twice and that share's float32 gradients, not the sequence
+    share = c.max_target_length // 8 * (c.kv_lora_rank + c.qk_rope_head_dim)
+    assert context_gather(c, 1, h, 8, "ring") == share * (2 * dt + 4) + block
+    assert context_gather(c, 1, h, 8, "ring") < context_gather(c, 1, h, 8)
     assert est.terms(o, split).working != est.terms(o, {**split, "context": 1}).working
     # embed and the low-rank dims shard over fsdp x context: fewer parameters per device
     assert est.state_bytes(split, "default")[0] < est.state_bytes(whole, "default")[0]

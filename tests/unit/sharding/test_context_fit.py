@@ -42,3 +42,19 @@ def test_without_load_balance_the_chunks_are_per_device():
         check_context_fit(cfg(3 * DEFAULT_BLOCK, balanced=False), {"context": 2})  # 768 each
     with pytest.raises(ConfigError, match="does not split into 4 equal chunks"):
         check_context_fit(cfg(1030), {"context": 2})
+
+
+def test_the_ring_strategy_needs_mla_with_the_blockwise_kernel():
+    """context_parallel_strategy=ring passes MLA's latent through its blockwise kernel: `auto`
+    picks that kernel for it; the dot kernel or a GQA model is refused naming the keys."""
+    from expertax.nn.attention import context
+
+    ring = {"context_parallel_strategy": "ring", "ici_context_parallelism": 2}
+    auto = load_config(overrides={"model_name": "deepseek3-tiny", "attention_impl": "auto", **ring})
+    assert context.kernel_impl(auto, auto.max_target_length) == "blockwise"
+    for over in ({"model_name": "deepseek3-tiny", "attention_impl": "dot"},
+                 {"model_name": "mixtral-tiny"}):  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            load_config(overrides={**over, **ring})
+        assert "context_parallel_strategy=ring" in str(e.value)
+        assert "context_parallel_strategy=all_gather" in str(e.value)

@@ -84,7 +84,7 @@ def _num_key_blocks(i, bq: int, bk: int, nk: int, offset: int):
     return jnp.minimum(nk, (offset + (i + 1) * bq - 1) // bk + 1)
 
 
-def _trips(total: int, loops: int) -> str:
+def _trips(total: float, loops: int) -> str:
     """The `trips~N` scope of a causal inner loop: its mean trip count over the `loops` runs of
     its enclosing scan (`total` trips in all), so that the compiled program's FLOP count
     (planner/flops.py) multiplies its body by the trips it really makes."""

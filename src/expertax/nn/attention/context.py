@@ -18,6 +18,11 @@ per head anyway, and takes the expanded keys). Every kernel that takes positions
 builds the mask from them, `blockwise` skips by row against the gathered keys in sequence
 order, given the queries' offset (a traced value from the device's index).
 
+With `context_parallel_strategy=ring` (MLA with the `blockwise` kernel only) nothing is
+gathered: each device's latent travels round the context axis and every device attends to the
+share it holds at each step (latent_ring.py), so no device holds more than two shares of the
+sequence's key state; `all_gather` (the default) gathers it whole, one collective per layer.
+
 Load balancing (`context_parallel_load_balance`): with contiguous chunks the last device's
 queries read the most keys. `balance` reorders each sequence once per batch (inputs, targets,
 weights, positions, segment ids and the MTP depths' targets, computed before it) so that device i
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax.config.schema import Config
-from expertax.nn.attention import kernel
+from expertax.nn.attention import kernel, latent_ring
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
 from expertax.sharding.rules import current_rules, logical_to_spec
 
@@ -96,10 +101,13 @@ def reorder(a: jax.Array, cp: int, axis: int = 1, *, inverse: bool = False) -> j
 
 def kernel_impl(c: Config, length: int) -> str:
     """The kernel under context parallelism: one that takes the queries' offset at run time
-    (`kernel.SCANNED`); `auto` picks `blockwise` for long sequences, `dot` for short ones
-    (config checks refuse the others before this runs)."""
+    (`kernel.SCANNED`); `auto` picks `blockwise` for long sequences, `dot` for short ones, and
+    `blockwise` for MLA under `context_parallel_strategy=ring` (the ring's kernel; config checks
+    refuse the others before this runs)."""
     if c.attention_impl != "auto":
         return c.attention_impl
+    if c.context_parallel_strategy == "ring" and c.attention_type == "mla":
+        return "blockwise"
     return "blockwise" if length >= kernel.AUTO_BLOCKWISE_MIN_LENGTH else "dot"
 
 
@@ -142,8 +150,19 @@ def attend(
     fused = latent is not None and impl == "blockwise"
     if fused and sink_logits_H is not None:
         raise ValueError("context parallelism: the latent kernel takes no attention sinks")
+    ring = c.context_parallel_strategy == "ring"
+    if ring and not fused:
+        raise ValueError(
+            f"context_parallel_strategy=ring rotates MLA's latent through its blockwise kernel; "
+            f"this layer runs attention_impl={impl} (config checks refuse it before this)"
+        )
 
     def body(q, kv, weights, pos, seg, sinks):
+        if ring:  # the latent passed round the ring, never gathered (latent_ring.py)
+            return latent_ring.attend_latent_ring(
+                q, *kv, weights, order=tuple(order), scale=scale,
+                positions_BT=pos, segment_ids_BT=seg, mask_spec=mask_spec,
+            )  # fmt: skip
         kv = jax.tree.map(gather, kv)
         k_v = None if fused else expand(kv, weights)
         kv_pos, kv_seg = gather(pos), None if seg is None else gather(seg)

@@ -45,7 +45,6 @@ from expertax.nn.attention.blockwise import (
     DEFAULT_BLOCK,
     MASKED_SCORE,
     PAD_POSITION,
-    _first_query_block,
     _to_blocks,
     _trips,
     balanced_block,
@@ -99,11 +98,38 @@ def _key_xs(x: LatentBlocks):
     return (jnp.arange(nk), x.latent, x.rope, x.seg_k, x.pos_k)
 
 
-def _forward(x: LatentBlocks, offset, scale, hint, spec, nope):
-    """-> (out [nq, B, H, bq, O] in the latent's dtype, lse [nq, B, H, bq] float32)."""
+def init_carry(x: LatentBlocks):
+    """The forward's running row max, row sum and output accumulator for all query blocks of
+    `x`, before any key block: ([nq, B, H, bq], [nq, B, H, bq], [nq, B, H, bq, O]) float32."""
     nq, b, h, bq, _ = x.q.shape
-    nk, bk = x.latent.shape[0], x.latent.shape[2]
-    od = x.wkv_b.shape[-1] - nope
+    od = x.wkv_b.shape[-1] - (x.q.shape[-1] - x.rope.shape[-1])
+    return (
+        _zeros((nq, b, h, bq), x, MASKED_SCORE),
+        _zeros((nq, b, h, bq), x),
+        _zeros((nq, b, h, bq, od), x),
+    )
+
+
+def query_rows(offset, nq: int, bq: int):
+    """`Rows` of contiguous queries whose row r sits at key row `offset` + r."""
+    return offset + bq * jnp.arange(nq, dtype=jnp.int32), jnp.int32(0)
+
+
+def _first_visible(j, rows, bq: int, bk: int):
+    """The first query block that sees key block j: `rows` = (each query block's first row
+    [nq], the key blocks' first row), on one axis of the sequence, the query blocks in
+    increasing order (they need not be contiguous: a load-balanced device's two chunks). Every
+    later block sees it too (training's positions do not decrease along a document, and a key
+    of another document is masked either way); the blocks before end before its first key."""
+    q_start, k_start = rows
+    return jnp.sum(q_start + (bq - 1) < k_start + j * bk).astype(jnp.int32)
+
+
+def forward_update(x: LatentBlocks, rows, scale, trips: str, spec, nope, carry):
+    """`carry` (`init_carry`) with every key block of `x` folded in, each into the query blocks
+    from the first that sees it on (`rows`, `_first_visible`); `trips` names the inner loop's
+    mean trip count (`blockwise._trips`)."""
+    nq, bq, bk = x.q.shape[0], x.q.shape[3], x.latent.shape[2]
 
     def one_key_block(carry, xs):
         j, lat_blk, rope_blk, seg_k_blk, pos_k_blk = xs
@@ -125,31 +151,46 @@ def _forward(x: LatentBlocks, offset, scale, hint, spec, nope):
                 acc_N.at[i].set(alpha[..., None] * acc_N[i] + pv),
             )
 
-        first = _first_query_block(j, bq, bk, offset)
-        visits = sum(nq - max(0, (n * bk - hint) // bq) for n in range(nk))
-        with jax.named_scope(_trips(visits, nk)):
+        first = _first_visible(j, rows, bq, bk)
+        with jax.named_scope(trips):
             carry = jax.lax.fori_loop(first, nq, one_query_block, carry)
         return carry, None
 
-    init = (
-        _zeros((nq, b, h, bq), x, MASKED_SCORE),
-        _zeros((nq, b, h, bq), x),
-        _zeros((nq, b, h, bq, od), x),
-    )
-    (m, row_sum, acc), _ = jax.lax.scan(one_key_block, init, _key_xs(x))
+    return jax.lax.scan(one_key_block, carry, _key_xs(x))[0]
+
+
+def finish(carry, dtype):
+    """-> (out [nq, B, H, bq, O] in `dtype`, lse [nq, B, H, bq] float32) from a final carry."""
+    m, row_sum, acc = carry
     # a row that reads no key (a padding row of the last block) gives 0, not 0 / 0
     row_sum = jnp.where(row_sum > 0, row_sum, 1.0)
-    out = (acc / row_sum[..., None]).astype(x.latent.dtype)
-    return out, m + jnp.log(row_sum)
+    return (acc / row_sum[..., None]).astype(dtype), m + jnp.log(row_sum)
 
 
-def _backward(scale, hint, spec, nope, res, d_out):
-    """FlashAttention-2's backward per key block, pulled back through the block's up-projection
-    (module docstring)."""
-    x, offset, out, lse = res
+def causal_trips(x: LatentBlocks, hint: int) -> str:
+    """The inner loops' `trips~N` scope for key blocks of `x` against its queries at key row
+    offset `hint` (the mean offset where it is only known on the device)."""
     nq, bq = x.q.shape[0], x.q.shape[3]
     nk, bk = x.latent.shape[0], x.latent.shape[2]
-    delta = jnp.einsum("nbhto,nbhto->nbht", d_out, out, preferred_element_type=jnp.float32)
+    visits = sum(nq - max(0, (n * bk - hint) // bq) for n in range(nk))
+    return _trips(visits, nk)
+
+
+def _forward(x: LatentBlocks, offset, scale, hint, spec, nope):
+    """-> (out [nq, B, H, bq, O] in the latent's dtype, lse [nq, B, H, bq] float32)."""
+    rows = query_rows(offset, x.q.shape[0], x.q.shape[3])
+    carry = forward_update(x, rows, scale, causal_trips(x, hint), spec, nope, init_carry(x))
+    return finish(carry, x.latent.dtype)
+
+
+def backward_update(x: LatentBlocks, rows, scale, trips: str, spec, nope, lse, delta, d_out,
+                    dq_acc, dw_RHZ, out_dtype):  # fmt: skip
+    """FlashAttention-2's backward over every key block of `x` (each against the query blocks
+    that see it, `rows` as in `forward_update`), pulled back through the block's
+    up-projection (module docstring): -> (dq_acc + the queries' float32 gradient, dw_RHZ + the
+    float32 `wkv_b` gradient, d latent [nk, B, bk, Rkv] and d RoPE key [nk, B, bk, Qr] in
+    `out_dtype`). `lse`, `delta` (the rows' sum of d_out * out) and `d_out` are the queries'."""
+    nq, bq, bk = x.q.shape[0], x.q.shape[3], x.latent.shape[2]
 
     def one_key_block(carry, xs):
         dq_acc, dw_RHZ = carry
@@ -183,19 +224,33 @@ def _backward(scale, hint, spec, nope, res, d_out):
             return dq_acc.at[i].add(dq), dk_BHSN, d_rope_BSQ, dv_BHSO
 
         init = (dq_acc, _zeros(k_nope.shape, x), _zeros(rope_blk.shape, x), _zeros(v_blk.shape, x))
-        first = _first_query_block(j, bq, bk, offset)
-        visits = sum(nq - max(0, (n * bk - hint) // bq) for n in range(nk))
-        with jax.named_scope(_trips(visits, nk)):
+        first = _first_visible(j, rows, bq, bk)
+        with jax.named_scope(trips):
             dq_acc, dk, d_rope, dv = jax.lax.fori_loop(first, nq, one_query_block, init)
         # the block's up-projection, pulled back: [dK_nope, dV] against latent and wkv_b
         dkv_BHSZ = jnp.concatenate([dk, dv], -1).astype(lat_blk.dtype)
         d_lat = jnp.einsum("bhsz,rhz->bsr", dkv_BHSZ, x.wkv_b, preferred_element_type=jnp.float32)
         dw_RHZ += jnp.einsum("bsr,bhsz->rhz", lat_blk, dkv_BHSZ, preferred_element_type=jnp.float32)
-        out_blk = (d_lat.astype(lat_blk.dtype), d_rope.astype(rope_blk.dtype))
-        return (dq_acc, dw_RHZ), out_blk
+        return (dq_acc, dw_RHZ), (d_lat.astype(out_dtype), d_rope.astype(out_dtype))
 
-    dq0, dw0 = _zeros(x.q.shape, x), _zeros(x.wkv_b.shape, x)
-    (dq, dw), (d_lat, d_rope) = jax.lax.scan(one_key_block, (dq0, dw0), _key_xs(x))
+    (dq_acc, dw_RHZ), (d_lat, d_rope) = jax.lax.scan(one_key_block, (dq_acc, dw_RHZ), _key_xs(x))
+    return dq_acc, dw_RHZ, d_lat, d_rope
+
+
+def row_delta(d_out, out):
+    """FlashAttention-2's D: the rows' sum of d_out * out, float32 [..., B, H, bq]."""
+    return jnp.einsum("...bhto,...bhto->...bht", d_out, out, preferred_element_type=jnp.float32)
+
+
+def _backward(scale, hint, spec, nope, res, d_out):
+    """FlashAttention-2's backward per key block, pulled back through the block's up-projection
+    (module docstring)."""
+    x, offset, out, lse = res
+    rows = query_rows(offset, x.q.shape[0], x.q.shape[3])
+    dq, dw, d_lat, d_rope = backward_update(
+        x, rows, scale, causal_trips(x, hint), spec, nope, lse, row_delta(d_out, out), d_out,
+        _zeros(x.q.shape, x), _zeros(x.wkv_b.shape, x), x.latent.dtype,
+    )  # fmt: skip
     grads = LatentBlocks(
         dq.astype(x.q.dtype), d_lat, d_rope, dw.astype(x.wkv_b.dtype), None, None, None, None
     )

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from expertax.config import load_config
 from expertax.config.loader import config_rules
 from expertax.config.schema import MESH_AXES
-from expertax.nn.attention import context, latent_blockwise, mla
+from expertax.nn.attention import context, latent_blockwise, latent_ring, mla
 from expertax.nn.attention.blockwise import attend_blockwise
 from expertax.nn.attention.kernel import attend_dot
 from expertax.sharding import use_rules
@@ -62,8 +62,9 @@ def _jitted(fn, d_out):
     return jax.jit(lambda *args: _out_and_grads(fn, args, d_out))
 
 
-def _config(cp, impl, balanced):
+def _config(cp, impl, balanced, strategy="all_gather"):
     over = {
+        "context_parallel_strategy": strategy,
         "model_name": "deepseek3-tiny",
         "ici_context_parallelism": cp,
         "ici_data_parallelism": 8 // cp,
@@ -103,39 +104,46 @@ def _under_cp(c, seg, fused):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(
-        latent_blockwise,
-        "attend_latent_blockwise",
-        functools.partial(latent_blockwise.attend_latent_blockwise, block_q=4, block_k=8),
-    )
+    for module, name in ((latent_blockwise, "attend_latent_blockwise"),
+                         (latent_ring, "attend_latent_ring")):  # fmt: skip
+        fn = functools.partial(getattr(module, name), block_q=4, block_k=8)
+        monkeypatch.setattr(module, name, fn)
 
 
-# (cp, impl, load balance, fused): each kernel at both cp and with and without load balance;
-# query chunks of 16 rows (cp 4), 4 rows (cp 8, balanced: blocks of 4 x 8, eight key blocks),
-# 8 rows; and blockwise on the expanded keys (`fused` off: GQA's path, blocks of 512)
+# (cp, impl, load balance, fused, strategy): each kernel at both cp and with and without load
+# balance; query chunks of 16 rows (cp 4), 4 rows (cp 8, balanced: blocks of 4 x 8, eight key
+# blocks), 8 rows; blockwise on the expanded keys (`fused` off: GQA's path, blocks of 512); the
+# ring (latent_ring.py) at cp 8 balanced (chunks of 4 rows) and cp 4 not (16 rows, 2 x 4 blocks
+# per chunk pair: the causal skip inside the diagonal pair)
 CASES = [
-    pytest.param(4, "blockwise", False, True, marks=pytest.mark.full_grid),  # 16 s
-    (8, "blockwise", True, True),
-    (4, "blockwise", True, False),
-    (4, "dot", True, True),
-    (8, "dot", False, True),
+    pytest.param(4, "blockwise", False, True, "all_gather", marks=pytest.mark.full_grid),  # 16 s
+    (8, "blockwise", True, True, "all_gather"),
+    (4, "blockwise", True, False, "all_gather"),
+    (4, "dot", True, True, "all_gather"),
+    (8, "dot", False, True, "all_gather"),
+    (8, "blockwise", True, True, "ring"),
+    (4, "blockwise", False, True, "ring"),
 ]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp, impl, balanced, fused", CASES)
-def test_context_parallel_mla_equals_one_device(cp, impl, balanced, fused, small_blocks):
+@pytest.mark.parametrize("cp, impl, balanced, fused, strategy", CASES)
+def test_context_parallel_mla_equals_one_device(cp, impl, balanced, fused, strategy,
+                                                small_blocks):  # fmt: skip
     q, lat, rope, wkv_b, seg, d_out = _inputs()
     args = (q, lat, rope, wkv_b)
     want = _jitted(_reference(seg), d_out)(*args)
-    c = _config(cp, impl, balanced)
+    c = _config(cp, impl, balanced, strategy)
     fn = _under_cp(c, seg, fused)
     with jax.set_mesh(_mesh(c)), use_rules(config_rules(c)):
         assert context.size() == cp
         jaxpr = str(jax.make_jaxpr(fn)(*args))
         got = _jitted(fn, d_out)(*args)
     # blockwise: the latent kernel or, not fused, the expanded keys' kernel; dot: neither
-    assert ("name=_latent_attention" in jaxpr) == (impl == "blockwise" and fused)
+    ring = strategy == "ring"
+    assert ("name=_ring" in jaxpr) == ring
+    assert ("all_gather" in jaxpr) == (not ring)
+    assert ("name=_latent_attention" in jaxpr) == (impl == "blockwise" and fused and not ring)
     assert ("name=_blocked_attention" in jaxpr) == (impl == "blockwise" and not fused)
     for name, w, x in zip(("out", "dq", "d latent", "d rope key", "d wkv_b"), want, got):
         np.testing.assert_allclose(x, w, **tol(jnp.float32), err_msg=name)
