@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from expertax import quant
 from expertax.config.schema import Config
 from expertax.models import layer_pattern, pipeline, stashed_stack
-from expertax.nn import activation, embed, linear, mlp, norm
+from expertax.nn import activation, embed, fp8_stats, linear, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.linear import project
 from expertax.nn.moe import layer as moe_layer
@@ -116,7 +116,7 @@ def spec(c: Config) -> Decoder:
 
 def block_apply(
     p: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, side=None, cache=None,
-    window: int | None = None,
+    window: int | None = None, probe=None,
 ):  # fmt: skip
     """One pre-norm decoder layer, for training, prefill and decoding alike: (x, MoEStats or
     None, the MoE side left, the attention cache).
@@ -126,7 +126,8 @@ def block_apply(
     position, or None. `window`: the layer's sliding attention window (None: full attention;
     models/layer_pattern.py). fp8 weights (quant.py) are dequantized here, and a MoE layer whose
     experts are held apart runs nn/moe/unstacked.py (decoding on one device: only the chosen
-    experts' fp8 weights are dequantized)."""
+    experts' fp8 weights are dequantized). `probe`: the layer's fp8 probe (float32 zeros,
+    nn/fp8_stats.py), into which its fp8 GEMMs count, or None."""
     experts = p.moe if unstacked.is_unstacked(p.moe) else None
     if experts is not None:
         p = dataclasses.replace(p, moe=None)
@@ -137,7 +138,8 @@ def block_apply(
     h = norm.rms_norm(p.attn_norm, x_BTD, eps)
     kw = {} if window is None else {"window": window}  # (checks: MLA layers never slide)
     # fp8 training GEMMs (`quantization`) in the layer's linears; decoding (a cache) in dtype
-    with linear.fp8(c.quantization if cache is None else ""):
+    probe = None if probe is None else fp8_stats.Probe.of(probe)
+    with linear.fp8(c.quantization if cache is None else "", probe):
         out, cache = attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype, cache, **kw)
         x_BTD = x_BTD + out
         h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
@@ -153,23 +155,29 @@ def block_apply(
 
 
 def run_stack(
-    stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, imposed_LBTK=None
-):
+    stacked: Block, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, imposed_LBTK=None,
+    probes=None,
+):  # fmt: skip
     """Run a layer stack; returns (x, per-layer stats stacked along a leading axis or None).
 
     The stack `c.pipelined_stack` runs its first `c.pipelined_layers` layers as a pipeline
     (models/pipeline.py), the rest after it. The MoE stack with `moe_paged_stash` runs as
     models/stashed_stack.py (always scanned). `imposed_LBTK` (an MoE stack's routing, one
-    selection per layer) is taken by the plain stack only (not pipelined, not stashed)."""
+    selection per layer) is taken by the plain stack only (not pipelined, not stashed), and so
+    are `probes` (one fp8 probe per layer, nn/fp8_stats.py: [L, ...])."""
     moe = stacked.moe is not None
     pipelined = c.pipelined_layers if c.pipelined_stack == ("moe" if moe else "dense") else 0
+    if probes is not None and pipelined:
+        raise ValueError("fp8 statistics need the layer stack without a pipeline")
     if imposed_LBTK is not None and (pipelined or c.moe_paged_stash):
         raise ValueError(
             "an imposed routing needs the plain layer stack (ici_pipeline_parallelism=1 for the "
             "MoE layers, moe_paged_stash=false)"
         )
     if not pipelined:
-        return _run_layers(stacked, x_BTD, c, positions_BT, segment_ids_BT, dtype, imposed_LBTK)
+        return _run_layers(
+            stacked, x_BTD, c, positions_BT, segment_ids_BT, dtype, imposed_LBTK, probes=probes
+        )
 
     def layer(window):
         def fn(x, p, positions, segment_ids):
@@ -202,10 +210,13 @@ def _run_layers(
     dtype,
     imposed_LBTK=None,
     first: int = 0,
+    probes=None,
 ):
     """`run_stack` without a pipeline: one scan (or unrolled loop) over the layers, each with its
-    imposed routing when `imposed_LBTK` is given. `first`: the index of `stacked`'s first layer
-    in its stack (the layers after a pipeline), which places the layers in the kinds' cycle."""
+    imposed routing when `imposed_LBTK` is given and its fp8 probe when `probes` are. `first`:
+    the index of `stacked`'s first layer in its stack (the layers after a pipeline), which places
+    the layers in the kinds' cycle. The probes ride with the weights, so that the paged stash's
+    VJP returns their cotangents with the weights' gradients."""
     cycle, n = layer_pattern.windows(c), jax.tree.leaves(stacked)[0].shape[0]
     if n % len(cycle):  # (checks.check_layer_pattern refuses it)
         raise ValueError(f"{n} layers from layer {first}: not whole cycles of {len(cycle)} kinds")
@@ -213,23 +224,28 @@ def _run_layers(
     if stacked.moe is not None and c.moe_paged_stash:
 
         def block(window):
-            def fn(p, x, positions_BT, segment_ids_BT, stash):
+            def fn(layer, x, positions_BT, segment_ids_BT, stash):
+                p, probe = layer
                 side = Side(stash=stash)
-                out = block_apply(p, x, c, positions_BT, segment_ids_BT, dtype, side, window=window)
+                out = block_apply(
+                    p, x, c, positions_BT, segment_ids_BT, dtype, side, window=window, probe=probe
+                )
                 return out[0], out[1], out[2].stash
 
             return fn
 
         blocks = [block(w) for w in windows]
-        return stashed_stack.run(stacked, x_BTD, positions_BT, segment_ids_BT, c, blocks)
+        layers = (stacked, probes)
+        return stashed_stack.run(layers, x_BTD, positions_BT, segment_ids_BT, c, blocks)
 
     def layer_body(window):
         def body(x, layer):
-            layer_params, imposed_BTK = layer
+            layer_params, imposed_BTK, probe = layer
             side = None if imposed_BTK is None else Side(imposed=imposed_BTK)
             out = block_apply(
-                layer_params, x, c, positions_BT, segment_ids_BT, dtype, side, window=window
-            )
+                layer_params, x, c, positions_BT, segment_ids_BT, dtype, side, window=window,
+                probe=probe,
+            )  # fmt: skip
             return out[:2]
 
         # One policy for the dense and the MoE stack; jax.checkpoint's CSE prevention is only
@@ -239,10 +255,10 @@ def _run_layers(
 
     bodies = [layer_body(w) for w in windows]
     if c.scan_layers:
-        return layer_pattern.scan(bodies, x_BTD, (stacked, imposed_LBTK))
+        return layer_pattern.scan(bodies, x_BTD, (stacked, imposed_LBTK, probes))
     all_stats = []
     for i in range(n):
-        layer = jax.tree.map(lambda a, i=i: a[i], (stacked, imposed_LBTK))
+        layer = jax.tree.map(lambda a, i=i: a[i], (stacked, imposed_LBTK, probes))
         x_BTD, stats = bodies[i % len(bodies)](x_BTD, layer)
         all_stats.append(stats)
     stacked_stats = (
@@ -302,21 +318,28 @@ def hidden_states(
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
     imposed_LBTK: jax.Array | None = None,
+    probes: dict | None = None,
 ) -> tuple[jax.Array, MoEStats | None]:
     """Embedded inputs [B, T, D] -> the final-normed hidden states before the output head (in
-    `dtype`), and the MoE layers' stats (`forward` for `imposed_LBTK`)."""
+    `dtype`), and the MoE layers' stats (`forward` for `imposed_LBTK`). `probes`: fp8 probes
+    of the stacks' layers ("dense", "moe": [L, ...] each; nn/fp8_stats.py), or None."""
     dtype = jnp.dtype(c.dtype)
     b, t, _ = x_BTD.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x_BTD = constrain(x_BTD.astype(dtype), ACT_BTD)
     stats = None
+    probes = probes or {}
     if params.dense_layers is not None:
-        x_BTD, _ = run_stack(params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype)
+        x_BTD, _ = run_stack(
+            params.dense_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype,
+            probes=probes.get("dense"),
+        )  # fmt: skip
     if params.moe_layers is not None:
         x_BTD, stats = run_stack(
-            params.moe_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype, imposed_LBTK
-        )
+            params.moe_layers, x_BTD, c, positions_BT, segment_ids_BT, dtype, imposed_LBTK,
+            probes.get("moe"),
+        )  # fmt: skip
     return norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon), stats
 
 

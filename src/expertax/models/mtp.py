@@ -77,10 +77,11 @@ def module_input(params: decoder.Decoder, layer, h_BTD, tokens_BT, c: Config) ->
 
 
 def forward(
-    params: decoder.Decoder, h_BTD: jax.Array, batch: dict, c: Config
+    params: decoder.Decoder, h_BTD: jax.Array, batch: dict, c: Config, probes=None
 ) -> tuple[list[Depth], MoEStats | None]:
     """Every depth's head input and targets from the main model's final-normed hidden states
-    `h_BTD`, and the modules' MoE stats ([D, ...] leaves; None for a dense model)."""
+    `h_BTD`, and the modules' MoE stats ([D, ...] leaves; None for a dense model). `probes`:
+    each depth's fp8 probe ([D, ...], nn/fp8_stats.py), or None."""
     assert params.mtp is not None, "forward needs a model with mtp_num_layers > 0"
     dtype = jnp.dtype(c.dtype)
     eps = c.normalization_layer_epsilon
@@ -90,8 +91,10 @@ def forward(
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     segment_ids_BT = batch.get("segment_ids")
 
-    def block(x_BTD, layer: decoder.Block):
-        return decoder.block_apply(layer, x_BTD, c, positions_BT, segment_ids_BT, dtype)[:2]
+    def block(x_BTD, layer: decoder.Block, probe):
+        return decoder.block_apply(
+            layer, x_BTD, c, positions_BT, segment_ids_BT, dtype, probe=probe
+        )[:2]
 
     block = remat.wrap_layer(block, c, prevent_cse=True)
     depths, all_stats = [], []
@@ -102,7 +105,8 @@ def forward(
         else:
             tokens_BT, targets_BT, weights_BT = depth_targets(batch, k)
         x_BTD = module_input(params, layer, h_BTD, tokens_BT, c)
-        h_BTD, stats = block(x_BTD, layer.block)
+        probe = None if probes is None else probes[k - 1]
+        h_BTD, stats = block(x_BTD, layer.block, probe)
         out_BTD = norm.rms_norm(layer.head_norm, h_BTD, eps)
         depths.append(Depth(out_BTD, targets_BT, weights_BT))
         all_stats.append(stats)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax import quant
+from expertax.nn import fp8_stats
 
 RECIPES = ("fp8_tensorwise", "fp8_blockwise")
 # XLA:GPU's Triton GEMM emitter claims a dot before the cuBLASLt fp8 rewrite sees it (jax 0.10.2):
@@ -80,19 +81,21 @@ def _forward(x_MK, w_KN, recipe: str):
     return y, (qx, qw)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gemm(x_MK, w_KN, recipe: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gemm(x_MK, w_KN, probe, recipe: str):
     return _forward(x_MK, w_KN, recipe)[0]
 
 
-def _gemm_fwd(x_MK, w_KN, recipe: str):
+def _gemm_fwd(x_MK, w_KN, probe, recipe: str):
     y, (qx, qw) = _forward(x_MK, w_KN, recipe)
+    # the forward's counts for the probe (nn/fp8_stats.py), when there is one
+    fwd = None if probe is None else fp8_stats.counts(x_MK, qx[0])
     # residuals: the operands' e4m3 values and scales; the weight's dtype rides on an empty array
-    return y, (qx, qw, jnp.zeros((0,), w_KN.dtype))
+    return y, (qx, qw, jnp.zeros((0,), w_KN.dtype), fwd)
 
 
 def _gemm_bwd(recipe: str, res, dy_MN):
-    qx, qw, w_dtype_tag = res
+    qx, qw, w_dtype_tag, fwd = res
     x_dtype, w_dtype = dy_MN.dtype, w_dtype_tag.dtype
     # dgrad: dx = dy w^T, contracting N: dy in 1 x 128 tiles along N, the weight's blocks as held.
     qdy_n = quantize(dy_MN, recipe, 1, TILE)
@@ -106,7 +109,10 @@ def _gemm_bwd(recipe: str, res, dy_MN):
         dequantize(qx_m, x_dtype, TILE, 1), dequantize(qdy_m, dy_MN.dtype, TILE, 1), w_dtype,
         ((0,), (0,)),
     )  # fmt: skip
-    return dx, dw
+    if fwd is None:
+        return dx, dw, None
+    bwd = fp8_stats.total((dy_MN, qdy_n[0]), (x_deq, qx_m[0]), (dy_MN, qdy_m[0]))
+    return dx, dw, fp8_stats.encode(fwd, bwd)
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -117,12 +123,13 @@ def check_recipe(recipe: str) -> None:
         raise ValueError(f"quantization={recipe!r}: an fp8 GEMM recipe is one of {RECIPES}")
 
 
-def matmul(x: jax.Array, w_KN: jax.Array, recipe: str) -> jax.Array:
+def matmul(x: jax.Array, w_KN: jax.Array, recipe: str, probe=None) -> jax.Array:
     """`x @ w_KN` ([..., K] x [K, N] -> [..., N]) with fp8 operands in all three GEMMs under
-    `recipe` (one of `RECIPES`)."""
+    `recipe` (one of `RECIPES`). `probe` (float32 zeros `fp8_stats.SHAPE`, optional): its
+    cotangent is this GEMM's quantizer counts (nn/fp8_stats.py)."""
     check_recipe(recipe)
     lead, k = x.shape[:-1], x.shape[-1]
     if w_KN.ndim != 2 or w_KN.shape[0] != k:
         raise ValueError(f"fp8 matmul: x {x.shape} and w {w_KN.shape} do not contract")
-    y = _gemm(x.reshape(-1, k), w_KN, recipe)
+    y = _gemm(x.reshape(-1, k), w_KN, probe, recipe)
     return y.reshape(*lead, w_KN.shape[1])

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from expertax.nn import fp8_gemm
+from expertax.nn import fp8_gemm, fp8_stats
 
 
 class RowKernel(NamedTuple):
@@ -47,20 +47,28 @@ _ROW_KERNEL: contextvars.ContextVar[RowKernel | None] = contextvars.ContextVar(
 )
 
 
-_FP8: contextvars.ContextVar[str] = contextvars.ContextVar("fp8_recipe", default="")
+_FP8: contextvars.ContextVar[tuple[str, fp8_stats.Probe | None]] = contextvars.ContextVar(
+    "fp8_recipe", default=("", None)
+)
 
 
 def current_fp8() -> str:
     """The fp8 recipe `project` multiplies by ('' for none)."""
-    return _FP8.get()
+    return _FP8.get()[0]
+
+
+def current_fp8_probe() -> fp8_stats.Probe | None:
+    """The probe the fp8 GEMMs traced now count into (nn/fp8_stats.py), or None."""
+    return _FP8.get()[1]
 
 
 @contextlib.contextmanager
-def fp8(recipe: str):
+def fp8(recipe: str, probe: fp8_stats.Probe | None = None):
     """`project`s traced inside (without `dot_kwargs`: not the float32 heads) multiply fp8
     operands under `recipe` (nn/fp8_gemm.py; '' for none): the decoder layers' linears
-    (`decoder.block_apply`, training's config key `quantization`)."""
-    token = _FP8.set(recipe)
+    (`decoder.block_apply`, training's config key `quantization`). `probe`: the layer's, which
+    its fp8 GEMMs count their quantizers into (nn/fp8_stats.py)."""
+    token = _FP8.set((recipe, probe if recipe else None))
     try:
         yield
     finally:
@@ -110,9 +118,10 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1, **dot_kwargs) -> jax.Arra
     if kernel is not None and kernel.applies(x_NK.shape[0], x_NK, w_KM):
         ids_N = jnp.zeros((x_NK.shape[0],), jnp.int32)
         return kernel.rows(x_NK, [w_KM], ids_N).reshape(*lead, *out)
-    recipe = _FP8.get()
+    recipe, probe = _FP8.get()
     if recipe and not dot_kwargs:
-        return fp8_gemm.matmul(x_NK, w_KM, recipe).reshape(*lead, *out)
+        lanes = None if probe is None else probe.lanes
+        return fp8_gemm.matmul(x_NK, w_KM, recipe, lanes).reshape(*lead, *out)
     return jnp.matmul(x_NK, w_KM, **dot_kwargs).reshape(*lead, *out)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -11,7 +12,7 @@ import optax
 
 from expertax.config.schema import Config
 from expertax.models import decoder, mtp
-from expertax.nn import vocab_loss
+from expertax.nn import fp8_stats, vocab_loss
 from expertax.nn.attention import context
 from expertax.nn.moe.router import MoEStats, updated_bias
 from expertax.train import optimizer
@@ -38,11 +39,12 @@ def _nll_sum(x_BTD, head_DV, targets_BT, w_BT, params, c: Config):
     return vocab_loss.nll_sum(decoder.logits(params, x_BTD, c), targets_BT, w_BT)
 
 
-def loss_fn(params, batch: dict, c: Config, *, acceptance: bool = False):
+def loss_fn(params, batch: dict, c: Config, *, acceptance: bool = False, fp8_probes=None):
     """Weighted next-token cross-entropy plus the weighted load-balance loss, plus the
     multi-token-prediction loss lambda / D x sum_k CE_k with `mtp_num_layers` = D > 0
     (models/mtp.py). Returns (total, LossParts); `acceptance` (evaluation) also counts the
-    depth-1 head's top-1 hits.
+    depth-1 head's top-1 hits. `fp8_probes` (`fp8_probes(c)`): the layers' fp8 probes, whose
+    gradient is the step's quantizer counts (nn/fp8_stats.py).
 
     With `num_vocab_tiling` > 1 the cross-entropy is computed a sequence tile at a time from the
     hidden states (`nn.vocab_loss`), so the float32 [B, T, V] logits never exist at once.
@@ -51,7 +53,8 @@ def loss_fn(params, batch: dict, c: Config, *, acceptance: bool = False):
     kwargs = dict(positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids"))
     w_BT = batch["weights"].astype(jnp.float32)
     x_BTD = decoder.embed_tokens(params, batch["inputs"], c)
-    x_BTD, stats = decoder.hidden_states(params, x_BTD, c, **kwargs)
+    probes = fp8_probes or {}
+    x_BTD, stats = decoder.hidden_states(params, x_BTD, c, probes=probes, **kwargs)
     head_DV = decoder.output_head(params, c)
     nll_sum = _nll_sum(x_BTD, head_DV, batch["targets"], w_BT, params, c)
     ce = nll_sum / jnp.maximum(jnp.sum(w_BT), 1.0)
@@ -59,7 +62,7 @@ def loss_fn(params, batch: dict, c: Config, *, acceptance: bool = False):
     parts = LossParts(ce, jnp.float32(0), stats)
     total = ce
     if c.mtp_num_layers:
-        depths, mtp_stats = mtp.forward(params, x_BTD, batch, c)
+        depths, mtp_stats = mtp.forward(params, x_BTD, batch, c, probes.get("mtp"))
         weights_D = jnp.stack([jnp.sum(d.weights_BT) for d in depths])
         nll_D = jnp.stack(
             [_nll_sum(d.x_BTD, head_DV, d.targets_BT, d.weights_BT, params, c) for d in depths]
@@ -113,9 +116,19 @@ class NonFiniteError(RuntimeError):
     """A step's loss or gradient was NaN/Inf and skip_nonfinite_steps is false."""
 
 
-def _debug_nan_loss_fn(params, batch: dict, c: Config, step):
+def fp8_probes(c: Config) -> dict | None:
+    """One fp8 probe per decoder layer and MTP module (float32 zeros, nn/fp8_stats.py) by stack:
+    "dense", "moe", "mtp"; None without `quantization` or with a pipeline (whose stages take
+    no probes: no fp8 statistics there)."""
+    if not c.quantization or c.pipelined_layers:
+        return None
+    sizes = {"dense": c.num_dense_layers, "moe": c.num_moe_layers, "mtp": c.mtp_num_layers}
+    return {k: fp8_stats.zeros(n) for k, n in sizes.items() if n}
+
+
+def _debug_nan_loss_fn(params, batch: dict, c: Config, step, fp8_probes=None):
     """`loss_fn`, made NaN at step `debug_inject_nan_step` (tests of the non-finite handling)."""
-    total, aux = loss_fn(params, batch, c)
+    total, aux = loss_fn(params, batch, c, fp8_probes=fp8_probes)
     poison = jnp.where(step == c.debug_inject_nan_step, jnp.float32(jnp.nan), jnp.float32(1))
     return total * poison, aux._replace(ce=aux.ce * poison)
 
@@ -130,12 +143,15 @@ def train_step(
     `opt_to_device` (optimizer state in pinned host memory): the copy to device memory, made
     only once the gradients exist (an optimization barrier ties the two), so that the state is
     not on the device while the backward pass holds its activations."""
+    probes = fp8_probes(c)
     if c.debug_inject_nan_step >= 0:
-        grad_fn = jax.value_and_grad(_debug_nan_loss_fn, has_aux=True)
-        (_, parts), grads = grad_fn(state.params, batch, c, state.step)
+        fn = functools.partial(_debug_nan_loss_fn, batch=batch, c=c, step=state.step)
     else:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, parts), grads = grad_fn(state.params, batch, c)
+        fn = functools.partial(loss_fn, batch=batch, c=c)
+    grad_fn = jax.value_and_grad(
+        lambda p, probes: fn(p, fp8_probes=probes), argnums=(0, 1), has_aux=True
+    )
+    (_, parts), (grads, counts) = grad_fn(state.params, probes)
     ce, lb, stats = parts.ce, parts.lb, parts.stats
     grad_dtype = jnp.dtype(c.grad_dtype)
     if grad_dtype != jnp.dtype(c.weight_dtype):
@@ -160,6 +176,8 @@ def train_step(
         "dropped_tokens": jnp.int32(0),
         "max_expert_load_ratio": jnp.float32(1),
     }
+    if probes is not None:  # the quantizers' counts (nn/fp8_stats.py)
+        metrics.update(fp8_stats.metrics(counts))
     if stats is not None:
         load = stats.load_E
         metrics["expert_load"] = load  # [L_moe, E] assignments per expert (metrics.jsonl, TB)

@@ -1,5 +1,6 @@
 """fp8 training (`quantization`): which products of a model the recipe takes, the model's loss
-and gradients near the unquantized ones, refusals, and decoding left in dtype."""
+and gradients near the unquantized ones, refusals, decoding left in dtype, and the quantizers'
+counts as train metrics (nn/fp8_stats.py)."""
 
 import re
 
@@ -7,9 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.conftest import TINY_MOE
+from tests.unit.train.test_resume import read_metrics
 
 from expertax import init_params, load_config, logits
 from expertax.config import ConfigError
+from expertax.train.loop import train
+from expertax.train.trainer import build_trainer
 
 SMALL = {"max_target_length": 16, "per_device_batch_size": 1}
 
@@ -70,3 +75,37 @@ def test_dense_capacity_path_refused():
 def test_unknown_recipe_refused_naming_the_key():
     with pytest.raises(ConfigError, match="quantization"):
         _config("mixtral-tiny", "fp8")
+
+
+def _metric_names(c) -> set[str]:
+    trainer = build_trainer(c)
+    with trainer.context():
+        _, metrics = jax.eval_shape(
+            trainer.jitted_step(), trainer.abstract_state(), trainer.abstract_batch()
+        )
+    return set(metrics)
+
+
+FP8_METRICS = {f"fp8_{d}_{k}" for d in ("fwd", "bwd") for k in ("underflow", "subnormal")}
+
+
+@pytest.mark.distributed
+def test_the_step_reports_the_counts_only_under_quantization():
+    c = load_config(overrides={**TINY_MOE, "quantization": "fp8_blockwise"})
+    assert FP8_METRICS <= _metric_names(c)
+    assert not FP8_METRICS & _metric_names(load_config(overrides=TINY_MOE))
+
+
+@pytest.mark.distributed
+@pytest.mark.full_grid
+def test_a_run_logs_the_quantizers_counts(tmp_path):
+    overrides = dict(TINY_MOE, steps=2, base_output_directory=str(tmp_path))
+    c = load_config(overrides={**overrides, "quantization": "fp8_tensorwise"})
+    summary = train(c, echo=lambda *_: None)
+    records = read_metrics(summary["run_dir"])
+    assert len(records) == 2
+    for r in records:
+        values = np.array([r[k] for k in sorted(FP8_METRICS)])
+        assert np.all(np.isfinite(values)) and np.all((values >= 0) & (values <= 1)), r
+    # the backward's gradients are small: some flush under one scale per tensor
+    assert records[0]["fp8_bwd_underflow"] > 0

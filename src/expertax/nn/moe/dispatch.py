@@ -55,13 +55,17 @@ def expert_ffn_sorted(
 
     # fp8 (`quantization`, decoder.block_apply): fp8 grouped GEMMs (moe/fp8_gmm.py), the gated
     # activation inside the second (its fp8 inputs are what it saves)
-    recipe = linear.current_fp8()
+    recipe, probe = linear.current_fp8(), linear.current_fp8_probe()
+    # the probes of the rows' (K) and the output gradients' (N) counts: gate and up read D-wide
+    # rows, the down projection writes them (fp8_stats.Probe)
+    in_probes = None if probe is None else (probe.model_lanes, probe.lanes)
+    out_probes = None if probe is None else (probe.lanes, probe.model_lanes)
 
     def ffn(given):
         def mm(lhs, w, name):
             w, g = w.astype(dtype), given.get(name)
             if recipe:  # untagged: the names go on gmm_glu's fp8 copies of gate and up
-                return fp8_gmm.gmm(lhs, w, group_sizes_E, recipe, given=g, **kw)
+                return fp8_gmm.gmm(lhs, w, group_sizes_E, recipe, given=g, probes=in_probes, **kw)
             return remat.tag(gmm(lhs, w, group_sizes_E, given=g, **kw), name)
 
         gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
@@ -75,7 +79,7 @@ def expert_ffn_sorted(
             names = (remat.MOE_MLPWI_0, remat.MOE_MLPWI_1)
             y = fp8_gmm.gmm_glu(
                 gate, up, wo_EFD.astype(dtype), group_sizes_E, recipe, activation.of(c), names,
-                given=given.get(remat.MOE_MLPWO), **kw,
+                given=given.get(remat.MOE_MLPWO), probes=out_probes, **kw,
             )  # fmt: skip
             y = remat.tag(y, remat.MOE_MLPWO)
         else:

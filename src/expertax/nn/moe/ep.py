@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
+from expertax.nn import fp8_stats, linear
 from expertax.nn.moe import bias as bias_mod
 from expertax.nn.moe import chunks, dispatch, routed, router, rows
 from expertax.nn.moe import stash as stash_mod
@@ -348,6 +349,16 @@ def _chunk(x_ND, side: Side, router_p, w, *, c, dtype, impl, split, bias=None):
     return (out_ND, routing.chosen_NK), sums, side.with_stash(stash)
 
 
+def _probe_once_over(lanes, axes: tuple[str, ...]) -> fp8_stats.Probe:
+    """The layer's fp8 probe inside the shard_map whose expert MLP dim is split over `axes`:
+    the D-wide rows (gate's and up's input, the down projection's output gradient) are the same
+    on every F shard, so only the first counts them; the F-wide ones are each shard's own."""
+    if not axes:
+        return fp8_stats.Probe.of(lanes)
+    first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
+    return fp8_stats.Probe(lanes, lanes * first.astype(lanes.dtype))
+
+
 def _body(
     x_BTD_local, router_p, wi_0_local, wi_1_local, wo_local, side: Side, bias_local, *, c, dtype,
     impl, specs,
@@ -421,13 +432,21 @@ def apply(
     # A stash in write mode comes back filled; one in read mode is only read (returns None).
     writes = side.stash is not None and side.stash.mode == stash_mod.WRITE
 
-    def body(x, rp, wi_0, wi_1, wo, side, b):
-        out, stats, stash = _body(
-            x, rp, wi_0, wi_1, wo, side, b, c=c, dtype=dtype, impl=impl, specs=specs
-        )
+    # the fp8 probe goes in whole; the GEMMs inside count into the shard's copy, whose
+    # cotangents the shard_map's transpose sums over the shards (nn/fp8_stats.py)
+    recipe, probe = linear.current_fp8(), linear.current_fp8_probe()
+    lanes = None if probe is None else probe.lanes
+
+    def body(x, rp, wi_0, wi_1, wo, side, b, lanes):
+        inner = None if lanes is None else _probe_once_over(lanes, specs.mlp)
+        with linear.fp8(recipe, inner):
+            out, stats, stash = _body(
+                x, rp, wi_0, wi_1, wo, side, b, c=c, dtype=dtype, impl=impl, specs=specs
+            )
         return out, stats, stash if writes else None
 
     chosen_spec = None if side.imposed is None else specs.x
+    lanes_spec = None if lanes is None else P()
     stats_spec = router.MoEStats(
         load_E=P(), lb_loss=P(), dropped=P(), prob_sum_E=P(), chosen_BTK=chosen_spec
     )
@@ -437,9 +456,18 @@ def apply(
     bias_spec = None if bias is None else ExpertBias._make([gate_up, gate_up, down])
     fn = jax.shard_map(
         body,
-        in_specs=(specs.x, router_spec, specs.wi, specs.wi, specs.wo, side_spec, bias_spec),
+        in_specs=(
+            specs.x,
+            router_spec,
+            specs.wi,
+            specs.wi,
+            specs.wo,
+            side_spec,
+            bias_spec,
+            lanes_spec,
+        ),
         out_specs=(specs.x, stats_spec, side_spec.stash if writes else None),
         check_vma=c.pipeline_stages == 1,
     )
-    out, stats, stash = fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, side, bias)
+    out, stats, stash = fn(x_BTD, router_p, wi_0_EDF, wi_1_EDF, wo_EFD, side, bias, lanes)
     return out, stats, side.with_stash(stash)

@@ -36,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from expertax.nn import fp8_gemm
+from expertax.nn import fp8_gemm, fp8_stats
 from expertax.nn.moe import gmm as gmm_mod
 from expertax.nn.moe import tiles
 from expertax.nn.moe.vma import varying_like
@@ -45,16 +45,18 @@ from expertax.parallel import remat
 TILE = fp8_gemm.TILE
 
 
-def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None, **kw):
+def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None, probes=None, **kw):
     """`gmm_mod.gmm(lhs_MK, rhs_EKN, sizes_E, group_offset=..., **kw)` with fp8 operands under
     `recipe` (`fp8_gemm.RECIPES`); `kw`: `backend`, `tile_rows`, `tile_rows_min`. The output
-    is in lhs_MK's dtype."""
-    opts, args = _prepare(recipe, group_offset, kw, lhs_MK, rhs_EKN, sizes_E)
+    is in lhs_MK's dtype. `probes` (optional, nn/fp8_stats.py): two probes whose cotangents are
+    the quantizer counts of the operands indexed by K (the rows) and by N (the output
+    gradient)."""
+    opts, args, probes = _prepare(recipe, group_offset, kw, probes, lhs_MK, rhs_EKN, sizes_E)
     lhs_MK, rhs_EKN, sizes_E, offset = args
     if given is None:
-        return _gmm(lhs_MK, rhs_EKN, sizes_E, offset, opts)
+        return _gmm(lhs_MK, rhs_EKN, sizes_E, offset, probes, opts)
     given = varying_like(given.astype(lhs_MK.dtype), lhs_MK)
-    return _gmm_given(lhs_MK, rhs_EKN, sizes_E, offset, given, opts)
+    return _gmm_given(lhs_MK, rhs_EKN, sizes_E, offset, given, probes, opts)
 
 
 def gmm_glu(
@@ -68,20 +70,24 @@ def gmm_glu(
     *,
     group_offset=None,
     given=None,
+    probes=None,
     **kw,
 ):
     """`gmm(act(gate, up), rhs, sizes, recipe)` saving gate and up in fp8 under the checkpoint
     `names` (gate's, up's) for the backward (the module docstring); `act` hashable."""
-    opts, args = _prepare(recipe, group_offset, kw, gate_MF, up_MF, rhs_EFN, sizes_E)
+    arrays = (gate_MF, up_MF, rhs_EFN, sizes_E)
+    opts, args, probes = _prepare(recipe, group_offset, kw, probes, *arrays)
     gate_MF, up_MF, rhs_EFN, sizes_E, offset = args
     if given is not None:
         given = varying_like(given.astype(gate_MF.dtype), gate_MF)
-    return _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, tuple(names))
+    return _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, tuple(names))
 
 
-def _prepare(recipe, group_offset, kw, *arrays):
+def _prepare(recipe, group_offset, kw, probes, *arrays):
     """(the custom VJPs' static options, `arrays` with int32 sizes last and the group offset
-    appended, all with the same varying mesh axes as `gmm._gmm_tiled` gives its operands)."""
+    appended, all with the same varying mesh axes as `gmm._gmm_tiled` gives its operands, and
+    the probes with those axes: their cotangents vary where the counts do, and the transpose
+    of that widening sums them over the shards)."""
     fp8_gemm.check_recipe(recipe)
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
     # the balanced-routing rows the tile loops are named with (tiles.py), also in the backward
@@ -89,7 +95,8 @@ def _prepare(recipe, group_offset, kw, *arrays):
     expected = tiles.current_expected_rows()
     opts = (recipe, group_offset is not None, tuple(sorted(kw.items())), expected)
     args = (*arrays[:-1], arrays[-1].astype(jnp.int32), offset)
-    return opts, tuple(varying_like(a, *args) for a in args)
+    args = tuple(varying_like(a, *args) for a in args)
+    return opts, args, jax.tree.map(lambda p: varying_like(p, *args), probes)
 
 
 def _backend(x_MK, w_EKN, sizes_E, offset, opts):
@@ -111,7 +118,20 @@ def _dequantize_weights(qw, dtype):
 
 def _tiles(x_RC, recipe, rows, cols):
     """`x_RC` through the fp8 quantizer and back (e4m3 values times their scales)."""
-    return fp8_gemm.dequantize(fp8_gemm.quantize(x_RC, recipe, rows, cols), x_RC.dtype, rows, cols)
+    return _tiles_q(x_RC, recipe, rows, cols)[0]
+
+
+def _tiles_q(x_RC, recipe, rows, cols):
+    """(`_tiles(x_RC, ...)`, the e4m3 values)."""
+    q = fp8_gemm.quantize(x_RC, recipe, rows, cols)
+    return fp8_gemm.dequantize(q, x_RC.dtype, rows, cols), q[0]
+
+
+def _cotangents(fwd_k, bwd_k, bwd_n):
+    """The probes' cotangents: the K-indexed operands' forward and backward counts, the
+    N-indexed operands' backward counts (nn/fp8_stats.py)."""
+    none = jnp.zeros_like(bwd_n)
+    return (fp8_stats.encode(fwd_k, bwd_k), fp8_stats.encode(none, bwd_n))
 
 
 def _local_rows(sizes_E, offset, e_local: int, m: int):
@@ -123,106 +143,128 @@ def _local_rows(sizes_E, offset, e_local: int, m: int):
     return ((r >= start) & (r < end))[:, None]
 
 
-def _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, given):
+def _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, given, probes):
     recipe = opts[0]
     qx = fp8_gemm.quantize(lhs_MK, recipe, 1, TILE)
     qw = _quantize_weights(rhs_EKN, recipe)
     if given is None:
         x = fp8_gemm.dequantize(qx, lhs_MK.dtype, 1, TILE)
         given = _backend(x, _dequantize_weights(qw, rhs_EKN.dtype), sizes_E, offset, opts)
+    fwd = None
+    if probes is not None:
+        local = _local_rows(sizes_E, offset, rhs_EKN.shape[0], lhs_MK.shape[0])
+        fwd = fp8_stats.counts(lhs_MK, qx[0], local)
     tags = (jnp.zeros((0,), lhs_MK.dtype), jnp.zeros((0,), rhs_EKN.dtype))
-    return given, (qx, qw, sizes_E, offset, tags)
+    return given, (qx, qw, sizes_E, offset, tags, fwd)
 
 
 def _backward(opts, res, dy_MN):
     recipe = opts[0]
-    qx, qw, sizes_E, offset, (x_tag, w_tag) = res
+    qx, qw, sizes_E, offset, (x_tag, w_tag), fwd = res
     w = _dequantize_weights(qw, w_tag.dtype)
     x = fp8_gemm.dequantize(qx, x_tag.dtype, 1, TILE)
     dy_MN = dy_MN.astype(x.dtype)
     # dgrad: the output gradient in 1 x 128 tiles along N (the contraction), the weights as held
     _, pull_x = jax.vjp(lambda a: _backend(a, w, sizes_E, offset, opts), x)
-    (dx,) = pull_x(_tiles(dy_MN, recipe, 1, TILE))
+    dy_n, q_dy_n = _tiles_q(dy_MN, recipe, 1, TILE)
+    (dx,) = pull_x(dy_n)
     # wgrad: both operands re-tiled along the rows (its contraction), foreign rows zeroed
     local = _local_rows(sizes_E, offset, w.shape[0], x.shape[0])
-    x_m = _tiles(jnp.where(local, x, 0), recipe, TILE, 1)
-    dy_m = _tiles(jnp.where(local, dy_MN, 0), recipe, TILE, 1)
+    x_local, dy_local = jnp.where(local, x, 0), jnp.where(local, dy_MN, 0)
+    x_m, q_x_m = _tiles_q(x_local, recipe, TILE, 1)
+    dy_m, q_dy_m = _tiles_q(dy_local, recipe, TILE, 1)
     _, pull_w = jax.vjp(lambda b: _backend(x_m, b, sizes_E, offset, opts), w)
     (dw,) = pull_w(dy_m)
-    return dx, dw.astype(w_tag.dtype), None, None
+    cts = None
+    if fwd is not None:
+        bwd_k = fp8_stats.counts(x_local, q_x_m)
+        bwd_n = fp8_stats.total((dy_MN, q_dy_n), rows=local) + fp8_stats.counts(dy_local, q_dy_m)
+        cts = _cotangents(fwd, bwd_k, bwd_n)
+    return dx, dw.astype(w_tag.dtype), None, None, cts
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gmm(lhs_MK, rhs_EKN, sizes_E, offset, opts):
-    return _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, None)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gmm(lhs_MK, rhs_EKN, sizes_E, offset, probes, opts):
+    return _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, None, None)[0]
 
 
-def _gmm_fwd(lhs_MK, rhs_EKN, sizes_E, offset, opts):
-    return _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, None)
+def _gmm_fwd(lhs_MK, rhs_EKN, sizes_E, offset, probes, opts):
+    return _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, None, probes)
 
 
 _gmm.defvjp(_gmm_fwd, _backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _gmm_given(lhs_MK, rhs_EKN, sizes_E, offset, given_MN, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _gmm_given(lhs_MK, rhs_EKN, sizes_E, offset, given_MN, probes, opts):
     return given_MN
 
 
-def _gmm_given_fwd(lhs_MK, rhs_EKN, sizes_E, offset, given_MN, opts):
-    return _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, given_MN)
+def _gmm_given_fwd(lhs_MK, rhs_EKN, sizes_E, offset, given_MN, probes, opts):
+    return _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, given_MN, probes)
 
 
 def _gmm_given_bwd(opts, res, dy_MN):
-    return (*_backward(opts, res, dy_MN), None)
+    dx, dw, _, _, cts = _backward(opts, res, dy_MN)
+    return dx, dw, None, None, None, cts
 
 
 _gmm_given.defvjp(_gmm_given_fwd, _gmm_given_bwd)
 
 
-def _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names):
+def _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, names):
     recipe = opts[0]
     qw = _quantize_weights(rhs_EFN, recipe)
+    fwd = None
+    if given is None or probes is not None:
+        # (with a given output and probes: the hidden rows only for their counts)
+        h_exact = act(gate_MF, up_MF)
+        h, q_h = _tiles_q(h_exact, recipe, 1, TILE)
+        if probes is not None:
+            local = _local_rows(sizes_E, offset, rhs_EFN.shape[0], h.shape[0])
+            fwd = fp8_stats.counts(h_exact, q_h, local)
     if given is None:
-        h = _tiles(act(gate_MF, up_MF), recipe, 1, TILE)
         given = _backend(h, _dequantize_weights(qw, rhs_EFN.dtype), sizes_E, offset, opts)
     # the activation's inputs in 1 x 128 tiles under their checkpoint names (remat keeps or
     # recomputes these fp8 bytes as the policy places the names)
     qg, qu = (fp8_gemm.quantize(a, recipe, 1, TILE) for a in (gate_MF, up_MF))
     qg, qu = (jax.tree.map(lambda a, n=n: remat.tag(a, n), q) for q, n in zip((qg, qu), names))
     tags = (jnp.zeros((0,), gate_MF.dtype), jnp.zeros((0,), rhs_EFN.dtype))
-    return given, (qg, qu, qw, sizes_E, offset, tags)
+    return given, (qg, qu, qw, sizes_E, offset, tags, fwd)
 
 
 def _glu_backward(opts, act, names, res, dy_MN):
     recipe = opts[0]
-    qg, qu, qw, sizes_E, offset, (x_tag, w_tag) = res
+    qg, qu, qw, sizes_E, offset, (x_tag, w_tag), fwd = res
     gate, up = (fp8_gemm.dequantize(q, x_tag.dtype, 1, TILE) for q in (qg, qu))
     h, act_vjp = jax.vjp(act, gate, up)
     w = _dequantize_weights(qw, w_tag.dtype)
     dy_MN = dy_MN.astype(h.dtype)
     _, pull_h = jax.vjp(lambda a: _backend(a, w, sizes_E, offset, opts), h)
-    (dh,) = pull_h(_tiles(dy_MN, recipe, 1, TILE))
+    dy_n, q_dy_n = _tiles_q(dy_MN, recipe, 1, TILE)
+    (dh,) = pull_h(dy_n)
     dgate, dup = act_vjp(dh)
     local = _local_rows(sizes_E, offset, w.shape[0], h.shape[0])
-    h_m = _tiles(jnp.where(local, _tiles(h, recipe, 1, TILE), 0), recipe, TILE, 1)
-    dy_m = _tiles(jnp.where(local, dy_MN, 0), recipe, TILE, 1)
+    h_local, dy_local = jnp.where(local, _tiles(h, recipe, 1, TILE), 0), jnp.where(local, dy_MN, 0)
+    h_m, q_h_m = _tiles_q(h_local, recipe, TILE, 1)
+    dy_m, q_dy_m = _tiles_q(dy_local, recipe, TILE, 1)
     _, pull_w = jax.vjp(lambda b: _backend(h_m, b, sizes_E, offset, opts), w)
     (dw,) = pull_w(dy_m)
-    return dgate, dup, dw.astype(w_tag.dtype), None, None
+    cts = None
+    if fwd is not None:
+        bwd_k = fp8_stats.counts(h_local, q_h_m)
+        bwd_n = fp8_stats.total((dy_MN, q_dy_n), rows=local) + fp8_stats.counts(dy_local, q_dy_m)
+        cts = _cotangents(fwd, bwd_k, bwd_n)
+    return dgate, dup, dw.astype(w_tag.dtype), None, None, None, cts
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names):
-    return _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, names):
+    return _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, None, opts, act, names)[0]
 
 
-def _glu_fwd(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names):
-    return _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, opts, act, names)
+def _glu_fwd(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, names):
+    return _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, names)
 
 
-def _glu_bwd(opts, act, names, res, dy_MN):
-    return (*_glu_backward(opts, act, names, res, dy_MN), None)
-
-
-_glu.defvjp(_glu_fwd, _glu_bwd)
+_glu.defvjp(_glu_fwd, _glu_backward)

@@ -112,7 +112,7 @@ def test_residuals_are_fp8():
     x, w, _ = _operands()
     opts = ("fp8_blockwise", False, (("backend", "tiled"),), None)
     sizes, zero = jnp.array(SIZES, jnp.int32), jnp.int32(0)
-    _, (qx, qw, *_) = fp8_gmm._gmm_fwd(x.astype(jnp.bfloat16), w, sizes, zero, opts)
+    _, (qx, qw, *_) = fp8_gmm._gmm_fwd(x.astype(jnp.bfloat16), w, sizes, zero, None, opts)
     assert qx[0].dtype == qw[0].dtype == quant.E4M3
     assert qx[1].shape == (M, K // 128) and qw[1].shape == (E, K // 128, N // 128 + 1)
 
