@@ -106,19 +106,26 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+    print()
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    """The Markdown table of `rows` (BENCHMARKS.md's)."""
     print(
-        "\n| model | against bf16 | mean abs dloss / loss, last 50 | mean abs dloss, last 50 "
-        "| non-finite steps | grad-norm ratio mean (last 50: min-max) | loss last 50 (bf16) "
-        "| floor |"
+        "| model | noise p (loss floor) | against bf16 | mean abs dloss / loss, last 50 "
+        "| mean abs dloss, last 50 | non-finite steps | grad-norm ratio mean (last 50: min-max) "
+        "| loss last 50 (bf16) |"
     )
-    print("|---|---|---:|---:|---:|---|---|---:|")
+    print("|---|---|---|---:|---:|---:|---|---|")
     for r in rows:
+        against = "float32 (noise floor)" if r["recipe"] == FLOAT32 else r["recipe"]
         print(
-            f"| {r['model']} | {r['recipe']} | {100 * r['rel_dloss_last']:.2f} % | "
-            f"{r['abs_dloss_last']:.4f} | {r['nonfinite_steps']} | "
-            f"{r['grad_norm_ratio_mean']:.4f} "
+            f"| {r['model']} | {r['synthetic_noise']} ({r['loss_floor']:.3f}) | {against} | "
+            f"{100 * r['rel_dloss_last']:.2f} % | {r['abs_dloss_last']:.4f} | "
+            f"{r['nonfinite_steps']} | {r['grad_norm_ratio_mean']:.3f} "
             f"({r['grad_norm_ratio_min_last']:.3f}-{r['grad_norm_ratio_max_last']:.3f}) | "
-            f"{r['loss_last50']:.4f} ({r['bf16_loss_last50']:.4f}) | {r['loss_floor']:.4f} |"
+            f"{r['loss_last50']:.3f} ({r['bf16_loss_last50']:.3f}) |"
         )
 
 
