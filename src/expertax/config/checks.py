@@ -367,6 +367,20 @@ def check_data_files(c: Config) -> None:
         )
 
 
+def check_synthetic_noise(c: Config) -> None:
+    p = c.synthetic_noise
+    if not 0 <= p < 1:
+        raise ConfigError(
+            f"synthetic_noise={p}: use a probability in [0, 1) (the share of target tokens "
+            "replaced by uniform random ones; 0 = off)"
+        )
+    if p and c.dataset_type != "synthetic":
+        raise ConfigError(
+            f"synthetic_noise={p} applies to synthetic data only, not dataset_type="
+            f"{c.dataset_type}; set synthetic_noise=0"
+        )
+
+
 def check_eval(c: Config) -> None:
     if c.eval_dataset_path and not c.tokenizer_path:
         raise ConfigError(
@@ -584,6 +598,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_paged_stash,
     check_placements,
     check_data_files,
+    check_synthetic_noise,
     check_eval,
     check_profiler,
     check_distributed,

@@ -86,6 +86,7 @@ def _iterator(c: Config, trainer: Trainer, kind: str, path: str, seed: int, epoc
         seed=seed,
         row_start=rows * index,
         rows=rows,
+        noise=c.synthetic_noise,
     )
 
 

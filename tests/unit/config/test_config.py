@@ -148,6 +148,17 @@ INVALID = [
     ({"rope_type": "yarn", "rope_factor": 1.0}, ["rope_factor"]),
     ({"sharding_rules": "nope"}, ["sharding_rules", "default"]),
     ({"gmm_tile_rows_min": 12}, ["gmm_tile_rows_min=12", "power of two"]),
+    ({"synthetic_noise": 1.0}, ["synthetic_noise=1.0", "[0, 1)"]),
+    ({"synthetic_noise": -0.1}, ["synthetic_noise=-0.1", "[0, 1)"]),
+    (
+        {
+            "synthetic_noise": 0.3,
+            "dataset_type": "files",
+            "dataset_path": "d",
+            "tokenizer_path": "t",
+        },
+        ["synthetic_noise=0.3", "dataset_type=files"],
+    ),
 ]
 
 
