@@ -38,6 +38,7 @@ def _check_rows(rows, tol, ref_scale, n):
             "pp",
             "cp",
             "load_balance",
+            "cp_ring",
             "microbatches",
             "repeats",
             "ep",
@@ -336,6 +337,11 @@ def test_every_layout_refused_fails_even_when_skipped(monkeypatch, capsys):
 def test_layout_names_round_trip():
     for layout in [*parity.layouts(8, "cpu"), *parity.layouts(8, "gpu")]:
         assert parity.parse_layout(layout.name) == layout, layout.name
+    ring = parity.parse_layout("sparse-ring-cp4-ep2-nolb-cpring")
+    assert ring.cp_ring and not ring.balance and ring.name == "sparse-ring-cp4-ep2-nolb-cpring"
+    assert ring.overrides(8)["context_parallel_strategy"] == "ring"
+    with pytest.raises(ConfigError, match="add cpN"):
+        parity.parse_layout("sparse-ring-ep2-cpring")
 
 
 def test_pipeline_layouts_in_the_matrix():

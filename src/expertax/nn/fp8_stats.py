@@ -5,7 +5,7 @@ The counts, over the operands that change with the data (each product's activati
 output gradients; weights are not counted, see below), in each direction:
 - `nonzero`: the operand's nonzero elements;
 - `underflow`: nonzero elements whose scaled value rounds to zero in e4m3 (|x| / scale below
-  2^-10: they flush, the GEMM sees 0);
+  2^-10 or at it: they flush, the GEMM sees 0);
 - `subnormal`: elements whose e4m3 value is subnormal (0 < |q| < 2^-6: three or fewer mantissa
   bits, up to 50 % relative error), where a tile's small values lose precision before they flush.
 
@@ -43,7 +43,8 @@ import numpy as np
 
 COUNTS = ("nonzero", "underflow", "subnormal")
 DIRECTIONS = ("fwd", "bwd")
-BITS = 31  # an int32 count of one operand on one device
+BITS = 31  # an int32 count (of one group of an operand's elements: `counts`)
+GROUP = 2**30  # elements per group: a group's int32 count cannot overflow
 SHAPE = (len(DIRECTIONS), len(COUNTS), BITS)
 SMALLEST_NORMAL = 2.0**-6  # e4m3's; below it (and above 0) its values are subnormal
 
@@ -67,29 +68,46 @@ def zeros(*lead: int) -> jax.Array:
     return jnp.zeros((*lead, *SHAPE), jnp.float32)
 
 
+def bits(n) -> jax.Array:
+    """Counts (int32 [..., 3], each below 2^31) as lanes: float32 [..., 3, BITS], lane b = bit
+    b of the count."""
+    n = n.astype(jnp.int32)[..., None]
+    shifts = jnp.arange(BITS, dtype=jnp.int32).reshape((1,) * (n.ndim - 1) + (BITS,))
+    return ((n >> shifts) & 1).astype(jnp.float32)
+
+
 def counts(x, q, rows=None) -> jax.Array:
-    """int32 [3] (`COUNTS`) of an operand `x` ([..., C], any float dtype) quantized to `q`
-    (its e4m3 values, same shape); `rows` ([R, 1] bool, optional): the rows that count."""
+    """The lanes (float32 [3, BITS], `bits`) of the `COUNTS` of an operand `x` ([..., C], any
+    float dtype) quantized to `q` (its e4m3 values, same shape); `rows` ([R, 1] bool,
+    optional): the rows that count. An operand under GSPMD is the global one, and its counts
+    may pass 2^31 (a 64 x 4096-token batch's [tokens, 14336] gradient): the rows are counted in
+    groups of at most GROUP elements, each group's int32 count encoded, and the groups' lanes
+    summed (exact while a lane sums fewer than 2^24 groups over the step's GEMMs and devices)."""
     nonzero = x != 0
     zero_q = q == 0
     subnormal = (~zero_q) & (jnp.abs(q.astype(jnp.float32)) < SMALLEST_NORMAL)
     masks = (nonzero, nonzero & zero_q, subnormal)
     if rows is not None:
         masks = tuple(m & rows for m in masks)
-    return jnp.stack([jnp.sum(m, dtype=jnp.int32) for m in masks])
+    cols = x.shape[-1]
+    per_row = jnp.stack([jnp.sum(m.reshape(-1, cols), axis=-1, dtype=jnp.int32) for m in masks])
+    group = max(1, GROUP // cols)  # rows per group: at most GROUP elements
+    r = per_row.shape[1]
+    n_groups = -(-r // group)
+    per_row = jnp.pad(per_row, ((0, 0), (0, n_groups * group - r)))
+    per_group = jnp.sum(per_row.reshape(len(COUNTS), n_groups, group), axis=-1, dtype=jnp.int32)
+    return jnp.sum(bits(per_group.T), axis=0)  # [3, BITS]
 
 
 def total(*pairs, rows=None) -> jax.Array:
-    """`counts` summed over (operand, e4m3 values) pairs."""
-    return sum((counts(x, q, rows) for x, q in pairs), jnp.zeros(len(COUNTS), jnp.int32))
+    """`counts` summed over (operand, e4m3 values) pairs (lanes, float32 [3, BITS])."""
+    return sum((counts(x, q, rows) for x, q in pairs), jnp.zeros((len(COUNTS), BITS)))
 
 
-def encode(fwd_3, bwd_3) -> jax.Array:
-    """The probe's cotangent for forward and backward counts (int32 [3] each): float32 SHAPE,
-    count n's lane b = bit b of n."""
-    n_23 = jnp.stack([fwd_3, bwd_3]).astype(jnp.int32)
-    bits = jnp.arange(BITS, dtype=jnp.int32).reshape(1, 1, BITS)
-    return ((n_23[..., None] >> bits) & 1).astype(jnp.float32)
+def encode(fwd, bwd) -> jax.Array:
+    """The probe's cotangent: forward and backward counts (lanes [3, BITS] each, `counts`) as
+    float32 SHAPE."""
+    return jnp.stack([fwd, bwd]).astype(jnp.float32)
 
 
 def decode(lanes) -> jax.Array:

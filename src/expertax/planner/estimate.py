@@ -317,7 +317,8 @@ def context_gather(c: Config, b: int, h: int, cp: int, strategy: str = "all_gath
     MLA's keys and values up-projected from it one key block at a time (block =
     blockwise.DEFAULT_BLOCK). Under `strategy` ring (MLA, latent_ring.py) no key state is
     gathered: a device holds its own share twice (the state it holds and the one arriving) and
-    that share's float32 gradient buffers, T / cp rows each. 0 without context parallelism."""
+    the float32 gradient buffers that travel with it twice too, T / cp rows each. 0 without
+    context parallelism."""
     if cp == 1:
         return 0
     t, dt = c.max_target_length, jnp.dtype(c.dtype).itemsize
@@ -326,7 +327,7 @@ def context_gather(c: Config, b: int, h: int, cp: int, strategy: str = "all_gath
         up = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim
         block = b * min(DEFAULT_BLOCK, t) * h * up * dt
         if strategy == "ring":
-            return b * (t // cp) * width * (2 * dt + 4) + block
+            return b * (t // cp) * width * (2 * dt + 2 * 4) + block
         return b * t * width * dt + block
     heads = c.base_num_query_heads // h  # the tensor split of the heads
     kv = max(1, c.base_num_kv_heads // heads)

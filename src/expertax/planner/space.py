@@ -169,8 +169,9 @@ def layouts(c: Config, n: int) -> list[dict[str, int]]:
 def ring_context(c: Config, attention_impl: str) -> bool:
     """Whether a context split of `c` passes MLA's latent round a ring (latent_ring.py) rather
     than gathering it: MLA with the blockwise kernel (or `auto`, which picks it for the ring).
-    The ring moves the same bytes and does the same work as the gather, and holds two shares
-    of the key state instead of the whole sequence's, so the search takes it wherever it
+    The ring moves about the gather's bytes (each share once per pass, and the float32
+    gradients once, where the gather reduce-scatters them) and does the same work, and holds two
+    shares of the key state instead of the whole sequence's, so the search takes it wherever it
     runs."""
     return c.attention_type == "mla" and attention_impl in ("auto", "blockwise")
 
@@ -341,8 +342,9 @@ def candidates(
             }
             if att != c.attention_impl:
                 o["attention_impl"] = att
-            if shape["context"] > 1 and ring_context(c, att):
-                o["context_parallel_strategy"] = "ring"
+            if shape["context"] > 1:  # (set either way: the user's config may say ring)
+                ring = ring_context(c, att)
+                o["context_parallel_strategy"] = "ring" if ring else "all_gather"
             o.update(mom)
             o.update(off)
             o.update(drop)

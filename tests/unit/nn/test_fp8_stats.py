@@ -41,18 +41,30 @@ def _oracle(x, recipe):
 def test_counts_equal_a_numpy_oracle(recipe):
     x = _spread()
     q, _ = fp8_gemm.quantize(jnp.asarray(x), recipe, 1, fp8_gemm.TILE)
-    got = np.asarray(fp8_stats.counts(jnp.asarray(x), q))
+    got = np.asarray(fp8_stats.decode(fp8_stats.counts(jnp.asarray(x), q)))
     want = _oracle(x, recipe)
     np.testing.assert_array_equal(got, want)
     assert want[0] == M * K and want[1] >= M and want[2] >= M  # (the known tiny values)
 
 
+def test_counts_in_groups_equal_the_oracle(monkeypatch):
+    """An operand counted in groups of rows (as one beyond 2^30 elements would be): groups of
+    two rows of K, the last one partial, give the oracle's counts."""
+    monkeypatch.setattr(fp8_stats, "GROUP", 2 * K + 1)
+    x = _spread()[: 2 * 7 + 1]
+    q, _ = fp8_gemm.quantize(jnp.asarray(x), "fp8_blockwise", 1, fp8_gemm.TILE)
+    got = np.asarray(fp8_stats.decode(fp8_stats.counts(jnp.asarray(x), q)))
+    np.testing.assert_array_equal(got, _oracle(x, "fp8_blockwise"))
+
+
 def test_one_scale_flushes_the_small_tokens_that_tiles_keep():
     x = jnp.asarray(_spread(1))
-    under = {
-        r: int(fp8_stats.counts(x, fp8_gemm.quantize(x, r, 1, fp8_gemm.TILE)[0])[1])
-        for r in fp8_gemm.RECIPES
-    }
+
+    def underflows(recipe):
+        q = fp8_gemm.quantize(x, recipe, 1, fp8_gemm.TILE)[0]
+        return int(fp8_stats.decode(fp8_stats.counts(x, q))[1])
+
+    under = {r: underflows(r) for r in fp8_gemm.RECIPES}
     # one scale for the tensor: every token below about 1e3 * 2^-10 / 448 flushes (~3/4 of them)
     assert under["fp8_tensorwise"] > M * K // 2
     assert under["fp8_tensorwise"] > 50 * under["fp8_blockwise"]
@@ -61,7 +73,7 @@ def test_one_scale_flushes_the_small_tokens_that_tiles_keep():
 def test_binary_lanes_sum_exactly():
     rng = np.random.default_rng(0)
     n = rng.integers(0, 2**31 - 1, size=(40, 2, 3))
-    lanes = jnp.stack([fp8_stats.encode(a[0], a[1]) for a in jnp.asarray(n, jnp.int32)])
+    lanes = jnp.stack([fp8_stats.encode(*fp8_stats.bits(a)) for a in jnp.asarray(n, jnp.int32)])
     summed = np.asarray(jnp.sum(lanes, 0), np.float64)  # float32 sums of integers below 2^24
     bits = (summed * 2.0 ** np.arange(fp8_stats.BITS)).sum(-1)
     np.testing.assert_array_equal(bits, n.sum(0).astype(np.float64))

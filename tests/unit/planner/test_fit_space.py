@@ -245,9 +245,9 @@ def test_context_splits_the_estimate_along_the_sequence():
     latent = c.max_target_length * (c.kv_lora_rank + c.qk_rope_head_dim) * dt
     block = 512 * h * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * dt
     assert context_gather(c, 1, h, 2) == latent + block and context_gather(c, 1, h, 1) == 0
-    # the ring holds its own share twice and that share's float32 gradients, not the sequence
+    # the ring holds its own share and its float32 gradients twice each, not the sequence
     share = c.max_target_length // 8 * (c.kv_lora_rank + c.qk_rope_head_dim)
-    assert context_gather(c, 1, h, 8, "ring") == share * (2 * dt + 4) + block
+    assert context_gather(c, 1, h, 8, "ring") == share * (2 * dt + 8) + block
     assert context_gather(c, 1, h, 8, "ring") < context_gather(c, 1, h, 8)
     assert est.terms(o, split).working != est.terms(o, {**split, "context": 1}).working
     # embed and the low-rank dims shard over fsdp x context: fewer parameters per device

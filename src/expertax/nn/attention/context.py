@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax.config.schema import Config
+from expertax.nn import linear
 from expertax.nn.attention import kernel, latent_ring
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
 from expertax.sharding.rules import current_rules, logical_to_spec
@@ -158,6 +159,13 @@ def attend(
         )
 
     def body(q, kv, weights, pos, seg, sinks):
+        # the attention core stays out of the fp8 recipe (its up-projection included: the latent
+        # kernel's is not quantized either), and a quantized GEMM's probe or weights would be
+        # invariant here while their cotangents vary over `context`
+        with linear.fp8(""):
+            return _body(q, kv, weights, pos, seg, sinks)
+
+    def _body(q, kv, weights, pos, seg, sinks):
         if ring:  # the latent passed round the ring, never gathered (latent_ring.py)
             return latent_ring.attend_latent_ring(
                 q, *kv, weights, order=tuple(order), scale=scale,

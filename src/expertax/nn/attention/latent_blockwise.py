@@ -50,7 +50,7 @@ from expertax.nn.attention.blockwise import (
     balanced_block,
 )
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
-from expertax.nn.moe.vma import varying_like
+from expertax.nn.moe.vma import varying_alike, varying_like
 
 
 class LatentBlocks(NamedTuple):
@@ -308,9 +308,12 @@ def attend_latent_blockwise(
     offset = s - t if q_offset is None else q_offset
     hint = s - t if q_offset is None else round(mean_q_offset)
     bq, bk = balanced_block(t, block_q), balanced_block(s, block_k)
-    # inside a shard_map the (replicated) weights vary like the local queries, so that their
-    # cotangent from the custom VJP may too; the pcast's transpose sums it over those axes
-    wkv_b_RHZ = varying_like(wkv_b_RHZ, q_BTHQ, latent_BSR, k_rope_BSQ)
+    # inside a shard_map every float input varies over the manual axes any of them does (the
+    # weights are replicated; the heads' split over `tensor` leaves the latent every head's), so
+    # that the custom VJP's cotangents may too; the pcasts' transposes sum them over those axes
+    q_BTHQ, latent_BSR, k_rope_BSQ, wkv_b_RHZ = varying_alike(
+        q_BTHQ, latent_BSR, k_rope_BSQ, wkv_b_RHZ
+    )
     q_blocks = jnp.moveaxis(_to_blocks(q_BTHQ, bq), 2, 3)  # [nq, B, H, bq, Q]
     seg_q_blocks = seg_k_blocks = None
     if segment_ids_BT is not None:

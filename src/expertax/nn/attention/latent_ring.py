@@ -46,7 +46,7 @@ from expertax.nn.attention.blockwise import (
     balanced_block,
 )
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
-from expertax.nn.moe.vma import varying_like
+from expertax.nn.moe.vma import varying_alike, varying_like
 
 CONTEXT = "context"
 
@@ -118,7 +118,11 @@ def _ring_loop(x: lb.LatentBlocks, order, chunk, acc, chunk_step):
 
         def one_chunk(acc, m):
             rows = (q_start, table[src * per + m] * chunk)
-            return chunk_step(acc, _pair(x, held, m), rows, m), None
+            # a key chunk after every local query is skipped whole (not even up-projected)
+            seen = rows[1] <= q_start[-1] + (bq - 1)
+            return jax.lax.cond(
+                seen, lambda acc: chunk_step(acc, _pair(x, held, m), rows, m), lambda acc: acc, acc
+            ), None
 
         (local, travelling), _ = jax.lax.scan(one_chunk, (local, travelling), jnp.arange(per))
         return ((local, _send(travelling, cp)), _send(held, cp)), None
@@ -220,7 +224,12 @@ def attend_latent_ring(
         )
     if (why := mask.unsupported(mask_spec, "blockwise")) is not None:
         raise ValueError(why)
-    wkv_b_RHZ = varying_like(wkv_b_RHZ, q_BTHQ, latent_BTR, k_rope_BTQ)
+    # every float input varies over the manual axes any of them does (the heads' split over
+    # `tensor`: the latent is every head's), so that the custom VJP's cotangents may too; the
+    # pcasts' transposes sum them over those axes (d latent over the head shards)
+    q_BTHQ, latent_BTR, k_rope_BTQ, wkv_b_RHZ = varying_alike(
+        q_BTHQ, latent_BTR, k_rope_BTQ, wkv_b_RHZ
+    )
 
     def cut(a, block, pad_value=0):  # [B, Tl, ...] -> [per, n, B, block, ...]
         parts = [jax.lax.slice_in_dim(a, n * chunk, (n + 1) * chunk, axis=1) for n in range(per)]

@@ -29,3 +29,8 @@ def varying_like(x, *refs):
     output varies with the local weights or `axis_index`; `while_loop` needs equal types.
     """
     return varying_over(x, frozenset().union(*(varying_axes(r) for r in refs)))
+
+
+def varying_alike(*xs):
+    """`xs`, each marked as varying over every manual axis any of them varies over."""
+    return tuple(varying_like(x, *xs) for x in xs)

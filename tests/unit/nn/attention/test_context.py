@@ -62,12 +62,13 @@ def _jitted(fn, d_out):
     return jax.jit(lambda *args: _out_and_grads(fn, args, d_out))
 
 
-def _config(cp, impl, balanced, strategy="all_gather"):
+def _config(cp, impl, balanced, strategy="all_gather", tp=1):
     over = {
         "context_parallel_strategy": strategy,
         "model_name": "deepseek3-tiny",
         "ici_context_parallelism": cp,
-        "ici_data_parallelism": 8 // cp,
+        "ici_tensor_parallelism": tp,
+        "ici_data_parallelism": 8 // (cp * tp),
         "ici_fsdp_parallelism": 1,
         "attention_impl": impl,
         "context_parallel_load_balance": balanced,
@@ -110,30 +111,33 @@ def small_blocks(monkeypatch):
         monkeypatch.setattr(module, name, fn)
 
 
-# (cp, impl, load balance, fused, strategy): each kernel at both cp and with and without load
-# balance; query chunks of 16 rows (cp 4), 4 rows (cp 8, balanced: blocks of 4 x 8, eight key
-# blocks), 8 rows; blockwise on the expanded keys (`fused` off: GQA's path, blocks of 512); the
-# ring (latent_ring.py) at cp 8 balanced (chunks of 4 rows) and cp 4 not (16 rows, 2 x 4 blocks
-# per chunk pair: the causal skip inside the diagonal pair)
+# (cp, impl, load balance, fused, strategy, tensor): each kernel at both cp and with and
+# without load balance; query chunks of 16 rows (cp 4), 4 rows (cp 8, balanced: blocks of 4 x 8,
+# eight key blocks), 8 rows; blockwise on the expanded keys (`fused` off: GQA's path, blocks of
+# 512); the ring (latent_ring.py) at cp 8 balanced (chunks of 4 rows) and cp 4 not (16 rows,
+# 2 x 4 blocks per chunk pair: the causal skip inside the diagonal pair); the heads split over
+# `tensor` (the latent's gradient summed over the head shards) for both latent kernels
 CASES = [
-    pytest.param(4, "blockwise", False, True, "all_gather", marks=pytest.mark.full_grid),  # 16 s
-    (8, "blockwise", True, True, "all_gather"),
-    (4, "blockwise", True, False, "all_gather"),
-    (4, "dot", True, True, "all_gather"),
-    (8, "dot", False, True, "all_gather"),
-    (8, "blockwise", True, True, "ring"),
-    (4, "blockwise", False, True, "ring"),
+    pytest.param(4, "blockwise", False, True, "all_gather", 1, marks=pytest.mark.full_grid),
+    (8, "blockwise", True, True, "all_gather", 1),
+    (4, "blockwise", True, False, "all_gather", 1),
+    (4, "dot", True, True, "all_gather", 1),
+    (8, "dot", False, True, "all_gather", 1),
+    (8, "blockwise", True, True, "ring", 1),
+    pytest.param(4, "blockwise", False, True, "ring", 1, marks=pytest.mark.full_grid),
+    (2, "blockwise", True, True, "ring", 2),
+    (2, "blockwise", False, True, "all_gather", 2),
 ]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp, impl, balanced, fused, strategy", CASES)
-def test_context_parallel_mla_equals_one_device(cp, impl, balanced, fused, strategy,
+@pytest.mark.parametrize("cp, impl, balanced, fused, strategy, tp", CASES)
+def test_context_parallel_mla_equals_one_device(cp, impl, balanced, fused, strategy, tp,
                                                 small_blocks):  # fmt: skip
     q, lat, rope, wkv_b, seg, d_out = _inputs()
     args = (q, lat, rope, wkv_b)
     want = _jitted(_reference(seg), d_out)(*args)
-    c = _config(cp, impl, balanced, strategy)
+    c = _config(cp, impl, balanced, strategy, tp)
     fn = _under_cp(c, seg, fused)
     with jax.set_mesh(_mesh(c)), use_rules(config_rules(c)):
         assert context.size() == cp
