@@ -66,21 +66,22 @@ def test_parity_full_matrix(model, extra, tmp_path):
 
 # One layout of each kind the matrix holds, on deepseek3-tiny (its dense first layer, shared
 # expert and sigmoid routing): the native ring of experts, the padded exchange under expert x
-# tensor x data (where the embedding lookup once replicated its table), the dense dispatch, the
-# paged stash and the expert axis as tensor parallelism (ep-tp rules). Pipelines: the default run's
-# test_parity_pipeline_with_negative_control and test_pipeline.py.
+# tensor x data (where the embedding lookup once replicated its table), the dense dispatch and
+# the expert axis as tensor parallelism (ep-tp rules). Pipelines: the default run's
+# test_parity_pipeline_with_negative_control and test_pipeline.py; the paged stash: the default
+# run's bitwise tests (tests/unit/nn/moe/test_stash.py, tests/distributed/test_stash.py), its
+# parity row on demand (CI's budget).
 SAMPLE = (
     "sparse-ring-ep8",
     "sparse-padded-ep2-tp2-data2",
     "dense-ep4-fsdp2",
-    "sparse-padded-ep4-fsdp2-stash",
     "sparse-ring-ep2-fsdp2-tp2-eptp",
 )
 
 
 @pytest.mark.extended
 def test_parity_matrix_sample(tmp_path):
-    """3 steps of five layouts of the matrix, one of each kind, against the one-device run."""
+    """3 steps of four layouts of the matrix, one of each kind, against the one-device run."""
     path = tmp_path / "parity.json"
     argv = ["model_name=deepseek3-tiny", "max_target_length=32", "--steps", "3"]
     run = parity_child([*argv, "--layouts", ",".join(SAMPLE)], path)
@@ -105,6 +106,5 @@ def test_parity_matrix_sample(tmp_path):
         ("sparse", 8, 1, 1, 1, 1, False, "default"),
         ("sparse", 2, 1, 2, 2, 1, False, "default"),
         ("dense", 4, 2, 1, 1, 1, False, "default"),
-        ("sparse", 4, 2, 1, 1, 1, True, "default"),
         ("sparse", 2, 2, 2, 1, 1, False, "ep-tp"),
     }

@@ -245,7 +245,7 @@ def test_pipeline_trains_like_no_pipeline(name):
     "name",
     [
         pytest.param("deepseek3-l5-pp2-r2-ep2", marks=pytest.mark.full_grid),  # on demand
-        pytest.param("mixtral-l4-pp2-r2-remat-none", marks=pytest.mark.extended),
+        pytest.param("mixtral-l4-pp2-r2-remat-none", marks=pytest.mark.full_grid),  # 62 s
         pytest.param("mixtral-l8-sliding-full-pp2-r2-ep2", marks=pytest.mark.full_grid),
     ],
 )
