@@ -172,7 +172,9 @@ def ring_context(c: Config, attention_impl: str) -> bool:
     The ring moves about the gather's bytes (each share once per pass, and the float32
     gradients once, where the gather reduce-scatters them) and does the same work, and holds two
     shares of the key state instead of the whole sequence's, so the search takes it wherever it
-    runs."""
+    runs. Not always the smaller program: at few context devices its per-token buffers can
+    outweigh the whole latent (DeepSeek-V3 at 131,072 tokens, cp=4 on tpu:v5p-1024: 6 GiB more,
+    docs/design/context.md), which the estimate does not model."""
     return c.attention_type == "mla" and attention_impl in ("auto", "blockwise")
 
 

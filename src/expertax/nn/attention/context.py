@@ -42,10 +42,9 @@ import numpy as np
 from expertax.config.schema import Config
 from expertax.nn import linear
 from expertax.nn.attention import kernel, latent_ring
+from expertax.nn.attention.latent_ring import CONTEXT
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
 from expertax.sharding.rules import current_rules, logical_to_spec
-
-CONTEXT = "context"
 
 
 def size() -> int:

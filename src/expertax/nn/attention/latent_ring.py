@@ -48,7 +48,7 @@ from expertax.nn.attention.blockwise import (
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
 from expertax.nn.moe.vma import varying_alike, varying_like
 
-CONTEXT = "context"
+CONTEXT = "context"  # the mesh axis (context.py takes it from here)
 
 
 class Held(NamedTuple):
@@ -102,8 +102,8 @@ def _ring_loop(x: lb.LatentBlocks, order, chunk, acc, chunk_step):
     step the held key state, and the travelling part of `acc` (`acc[1]`), go to the next device.
     One loop nest for all steps and chunks, so XLA holds one pair's temporaries (the last step's
     transfer is not needed by the forward; it is what brings the backward's gradients home)."""
-    per = len(order) // jax.lax.axis_size(CONTEXT)
-    cp = len(order) // per
+    cp = jax.lax.axis_size(CONTEXT)
+    per = len(order) // cp
     nq, bq = x.q.shape[0] // per, x.q.shape[3]
     table = jnp.asarray(order, jnp.int32)
     me = jax.lax.axis_index(CONTEXT)
