@@ -9,7 +9,9 @@ of `mla.context_attend`, DeepSeek-V3 671B's attention dims (H 128, Qn 128, Qr 64
 `context` too). `ring`: `context_parallel_strategy=ring` (latent_ring.py: the latent passed
 round the context axis, never gathered); `fused`: gathered, then the latent kernel
 (latent_blockwise.py, keys and values one key block at a time); `expanded`: the gathered
-latent up-projected for the whole sequence, then the blockwise kernel (what `dot` does).
+latent up-projected for the whole sequence, then the blockwise kernel (what `dot` does);
+`splash`: gathered and up-projected whole, then the splash kernel (splash.attend_context: the
+block maps of the load-balanced rows, each device its share).
 
 (a) `--bytes`: the all-gathers and reduce-scatters in the optimized HLO at cp=8 on
 `--target` (default tpu:v5p-16, 8 chips), each op's full (gathered) size in bytes, split into
@@ -55,7 +57,7 @@ SHAPE = re.compile(r"\b(bf16|f32|s32|u32|f16|s8|pred)\[([\d,]*)\]")
 SIZES = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "pred": 1}
 
 
-def _config(cp: int, length: int, strategy: str = "all_gather"):
+def _config(cp: int, length: int, strategy: str = "all_gather", impl: str = "blockwise"):
     from expertax.config import load_config
 
     return load_config(
@@ -68,7 +70,7 @@ def _config(cp: int, length: int, strategy: str = "all_gather"):
             "ici_data_parallelism": 1,
             "ici_expert_parallelism": 1,
             "ici_tensor_parallelism": 1,
-            "attention_impl": "blockwise",
+            "attention_impl": impl,
             "context_parallel_load_balance": True,
             "context_parallel_strategy": strategy,
         }
@@ -77,7 +79,7 @@ def _config(cp: int, length: int, strategy: str = "all_gather"):
 
 def compile_attention(spec: str, cp: int, length: int, path: str, options=None):
     """The compiled forward+backward of `mla.context_attend` on `spec`'s first cp devices;
-    `path`: ring (context_parallel_strategy=ring), fused or expanded (all_gather)."""
+    `path`: ring (context_parallel_strategy=ring), fused, expanded or splash (all_gather)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -90,7 +92,8 @@ def compile_attention(spec: str, cp: int, length: int, path: str, options=None):
     from expertax.sharding import named_sharding, use_rules
 
     t = targets.parse_target(spec)
-    c = _config(cp, length, "ring" if path == "ring" else "all_gather")
+    impl = "splash" if path == "splash" else "blockwise"
+    c = _config(cp, length, "ring" if path == "ring" else "all_gather", impl)
     fused = path != "expanded"
     rules = config_rules(c)
     shape = [cp if a == "context" else 1 for a in MESH_AXES]
@@ -291,7 +294,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--paths", nargs="+", default=["ring", "fused", "expanded"],
         help="(b)'s programs: ring (the latent passed round), fused (gathered, latent kernel), "
-        "expanded (gathered and up-projected whole)",
+        "expanded (gathered and up-projected whole), splash (gathered, up-projected, splash)",
     )  # fmt: skip
     ap.add_argument("--json", default=None, help="append the rows to this file (one JSON list)")
     args = ap.parse_args(argv)

@@ -485,13 +485,22 @@ def check_context(c: Config) -> None:
     if not on:
         return
     key, value = next(iter(on.items()))
-    if c.attention_impl in ("cudnn", "splash"):
+    if c.attention_impl == "cudnn":
         raise ConfigError(
-            f"attention_impl={c.attention_impl} with {key}={value}: its causal mask is built at "
-            "trace time from where the rows sit, and a context shard's queries sit at an offset "
-            "known only on the device (two offsets with context_parallel_load_balance); use "
-            "attention_impl=auto, dot or blockwise"
+            f"attention_impl=cudnn with {key}={value}: cuDNN's causal mask (through jax.nn."
+            "dot_product_attention) is aligned to the first key and built by row, and a context "
+            "shard's queries sit at offsets known only on the device; use attention_impl=auto, "
+            "dot or blockwise"
         )
+    if c.attention_impl == "splash":
+        cp = sizes["ici_context_parallelism"] * sizes["dcn_context_parallelism"]
+        pieces = 2 * cp if c.context_parallel_load_balance else cp
+        if c.max_target_length % (pieces * 128):
+            raise ConfigError(
+                f"attention_impl=splash with {key}={value}: max_target_length="
+                f"{c.max_target_length} must split into {pieces} chunks of a multiple of 128 "
+                f"rows (the kernel's tiles), i.e. be a multiple of {pieces * 128}"
+            )
     if c.num_attention_token_chunks != 1:
         raise ConfigError(
             f"num_attention_token_chunks={c.num_attention_token_chunks} with {key}={value}: "

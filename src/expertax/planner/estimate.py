@@ -279,7 +279,7 @@ class Estimator:
         else:  # q, k, v, the output, its float32 copy (flash kernels' residuals)
             saved = b * h * t_local * (2 * qk * dt + 2 * v * dt + 4 * v)
         strategy = o.get("context_parallel_strategy", c.context_parallel_strategy)
-        saved += context_gather(c, b, h, cp, strategy)
+        saved += context_gather(c, b, h, cp, strategy, _resolve_attention(attention, t, self.on))
         vocab = c.vocab_size // split("act_vocab", c.vocab_size)
         logits = b * (t_local // o["num_vocab_tiling"]) * vocab * 4 * 3
         moe = 0
@@ -309,7 +309,17 @@ class Estimator:
         return self.terms(o, shape).peak()
 
 
-def context_gather(c: Config, b: int, h: int, cp: int, strategy: str = "all_gather") -> int:
+# Copies of the whole sequence's up-projected keys and values that MLA's attention holds under
+# context parallelism with splash (or dot): the keys and values, their gradients and the
+# backward's copies of the joined [S, H, Qn+O] up-projection (not broken down further). Compiled
+# for tpu:v5p-64 (DeepSeek-V3 dims, T/cp = 4,096, benchmarks/context_parallel.py `splash`):
+# 12,513 MiB of temporaries at T=32,768, 4.9 x the keys and values' 2,560 MiB.
+EXPANDED_COPIES = 5
+
+
+def context_gather(
+    c: Config, b: int, h: int, cp: int, strategy: str = "all_gather", impl: str = "blockwise"
+) -> int:
     """Bytes per device attention holds under context parallelism besides its local tokens'
     (nn/attention/context.py), for `b` sequences and `h` query heads per device: the key state
     gathered over the whole sequence (MLA: the normed latent and the rotated RoPE key, kv_lora_rank
@@ -317,8 +327,9 @@ def context_gather(c: Config, b: int, h: int, cp: int, strategy: str = "all_gath
     MLA's keys and values up-projected from it one key block at a time (block =
     blockwise.DEFAULT_BLOCK). Under `strategy` ring (MLA, latent_ring.py) no key state is
     gathered: a device holds its own share twice (the state it holds and the one arriving) and
-    the float32 gradient buffers that travel with it twice too, T / cp rows each. 0 without
-    context parallelism."""
+    the float32 gradient buffers that travel with it twice too, T / cp rows each. MLA under
+    `impl` dot or splash (the resolved kernel) up-projects the whole gathered sequence instead of
+    one block: `EXPANDED_COPIES` of its keys and values. 0 without context parallelism."""
     if cp == 1:
         return 0
     t, dt = c.max_target_length, jnp.dtype(c.dtype).itemsize
@@ -328,6 +339,8 @@ def context_gather(c: Config, b: int, h: int, cp: int, strategy: str = "all_gath
         block = b * min(DEFAULT_BLOCK, t) * h * up * dt
         if strategy == "ring":
             return b * (t // cp) * width * (2 * dt + 2 * 4) + block
+        if impl in ("dot", "splash"):  # mla.expand: the whole sequence, and its gradients
+            return b * t * width * dt + EXPANDED_COPIES * b * t * h * up * dt
         return b * t * width * dt + block
     heads = c.base_num_query_heads // h  # the tensor split of the heads
     kv = max(1, c.base_num_kv_heads // heads)

@@ -9,7 +9,7 @@ import pytest
 from expertax.config import load_config
 from expertax.parallel import remat
 from expertax.planner import calibrate, placements, space, steptime
-from expertax.planner.estimate import Estimator, Terms, context_gather
+from expertax.planner.estimate import EXPANDED_COPIES, Estimator, Terms, context_gather
 from expertax.targets import CHIPS
 
 SHAPE = {"pipeline": 1, "data": 1, "fsdp": 4, "expert": 2, "tensor": 1}
@@ -249,6 +249,9 @@ def test_context_splits_the_estimate_along_the_sequence():
     share = c.max_target_length // 8 * (c.kv_lora_rank + c.qk_rope_head_dim)
     assert context_gather(c, 1, h, 8, "ring") == share * (2 * dt + 8) + block
     assert context_gather(c, 1, h, 8, "ring") < context_gather(c, 1, h, 8)
+    # splash (and dot) up-project the whole gathered sequence: its keys, values and gradients
+    up = c.max_target_length * h * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * dt
+    assert context_gather(c, 1, h, 2, impl="splash") == latent + EXPANDED_COPIES * up
     assert est.terms(o, split).working != est.terms(o, {**split, "context": 1}).working
     # embed and the low-rank dims shard over fsdp x context: fewer parameters per device
     assert est.state_bytes(split, "default")[0] < est.state_bytes(whole, "default")[0]

@@ -74,8 +74,15 @@ def test_refusals_name_the_keys():
         ]
     )
     check_mesh_fit(off, _shape(context=4, fsdp=2))  # 36 splits into 4
-    with pytest.raises(ConfigError, match="attention_impl=splash with ici_context_parallelism=2"):
-        load_config(overrides=["ici_context_parallelism=2", "attention_impl=splash"])
+    with pytest.raises(ConfigError, match="attention_impl=cudnn with ici_context_parallelism=2"):
+        over = ["ici_context_parallelism=2", "attention_impl=cudnn", "dtype=bfloat16"]
+        load_config(overrides=over)
+    # splash takes permuted rows, in chunks of whole 128-row tiles: 4 chunks of 8 rows are not
+    with pytest.raises(ConfigError, match="max_target_length=32 must split into 4 chunks"):
+        load_config(overrides=["ici_context_parallelism=2", "attention_impl=splash",
+                               "max_target_length=32"])  # fmt: skip
+    load_config(overrides=["ici_context_parallelism=2", "attention_impl=splash",
+                           "max_target_length=512"])  # fmt: skip
     with pytest.raises(ConfigError, match="num_attention_token_chunks=2 with ici_context"):
         load_config(overrides=["ici_context_parallelism=2", "num_attention_token_chunks=2"])
 

@@ -39,11 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from expertax import platform
 from expertax.config.schema import Config
 from expertax.nn import linear
-from expertax.nn.attention import kernel, latent_ring
+from expertax.nn.attention import kernel, latent_ring, splash
 from expertax.nn.attention.latent_ring import CONTEXT
-from expertax.nn.attention.mask import CAUSAL, MaskSpec
+from expertax.nn.attention.mask import CAUSAL, MaskSpec, unsupported
 from expertax.sharding.rules import current_rules, logical_to_spec
 
 
@@ -150,6 +151,8 @@ def attend(
     fused = latent is not None and impl == "blockwise"
     if fused and sink_logits_H is not None:
         raise ValueError("context parallelism: the latent kernel takes no attention sinks")
+    if impl == "splash":
+        _check_splash(mask_spec, chunk)
     ring = c.context_parallel_strategy == "ring"
     if ring and not fused:
         raise ValueError(
@@ -174,6 +177,13 @@ def attend(
         k_v = None if fused else expand(kv, weights)
         kv_pos, kv_seg = gather(pos), None if seg is None else gather(seg)
         me = jax.lax.axis_index(CONTEXT)
+        if impl == "splash":  # all the device's rows in one call, the mask from their positions
+            rows = balanced_index(t, cp) if balanced else np.arange(t)
+            return splash.attend_context(
+                q, *k_v, scale=scale, rows=rows, chunk=chunk, shards=cp, index=me,
+                q_segment_ids_BT=seg, kv_segment_ids_BS=kv_seg, window=mask_spec.window,
+                sink_logits_H=sinks,
+            )  # fmt: skip
         per = 2 if balanced else 1
         outs = []
         for n in range(per):  # the device's query chunks, each at its own offset
@@ -211,6 +221,24 @@ def attend(
             spec(("act_heads",), sink_logits_H),
         ),
         out_specs=q_spec,
-        check_vma=c.pipeline_stages == 1,
+        # a Pallas call declares no varying axes (splash.py); its gradients are checked against
+        # one-device attention in tests/unit/nn/attention/test_context_splash.py
+        check_vma=c.pipeline_stages == 1 and impl != "splash",
     )
     return fn(q_BTHQ, kv, weights, positions_BT, segment_ids_BT, sink_logits_H)
+
+
+def _check_splash(mask_spec: MaskSpec, chunk: int) -> None:
+    """What splash needs under context parallelism (config checks say it first, naming keys)."""
+    reason = unsupported(mask_spec, "splash")
+    if reason is not None:
+        raise ValueError(reason)
+    if chunk % splash.LANES:
+        raise ValueError(
+            f"attention_impl=splash under context parallelism: chunks of {chunk} rows; the "
+            f"kernel's tiles need a multiple of {splash.LANES}"
+        )
+    if platform.current() != "tpu" and not splash.interpreting():
+        raise ValueError(
+            f"attention_impl=splash needs a TPU; this program is traced for {platform.current()}"
+        )

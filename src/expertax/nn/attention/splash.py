@@ -33,22 +33,50 @@ so the call runs in a `shard_map`: batch and heads split as the rules say (`batc
 the same split for query and kv heads so that each device keeps whole GQA groups) and the length
 whole (a length split by the rules is all-gathered at the boundary).
 
-`interpret=True` runs the same kernel in Pallas' interpreter on any backend: that is how the CPU
-tests check its numerics against `attend_dot`.
+Under context parallelism (`attend_context`, called by context.py inside its shard_map) each
+device holds its own rows of the queries, in the load-balanced order (chunks i and 2cp-1-i of
+2cp) or contiguous, against the whole sequence's keys in sequence order. The mask is built once
+for the whole sequence: a causal (or sliding-window) mask whose query rows carry their true
+positions (`q_sequence`, the permutation of the load-balanced layout), made with
+`q_seq_shards=cp` so that the library's block maps split by query rows; each device takes its
+own share of the maps by its index on `context` (what `SplashAttentionKernel.
+manual_sharding_spec` gives a shard_map) and the kernel computes the partial tiles' mask from
+the positions. So the tiles above the causal diagonal are skipped for the permuted rows too.
+
+`interpret=True` (or the `interpret()` context) runs the same kernel in Pallas' interpreter on any
+backend: that is how the CPU tests check its numerics against `attend_dot`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 
 from expertax.sharding.rules import current_rules, logical_to_spec
 
 LANES = 128  # the kernel's tiles are multiples of the TPU's 128 lanes
 MAX_BLOCK = 512
+_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar("splash_interpret", default=False)
+
+
+@contextlib.contextmanager
+def interpret():
+    """Run the kernel in Pallas' interpreter wherever it is called (tests on the CPU)."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def interpreting() -> bool:
+    return _INTERPRET.get()
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -78,17 +106,22 @@ def _kernel(
     block: int,
     interpret: bool,
     window: int | None = None,
+    q_rows: np.ndarray | None = None,
+    q_shards: int = 1,
 ):
     """The kernel for `heads` query heads, padded query and key lengths, the queries' first key
-    position `offset` and an optional sliding `window`. Its block maps are NumPy work at trace
-    time (0.2 s at H=128, T=4096) that become arrays of the trace, so a kernel is built per
-    trace, never cached across traces."""
+    position `offset` and an optional sliding `window`; `q_rows`: each query row's key position
+    where the rows are permuted (context parallelism), `q_shards`: how many devices split the
+    query rows. Its block maps are NumPy work at trace time (0.2 s at H=128, T=4096) that become
+    arrays of the trace, so a kernel is built per trace, never cached across traces."""
     shape = (q_length, kv_length)
     one: splash_lib.Mask
     if window is None:
         one = splash_lib.CausalMask(shape, offset=offset)
     else:
         one = splash_lib.LocalMask(shape, window_size=(window - 1, 0), offset=offset)
+    if q_rows is not None:  # the mask function reads each row's position from q_sequence
+        one.q_sequence = np.asarray(q_rows, np.int32)
     mask = splash_lib.MultiHeadMask([one] * heads)
     sizes = splash_lib.BlockSizes(
         block_q=block,
@@ -101,7 +134,7 @@ def _kernel(
         block_kv_dq=block,
     )
     return splash_lib.make_splash_mha(
-        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=q_shards, interpret=interpret
     )
 
 
@@ -136,6 +169,19 @@ def _at_default_precision(fn):
     return call
 
 
+def _per_sequence(kernel, q_BTHQ, k_BSGQ, v_BSGO, seg_BT, sinks_H):
+    """`kernel` on each sequence of the batch, heads first; `seg_BT`: (queries', keys') segment
+    ids or None. [B, T, H, O]."""
+
+    def one(q_THQ, k_SGQ, v_SGO, seg_T):
+        ids = None if seg_T is None else splash_lib.SegmentIds(q=seg_T[0], kv=seg_T[1])
+        heads_first = (jnp.swapaxes(x, 0, 1) for x in (q_THQ, k_SGQ, v_SGO))
+        return jnp.swapaxes(kernel(*heads_first, segment_ids=ids, sinks=sinks_H), 0, 1)
+
+    in_axes = (0, 0, 0, None if seg_BT is None else 0)
+    return jax.vmap(one, in_axes=in_axes)(q_BTHQ, k_BSGQ, v_BSGO, seg_BT)
+
+
 def _attend_local(
     q_BTHQ,
     k_BSGQ,
@@ -165,14 +211,7 @@ def _attend_local(
     def batch(q_BTHQ, k_BSGQ, v_BSGO, seg_BT, sinks_H):
         # Built inside the traced function: its block maps must be arrays of this trace.
         kernel = _kernel(h, padded_q, padded_kv, s - t, block, interpret, window)
-
-        def one(q_THQ, k_SGQ, v_SGO, seg_T):
-            ids = None if seg_T is None else splash_lib.SegmentIds(q=seg_T[0], kv=seg_T[1])
-            heads_first = (jnp.swapaxes(x, 0, 1) for x in (q_THQ, k_SGQ, v_SGO))
-            return jnp.swapaxes(kernel(*heads_first, segment_ids=ids, sinks=sinks_H), 0, 1)
-
-        in_axes = (0, 0, 0, None if seg_BT is None else 0)
-        return jax.vmap(one, in_axes=in_axes)(q_BTHQ, k_BSGQ, v_BSGO, seg_BT)
+        return _per_sequence(kernel, q_BTHQ, k_BSGQ, v_BSGO, seg_BT, sinks_H)
 
     if jnp.dtype(q.dtype).itemsize == 2:
         batch = _at_default_precision(batch)
@@ -225,3 +264,81 @@ def attend_splash(
         check_vma=False,
     )  # fmt: skip
     return fn(q_BTHQ, k_BSGQ, v_BSGO, segment_ids_BT, sink_logits_H)
+
+
+def _shard_of(kernel, index, shards: int):
+    """`kernel` with the block maps of query-row shard `index` (traced) of `shards`: what a
+    shard_map gives each device with `kernel.manual_sharding_spec` (maps split along their
+    query-block axis, `q_sequence` along its rows, partial blocks whole)."""
+
+    def part(info):
+        if info is None:
+            return None
+
+        def rows(a, axis):
+            if a is None:
+                return None
+            size = a.shape[axis] // shards
+            return jax.lax.dynamic_slice_in_dim(jnp.asarray(a), index * size, size, axis)
+
+        return info._replace(
+            data_next=rows(info.data_next, 1),
+            mask_next=rows(info.mask_next, 1),
+            block_mask=rows(info.block_mask, 1),
+            q_sequence=rows(info.q_sequence, 0),
+        )
+
+    infos, kwargs = kernel.tree_flatten()
+    return type(kernel)(*(part(i) for i in infos), **kwargs)
+
+
+def context_block(chunk: int) -> int:
+    """Rows per tile under context parallelism: the largest of 512, 256, 128 dividing a chunk of
+    `chunk` rows (config checks refuse a chunk that is not a multiple of 128)."""
+    return next(b for b in (MAX_BLOCK, 256, LANES) if chunk % b == 0)
+
+
+def attend_context(
+    q_BTHQ: jax.Array,
+    k_BSGQ: jax.Array,
+    v_BSGO: jax.Array,
+    *,
+    scale: float,
+    rows: np.ndarray,
+    chunk: int,
+    shards: int,
+    index: jax.Array,
+    q_segment_ids_BT: jax.Array | None = None,
+    kv_segment_ids_BS: jax.Array | None = None,
+    window: int | None = None,
+    sink_logits_H: jax.Array | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """One device's query rows [B, T/shards, H, Q] under context parallelism against the whole
+    sequence's keys [B, S, G, Q] and values [B, S, G, O] in sequence order; `rows` [S]: the key
+    position of every query row of the sequence in the layout the devices hold (shard `index`
+    holds rows [index T/shards, (index+1) T/shards)), in contiguous runs of `chunk` rows. Runs
+    inside context.py's shard_map; returns [B, T/shards, H, O]."""
+    t, h, s = q_BTHQ.shape[1], q_BTHQ.shape[2], k_BSGQ.shape[1]
+    if t * shards != s or len(rows) != s:
+        raise ValueError(
+            f"splash under context parallelism: {t} query rows x {shards} shards against {s} "
+            f"keys ({len(rows)} row positions); each device holds 1/{shards} of the sequence"
+        )
+    block = context_block(chunk)
+    interpret = _INTERPRET.get() if interpret is None else interpret
+    q_BTHQ = (q_BTHQ * jnp.asarray(scale, q_BTHQ.dtype)).astype(q_BTHQ.dtype)
+    seg = None
+    if q_segment_ids_BT is not None:
+        seg = (q_segment_ids_BT, kv_segment_ids_BS)
+
+    def batch(q_BTHQ, k_BSGQ, v_BSGO, seg_BT, sinks_H, index):
+        # built inside the traced function (its block maps are arrays of this trace)
+        whole = _kernel(h, s, s, 0, block, interpret, window, q_rows=rows, q_shards=shards)
+        kernel = _shard_of(whole, index, shards)
+        return _per_sequence(kernel, q_BTHQ, k_BSGQ, v_BSGO, seg_BT, sinks_H)
+
+    if jnp.dtype(q_BTHQ.dtype).itemsize == 2:
+        batch = _at_default_precision(batch)
+    sinks = None if sink_logits_H is None else sink_logits_H.astype(jnp.float32)
+    return batch(q_BTHQ, k_BSGQ, v_BSGO, seg, sinks, index)

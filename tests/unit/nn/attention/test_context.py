@@ -62,7 +62,7 @@ def _jitted(fn, d_out):
     return jax.jit(lambda *args: _out_and_grads(fn, args, d_out))
 
 
-def _config(cp, impl, balanced, strategy="all_gather", tp=1):
+def _config(cp, impl, balanced, strategy="all_gather", tp=1, **more):
     over = {
         "context_parallel_strategy": strategy,
         "model_name": "deepseek3-tiny",
@@ -76,6 +76,7 @@ def _config(cp, impl, balanced, strategy="all_gather", tp=1):
         "qk_rope_head_dim": QR,
         "v_head_dim": VD,
         "kv_lora_rank": R,
+        **more,
     }
     return load_config(overrides=over)
 
@@ -86,12 +87,12 @@ def _mesh(c):
     return Mesh(devices, MESH_AXES)
 
 
-def _under_cp(c, seg, fused):
+def _under_cp(c, seg, fused, t=T):
     """mla.context_attend under the mesh, its inputs and outputs in sequence order."""
     cp, balanced = c.ici_context_parallelism, c.context_parallel_load_balance
     order = (lambda a: context.reorder(a, cp)) if balanced else (lambda a: a)
-    back = np.argsort(context.balanced_index(T, cp)) if balanced else np.arange(T)
-    positions = order(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+    back = np.argsort(context.balanced_index(t, cp)) if balanced else np.arange(t)
+    positions = order(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (seg.shape[0], t)))
 
     def fn(q, lat, rope, wkv_b):
         out = mla.context_attend(
