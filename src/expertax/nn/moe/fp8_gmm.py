@@ -14,8 +14,10 @@ The forward saves the e4m3 values and scales of the rows and weights (what remat
 not the rows in their own dtype. Each product then runs on the configured backend
 (`gmm_impl`) with the dequantized operands: the numbers of the fp8 recipe on every backend,
 with the backend's own kernels for all three products (its VJP gives the dgrad and the
-wgrad), but no fp8 tensor-core time: no backend here multiplies e4m3 in its grouped GEMM
-(docs/design/fp8.md, "Grouped GEMM").
+wgrad), but no fp8 tensor-core time: no such backend multiplies e4m3 in its grouped GEMM
+(docs/design/fp8.md, "Grouped GEMM"). `backend=HOPPER` instead runs the fprop and the dgrad on
+the quantized operands in `fp8_hopper.py`'s kernel (e4m3 `wgmma` on Hopper; Pallas's interpreter
+when traced for a CPU), the wgrad dequantized on `auto`'s backend.
 
 `given=` (the paged stash): the output is known; the value is `given`, the backward is this
 one's.
@@ -36,13 +38,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from expertax import platform
 from expertax.nn import fp8_gemm, fp8_stats
+from expertax.nn.moe import fp8_hopper, tiles
 from expertax.nn.moe import gmm as gmm_mod
-from expertax.nn.moe import tiles
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
 
 TILE = fp8_gemm.TILE
+# `backend=HOPPER`: the fprop and the dgrad multiply the e4m3 operands in fp8_hopper.py's kernel
+# (Hopper's fp8 tensor cores; on CPU its interpreter), the wgrad runs dequantized on `auto`'s
+# backend
+HOPPER = "fp8_hopper"
 
 
 def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None, probes=None, **kw):
@@ -101,11 +108,58 @@ def _prepare(recipe, group_offset, kw, probes, *arrays):
 
 def _backend(x_MK, w_EKN, sizes_E, offset, opts):
     _, has_offset, kw, expected = opts
+    kw = dict(kw)
+    if kw.get("backend") == HOPPER:  # the wgrad's backend
+        kw["backend"] = "auto"
     with tiles.expected_group_rows(expected):
         return gmm_mod.gmm(
             x_MK, w_EKN, sizes_E, group_offset=offset if has_offset else None,
-            preferred_element_type=x_MK.dtype, **dict(kw),
+            preferred_element_type=x_MK.dtype, **kw,
         )  # fmt: skip
+
+
+def _hopper(opts) -> bool:
+    return dict(opts[2]).get("backend") == HOPPER
+
+
+def _grid(scale, shape):
+    """A scale as the blockwise grid of `shape` (a tensorwise scale broadcast to it)."""
+    return jnp.broadcast_to(scale.astype(jnp.float32), shape)
+
+
+def _fprop(qx, qw, sizes_E, offset, opts, dtype, w_dtype):
+    """rows @ w per group from the quantized operands (rows in 1 x 128 tiles along K), in
+    `dtype` (the rows'; `w_dtype`: the weight's)."""
+    if not _hopper(opts):
+        x = fp8_gemm.dequantize(qx, dtype, 1, TILE)
+        return _backend(x, _dequantize_weights(qw, w_dtype), sizes_E, offset, opts)
+    (x, xs), (w, ws) = qx, qw
+    g, k, n = w.shape
+    return fp8_hopper.gmm(
+        x, _grid(xs, (x.shape[0], k // TILE)), w, _grid(ws, (g, k // TILE, n // TILE)), sizes_E,
+        group_offset=offset if opts[1] else None, out_dtype=dtype, interpret=_interpret(),
+    )  # fmt: skip
+
+
+def _dgrad(q_dy, qw, x, w, sizes_E, offset, opts):
+    """dy @ w^T per group: `q_dy` in 1 x 128 tiles along N; `x`, `w`: the fprop's operands
+    dequantized (the backend's VJP), in the output's dtype."""
+    dtype = x.dtype
+    if not _hopper(opts):
+        _, pull = jax.vjp(lambda a: _backend(a, w, sizes_E, offset, opts), x)
+        return pull(fp8_gemm.dequantize(q_dy, dtype, 1, TILE))[0]
+    (dy, dys), (wq, ws) = q_dy, qw
+    g, k, n = wq.shape
+    return fp8_hopper.dgrad(
+        dy, _grid(dys, (dy.shape[0], n // TILE)), wq, _grid(ws, (g, k // TILE, n // TILE)),
+        sizes_E, group_offset=offset if opts[1] else None, out_dtype=dtype,
+        interpret=_interpret(),
+    )  # fmt: skip
+
+
+def _interpret() -> bool:
+    """The kernel in Pallas's interpreter when the program is traced for a CPU."""
+    return platform.current() == "cpu"
 
 
 def _quantize_weights(w_EKN, recipe):
@@ -148,8 +202,7 @@ def _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, given, probes):
     qx = fp8_gemm.quantize(lhs_MK, recipe, 1, TILE)
     qw = _quantize_weights(rhs_EKN, recipe)
     if given is None:
-        x = fp8_gemm.dequantize(qx, lhs_MK.dtype, 1, TILE)
-        given = _backend(x, _dequantize_weights(qw, rhs_EKN.dtype), sizes_E, offset, opts)
+        given = _fprop(qx, qw, sizes_E, offset, opts, lhs_MK.dtype, rhs_EKN.dtype)
     fwd = None
     if probes is not None:
         local = _local_rows(sizes_E, offset, rhs_EKN.shape[0], lhs_MK.shape[0])
@@ -165,9 +218,8 @@ def _backward(opts, res, dy_MN):
     x = fp8_gemm.dequantize(qx, x_tag.dtype, 1, TILE)
     dy_MN = dy_MN.astype(x.dtype)
     # dgrad: the output gradient in 1 x 128 tiles along N (the contraction), the weights as held
-    _, pull_x = jax.vjp(lambda a: _backend(a, w, sizes_E, offset, opts), x)
-    dy_n, q_dy_n = _tiles_q(dy_MN, recipe, 1, TILE)
-    (dx,) = pull_x(dy_n)
+    q_dy = fp8_gemm.quantize(dy_MN, recipe, 1, TILE)
+    dx, q_dy_n = _dgrad(q_dy, qw, x, w, sizes_E, offset, opts), q_dy[0]
     # wgrad: both operands re-tiled along the rows (its contraction), foreign rows zeroed
     local = _local_rows(sizes_E, offset, w.shape[0], x.shape[0])
     x_local, dy_local = jnp.where(local, x, 0), jnp.where(local, dy_MN, 0)
@@ -219,12 +271,13 @@ def _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, 
     if given is None or probes is not None:
         # (with a given output and probes: the hidden rows only for their counts)
         h_exact = act(gate_MF, up_MF)
-        h, q_h = _tiles_q(h_exact, recipe, 1, TILE)
+        qh = fp8_gemm.quantize(h_exact, recipe, 1, TILE)
+        q_h = qh[0]
         if probes is not None:
-            local = _local_rows(sizes_E, offset, rhs_EFN.shape[0], h.shape[0])
+            local = _local_rows(sizes_E, offset, rhs_EFN.shape[0], h_exact.shape[0])
             fwd = fp8_stats.counts(h_exact, q_h, local)
     if given is None:
-        given = _backend(h, _dequantize_weights(qw, rhs_EFN.dtype), sizes_E, offset, opts)
+        given = _fprop(qh, qw, sizes_E, offset, opts, h_exact.dtype, rhs_EFN.dtype)
     # the activation's inputs in 1 x 128 tiles under their checkpoint names (remat keeps or
     # recomputes these fp8 bytes as the policy places the names)
     qg, qu = (fp8_gemm.quantize(a, recipe, 1, TILE) for a in (gate_MF, up_MF))
@@ -240,9 +293,8 @@ def _glu_backward(opts, act, names, res, dy_MN):
     h, act_vjp = jax.vjp(act, gate, up)
     w = _dequantize_weights(qw, w_tag.dtype)
     dy_MN = dy_MN.astype(h.dtype)
-    _, pull_h = jax.vjp(lambda a: _backend(a, w, sizes_E, offset, opts), h)
-    dy_n, q_dy_n = _tiles_q(dy_MN, recipe, 1, TILE)
-    (dh,) = pull_h(dy_n)
+    q_dy = fp8_gemm.quantize(dy_MN, recipe, 1, TILE)
+    dh, q_dy_n = _dgrad(q_dy, qw, h, w, sizes_E, offset, opts), q_dy[0]
     dgate, dup = act_vjp(dh)
     local = _local_rows(sizes_E, offset, w.shape[0], h.shape[0])
     h_local, dy_local = jnp.where(local, _tiles(h, recipe, 1, TILE), 0), jnp.where(local, dy_MN, 0)

@@ -1,0 +1,248 @@
+"""A block-scaled fp8 grouped GEMM for Hopper: e4m3 `wgmma` with per-128-K float32 promotion.
+
+`gmm(x, x_scale, w, w_scale, sizes)` multiplies the rows of each group by its expert's
+weight, both operands e4m3 in the `fp8_blockwise` recipe's layout (DeepSeek-V3, Sec. 3.3):
+- `x` [M, K] e4m3, `x_scale` [M, K / 128] float32: 1 x 128 tiles along K;
+- `w` [G, K, N] e4m3, `w_scale` [G, K / 128, N / 128] float32: 128 x 128 blocks;
+- `sizes` [G] int32, rows sorted by group, `sum(sizes) <= M`; the rows past the sum are zero
+  (`group_offset`: the local groups of an expert-parallel shard, as `moe/gmm.py` takes them).
+The output is [M, N] in `out_dtype`.
+
+The kernel (Pallas Mosaic GPU, one CTA per 128 x 128 output tile, one warpgroup) runs a K loop
+of 128-wide steps, TMA-pipelined: each step is one `wgmma` over the step's e4m3 tiles into a
+fresh float32 accumulator, then the promotion `out += partial * x_scale[row, k] *
+w_scale[g, k, n]` in float32 registers (DeepSeek's per-128-K promotion: the tensor cores'
+accumulation never runs past 128 values of K). Hopper's fp8 `wgmma` reads both operands K-major
+from shared memory (mosaic/gpu/wgmma.py: only 16-bit types may be transposed), so the kernel
+takes the weight [G, N, K] (`gmm` transposes it; `dgrad`'s contraction is N, the weight's
+minor axis as held) and multiplies its tile's transposed view.
+
+Groups and tiles: the wrapper pads each group to a multiple of the 128-row tile (a gather of the
+e4m3 rows and their scales into `M + G * 127` rows rounded up to the tile), so that each row tile
+belongs to one group; the kernel reads the tile's group from a table and skips the tiles past
+the last group; a second gather takes the output rows back (zero past the groups). The cost:
+two gathers (the rows at 1 + 4/128 bytes per value, the output in `out_dtype`) and at most one
+tile of wasted rows per group, the same work a megablox-like schedule of (tile, group) items
+would spend on a tile that two groups share.
+
+`dgrad(dy, dy_scale, w, w_scale, sizes)` is the same kernel on the output gradient in 1 x 128
+tiles along N with each expert's weight as held ([G, K, N]: N minor, the dgrad's contraction)
+and its scale grid transposed.
+
+The interpreter (`interpret=True`: Pallas's Mosaic GPU interpreter on CPU, jax 0.10.2) cannot
+read a transposed shared-memory view in `wgmma` (it accepts only index transforms there), nor run
+`plgpu.load` or `plgpu.layout_cast`; interpreted, the kernel takes the weight [G, K, N] (the
+contraction first: tiles used as they are), reads the row scales through a plain ref read and
+starts from an unlaid-out zero. Everything else (the schedule, the TMA pipeline, `wgmma` into a
+float32 accumulator, the promotion, the stores) is the code the GPU runs. The interpreter
+multiplies e4m3 in NumPy with float32 results, not bit for bit the tensor cores' accumulation
+order.
+
+Compiled for an H100 (no GPU needed: the CUDA plugin runs Mosaic GPU's pipeline and ptxas in
+XLA's compile), a step is eight `wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3` for
+sm_90a. ptxas reports 255 registers and a small spill (92 bytes) for the 128 x 128 float32 tile
+held twice (the partial and the promoted sum); two consumer warpgroups of 64 rows each would
+halve that (not done).
+
+The weight gradient (per group `x^T dy`, contracted over the group's rows) has no kernel here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+TILE = 128  # rows per tile, output columns per tile, K per step: the recipe's block
+E4M3 = jnp.float8_e4m3fn
+
+
+def gmm(
+    x, x_scale, w, w_scale, sizes, *, group_offset=None, out_dtype=jnp.bfloat16, interpret=False
+):
+    """The fprop `x @ w[g]` per group: `x` [M, K] e4m3, `x_scale` [M, K / 128] (1 x 128 tiles),
+    `w` [G, K, N] e4m3 as the experts' weights are held, `w_scale` [G, K / 128, N / 128];
+    returns [M, N] in `out_dtype`. `sizes` [G_all] with `group_offset` (EP: the G local groups
+    are `sizes[offset:offset + G]`, their rows follow the earlier groups'; the rows outside them
+    are zero). `interpret`: run in Pallas's Mosaic GPU interpreter on CPU.
+
+    The GPU kernel reads each expert's matrix K-major ([G, N, K]): the weight is transposed here,
+    a copy of its e4m3 bytes (under jit XLA fuses it into the quantizer that makes `w`)."""
+    _check(x, x_scale, w, w_scale, contraction=1)
+    w_kernel = w if interpret else jnp.swapaxes(w, 1, 2)
+    return _product(x, x_scale, w_kernel, w_scale, sizes, group_offset, out_dtype, interpret)
+
+
+def dgrad(
+    dy, dy_scale, w, w_scale, sizes, *, group_offset=None, out_dtype=jnp.bfloat16, interpret=False
+):
+    """The dgrad `dy @ w[g]^T` per group: `dy` [M, N] e4m3 with `dy_scale` [M, N / 128] (1 x 128
+    tiles along N, the contraction), `w` [G, K, N] and `w_scale` [G, K / 128, N / 128] as for
+    `gmm` (the fprop's operands); returns [M, K]. The GPU kernel reads `w` as it is held (N, the
+    contraction, minor): no copy; its 128 x 128 scale grid is transposed (G K N / 128^2
+    floats)."""
+    _check(dy, dy_scale, w, w_scale, contraction=2)
+    w_kernel = jnp.swapaxes(w, 1, 2) if interpret else w
+    ws_t = jnp.swapaxes(w_scale, 1, 2)
+    return _product(dy, dy_scale, w_kernel, ws_t, sizes, group_offset, out_dtype, interpret)
+
+
+def _product(x, x_scale, w_kernel, w_scale, sizes, group_offset, out_dtype, interpret):
+    """The kernel's product of the rows `x` [M, C] (C the contraction) with `w_kernel`: [G, O, C]
+    for the GPU, [G, C, O] interpreted; `w_scale` [G, C / 128, O / 128]."""
+    g, n = w_kernel.shape[0], w_scale.shape[2] * TILE
+    sizes = sizes.astype(jnp.int32)
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    first = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, sizes, 0))
+    local = jax.lax.dynamic_slice_in_dim(sizes, offset, g)
+    x_pad, xs_pad, tile_group, rows = _pad_groups(x, x_scale, local, first)
+    out = _kernel(x_pad, xs_pad.T, w_kernel, w_scale, tile_group, n, out_dtype, interpret)
+    return jnp.where(rows[:, None] >= 0, out[jnp.maximum(rows, 0)], 0).astype(out_dtype)
+
+
+def _check(x, x_scale, w, w_scale, contraction):
+    if x.dtype != E4M3 or w.dtype != E4M3:
+        raise ValueError(f"operands must be e4m3, got {x.dtype} and {w.dtype}")
+    g, k, n = w.shape
+    if k % TILE or n % TILE:
+        raise ValueError(f"the weight's K={k} and N={n} must be multiples of {TILE}")
+    c = (k, n)[contraction - 1]
+    want = {
+        "rows": (x.shape, (x.shape[0], c)),
+        "row scales": (x_scale.shape, (x.shape[0], c // TILE)),
+        "weight scales": (w_scale.shape, (g, k // TILE, n // TILE)),
+    }
+    for name, (got, shape) in want.items():
+        if tuple(got) != shape:
+            raise ValueError(f"{name} have shape {tuple(got)}, expected {shape}")
+
+
+def padded_rows(m: int, g: int) -> int:
+    """The rows of the padded operand: every group rounded up to the tile, at most `g * 127`
+    rows more than `m`, a whole number of tiles."""
+    return -(-(m + g * (TILE - 1)) // TILE) * TILE
+
+
+def _pad_groups(x, x_scale, sizes, first):
+    """(x with each group's rows (from row `first` on) starting at a tile, its scales likewise
+    (rows outside the groups zero), the group of each row tile (-1 past the groups), and for each
+    of the M rows its row in the padded operand (-1 outside the groups))."""
+    m = x.shape[0]
+    g = sizes.shape[0]
+    mp = padded_rows(m, g)
+    bounds = jnp.minimum(first + jnp.cumsum(sizes), m)
+    sizes = bounds - jnp.minimum(bounds - sizes, m)
+    ends = first + jnp.cumsum(sizes)
+    starts = ends - sizes
+    tiles = -(-sizes // TILE)
+    tile_ends = jnp.cumsum(tiles)
+    pad_starts = (tile_ends - tiles) * TILE
+    # each padded row's source row
+    p = jnp.arange(mp, dtype=jnp.int32)
+    pg = jnp.searchsorted(tile_ends * TILE, p, side="right")  # the group of padded row p
+    pgc = jnp.minimum(pg, g - 1)
+    src = starts[pgc] + p - pad_starts[pgc]
+    valid = (pg < g) & (src < ends[pgc])
+    src = jnp.where(valid, src, 0)
+    x_pad = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype))
+    xs_pad = jnp.where(valid[:, None], x_scale[src], 0.0).astype(jnp.float32)
+    t = jnp.arange(mp // TILE, dtype=jnp.int32)
+    tile_group = jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32)
+    tile_group = jnp.where(tile_group < g, tile_group, -1)
+    # each original row's padded row
+    r = jnp.arange(m, dtype=jnp.int32)
+    rg = jnp.minimum(jnp.searchsorted(ends, r, side="right"), g - 1)
+    rows = jnp.where((r >= first) & (r < ends[-1]), pad_starts[rg] + r - starts[rg], -1)
+    return x_pad, xs_pad, tile_group, rows
+
+
+def _interpreter():
+    """Pallas's Mosaic GPU interpreter (not exported by jax 0.10.2's public API)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _transforms(dtype):
+    swizzle = plgpu.find_swizzle(TILE * jnp.dtype(dtype).itemsize * 8)
+    return (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+
+
+def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret):
+    """The padded product [Mp, N]: x_pad [Mp, K] e4m3, xs_t [K / 128, Mp] its scales
+    transposed (a step's scales of a tile are one contiguous row for TMA)."""
+    mp, k = x_pad.shape
+    steps = k // TILE
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(tile_group_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem):
+        mi = jax.lax.axis_index("m")
+        ni = jax.lax.axis_index("n")
+        g = tile_group_gmem[mi]
+
+        @pl.when(g >= 0)
+        def _():
+            w_g = w_gmem.at[g]
+
+            def step(idx, x_smem, xs_smem, w_smem, carry):
+                (ki,) = idx
+                w_tile = w_smem if interpret else plgpu.transpose_ref(w_smem, (1, 0))
+
+                def mma(acc_ref):
+                    plgpu.wgmma(acc_ref, x_smem, w_tile)
+                    return acc_ref[...]
+
+                partial = pl.run_scoped(mma, plgpu.ACC((TILE, TILE), jnp.float32))
+                if interpret:
+                    x_s = xs_smem[0, :]
+                else:
+                    x_s = plgpu.load(xs_smem.at[0], (), layout=row_layout)
+                w_s = ws_gmem[g, ki, ni]
+                promote = jax.lax.broadcast_in_dim(x_s * w_s, (TILE, TILE), (0,))
+                return carry + partial * promote
+
+            w_block = (TILE, TILE)
+            w_index = (lambda ki: (ki, ni)) if interpret else (lambda ki: (ni, ki))
+            zero = jnp.zeros((TILE, TILE), jnp.float32)
+            if not interpret:
+                zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+            acc = plgpu.emit_pipeline(
+                step,
+                grid=(steps,),
+                in_specs=[
+                    plgpu.BlockSpec(
+                        (TILE, TILE), lambda ki: (mi, ki), transforms=_transforms(E4M3)
+                    ),
+                    plgpu.BlockSpec((1, TILE), lambda ki: (ki, mi)),
+                    plgpu.BlockSpec(w_block, w_index, transforms=_transforms(E4M3)),
+                ],
+                max_concurrent_steps=2,
+                init_carry=zero,
+            )(x_gmem, xs_gmem, w_g)
+
+            @functools.partial(
+                pl.run_scoped,
+                out_smem=plgpu.SMEM((TILE, TILE), out_dtype, transforms=_transforms(out_dtype)),
+            )
+            def _store(out_smem):
+                out_smem[...] = acc.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    out_smem, out_gmem.at[pl.ds(mi * TILE, TILE), pl.ds(ni * TILE, TILE)]
+                )
+                plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
+        grid=(mp // TILE, n // TILE),
+        grid_names=("m", "n"),
+        interpret=_interpreter() if interpret else None,
+    )
+    return kernel(tile_group, x_pad, xs_t, w, w_scale)

@@ -1,0 +1,208 @@
+"""The Hopper fp8 grouped GEMM (nn/moe/fp8_hopper.py).
+
+- numerics on CPU in Pallas's Mosaic GPU interpreter: the fprop and the dgrad against the
+  recipe's dequantized operands multiplied per group in float32 (uneven groups, an empty one,
+  rows past the groups, a group offset); the interpreter reads the weight tiles untransposed
+  (the module docstring), the rest is the GPU's code;
+- compiled for `gpu:h100x8` without a GPU: Mosaic GPU's pipeline runs in the compile and ptxas
+  accepts its PTX for sm_90a, whose products are `wgmma ... e4m3.e4m3` with float32
+  accumulators.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import SingleDeviceSharding
+
+from expertax import platform, quant, targets
+from expertax.nn import fp8_gemm
+from expertax.nn.activation import swiglu
+from expertax.nn.moe import fp8_gmm, fp8_hopper
+
+TILE = fp8_hopper.TILE
+M, K, N = 256, 256, 128
+
+
+def _operands(g, k=K, n=N, seed=0, width=None):
+    """Rows [M, width or k] and weights [g, k, n], float32."""
+    rng = np.random.default_rng(seed)
+    # rows of very different magnitudes: the 1 x 128 tiles' scales differ along K and rows
+    x = rng.standard_normal((M, width or k)) * np.exp(rng.uniform(-4, 4, (M, 1)))
+    w = rng.standard_normal((g, k, n)) * np.exp(rng.uniform(-3, 3, (g, 1, n)))
+    return jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+
+
+def _reference(x_q, w_q, sizes, offset=0):
+    """Per group in float32 on the dequantized operands (rows outside the groups: zero)."""
+    x = np.asarray(fp8_gemm.dequantize(x_q, jnp.float32, 1, TILE))
+    w = np.asarray(fp8_gemm.dequantize(w_q, jnp.float32, TILE, TILE))
+    out = np.zeros((x.shape[0], w.shape[2]), np.float32)
+    start = int(np.sum(sizes[:offset]))
+    for g in range(w.shape[0]):
+        end = start + int(sizes[offset + g])
+        out[start:end] = x[start:end].astype(np.float64) @ w[g].astype(np.float64)
+        start = end
+    return out
+
+
+def _assert_close(got, want, rounding=0.0):
+    """Within float32 accumulation of the row's largest value (128 products per step, promoted
+    per step: ~1e-6 of it), plus `rounding` of each value (the output dtype's)."""
+    got = np.asarray(got, np.float32)
+    row = np.abs(want).max(axis=1, keepdims=True)
+    np.testing.assert_array_less(np.abs(got - want), 2e-6 * row + rounding * np.abs(want) + 1e-30)
+
+
+@pytest.mark.parametrize(
+    "sizes, offset",
+    [((100, 0, 120), None), ((40, 90, 0, 126), 1)],
+    ids=["uneven_empty_tail", "offset"],
+)
+def test_fprop_in_the_interpreter_matches_the_dequantized_product(sizes, offset):
+    g = len(sizes) - (offset or 0)
+    x, w = _operands(g)
+    x_q = fp8_gemm.quantize(x, "fp8_blockwise", 1, TILE)
+    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
+    sizes_arr = jnp.asarray(sizes, jnp.int32)
+    got = fp8_hopper.gmm(
+        *x_q, *w_q, sizes_arr, group_offset=offset, out_dtype=jnp.float32, interpret=True
+    )
+    want = _reference(x_q, w_q, np.asarray(sizes), offset or 0)
+    _assert_close(got, want)
+    assert not np.any(np.asarray(got)[sum(sizes) :])  # rows past the groups: exact zeros
+
+
+def test_dgrad_in_the_interpreter_matches_the_dequantized_product():
+    """dy [M, N] in 1 x 128 tiles along N times each expert's weight transposed."""
+    sizes = np.array([130, 0, 70])
+    dy, w = _operands(3, k=128, n=256, seed=1, width=256)
+    dy_q = fp8_gemm.quantize(dy, "fp8_blockwise", 1, TILE)
+    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
+    got = fp8_hopper.dgrad(
+        *dy_q, *w_q, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, interpret=True
+    )
+    # the reference: the weight transposed with its blocks, through the same per-group product
+    wt_q = (jnp.swapaxes(w_q[0], 1, 2), jnp.swapaxes(w_q[1], 1, 2))
+    _assert_close(got, _reference(dy_q, wt_q, sizes))
+
+
+def test_bfloat16_output_and_the_padded_schedule():
+    """bfloat16 out (the recipe's dtype) is the float32 product rounded once; a group of 1
+    to 128 rows costs one row tile."""
+    sizes = np.array([1, 127, 128])
+    x, w = _operands(3, seed=2)
+    x_q = fp8_gemm.quantize(x, "fp8_blockwise", 1, TILE)
+    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
+    got = fp8_hopper.gmm(*x_q, *w_q, jnp.asarray(sizes, jnp.int32), interpret=True)
+    assert got.dtype == jnp.bfloat16
+    want = _reference(x_q, w_q, sizes)
+    _assert_close(got, want, rounding=2**-8)
+    tiles = fp8_hopper._pad_groups(x_q[0], x_q[1], jnp.asarray(sizes, jnp.int32), 0)[2]
+    assert list(np.asarray(tiles)) == [0, 1, 2] + [-1] * (len(tiles) - 3)
+
+
+def test_refusals():
+    x_q = fp8_gemm.quantize(jnp.ones((M, K)), "fp8_blockwise", 1, TILE)
+    w = jnp.ones((2, K, N))
+    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
+    sizes = jnp.array([1, 2], jnp.int32)
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8_hopper.gmm(x_q[0].astype(jnp.bfloat16), x_q[1], *w_q, sizes)
+    with pytest.raises(ValueError, match="weight scales"):
+        fp8_hopper.gmm(*x_q, w_q[0], w_q[1][:, :1], sizes)
+    with pytest.raises(ValueError, match="rows"):
+        fp8_hopper.dgrad(*x_q, *w_q, sizes)  # dgrad contracts over N = 128, not K = 256
+
+
+needs_gpu = pytest.mark.skipif(
+    not targets.compiler_available("gpu"), reason="the GPU compiler (expertax[gpu]) is missing"
+)
+
+
+@needs_gpu
+@pytest.mark.parametrize("product", ["gmm", "dgrad"])
+def test_compiles_for_h100_to_e4m3_wgmma(product, tmp_path, monkeypatch):
+    """Deviceless compile for an H100: the CUDA plugin runs Mosaic GPU's pipeline and ptxas; the
+    PTX it dumps multiplies e4m3 by e4m3 into float32 on the tensor cores (`wgmma.mma_async`),
+    and no product in the kernel is on other types."""
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    dev = targets.parse_target("gpu:h100x8").devices()[0]
+    sharding = SingleDeviceSharding(dev)
+    g, m, k, n = 4, 512, 384, 256 if product == "gmm" else 512  # distinct shapes: fresh kernels
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    c = k if product == "gmm" else n
+    args = (
+        arg((m, c), quant.E4M3),
+        arg((m, c // TILE), jnp.float32),
+        arg((g, k, n), quant.E4M3),
+        arg((g, k // TILE, n // TILE), jnp.float32),
+        arg((g,), jnp.int32),
+    )
+    with platform.use("gpu", dev):
+        lowered = jax.jit(getattr(fp8_hopper, product)).lower(*args)
+    assert "mosaic_gpu_v2" in lowered.as_text()
+    lowered.compile()
+    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert ".target sm_90a" in ptx
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.(\w+)\.(\w+)", ptx)
+    # a 128-row tile is two m64 instructions; a 128-wide K step four k32 ones: 8 per step
+    assert len(mmas) == 8 and set(mmas) == {("e4m3", "e4m3")}, mmas
+    ptxas = "\n".join(p.read_text() for p in tmp_path.glob("*.ptxas"))
+    assert "sm_90a" in ptxas
+
+
+# 15-35 s each in the interpreter on 2 cores: the blockwise case in the default run
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param("fp8_blockwise", marks=pytest.mark.slow),
+        pytest.param("fp8_tensorwise", marks=pytest.mark.full_grid),
+    ],
+)
+def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe):
+    """`fp8_gmm.gmm(..., backend="fp8_hopper")` (here in the interpreter): the fprop and dgrad
+    from the kernel equal the dequantized `tiled` products, the wgrad is the same code; with EP's
+    group offset (the local groups 1 and 2 of four). Tensorwise scales go in broadcast to grids."""
+    sizes = jnp.array([40, 100, 0, 90], jnp.int32)
+    x, w = _operands(2, n=256, seed=3)
+    dy = jnp.asarray(np.random.default_rng(4).standard_normal((M, 256)), jnp.float32)
+    out = {}
+    for backend in ("tiled", fp8_gmm.HOPPER):
+
+        def f(x, w, b=backend):
+            return fp8_gmm.gmm(x, w, sizes, recipe, group_offset=1, backend=b)
+
+        y, vjp = jax.vjp(f, x, w)
+        out[backend] = (y, *vjp(dy))
+    for i in range(3):  # fprop, dgrad, wgrad
+        want = np.asarray(out["tiled"][i])
+        _assert_close(out[fp8_gmm.HOPPER][i], want)
+    assert not np.any(np.asarray(out[fp8_gmm.HOPPER][0])[:40])  # the foreign group's rows
+
+
+@pytest.mark.full_grid
+def test_fp8_gmm_glu_on_the_kernel_matches_the_dequantized_backend():
+    sizes = jnp.array([100, 0, 120], jnp.int32)
+    x, w = _operands(3, seed=5)
+    rng = np.random.default_rng(6)
+    up = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    names = ("gate", "up")
+    out = {}
+    for backend in ("tiled", fp8_gmm.HOPPER):
+
+        def f(gate, up, w, b=backend):
+            return fp8_gmm.gmm_glu(gate, up, w, sizes, "fp8_blockwise", swiglu, names, backend=b)
+
+        y, vjp = jax.vjp(f, x, up, w)
+        out[backend] = (y, *vjp(dy))
+    for got, want in zip(out[fp8_gmm.HOPPER], out["tiled"], strict=True):
+        _assert_close(got, np.asarray(want))
