@@ -11,10 +11,13 @@ The search then repeats, while the time budget (`minutes`) and `max_compiles` al
 3. record its compiled peak and host bytes, and learn from them.
 A candidate that fits is the answer unless a faster one may still fit; a program the compiler
 refuses for memory is a miss; any other error is shown as an error, and the search goes on.
+Where the answer splits an MLA model's sequence, the other context strategy (ring or
+all_gather: the same work) is compiled too, and the smaller program taken.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +31,7 @@ from expertax.planner import plan, steptime
 from expertax.planner.calibrate import Calibration, Measured
 from expertax.planner.costs import format_costs, step_costs
 from expertax.planner.estimate import ATT_CHUNKS_KEY, CHUNKS_KEY
-from expertax.planner.space import Candidate, candidates, check_inputs
+from expertax.planner.space import Candidate, candidates, check_inputs, ring_context
 from expertax.sharding.mesh import buildable
 from expertax.train.trainer import build_trainer
 
@@ -138,21 +141,9 @@ def fit_search(
 
     compiled: list[Candidate] = []
     best: Candidate | None = None
-    bar = progress.bar(min(max_compiles, len(pool)), "memory --fit", unit="candidate")
-    log = progress.say_above(bar, log, file=sys.stderr)
-    deadline = t0 + 60 * minutes
-    stopped = "no candidate left that may fit"
-    while True:
-        if len(compiled) >= max_compiles:
-            stopped = f"--max-compiles {max_compiles} reached"
-            break
-        spent = [x.seconds for x in compiled if x.seconds]
-        if spent and time.perf_counter() + sum(spent) / len(spent) > deadline:
-            stopped = f"--fit-minutes {minutes:g} would be passed by one more compile"
-            break
-        cand = _next(pool, cal, times, target, host_budget, best, padding)
-        if cand is None:
-            break
+
+    def try_one(cand: Candidate) -> bool:
+        """Compile `cand`, record what it cost and learn from it; whether it fits."""
         values = {**c.model_dump(), **cand.overrides}
         if values["remat_policy"] != "custom":  # the preset places every name itself
             values.update({n: Config.model_fields[n].default for n in remat.ALL_NAMES})
@@ -161,7 +152,7 @@ def fit_search(
         except ConfigError as e:
             cand.error = f"refused: {e}"
             log(f"[fit] skip {cand.describe()}: {e}")
-            continue
+            return False
         n = len(compiled) + 1
         log(
             f"[fit] compile {n}: {cand.describe()} (estimate {_b(cand.estimate_bytes)}, host "
@@ -179,7 +170,7 @@ def fit_search(
             if skipped:
                 log(f"[fit]   skip {skipped} more candidates of the same remat and offload")
             bar.update(1)
-            continue
+            return False
         cand.seconds = round(time.perf_counter() - t1, 1)
         bar.update(1)
         cand.peak_device_bytes, cand.extra = result if isinstance(result, tuple) else (result, {})
@@ -205,8 +196,34 @@ def fit_search(
         )
         for note in cand.extra.get("not_honoured", []):
             log(f"[fit]   NOT HONOURED: {note}")
-        if fits and (best is None or _seconds(cand) < _seconds(best)):
+        return fits
+
+    bar = progress.bar(min(max_compiles, len(pool)), "memory --fit", unit="candidate")
+    log = progress.say_above(bar, log, file=sys.stderr)
+    deadline = t0 + 60 * minutes
+    stopped = "no candidate left that may fit"
+    while True:
+        if len(compiled) >= max_compiles:
+            stopped = f"--max-compiles {max_compiles} reached"
+            break
+        spent = [x.seconds for x in compiled if x.seconds]
+        if spent and time.perf_counter() + sum(spent) / len(spent) > deadline:
+            stopped = f"--fit-minutes {minutes:g} would be passed by one more compile"
+            break
+        cand = _next(pool, cal, times, target, host_budget, best, padding)
+        if cand is None:
+            break
+        if try_one(cand) and (best is None or _seconds(cand) < _seconds(best)):
             best = cand
+    other = _strategy_sibling(best, c)
+    if best is not None and other is not None and len(compiled) < max_compiles + 1:
+        spent = [x.seconds for x in compiled if x.seconds]
+        if not spent or time.perf_counter() + sum(spent) / len(spent) <= deadline:
+            # equal speed (the same work and bytes moved): keep the smaller compiled program
+            pool.append(other)
+            if try_one(other) and (other.peak_device_bytes or 0) < (best.peak_device_bytes or 0):
+                log(f"[fit] {other.layout} compiled smaller than {best.layout}: taken")
+                best = other
     bar.close()
     return _report(
         c,
@@ -224,6 +241,25 @@ def fit_search(
         t0,
         stopped,
     )
+
+
+def _strategy_sibling(best: Candidate | None, c: Config) -> Candidate | None:
+    """`best` with the other `context_parallel_strategy` (ring <-> all_gather) where it splits
+    an MLA model's sequence, not compiled yet (None otherwise). The two do the same work and move
+    about the same bytes, and the estimate cannot tell which program is smaller: the ring holds
+    two shares of the latent instead of the whole sequence's, but its per-token buffers outweigh
+    that at few context devices (docs/design/context.md). So the search compiles both."""
+    if best is None or best.overrides.get("ici_context_parallelism", 1) == 1:
+        return None
+    if not ring_context(c, best.overrides.get("attention_impl", c.attention_impl)):
+        return None
+    ring = best.overrides.get("context_parallel_strategy") == "ring"
+    other = "all_gather" if ring else "ring"
+    return dataclasses.replace(
+        best,
+        overrides={**best.overrides, "context_parallel_strategy": other},
+        peak_device_bytes=None, host_bytes=None, seconds=None, error="", extra={},
+    )  # fmt: skip
 
 
 def _next(pool, cal, times, target, host_budget, best, padding) -> Candidate | None:

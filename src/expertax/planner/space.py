@@ -174,7 +174,8 @@ def ring_context(c: Config, attention_impl: str) -> bool:
     shares of the key state instead of the whole sequence's, so the search takes it wherever it
     runs. Not always the smaller program: at few context devices its per-token buffers can
     outweigh the whole latent (DeepSeek-V3 at 131,072 tokens, cp=4 on tpu:v5p-1024: 6 GiB more,
-    docs/design/context.md), which the estimate does not model."""
+    docs/design/context.md), which the estimate does not model: `fit` compiles the answer with
+    the other strategy too and keeps the smaller."""
     return c.attention_type == "mla" and attention_impl in ("auto", "blockwise")
 
 

@@ -58,3 +58,33 @@ def test_the_ring_strategy_needs_mla_with_the_blockwise_kernel():
             load_config(overrides={**over, **ring})
         assert "context_parallel_strategy=ring" in str(e.value)
         assert "context_parallel_strategy=all_gather" in str(e.value)
+
+
+@pytest.mark.parametrize("smaller", ["all_gather", "ring"])
+def test_fit_compiles_both_strategies_of_an_mla_context_split_and_keeps_the_smaller(
+    smaller, monkeypatch
+):
+    """The answer of `--fit` that splits an MLA model's sequence is compiled with the other
+    context strategy too (the same work; the estimate cannot rank their bytes), and the smaller
+    program is the plan: whichever it is."""
+    from expertax.planner import fit
+
+    c = load_config(overrides={"model_name": "deepseek3-tiny", "max_target_length": 4096,
+                               "per_device_batch_size": 0.5})  # fmt: skip
+    seen = []
+    every = fit.candidates  # the search's own candidates, its context splits only
+    monkeypatch.setattr(fit, "candidates", lambda *a, **k: [
+        x for x in every(*a, **k) if x.overrides["ici_context_parallelism"] > 1])  # fmt: skip
+
+    def compile_fn(cc, hbm):
+        seen.append((cc.ici_context_parallelism, cc.context_parallel_strategy))
+        return 1000 if cc.context_parallel_strategy == smaller else 2000
+
+    r = fit.fit_search(c, 8, 1.0, headroom=0.0, max_compiles=1, compile_fn=compile_fn,
+                       offload=False)  # fmt: skip
+    best = r["best"]["overrides"]
+    assert r["fits"] and best["ici_context_parallelism"] > 1, seen
+    # the search's own answer is the ring (space.ring_context); its sibling compiled last
+    assert seen[-1] == (best["ici_context_parallelism"], "all_gather"), seen
+    assert best["context_parallel_strategy"] == smaller
+    assert r["best"]["peak_device_bytes"] == 1000
