@@ -50,6 +50,7 @@ The weight gradient (per group `x^T dy`, contracted over the group's rows) has n
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,13 +95,19 @@ def _product(x, x_scale, w_kernel, w_scale, sizes, group_offset, out_dtype, inte
     """The kernel's product of the rows `x` [M, C] (C the contraction) with `w_kernel`: [G, O, C]
     for the GPU, [G, C, O] interpreted; `w_scale` [G, C / 128, O / 128]."""
     g, n = w_kernel.shape[0], w_scale.shape[2] * TILE
-    sizes = sizes.astype(jnp.int32)
-    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
-    first = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, sizes, 0))
-    local = jax.lax.dynamic_slice_in_dim(sizes, offset, g)
+    local, first = _local_groups(sizes, group_offset, g)
     x_pad, xs_pad, tile_group, rows = _pad_groups(x, x_scale, local, first)
     out = _kernel(x_pad, xs_pad.T, w_kernel, w_scale, tile_group, n, out_dtype, interpret)
     return jnp.where(rows[:, None] >= 0, out[jnp.maximum(rows, 0)], 0).astype(out_dtype)
+
+
+def _local_groups(sizes, group_offset, g: int):
+    """(the sizes [G] of the `g` local groups from `group_offset` on, the row where the first
+    starts: the rows of the groups before it)."""
+    sizes = sizes.astype(jnp.int32)
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    first = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, sizes, 0))
+    return jax.lax.dynamic_slice_in_dim(sizes, offset, g), first
 
 
 def _check(x, x_scale, w, w_scale, contraction):
@@ -126,11 +133,20 @@ def padded_rows(m: int, g: int) -> int:
     return -(-(m + g * (TILE - 1)) // TILE) * TILE
 
 
-def _pad_groups(x, x_scale, sizes, first):
-    """(x with each group's rows (from row `first` on) starting at a tile, its scales likewise
-    (rows outside the groups zero), the group of each row tile (-1 past the groups), and for each
-    of the M rows its row in the padded operand (-1 outside the groups))."""
-    m = x.shape[0]
+class Padding(NamedTuple):
+    """Where the rows of the groups go when each group starts at a row tile (`padding`)."""
+
+    src: jax.Array  # [Mp] int32: each padded row's source row (0 outside the groups)
+    valid: jax.Array  # [Mp] bool: whether the padded row holds one of the groups' rows
+    first_tile: jax.Array  # [G] int32: each group's first row tile
+    tiles: jax.Array  # [G] int32: its row tiles (0 for an empty group)
+    rows: jax.Array  # [M] int32: each row's padded row (-1 outside the groups)
+
+
+def padding(m: int, sizes, first) -> Padding:
+    """The padded layout of `m` rows whose local groups of `sizes` [G] rows start at row `first`
+    (groups cut at row `m`): `padded_rows(m, G)` rows, each group's rows from its first tile on,
+    zero-filled up to its next tile."""
     g = sizes.shape[0]
     mp = padded_rows(m, g)
     bounds = jnp.minimum(first + jnp.cumsum(sizes), m)
@@ -146,17 +162,30 @@ def _pad_groups(x, x_scale, sizes, first):
     pgc = jnp.minimum(pg, g - 1)
     src = starts[pgc] + p - pad_starts[pgc]
     valid = (pg < g) & (src < ends[pgc])
-    src = jnp.where(valid, src, 0)
-    x_pad = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype))
-    xs_pad = jnp.where(valid[:, None], x_scale[src], 0.0).astype(jnp.float32)
-    t = jnp.arange(mp // TILE, dtype=jnp.int32)
-    tile_group = jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32)
-    tile_group = jnp.where(tile_group < g, tile_group, -1)
     # each original row's padded row
     r = jnp.arange(m, dtype=jnp.int32)
     rg = jnp.minimum(jnp.searchsorted(ends, r, side="right"), g - 1)
     rows = jnp.where((r >= first) & (r < ends[-1]), pad_starts[rg] + r - starts[rg], -1)
-    return x_pad, xs_pad, tile_group, rows
+    first_tile = (tile_ends - tiles).astype(jnp.int32)
+    return Padding(jnp.where(valid, src, 0), valid, first_tile, tiles.astype(jnp.int32), rows)
+
+
+def pad(x, layout: Padding):
+    """The rows `x` [M, C] in the padded layout [Mp, C], zero outside the groups."""
+    return jnp.where(layout.valid[:, None], x[layout.src], jnp.zeros((), x.dtype))
+
+
+def _pad_groups(x, x_scale, sizes, first):
+    """(x with each group's rows (from row `first` on) starting at a tile, its scales likewise
+    (rows outside the groups zero), the group of each row tile (-1 past the groups), and for each
+    of the M rows its row in the padded operand (-1 outside the groups))."""
+    layout = padding(x.shape[0], sizes, first)
+    g = sizes.shape[0]
+    t = jnp.arange(layout.valid.shape[0] // TILE, dtype=jnp.int32)
+    tile_group = jnp.searchsorted(layout.first_tile + layout.tiles, t, side="right")
+    tile_group = jnp.where(tile_group < g, tile_group, -1).astype(jnp.int32)
+    xs_pad = pad(x_scale, layout).astype(jnp.float32)
+    return pad(x, layout), xs_pad, tile_group, layout.rows
 
 
 def _interpreter():
@@ -172,6 +201,47 @@ def _transforms(dtype):
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
         plgpu.SwizzleTransform(swizzle),
     )
+
+
+def _mma(a_smem, b_smem, interpret):
+    """A fresh float32 [128, 128] product of two e4m3 tiles in shared memory, one `wgmma`: `a`
+    [rows, contraction]; `b` [columns, contraction] (K-major, read through its transposed view)
+    on the GPU, [contraction, columns] interpreted."""
+    b_tile = b_smem if interpret else plgpu.transpose_ref(b_smem, (1, 0))
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_tile)
+        return acc_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC((TILE, TILE), jnp.float32))
+
+
+def _vector(smem, layout, interpret):
+    """The 128 float32 scales of a [1, 128] shared-memory block in registers, laid out to
+    broadcast along a WGMMA tile's rows or columns (interpreted: a plain ref read)."""
+    return smem[0, :] if interpret else plgpu.load(smem.at[0], (), layout=layout)
+
+
+def _zero(interpret):
+    """A zero float32 accumulator in the WGMMA layout (interpreted: unlaid-out)."""
+    zero = jnp.zeros((TILE, TILE), jnp.float32)
+    return zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+
+
+def _store(acc, out_gmem):
+    """The [128, 128] tile `acc` into the tile `out_gmem` of global memory (in its dtype),
+    through shared memory and TMA."""
+    dtype = out_gmem.dtype
+
+    @functools.partial(
+        pl.run_scoped,
+        out_smem=plgpu.SMEM((TILE, TILE), dtype, transforms=_transforms(dtype)),
+    )
+    def _(out_smem):
+        out_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+        plgpu.wait_smem_to_gmem(0)
 
 
 def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret):
@@ -192,26 +262,14 @@ def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret):
 
             def step(idx, x_smem, xs_smem, w_smem, carry):
                 (ki,) = idx
-                w_tile = w_smem if interpret else plgpu.transpose_ref(w_smem, (1, 0))
-
-                def mma(acc_ref):
-                    plgpu.wgmma(acc_ref, x_smem, w_tile)
-                    return acc_ref[...]
-
-                partial = pl.run_scoped(mma, plgpu.ACC((TILE, TILE), jnp.float32))
-                if interpret:
-                    x_s = xs_smem[0, :]
-                else:
-                    x_s = plgpu.load(xs_smem.at[0], (), layout=row_layout)
+                partial = _mma(x_smem, w_smem, interpret)
+                x_s = _vector(xs_smem, row_layout, interpret)
                 w_s = ws_gmem[g, ki, ni]
                 promote = jax.lax.broadcast_in_dim(x_s * w_s, (TILE, TILE), (0,))
                 return carry + partial * promote
 
             w_block = (TILE, TILE)
             w_index = (lambda ki: (ki, ni)) if interpret else (lambda ki: (ni, ki))
-            zero = jnp.zeros((TILE, TILE), jnp.float32)
-            if not interpret:
-                zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
             acc = plgpu.emit_pipeline(
                 step,
                 grid=(steps,),
@@ -223,20 +281,9 @@ def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret):
                     plgpu.BlockSpec(w_block, w_index, transforms=_transforms(E4M3)),
                 ],
                 max_concurrent_steps=2,
-                init_carry=zero,
+                init_carry=_zero(interpret),
             )(x_gmem, xs_gmem, w_g)
-
-            @functools.partial(
-                pl.run_scoped,
-                out_smem=plgpu.SMEM((TILE, TILE), out_dtype, transforms=_transforms(out_dtype)),
-            )
-            def _store(out_smem):
-                out_smem[...] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem, out_gmem.at[pl.ds(mi * TILE, TILE), pl.ds(ni * TILE, TILE)]
-                )
-                plgpu.wait_smem_to_gmem(0)
+            _store(acc, out_gmem.at[pl.ds(mi * TILE, TILE), pl.ds(ni * TILE, TILE)])
 
     kernel = plgpu.kernel(
         body,
