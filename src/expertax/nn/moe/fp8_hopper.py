@@ -44,7 +44,19 @@ sm_90a. ptxas reports 255 registers and a small spill (92 bytes) for the 128 x 1
 held twice (the partial and the promoted sum); two consumer warpgroups of 64 rows each would
 halve that (not done).
 
-The weight gradient (per group `x^T dy`, contracted over the group's rows) has no kernel here.
+`wgrad(x, dy, sizes, num_groups=G)` is the weight gradient, per group `x^T dy` [K, N] contracted
+over the group's rows, from the unquantized rows: it pads them (the layout above) and quantizes
+both in 128-row tiles per channel, so that each contraction step's scales belong to one group
+(DeepSeek's per-expert tiling). One CTA per group and 128 x 128 tile of [K, N] loops over its
+group's row tiles, the trip count read from a table (`emit_pipeline`'s dynamic grid; zero steps
+for an empty group): one `wgmma` per step on x^T [K, Mp] and dy^T [N, Mp] (both K-major: the
+wrapper transposes them), promoted by the step's scale of each row of x^T and each column of
+dy (`acc += partial * sx[step, k] * sdy[step, n]`, where `gmm` promotes by one scale per row
+and block). Interpreted, it takes dy [Mp, N] untransposed and reads the scales through plain
+ref reads, as `gmm` does. Compiled for an H100: the same eight e4m3 `wgmma` per step; ptxas
+reports 255 registers and 196 bytes of spill stores, more than `gmm`'s 92: besides the two
+float32 tiles, a step's column scales are 32 values per thread (the WGMMA column layout) where
+`gmm` has one block scale.
 """
 
 from __future__ import annotations
@@ -56,6 +68,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from expertax import quant
 
 TILE = 128  # rows per tile, output columns per tile, K per step: the recipe's block
 E4M3 = jnp.float8_e4m3fn
@@ -293,3 +307,134 @@ def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret):
         interpret=_interpreter() if interpret else None,
     )
     return kernel(tile_group, x_pad, xs_t, w, w_scale)
+
+
+class WgradOperands(NamedTuple):
+    """The wgrad's quantized operands in the padded layout (`wgrad_operands`): Mp rows, each
+    row tile in one group; scales per 128-row tile, per channel."""
+
+    x: jax.Array  # [Mp, K] e4m3
+    x_scale: jax.Array  # [Mp / 128, K] float32
+    dy: jax.Array  # [Mp, N] e4m3
+    dy_scale: jax.Array  # [Mp / 128, N] float32
+    first_tile: jax.Array  # [G] int32: each group's first row tile
+    tiles: jax.Array  # [G] int32: its row tiles
+
+
+def wgrad(
+    x, dy, sizes, *, group_offset=None, num_groups: int, out_dtype=jnp.float32, interpret=False
+):
+    """The weight gradient `x[rows of g]^T @ dy[rows of g]` of each local group g under the
+    `fp8_blockwise` recipe: `x` [M, K] and `dy` [M, N] unquantized (float32 or bfloat16), rows
+    sorted by group, `sizes` [G_all] with `group_offset` as for `gmm` (the `num_groups` local
+    groups' rows; the other rows are ignored); returns [num_groups, K, N] in `out_dtype` (an
+    empty group's matrix is zero). K and N are multiples of 128.
+
+    Both operands are quantized along the rows, the wgrad's contraction (`wgrad_operands`), in
+    the padded layout: each group's rows from a row tile on, zero-filled to the next, and one
+    scale per 128-row tile per channel (`scale = amax / 448`, `quant.quantize_blocks`). That is
+    DeepSeek-V3's per-expert tiling: a tile never mixes two groups, as the per-128-row promotion
+    needs (one scale per row of x^T and per column of dy over a contraction step).
+    `fp8_gmm.py`'s dequantized wgrad tiles the rows globally instead (a tile may straddle two
+    groups and share their amax): the same recipe, other scales where a group does not start on
+    a multiple of 128."""
+    operands = wgrad_operands(x, dy, sizes, group_offset=group_offset, num_groups=num_groups)
+    return wgrad_quantized(*operands, out_dtype=out_dtype, interpret=interpret)
+
+
+def wgrad_operands(x, dy, sizes, *, group_offset=None, num_groups: int) -> WgradOperands:
+    """`wgrad`'s padding and quantization: the rows of the local groups gathered into the padded
+    layout (`padding`: `padded_rows(M, G)` rows, zero outside the groups) and quantized in
+    128 x 1 blocks (per row tile, per channel)."""
+    (m, k), n = x.shape, dy.shape[-1]
+    if dy.shape != (m, n) or k % TILE or n % TILE:
+        raise ValueError(
+            f"wgrad takes x [M, K] and dy [M, N] with K and N multiples of {TILE}: got x "
+            f"{tuple(x.shape)} and dy {tuple(dy.shape)}"
+        )
+    local, first = _local_groups(sizes, group_offset, num_groups)
+    layout = padding(m, local, first)
+    x_q, x_s = quant.quantize_blocks(pad(x, layout), TILE, 1)
+    dy_q, dy_s = quant.quantize_blocks(pad(dy, layout), TILE, 1)
+    return WgradOperands(x_q, x_s, dy_q, dy_s, layout.first_tile, layout.tiles)
+
+
+def wgrad_quantized(
+    x, x_scale, dy, dy_scale, first_tile, tiles, *, out_dtype=jnp.float32, interpret=False
+):
+    """The kernel's wgrad from `WgradOperands` (e4m3 [Mp, K] and [Mp, N] whose row tiles
+    `first_tile[g]` to `first_tile[g] + tiles[g]` hold group g, scales [Mp / 128, K] and
+    [Mp / 128, N]): [G, K, N] in `out_dtype`.
+
+    Hopper's fp8 `wgmma` reads both operands K-major (the contraction, here the rows, minor), so
+    the GPU kernel takes x^T [K, Mp] and dy^T [N, Mp]: a transpose of the e4m3 values, one read
+    and one write of Mp (K + N) bytes (under jit XLA can fuse it into the quantizer that writes
+    them; not measured). The interpreter, which has no transposed views in `wgmma`, takes dy
+    [Mp, N] as it is (the module docstring)."""
+    (mp, k), n = x.shape, dy.shape[1]
+    want = {"dy": (dy.shape, (mp, n)), "x scales": (x_scale.shape, (mp // TILE, k))}
+    want["dy scales"] = (dy_scale.shape, (mp // TILE, n))
+    if x.dtype != E4M3 or dy.dtype != E4M3 or mp % TILE or k % TILE or n % TILE:
+        raise ValueError(
+            f"wgrad_quantized takes e4m3 x [Mp, K] and dy [Mp, N], all multiples of {TILE}: "
+            f"got {x.dtype} {tuple(x.shape)} and {dy.dtype} {tuple(dy.shape)}"
+        )
+    for name, (got, shape) in want.items():
+        if tuple(got) != shape:
+            raise ValueError(f"{name} have shape {tuple(got)}, expected {shape}")
+    dy_kernel = dy if interpret else dy.T
+    table = (first_tile.astype(jnp.int32), tiles.astype(jnp.int32))
+    return _wgrad_kernel(x.T, x_scale, dy_kernel, dy_scale, *table, out_dtype, interpret)
+
+
+def _wgrad_kernel(xt, xs, dy_kernel, dys, first_tile, tiles, out_dtype, interpret):
+    """[G, K, N]: one CTA per group and 128 x 128 tile of its [K, N], a pipelined loop over the
+    group's `tiles[g]` row tiles (a trip count read from the table: `emit_pipeline`'s dynamic
+    grid, zero steps for an empty group). xt [K, Mp] e4m3; dy_kernel [N, Mp] ([Mp, N]
+    interpreted); xs [Mp / 128, K], dys [Mp / 128, N]: a step's scales of a tile are one
+    contiguous row for TMA."""
+    k = xt.shape[0]
+    n = dys.shape[1]
+    g = first_tile.shape[0]
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def body(first_gmem, tiles_gmem, xt_gmem, xs_gmem, dy_gmem, dys_gmem, out_gmem):
+        gi = jax.lax.axis_index("g")
+        ki = jax.lax.axis_index("k")
+        ni = jax.lax.axis_index("n")
+        start = first_gmem[gi]
+
+        def step(idx, x_smem, xs_smem, dy_smem, dys_smem, carry):
+            partial = _mma(x_smem, dy_smem, interpret)
+            x_s = _vector(xs_smem, row_layout, interpret)
+            dy_s = _vector(dys_smem, col_layout, interpret)
+            # the per-128-row promotion: x^T's row scale times dy's column scale
+            rows = jax.lax.broadcast_in_dim(x_s, (TILE, TILE), (0,))
+            cols = jax.lax.broadcast_in_dim(dy_s, (TILE, TILE), (1,))
+            return carry + partial * rows * cols
+
+        dy_index = (lambda s: (start + s, ni)) if interpret else (lambda s: (ni, start + s))
+        acc = plgpu.emit_pipeline(
+            step,
+            grid=(tiles_gmem[gi],),
+            in_specs=[
+                plgpu.BlockSpec(
+                    (TILE, TILE), lambda s: (ki, start + s), transforms=_transforms(E4M3)
+                ),
+                plgpu.BlockSpec((1, TILE), lambda s: (start + s, ki)),
+                plgpu.BlockSpec((TILE, TILE), dy_index, transforms=_transforms(E4M3)),
+                plgpu.BlockSpec((1, TILE), lambda s: (start + s, ni)),
+            ],
+            max_concurrent_steps=2,
+            init_carry=_zero(interpret),
+        )(xt_gmem, xs_gmem, dy_gmem, dys_gmem)
+        _store(acc, out_gmem.at[gi, pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)])
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid=(g, k // TILE, n // TILE),
+        grid_names=("g", "k", "n"),
+        interpret=_interpreter() if interpret else None,
+    )
+    return kernel(first_tile, tiles, xt, xs, dy_kernel, dys)
