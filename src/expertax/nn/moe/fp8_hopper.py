@@ -44,17 +44,32 @@ sm_90a. ptxas reports 255 registers and a small spill (92 bytes) for the 128 x 1
 held twice (the partial and the promoted sum); two consumer warpgroups of 64 rows each would
 halve that (not done).
 
-The weight gradient (per group `x^T dy`, contracted over the group's rows) has no kernel here.
+`wgrad(x, dy, sizes, num_groups=G)` is the weight gradient, per group `x^T dy` [K, N] contracted
+over the group's rows, from the unquantized rows: it pads them (the layout above) and quantizes
+both in 128-row tiles per channel, so that each contraction step's scales belong to one group
+(DeepSeek's per-expert tiling). One CTA per group and 128 x 128 tile of [K, N] loops over its
+group's row tiles, the trip count read from a table (`emit_pipeline`'s dynamic grid; zero steps
+for an empty group): one `wgmma` per step on x^T [K, Mp] and dy^T [N, Mp] (both K-major: the
+wrapper transposes them), promoted by the step's scale of each row of x^T and each column of
+dy (`acc += partial * sx[step, k] * sdy[step, n]`, where `gmm` promotes by one scale per row
+and block). Interpreted, it takes dy [Mp, N] untransposed and reads the scales through plain
+ref reads, as `gmm` does. Compiled for an H100: the same eight e4m3 `wgmma` per step; ptxas
+reports 255 registers and 196 bytes of spill stores, more than `gmm`'s 92: besides the two
+float32 tiles, a step's column scales are 32 values per thread (the WGMMA column layout) where
+`gmm` has one block scale.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from expertax import quant
 
 TILE = 128  # rows per tile, output columns per tile, K per step: the recipe's block
 E4M3 = jnp.float8_e4m3fn
@@ -94,13 +109,19 @@ def _product(x, x_scale, w_kernel, w_scale, sizes, group_offset, out_dtype, inte
     """The kernel's product of the rows `x` [M, C] (C the contraction) with `w_kernel`: [G, O, C]
     for the GPU, [G, C, O] interpreted; `w_scale` [G, C / 128, O / 128]."""
     g, n = w_kernel.shape[0], w_scale.shape[2] * TILE
-    sizes = sizes.astype(jnp.int32)
-    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
-    first = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, sizes, 0))
-    local = jax.lax.dynamic_slice_in_dim(sizes, offset, g)
+    local, first = _local_groups(sizes, group_offset, g)
     x_pad, xs_pad, tile_group, rows = _pad_groups(x, x_scale, local, first)
     out = _kernel(x_pad, xs_pad.T, w_kernel, w_scale, tile_group, n, out_dtype, interpret)
     return jnp.where(rows[:, None] >= 0, out[jnp.maximum(rows, 0)], 0).astype(out_dtype)
+
+
+def _local_groups(sizes, group_offset, g: int):
+    """(the sizes [G] of the `g` local groups from `group_offset` on, the row where the first
+    starts: the rows of the groups before it)."""
+    sizes = sizes.astype(jnp.int32)
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    first = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, sizes, 0))
+    return jax.lax.dynamic_slice_in_dim(sizes, offset, g), first
 
 
 def _check(x, x_scale, w, w_scale, contraction):
@@ -126,11 +147,20 @@ def padded_rows(m: int, g: int) -> int:
     return -(-(m + g * (TILE - 1)) // TILE) * TILE
 
 
-def _pad_groups(x, x_scale, sizes, first):
-    """(x with each group's rows (from row `first` on) starting at a tile, its scales likewise
-    (rows outside the groups zero), the group of each row tile (-1 past the groups), and for each
-    of the M rows its row in the padded operand (-1 outside the groups))."""
-    m = x.shape[0]
+class Padding(NamedTuple):
+    """Where the rows of the groups go when each group starts at a row tile (`padding`)."""
+
+    src: jax.Array  # [Mp] int32: each padded row's source row (0 outside the groups)
+    valid: jax.Array  # [Mp] bool: whether the padded row holds one of the groups' rows
+    first_tile: jax.Array  # [G] int32: each group's first row tile
+    tiles: jax.Array  # [G] int32: its row tiles (0 for an empty group)
+    rows: jax.Array  # [M] int32: each row's padded row (-1 outside the groups)
+
+
+def padding(m: int, sizes, first) -> Padding:
+    """The padded layout of `m` rows whose local groups of `sizes` [G] rows start at row `first`
+    (groups cut at row `m`): `padded_rows(m, G)` rows, each group's rows from its first tile on,
+    zero-filled up to its next tile."""
     g = sizes.shape[0]
     mp = padded_rows(m, g)
     bounds = jnp.minimum(first + jnp.cumsum(sizes), m)
@@ -146,17 +176,30 @@ def _pad_groups(x, x_scale, sizes, first):
     pgc = jnp.minimum(pg, g - 1)
     src = starts[pgc] + p - pad_starts[pgc]
     valid = (pg < g) & (src < ends[pgc])
-    src = jnp.where(valid, src, 0)
-    x_pad = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype))
-    xs_pad = jnp.where(valid[:, None], x_scale[src], 0.0).astype(jnp.float32)
-    t = jnp.arange(mp // TILE, dtype=jnp.int32)
-    tile_group = jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32)
-    tile_group = jnp.where(tile_group < g, tile_group, -1)
     # each original row's padded row
     r = jnp.arange(m, dtype=jnp.int32)
     rg = jnp.minimum(jnp.searchsorted(ends, r, side="right"), g - 1)
     rows = jnp.where((r >= first) & (r < ends[-1]), pad_starts[rg] + r - starts[rg], -1)
-    return x_pad, xs_pad, tile_group, rows
+    first_tile = (tile_ends - tiles).astype(jnp.int32)
+    return Padding(jnp.where(valid, src, 0), valid, first_tile, tiles.astype(jnp.int32), rows)
+
+
+def pad(x, layout: Padding):
+    """The rows `x` [M, C] in the padded layout [Mp, C], zero outside the groups."""
+    return jnp.where(layout.valid[:, None], x[layout.src], jnp.zeros((), x.dtype))
+
+
+def _pad_groups(x, x_scale, sizes, first):
+    """(x with each group's rows (from row `first` on) starting at a tile, its scales likewise
+    (rows outside the groups zero), the group of each row tile (-1 past the groups), and for each
+    of the M rows its row in the padded operand (-1 outside the groups))."""
+    layout = padding(x.shape[0], sizes, first)
+    g = sizes.shape[0]
+    t = jnp.arange(layout.valid.shape[0] // TILE, dtype=jnp.int32)
+    tile_group = jnp.searchsorted(layout.first_tile + layout.tiles, t, side="right")
+    tile_group = jnp.where(tile_group < g, tile_group, -1).astype(jnp.int32)
+    xs_pad = pad(x_scale, layout).astype(jnp.float32)
+    return pad(x, layout), xs_pad, tile_group, layout.rows
 
 
 def _interpreter():
@@ -172,6 +215,47 @@ def _transforms(dtype):
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
         plgpu.SwizzleTransform(swizzle),
     )
+
+
+def _mma(a_smem, b_smem, interpret):
+    """A fresh float32 [128, 128] product of two e4m3 tiles in shared memory, one `wgmma`: `a`
+    [rows, contraction]; `b` [columns, contraction] (K-major, read through its transposed view)
+    on the GPU, [contraction, columns] interpreted."""
+    b_tile = b_smem if interpret else plgpu.transpose_ref(b_smem, (1, 0))
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_tile)
+        return acc_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC((TILE, TILE), jnp.float32))
+
+
+def _vector(smem, layout, interpret):
+    """The 128 float32 scales of a [1, 128] shared-memory block in registers, laid out to
+    broadcast along a WGMMA tile's rows or columns (interpreted: a plain ref read)."""
+    return smem[0, :] if interpret else plgpu.load(smem.at[0], (), layout=layout)
+
+
+def _zero(interpret):
+    """A zero float32 accumulator in the WGMMA layout (interpreted: unlaid-out)."""
+    zero = jnp.zeros((TILE, TILE), jnp.float32)
+    return zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+
+
+def _store(acc, out_gmem):
+    """The [128, 128] tile `acc` into the tile `out_gmem` of global memory (in its dtype),
+    through shared memory and TMA."""
+    dtype = out_gmem.dtype
+
+    @functools.partial(
+        pl.run_scoped,
+        out_smem=plgpu.SMEM((TILE, TILE), dtype, transforms=_transforms(dtype)),
+    )
+    def _(out_smem):
+        out_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+        plgpu.wait_smem_to_gmem(0)
 
 
 def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret):
@@ -192,26 +276,14 @@ def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret):
 
             def step(idx, x_smem, xs_smem, w_smem, carry):
                 (ki,) = idx
-                w_tile = w_smem if interpret else plgpu.transpose_ref(w_smem, (1, 0))
-
-                def mma(acc_ref):
-                    plgpu.wgmma(acc_ref, x_smem, w_tile)
-                    return acc_ref[...]
-
-                partial = pl.run_scoped(mma, plgpu.ACC((TILE, TILE), jnp.float32))
-                if interpret:
-                    x_s = xs_smem[0, :]
-                else:
-                    x_s = plgpu.load(xs_smem.at[0], (), layout=row_layout)
+                partial = _mma(x_smem, w_smem, interpret)
+                x_s = _vector(xs_smem, row_layout, interpret)
                 w_s = ws_gmem[g, ki, ni]
                 promote = jax.lax.broadcast_in_dim(x_s * w_s, (TILE, TILE), (0,))
                 return carry + partial * promote
 
             w_block = (TILE, TILE)
             w_index = (lambda ki: (ki, ni)) if interpret else (lambda ki: (ni, ki))
-            zero = jnp.zeros((TILE, TILE), jnp.float32)
-            if not interpret:
-                zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
             acc = plgpu.emit_pipeline(
                 step,
                 grid=(steps,),
@@ -223,20 +295,9 @@ def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret):
                     plgpu.BlockSpec(w_block, w_index, transforms=_transforms(E4M3)),
                 ],
                 max_concurrent_steps=2,
-                init_carry=zero,
+                init_carry=_zero(interpret),
             )(x_gmem, xs_gmem, w_g)
-
-            @functools.partial(
-                pl.run_scoped,
-                out_smem=plgpu.SMEM((TILE, TILE), out_dtype, transforms=_transforms(out_dtype)),
-            )
-            def _store(out_smem):
-                out_smem[...] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem, out_gmem.at[pl.ds(mi * TILE, TILE), pl.ds(ni * TILE, TILE)]
-                )
-                plgpu.wait_smem_to_gmem(0)
+            _store(acc, out_gmem.at[pl.ds(mi * TILE, TILE), pl.ds(ni * TILE, TILE)])
 
     kernel = plgpu.kernel(
         body,
@@ -246,3 +307,134 @@ def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret):
         interpret=_interpreter() if interpret else None,
     )
     return kernel(tile_group, x_pad, xs_t, w, w_scale)
+
+
+class WgradOperands(NamedTuple):
+    """The wgrad's quantized operands in the padded layout (`wgrad_operands`): Mp rows, each
+    row tile in one group; scales per 128-row tile, per channel."""
+
+    x: jax.Array  # [Mp, K] e4m3
+    x_scale: jax.Array  # [Mp / 128, K] float32
+    dy: jax.Array  # [Mp, N] e4m3
+    dy_scale: jax.Array  # [Mp / 128, N] float32
+    first_tile: jax.Array  # [G] int32: each group's first row tile
+    tiles: jax.Array  # [G] int32: its row tiles
+
+
+def wgrad(
+    x, dy, sizes, *, group_offset=None, num_groups: int, out_dtype=jnp.float32, interpret=False
+):
+    """The weight gradient `x[rows of g]^T @ dy[rows of g]` of each local group g under the
+    `fp8_blockwise` recipe: `x` [M, K] and `dy` [M, N] unquantized (float32 or bfloat16), rows
+    sorted by group, `sizes` [G_all] with `group_offset` as for `gmm` (the `num_groups` local
+    groups' rows; the other rows are ignored); returns [num_groups, K, N] in `out_dtype` (an
+    empty group's matrix is zero). K and N are multiples of 128.
+
+    Both operands are quantized along the rows, the wgrad's contraction (`wgrad_operands`), in
+    the padded layout: each group's rows from a row tile on, zero-filled to the next, and one
+    scale per 128-row tile per channel (`scale = amax / 448`, `quant.quantize_blocks`). That is
+    DeepSeek-V3's per-expert tiling: a tile never mixes two groups, as the per-128-row promotion
+    needs (one scale per row of x^T and per column of dy over a contraction step).
+    `fp8_gmm.py`'s dequantized wgrad tiles the rows globally instead (a tile may straddle two
+    groups and share their amax): the same recipe, other scales where a group does not start on
+    a multiple of 128."""
+    operands = wgrad_operands(x, dy, sizes, group_offset=group_offset, num_groups=num_groups)
+    return wgrad_quantized(*operands, out_dtype=out_dtype, interpret=interpret)
+
+
+def wgrad_operands(x, dy, sizes, *, group_offset=None, num_groups: int) -> WgradOperands:
+    """`wgrad`'s padding and quantization: the rows of the local groups gathered into the padded
+    layout (`padding`: `padded_rows(M, G)` rows, zero outside the groups) and quantized in
+    128 x 1 blocks (per row tile, per channel)."""
+    (m, k), n = x.shape, dy.shape[-1]
+    if dy.shape != (m, n) or k % TILE or n % TILE:
+        raise ValueError(
+            f"wgrad takes x [M, K] and dy [M, N] with K and N multiples of {TILE}: got x "
+            f"{tuple(x.shape)} and dy {tuple(dy.shape)}"
+        )
+    local, first = _local_groups(sizes, group_offset, num_groups)
+    layout = padding(m, local, first)
+    x_q, x_s = quant.quantize_blocks(pad(x, layout), TILE, 1)
+    dy_q, dy_s = quant.quantize_blocks(pad(dy, layout), TILE, 1)
+    return WgradOperands(x_q, x_s, dy_q, dy_s, layout.first_tile, layout.tiles)
+
+
+def wgrad_quantized(
+    x, x_scale, dy, dy_scale, first_tile, tiles, *, out_dtype=jnp.float32, interpret=False
+):
+    """The kernel's wgrad from `WgradOperands` (e4m3 [Mp, K] and [Mp, N] whose row tiles
+    `first_tile[g]` to `first_tile[g] + tiles[g]` hold group g, scales [Mp / 128, K] and
+    [Mp / 128, N]): [G, K, N] in `out_dtype`.
+
+    Hopper's fp8 `wgmma` reads both operands K-major (the contraction, here the rows, minor), so
+    the GPU kernel takes x^T [K, Mp] and dy^T [N, Mp]: a transpose of the e4m3 values, one read
+    and one write of Mp (K + N) bytes (under jit XLA can fuse it into the quantizer that writes
+    them; not measured). The interpreter, which has no transposed views in `wgmma`, takes dy
+    [Mp, N] as it is (the module docstring)."""
+    (mp, k), n = x.shape, dy.shape[1]
+    want = {"dy": (dy.shape, (mp, n)), "x scales": (x_scale.shape, (mp // TILE, k))}
+    want["dy scales"] = (dy_scale.shape, (mp // TILE, n))
+    if x.dtype != E4M3 or dy.dtype != E4M3 or mp % TILE or k % TILE or n % TILE:
+        raise ValueError(
+            f"wgrad_quantized takes e4m3 x [Mp, K] and dy [Mp, N], all multiples of {TILE}: "
+            f"got {x.dtype} {tuple(x.shape)} and {dy.dtype} {tuple(dy.shape)}"
+        )
+    for name, (got, shape) in want.items():
+        if tuple(got) != shape:
+            raise ValueError(f"{name} have shape {tuple(got)}, expected {shape}")
+    dy_kernel = dy if interpret else dy.T
+    table = (first_tile.astype(jnp.int32), tiles.astype(jnp.int32))
+    return _wgrad_kernel(x.T, x_scale, dy_kernel, dy_scale, *table, out_dtype, interpret)
+
+
+def _wgrad_kernel(xt, xs, dy_kernel, dys, first_tile, tiles, out_dtype, interpret):
+    """[G, K, N]: one CTA per group and 128 x 128 tile of its [K, N], a pipelined loop over the
+    group's `tiles[g]` row tiles (a trip count read from the table: `emit_pipeline`'s dynamic
+    grid, zero steps for an empty group). xt [K, Mp] e4m3; dy_kernel [N, Mp] ([Mp, N]
+    interpreted); xs [Mp / 128, K], dys [Mp / 128, N]: a step's scales of a tile are one
+    contiguous row for TMA."""
+    k = xt.shape[0]
+    n = dys.shape[1]
+    g = first_tile.shape[0]
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def body(first_gmem, tiles_gmem, xt_gmem, xs_gmem, dy_gmem, dys_gmem, out_gmem):
+        gi = jax.lax.axis_index("g")
+        ki = jax.lax.axis_index("k")
+        ni = jax.lax.axis_index("n")
+        start = first_gmem[gi]
+
+        def step(idx, x_smem, xs_smem, dy_smem, dys_smem, carry):
+            partial = _mma(x_smem, dy_smem, interpret)
+            x_s = _vector(xs_smem, row_layout, interpret)
+            dy_s = _vector(dys_smem, col_layout, interpret)
+            # the per-128-row promotion: x^T's row scale times dy's column scale
+            rows = jax.lax.broadcast_in_dim(x_s, (TILE, TILE), (0,))
+            cols = jax.lax.broadcast_in_dim(dy_s, (TILE, TILE), (1,))
+            return carry + partial * rows * cols
+
+        dy_index = (lambda s: (start + s, ni)) if interpret else (lambda s: (ni, start + s))
+        acc = plgpu.emit_pipeline(
+            step,
+            grid=(tiles_gmem[gi],),
+            in_specs=[
+                plgpu.BlockSpec(
+                    (TILE, TILE), lambda s: (ki, start + s), transforms=_transforms(E4M3)
+                ),
+                plgpu.BlockSpec((1, TILE), lambda s: (start + s, ki)),
+                plgpu.BlockSpec((TILE, TILE), dy_index, transforms=_transforms(E4M3)),
+                plgpu.BlockSpec((1, TILE), lambda s: (start + s, ni)),
+            ],
+            max_concurrent_steps=2,
+            init_carry=_zero(interpret),
+        )(xt_gmem, xs_gmem, dy_gmem, dys_gmem)
+        _store(acc, out_gmem.at[gi, pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)])
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid=(g, k // TILE, n // TILE),
+        grid_names=("g", "k", "n"),
+        interpret=_interpreter() if interpret else None,
+    )
+    return kernel(first_tile, tiles, xt, xs, dy_kernel, dys)

@@ -1,0 +1,157 @@
+"""The Hopper fp8 grouped GEMM's weight gradient (`fp8_hopper.wgrad`).
+
+- numerics on CPU in Pallas's Mosaic GPU interpreter against a float64 reference built here in
+  NumPy from the same quantization: each group's rows padded to 128-row tiles on their own,
+  quantized per tile and channel, dequantized and multiplied `x^T dy` (uneven groups, groups of
+  one to three tiles, an empty one, rows outside the groups holding large values, a group
+  offset, bfloat16 rows); the negative control: the rows tiled globally (a tile straddling two
+  groups shares their amax, `fp8_gmm.py`'s tiling) is far outside the tolerance;
+- compiled for `gpu:h100x8` without a GPU: e4m3 x e4m3 `wgmma` with float32 accumulators.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import SingleDeviceSharding
+
+from expertax import platform, quant, targets
+from expertax.nn.moe import fp8_hopper
+
+TILE = fp8_hopper.TILE
+M = 384
+
+
+def _rows(width, sizes, offset, seed, dtype):
+    """[M, width] rows whose groups have different magnitudes (so that a tile shared by two
+    groups would take the larger one's scale); the rows outside the local groups are large."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, width)) * np.exp(rng.uniform(-2, 2, (1, width)))
+    edges = np.cumsum([0, *sizes])
+    for g in range(len(sizes)):
+        x[edges[g] : edges[g + 1]] *= 4.0**g
+    x[: edges[offset]] = 1e4
+    x[edges[-1] :] = -1e4
+    return jnp.asarray(x, dtype)
+
+
+def _dequantized(rows_RC, tiled):
+    """`rows_RC` quantized in 128-row tiles per channel (the project's quantizer, in NumPy) and
+    dequantized, float64; `tiled=False`: the rows are padded to a whole tile first."""
+    r = rows_RC.shape[0]
+    padded = np.zeros((-(-r // TILE) * TILE, rows_RC.shape[1]), np.float32)
+    padded[:r] = rows_RC
+    q, scale = quant.quantize_blocks(padded, TILE, 1, xp=np)
+    return q.astype(np.float64) * np.repeat(scale, TILE, axis=0).astype(np.float64)
+
+
+def _reference(x, dy, sizes, offset, num_groups, per_group=True):
+    """(float64 [G, K, N] of each local group's `x^T dy` on its dequantized rows, the same
+    product of the magnitudes: the float32 accumulation's error scale). `per_group`: each group
+    padded to whole tiles on its own (the kernel's layout); else the local groups' rows tiled
+    as they lie in the buffer, the other rows zeroed (a tile may straddle two groups)."""
+    x, dy = np.asarray(x, np.float32), np.asarray(dy, np.float32)
+    edges = np.cumsum([0, *sizes])
+    local = slice(edges[offset], edges[offset + num_groups])
+    if not per_group:
+        keep = np.zeros((M, 1), bool)
+        keep[local] = True
+        x, dy = _dequantized(np.where(keep, x, 0), True), _dequantized(np.where(keep, dy, 0), True)
+    out = np.zeros((2, num_groups, x.shape[1], dy.shape[1]))
+    for g in range(num_groups):
+        rows = slice(edges[offset + g], edges[offset + g + 1])
+        xg, dyg = x[rows], dy[rows]
+        if per_group and len(xg):
+            xg, dyg = _dequantized(xg, False), _dequantized(dyg, False)
+        out[:, g] = xg.T @ dyg, np.abs(xg).T @ np.abs(dyg)
+    return out
+
+
+def _within(got, want, scale):
+    """Within float32 accumulation: each 128-row step's partial and its promotion rounded,
+    ~1e-6 of the step's summed magnitudes (the interpreter multiplies in NumPy float32)."""
+    return np.all(np.abs(np.asarray(got, np.float64) - want) <= 2e-6 * scale + 1e-30)
+
+
+@pytest.mark.parametrize(
+    "sizes, offset, num_groups, dtype",
+    [
+        ((100, 0, 200, 30), 0, 4, jnp.float32),
+        ((40, 150, 0, 60, 90), 1, 3, jnp.bfloat16),
+    ],
+    ids=["uneven_empty", "offset_bfloat16"],
+)
+def test_wgrad_in_the_interpreter_matches_the_per_group_tiles(sizes, offset, num_groups, dtype):
+    """Each local group's `x^T dy` on its own 128-row tiles (groups of 1 to 3 tiles: the
+    kernel's loop length per group); the empty group's matrix is exact zeros; the large rows
+    outside the local groups do not reach it. The negative control: the globally tiled
+    quantization's product differs by far more than the tolerance."""
+    x = _rows(256, sizes, offset, 0, dtype)
+    dy = _rows(128, sizes, offset, 1, dtype)
+    sizes_arr = jnp.asarray(sizes, jnp.int32)
+    got = fp8_hopper.wgrad(
+        x, dy, sizes_arr, group_offset=offset, num_groups=num_groups, interpret=True
+    )
+    assert got.shape == (num_groups, 256, 128) and got.dtype == jnp.float32
+    want, scale = _reference(x, dy, sizes, offset, num_groups)
+    assert _within(got, want, scale)
+    empty = [g for g in range(num_groups) if sizes[offset + g] == 0]
+    assert empty and not np.any(np.asarray(got)[empty])
+    global_tiles = _reference(x, dy, sizes, offset, num_groups, per_group=False)[0]
+    assert not _within(global_tiles, want, scale)
+    # the schedule: each group from its own first tile, ceil(size / 128) tiles
+    ops = fp8_hopper.wgrad_operands(x, dy, sizes_arr, group_offset=offset, num_groups=num_groups)
+    tiles = -(-np.asarray(sizes[offset : offset + num_groups]) // TILE)
+    np.testing.assert_array_equal(ops.tiles, tiles)
+    np.testing.assert_array_equal(ops.first_tile, np.cumsum(tiles) - tiles)
+
+
+def test_refusals():
+    x, dy = jnp.ones((M, 192)), jnp.ones((M, 128))
+    sizes = jnp.array([10, 20], jnp.int32)
+    with pytest.raises(ValueError, match=r"x \(384, 192\) and dy \(384, 128\)"):
+        fp8_hopper.wgrad(x, dy, sizes, num_groups=2)
+    with pytest.raises(ValueError, match=r"x \(384, 256\) and dy \(383, 128\)"):
+        fp8_hopper.wgrad(jnp.ones((M, 256)), dy[1:], sizes, num_groups=2)
+    mp = fp8_hopper.padded_rows(M, 2)
+    xq, dyq = jnp.zeros((mp, 256), quant.E4M3), jnp.zeros((mp, 128), quant.E4M3)
+    xs, dys = jnp.ones((mp // TILE, 256)), jnp.ones((mp // TILE, 128))
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8_hopper.wgrad_quantized(xq.astype(jnp.bfloat16), xs, dyq, dys, sizes, sizes)
+    with pytest.raises(ValueError, match="x scales"):
+        fp8_hopper.wgrad_quantized(xq, xs[:, :128], dyq, dys, sizes, sizes)
+
+
+@pytest.mark.skipif(
+    not targets.compiler_available("gpu"), reason="the GPU compiler (expertax[gpu]) is missing"
+)
+def test_wgrad_compiles_for_h100_to_e4m3_wgmma(tmp_path, monkeypatch):
+    """Deviceless compile for an H100 from bfloat16 rows (padding, quantization and the
+    transposes in XLA around the kernel): the kernel's PTX multiplies e4m3 by e4m3 into float32
+    on the tensor cores (`wgmma.mma_async`), 8 instructions per 128-row step (two m64 halves of
+    the K tile, four k32 slices of the step), and no product on other types."""
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    dev = targets.parse_target("gpu:h100x8").devices()[0]
+    sharding = SingleDeviceSharding(dev)
+    g, m, k, n = 4, 640, 384, 256  # shapes of their own: a fresh kernel, not a cached one
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def f(x, dy, sizes):
+        return fp8_hopper.wgrad(x, dy, sizes, num_groups=g)
+
+    args = (arg((m, k), jnp.bfloat16), arg((m, n), jnp.bfloat16), arg((g,), jnp.int32))
+    with platform.use("gpu", dev):
+        lowered = jax.jit(f).lower(*args)
+    assert "mosaic_gpu_v2" in lowered.as_text()
+    lowered.compile()
+    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert ".target sm_90a" in ptx
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.(\w+)\.(\w+)", ptx)
+    assert len(mmas) == 8 and set(mmas) == {("128", "e4m3", "e4m3")}, mmas
+    assert "sm_90a" in "\n".join(p.read_text() for p in tmp_path.glob("*.ptxas"))
