@@ -164,11 +164,9 @@ def run_stack(
     (models/pipeline.py), the rest after it. The MoE stack with `moe_paged_stash` runs as
     models/stashed_stack.py (always scanned). `imposed_LBTK` (an MoE stack's routing, one
     selection per layer) is taken by the plain stack only (not pipelined, not stashed), and so
-    are `probes` (one fp8 probe per layer, nn/fp8_stats.py: [L, ...])."""
+    (one fp8 probe per layer, nn/fp8_stats.py: [L, ...]) by the plain and the pipelined stacks."""
     moe = stacked.moe is not None
     pipelined = c.pipelined_layers if c.pipelined_stack == ("moe" if moe else "dense") else 0
-    if probes is not None and pipelined:
-        raise ValueError("fp8 statistics need the layer stack without a pipeline")
     if imposed_LBTK is not None and (pipelined or c.moe_paged_stash):
         raise ValueError(
             "an imposed routing needs the plain layer stack (ici_pipeline_parallelism=1 for the "
@@ -181,7 +179,10 @@ def run_stack(
 
     def layer(window):
         def fn(x, p, positions, segment_ids):
-            return block_apply(p, x, c, positions, segment_ids, dtype, window=window)[:2]
+            p, probe = p if probes is not None else (p, None)
+            return block_apply(p, x, c, positions, segment_ids, dtype, window=window, probe=probe)[
+                :2
+            ]
 
         return fn
 
@@ -190,12 +191,18 @@ def run_stack(
     layers = [layer(w) for w in layer_pattern.windows(c)]
     head = jax.tree.map(lambda a: a[:pipelined], stacked)
     axes = logical_axes(block_spec(c, moe=moe))
-    x_BTD, stats = pipeline.run(head, x_BTD, positions_BT, segment_ids_BT, c, layers, axes)
+    head_probes = None if probes is None else probes[:pipelined]
+    x_BTD, stats = pipeline.run(
+        head, x_BTD, positions_BT, segment_ids_BT, c, layers, axes, probes=head_probes
+    )
     n = jax.tree.leaves(stacked)[0].shape[0]
     if pipelined == n:
         return x_BTD, stats
     rest = jax.tree.map(lambda a: a[pipelined:], stacked)
-    x_BTD, more = _run_layers(rest, x_BTD, c, positions_BT, segment_ids_BT, dtype, first=pipelined)
+    rest_probes = None if probes is None else probes[pipelined:]
+    x_BTD, more = _run_layers(
+        rest, x_BTD, c, positions_BT, segment_ids_BT, dtype, first=pipelined, probes=rest_probes
+    )
     if stats is None:
         return x_BTD, None
     return x_BTD, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, more)

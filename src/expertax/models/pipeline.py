@@ -79,15 +79,23 @@ LayerFn = Callable[..., tuple[jax.Array, MoEStats | None]]
 
 
 def run(
-    stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, layers: Sequence[LayerFn], layer_axes
-):
+    stacked, x_BTD, positions_BT, segment_ids_BT, c: Config, layers: Sequence[LayerFn], layer_axes,
+    probes=None,
+):  # fmt: skip
     """The layers `stacked` ([L, ...] leaves, L = c.pipelined_layers) as a pipeline.
 
     `layers`: the layer function of each kind of the stack's cycle (models/layer_pattern.py),
     layer l running `layers[l % len(layers)]`. `layer_axes`: the logical axes of one layer's
-    parameters (the leaves without the layer axis).
+    parameters (the leaves without the layer axis). `probes` ([L, ...], nn/fp8_stats.py): the
+    layers' fp8 probes; the layer functions then take `(params, probe)` where they take params,
+    carried like the weights (their cotangents, the quantizer counts, summed like the weight
+    gradients), and zero in the bubbles: a bubble slot computes on stale data, and a probe's
+    cotangent does not scale with the output gradient that is zero there.
     Returns (x [B, T, D], per-layer MoEStats [L, ...] in layer order, or None).
     """
+    if probes is not None:
+        stacked = (stacked, probes)
+        layer_axes = (layer_axes, jax.tree.map(lambda a: (None,) * (a.ndim - 1), probes))
     s_n, r_n, m_n = c.pipeline_stages, c.num_pipeline_repeats, c.pipeline_microbatches
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     per_visit = num_layers // (s_n * r_n)
@@ -115,7 +123,7 @@ def run(
     pos_MBT = microbatches(positions_BT)
     seg_MBT = None if segment_ids_BT is None else microbatches(segment_ids_BT)
     sched = _Schedule(s_n, r_n, m_n)
-    stages = _Stages(tuple(layers), sched, _without_pipeline(current_rules()))
+    stages = _Stages(tuple(layers), sched, _without_pipeline(current_rules()), probes is not None)
     acc0 = stages.zero_stats(w, x_MBTD, pos_MBT, seg_MBT)
 
     if c.remat_policy == "none":
@@ -169,8 +177,11 @@ class _Stages:
     cycle of the layer kinds per step (`layers`: one function per kind; layer j of a visit is of
     kind j mod n, the visit's length a multiple of n)."""
 
-    def __init__(self, layers: tuple[LayerFn, ...], sched: _Schedule, inner_rules):
+    def __init__(
+        self, layers: tuple[LayerFn, ...], sched: _Schedule, inner_rules, probed: bool = False
+    ):
         self.layers, self.sched, self.inner_rules = layers, sched, inner_rules
+        self.probed = probed  # the weights are (params, fp8 probes): `run`
 
     def _rules(self):
         # Inside a stage `pipeline` is the vmapped stage axis: no constraint or shard_map spec
@@ -193,28 +204,38 @@ class _Stages:
 
         return jax.tree.map(index, w_s)
 
+    def _masked(self, p, valid):
+        """A layer's params with its fp8 probe times `valid` (the stage's slot is real work, not
+        a bubble), inside what is differentiated: the probe's cotangent is then masked too."""
+        if not self.probed:
+            return p
+        params, probe = p
+        return params, jax.tree.map(lambda a: a * valid.astype(a.dtype), probe)
+
     def _layers(self, w_s):
         return jnp.arange(jax.tree.leaves(w_s)[0].shape[1], dtype=jnp.int32)
 
     def _vmap(self, fn, in_axes, out_axes=0):
         return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, spmd_axis_name=_spmd_axis())
 
-    def forward(self, w, r_S, x_SBTD, pos_SBT, seg_SBT):
+    def forward(self, w, r_S, x_SBTD, pos_SBT, seg_SBT, valid_S):
         """(y [S, mb, T, D], per-layer stats [S, Lps, ...] or None)."""
 
-        def stage(w_s, r, x, pos, seg):
+        def stage(w_s, r, x, pos, seg, valid):
             def body(layer):
-                return lambda x, j: layer(x, self._layer_params(w_s, r, j), pos, seg)
+                return lambda x, j: layer(
+                    x, self._masked(self._layer_params(w_s, r, j), valid), pos, seg
+                )
 
             with self._rules():
                 bodies = [body(layer) for layer in self.layers]
                 return layer_pattern.scan(bodies, x, self._layers(w_s))
 
         x_SBTD = remat.tag(x_SBTD, ITERATION_INPUT)
-        in_axes = (1, 0, 0, 0, None if seg_SBT is None else 0)
-        return self._vmap(stage, in_axes)(w, r_S, x_SBTD, pos_SBT, seg_SBT)
+        in_axes = (1, 0, 0, 0, None if seg_SBT is None else 0, 0)
+        return self._vmap(stage, in_axes)(w, r_S, x_SBTD, pos_SBT, seg_SBT, valid_S)
 
-    def backward(self, w, dw, r_S, x_SBTD, pos_SBT, seg_SBT, dy_SBTD, dsums_S):
+    def backward(self, w, dw, r_S, x_SBTD, pos_SBT, seg_SBT, dy_SBTD, dsums_S, valid_S):
         """The VJP of `forward` at x: (dx [S, mb, T, D], dw + the weights' gradient).
 
         Each stage runs its layers forward again keeping their inputs, then backward layer by
@@ -224,13 +245,13 @@ class _Stages:
         `dsums_S`: the cotangents of the stats sums (load_E, prob_sum_E) [S, Lps, E] or None.
         """
 
-        def stage(w_s, dw_s, r, x, pos, seg, dy, dsums):
+        def stage(w_s, dw_s, r, x, pos, seg, dy, dsums, valid):
             def sums(stats):
                 return None if stats is None else (stats.load_E, stats.prob_sum_E)
 
             def kind(fn):
                 def layer(p, x):
-                    y, stats = fn(x, p, pos, seg)
+                    y, stats = fn(x, self._masked(p, valid), pos, seg)
                     return y, sums(stats)
 
                 return layer
@@ -260,9 +281,9 @@ class _Stages:
 
         seg_axis = None if seg_SBT is None else 0
         sums_axis = None if dsums_S is None else 0
-        in_axes = (1, 1, 0, 0, 0, seg_axis, 0, sums_axis)
+        in_axes = (1, 1, 0, 0, 0, seg_axis, 0, sums_axis, 0)
         fn = self._vmap(stage, in_axes, out_axes=(0, 1))
-        return fn(w, dw, r_S, x_SBTD, pos_SBT, seg_SBT, dy_SBTD, dsums_S)
+        return fn(w, dw, r_S, x_SBTD, pos_SBT, seg_SBT, dy_SBTD, dsums_S, valid_S)
 
     def zero_stats(self, w, x_MBTD, pos_MBT, seg_MBT):
         """Zero sums `(load [R, S, Lps, E], prob_sum [R, S, Lps, E], dropped [R, S, Lps])`, or
@@ -272,7 +293,7 @@ class _Stages:
         x = jnp.broadcast_to(x_MBTD[:1], (self.sched.s_n, *x_MBTD.shape[1:]))
         pos = jnp.broadcast_to(pos_MBT[:1], (self.sched.s_n, *pos_MBT.shape[1:]))
         seg = None if seg is None else jnp.broadcast_to(seg, pos.shape)
-        _, stats = jax.eval_shape(self.forward, w, r0, x, pos, seg)
+        _, stats = jax.eval_shape(self.forward, w, r0, x, pos, seg, r0 == 0)
         if stats is None:
             return None
         lead = (self.sched.r_n,)
@@ -316,7 +337,7 @@ def _scan(sched: _Schedule, c: Config, forward, w, x_MBTD, pos_MBT, seg_MBT, acc
             saved = _per_stage(_put, saved, state_SBTD, sched.items(it), valid_S)
         pos_SBT = jnp.take(pos_MBT, m_S, axis=0)
         seg_SBT = None if seg_MBT is None else jnp.take(seg_MBT, m_S, axis=0)
-        y_SBTD, stats = forward(w, r_S, state_SBTD, pos_SBT, seg_SBT)
+        y_SBTD, stats = forward(w, r_S, state_SBTD, pos_SBT, seg_SBT, valid_S)
         y_SBTD = constrain(y_SBTD, STATE_AXES)
         # the last stage's output, by microbatch
         last_ok, m_last = sched.last(it)
@@ -405,8 +426,9 @@ def _pipeline_vjp(
                 dsums_S = jax.tree.map(pick, dsums)
             pos_SBT = jnp.take(pos_MBT, m_S, axis=0)
             seg_SBT = None if seg_MBT is None else jnp.take(seg_MBT, m_S, axis=0)
+            dy_SBTD = constrain(dy_SBTD, STATE_AXES)
             dx_SBTD, dw = stages.backward(
-                w, dw, r_S, state_SBTD, pos_SBT, seg_SBT, constrain(dy_SBTD, STATE_AXES), dsums_S
+                w, dw, r_S, state_SBTD, pos_SBT, seg_SBT, dy_SBTD, dsums_S, valid_S
             )
             dx_SBTD = constrain(dx_SBTD, STATE_AXES)
             # stage 0's input came from the microbatches (first repeat) or the output buffer

@@ -118,9 +118,8 @@ class NonFiniteError(RuntimeError):
 
 def fp8_probes(c: Config) -> dict | None:
     """One fp8 probe per decoder layer and MTP module (float32 zeros, nn/fp8_stats.py) by stack:
-    "dense", "moe", "mtp"; None without `quantization` or with a pipeline (whose stages take
-    no probes: no fp8 statistics there)."""
-    if not c.quantization or c.pipelined_layers:
+    "dense", "moe", "mtp"; None without `quantization`."""
+    if not c.quantization:
         return None
     sizes = {"dense": c.num_dense_layers, "moe": c.num_moe_layers, "mtp": c.mtp_num_layers}
     return {k: fp8_stats.zeros(n) for k, n in sizes.items() if n}
