@@ -8,8 +8,14 @@ XLA's Triton fusions, Pallas kernels), each with the scope of its first call sit
 compiled FLOPs (planner/flops.py: loop bodies times their trip counts) and the temporaries
 (`memory_analysis`). COMPILED ONLY: no time.
 
+`--hopper`: deepseek3-tiny with its dims in whole 128-tiles (tools/fp8_kernels.HOPPER_DIMS),
+where the Hopper kernel (nn/fp8_kernel.py) takes the products `gmm_impl=auto` and the
+blockwise recipe give it; the table then says which kernel runs each product (routed
+experts, shared experts, dense linears: fprop, dgrad, wgrad; tools/fp8_kernels.py), against
+the bfloat16 step.
+
 Run: python benchmarks/fp8_targets.py [--target gpu:h100x8] [--models mixtral-tiny deepseek3-tiny]
-       [--json PATH]
+       [--hopper] [--json PATH]
 Prints a JSON line per (model, recipe), then a Markdown table.
 """
 
@@ -26,6 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from expertax import targets  # noqa: E402
 from expertax.config import load_config  # noqa: E402
 from expertax.planner.flops import count_flops  # noqa: E402
+from expertax.tools import fp8_kernels  # noqa: E402
 from expertax.train.trainer import build_trainer  # noqa: E402
 
 RECIPES = ("", "fp8_tensorwise", "fp8_blockwise")
@@ -50,7 +57,8 @@ def _scope(op_name: str, target: str) -> str:
 def measure(model: str, recipe: str, target: str, **over) -> dict:
     devices = targets.parse_target(target).devices()
     keys = {"model_name": model, "quantization": recipe, "dtype": "bfloat16", **over}
-    compiled = build_trainer(load_config(overrides=keys), devices).compile()
+    trainer = build_trainer(load_config(overrides=keys), devices)
+    compiled = trainer.compile()
     text = compiled.as_text()
     kernels: collections.Counter[str] = collections.Counter()
     for line in text.splitlines():
@@ -69,20 +77,45 @@ def measure(model: str, recipe: str, target: str, **over) -> dict:
         "kernels": dict(sorted(kernels.items())),
         "compiled_gflop": flops.flops / 1e9,
         "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+        "routed_fp8": trainer.fp8_experts,
+        "by_product": {
+            f"{p}: {k}": n for (p, k), n in sorted(fp8_kernels.by_product(text).items())
+        },
         "over": over,
     }
+
+
+def product_table(rows: list[dict]) -> None:
+    """Per product, the kernels that run it in each recipe's step (calls in the program)."""
+    print("\n| product | " + " | ".join(r["recipe"] for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for product in fp8_kernels.PRODUCTS:
+        cells = [
+            ", ".join(
+                f"{k.split(': ')[1]} x{n}" for k, n in r["by_product"].items()
+                if k.startswith(product + ":")
+            ) or "-"
+            for r in rows
+        ]  # fmt: skip
+        print(f"| {product} | " + " | ".join(cells) + " |")
+    print("| temporaries MiB | " + " | ".join(f"{r['temp_mib']:.1f}" for r in rows) + " |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="gpu:h100x8")
     ap.add_argument("--models", nargs="+", default=["mixtral-tiny", "deepseek3-tiny"])
+    ap.add_argument(
+        "--hopper", action="store_true", help="deepseek3-tiny in fp8_kernels.HOPPER_DIMS"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
-    for model in args.models:
+    models = ["deepseek3-tiny"] if args.hopper else args.models
+    over = {"max_target_length": 256, **(fp8_kernels.HOPPER_DIMS if args.hopper else {})}
+    for model in models:
         for recipe in RECIPES:
-            row = measure(model, recipe, args.target, max_target_length=256)
+            row = measure(model, recipe, args.target, **over)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.json:
@@ -99,6 +132,8 @@ def main() -> None:
             f"| {r['model']} | {r['recipe']} | {r['fp8_gemms']} | {kernels} | "
             f"{r['compiled_gflop']:.4f} | {r['temp_mib']:.1f} |"
         )
+    if args.hopper:
+        product_table(rows)
 
 
 if __name__ == "__main__":

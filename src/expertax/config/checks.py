@@ -270,6 +270,30 @@ def check_quantization(c: Config) -> None:
         )
 
 
+# `gmm_impl=fp8_hopper` (nn/fp8_kernel.py): its kernel's tile along K and N (quant.BLOCK)
+FP8_KERNEL, FP8_KERNEL_TILE = "fp8_hopper", 128
+
+
+def check_fp8_kernel(c: Config) -> None:
+    """`gmm_impl=fp8_hopper` multiplies fp8 operands in 128 x 128 tiles: it needs a recipe and
+    dims of whole tiles (the devices and the split of F: nn/fp8_kernel.routed_choice)."""
+    if c.gmm_impl != FP8_KERNEL:
+        return
+    if not c.quantization:
+        raise ConfigError(
+            f"gmm_impl={FP8_KERNEL} multiplies e4m3 operands: it needs quantization="
+            "fp8_blockwise or fp8_tensorwise (got quantization=''); without quantization use "
+            "auto, tiled, ragged_dot, tokamax_triton, tokamax_mosaic_gpu or megablox"
+        )
+    d, f, t = c.base_emb_dim, c.base_moe_mlp_dim, FP8_KERNEL_TILE
+    if c.is_moe and (d % t or f % t):
+        raise ConfigError(
+            f"gmm_impl={FP8_KERNEL}: its kernel takes {t} x {t} tiles; base_emb_dim={d} and "
+            f"base_moe_mlp_dim={f} must be multiples of {t}; use gmm_impl=auto (dequantized "
+            "products for these dims)"
+        )
+
+
 def check_routing_bias(c: Config) -> None:
     if c.routed_bias and c.routed_score_func != "sigmoid":
         raise ConfigError(
@@ -596,6 +620,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     check_rope,
     check_capacity,
     check_quantization,
+    check_fp8_kernel,
     check_routing_bias,
     check_pipeline,
     check_parallelism_values,

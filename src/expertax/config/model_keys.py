@@ -267,14 +267,23 @@ class MoESection(_Section):
         TRAINING, True, description="Combine the K expert outputs in float32 (else in `dtype`)."
     )
     gmm_impl: Literal[
-        "auto", "ragged_dot", "tiled", "tokamax_triton", "tokamax_mosaic_gpu", "megablox"
+        "auto",
+        "ragged_dot",
+        "tiled",
+        "tokamax_triton",
+        "tokamax_mosaic_gpu",
+        "megablox",
+        "fp8_hopper",
     ] = _key(
         LAYOUT,
         "auto",
         description="Grouped-matmul backend of the sparse path: tiled (pure JAX loops, any "
         "platform), ragged_dot (jax.lax.ragged_dot), tokamax_triton / tokamax_mosaic_gpu (GPU "
         "kernels, extra 'gpu'), megablox (TPU kernels); auto picks per platform from the "
-        "evidence recorded in nn/moe/gmm.py (MEASURED).",
+        "evidence recorded in nn/moe/gmm.py (MEASURED). fp8_hopper (quantization only, Hopper "
+        "GPUs, D and F multiples of 128): the fp8 fprop and dgrad on e4m3 wgmma "
+        "(nn/fp8_kernel.py), which auto picks under quantization on a Hopper mesh where the "
+        "dims fit.",
     )
     gmm_tile_rows: int = _key(LAYOUT, 512, gt=0, description="tiled gmm: rows per full tile.")
     gmm_tile_rows_min: int = _key(

@@ -10,8 +10,10 @@ with float32 accumulation, under one of two recipes (config key `quantization`).
   weights in 128 x 128 blocks (the hub checkpoint's `weight_scale_inv` layout, the same
   quantizer as `convert/fp8.py`: `quant.quantize_blocks`). The wgrad contracts over tokens, so
   its operands are re-tiled along the token axis (1 x 128 over tokens, per channel). XLA has no
-  block-scaled fp8 GEMM: on a GPU the operands are dequantized and multiplied in their dtype
-  (fp8's bytes saved, not its tensor-core time).
+  block-scaled fp8 GEMM: on a Hopper GPU the fprop and the dgrad of a linear whose K and N are
+  multiples of 128 run on `moe/fp8_hopper.py`'s kernel as one group (e4m3 `wgmma`, per-128-K
+  promotion; `nn/fp8_kernel.py` decides); every other product is dequantized and multiplied
+  in the operands' dtype (fp8's bytes saved, not its tensor-core time).
 
 The forward saves the fp8 values and scales of its input and of the weight for the backward
 (what the named-remat placements then hold), never the input in its own dtype. On every backend
@@ -26,12 +28,16 @@ Shapes: `x` [..., K] (rows M = the product of the leading dims), `w` [K, N]; the
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
 
 from expertax import quant
-from expertax.nn import fp8_stats
+from expertax.nn import fp8_kernel, fp8_stats
+from expertax.nn.moe import fp8_hopper
+from expertax.sharding.rules import current_rules, logical_to_spec
 
 RECIPES = ("fp8_tensorwise", "fp8_blockwise")
 # XLA:GPU's Triton GEMM emitter claims a dot before the cuBLASLt fp8 rewrite sees it (jax 0.10.2):
@@ -70,48 +76,112 @@ def _product(a, b, dtype, contract):
     ).astype(dtype)
 
 
-def _forward(x_MK, w_KN, recipe: str):
+def _kernel(product, dtype, rows_MC, scales_MC, w_KN, w_scales):
+    """`product` (`fp8_hopper.gmm` or `.dgrad`) of the rows (e4m3, 1 x 128 scales along the
+    contraction C) with the weight as the kernel's one group ([1, K, N]: all rows its group)."""
+    sizes = jnp.full((1,), rows_MC.shape[0], jnp.int32)
+    return product(
+        rows_MC, scales_MC, w_KN[None], w_scales[None], sizes, out_dtype=dtype,
+        interpret=fp8_kernel.interpreting(),
+    )  # fmt: skip
+
+
+def _over_rows(fn, rows: tuple, whole: tuple):
+    """`fn(*rows, *whole)` ([M, ...] each of `rows` -> [M, ...]) on each device's share of the
+    rows: the kernel is a custom call that XLA's partitioner cannot split, and would run on the
+    gathered rows of the whole batch on every device. The rows are the layer's [B, T] tokens
+    flattened, split as the rules split (batch, length) over the mesh axes not already manual
+    (a `shard_map` around); `whole` (the weight's e4m3 values and scales) replicated, which
+    gathers a sharded weight in e4m3 as its dot gathers it in its dtype."""
+    rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return fn(*rows, *whole)
+    auto = {
+        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Manual
+    }
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    axes: list[str] = []
+    for entry in logical_to_spec(("batch", "length"), rules, mesh):
+        for a in (entry,) if isinstance(entry, str) else entry or ():
+            if a in auto and rows[0].shape[0] % math.prod(sizes[b] for b in (*axes, a)) == 0:
+                axes.append(a)
+    if not axes:
+        return fn(*rows, *whole)
+    split, rep = PartitionSpec(tuple(axes)), PartitionSpec()
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=(*(split for _ in rows), *(rep for _ in whole)),
+        out_specs=split, axis_names=frozenset(axes), check_vma=False,
+    )(*rows, *whole)  # fmt: skip
+
+
+# Each product runs under a named scope (in the compiled program's op names: which kernel
+# multiplies what, tools/fp8_kernels.py): fprop, dgrad, wgrad
+SCOPES = ("fp8_fprop", "fp8_dgrad", "fp8_wgrad")
+
+
+def _forward(x_MK, w_KN, recipe: str, hopper: bool):
     qx = quantize(x_MK, recipe, 1, TILE)  # 1 x 128 along K (tensorwise: one scale)
     qw = quantize(w_KN, recipe, TILE, TILE)
+    with jax.named_scope(SCOPES[0]):
+        return _fprop(x_MK, qx, qw, w_KN.dtype, hopper), (qx, qw)
+
+
+def _fprop(x_MK, qx, qw, w_dtype, hopper: bool):
     dtype = x_MK.dtype
-    y = _product(
-        dequantize(qx, dtype, 1, TILE), dequantize(qw, w_KN.dtype, TILE, TILE), dtype,
-        ((1,), (0,)),
+    if hopper:  # fp8_kernel.dense: the e4m3 tiles on Hopper's tensor cores
+        return _over_rows(functools.partial(_kernel, fp8_hopper.gmm, dtype), qx, qw)
+    return _product(
+        dequantize(qx, dtype, 1, TILE), dequantize(qw, w_dtype, TILE, TILE), dtype, ((1,), (0,))
+    )
+
+
+def _dgrad(qdy_n, qw, w_dtype, x_dtype, hopper: bool):
+    """dx = dy w^T, contracting N: `qdy_n` the output gradient in 1 x 128 tiles along N."""
+    if hopper:
+        return _over_rows(functools.partial(_kernel, fp8_hopper.dgrad, x_dtype), qdy_n, qw)
+    w_deq = dequantize(qw, w_dtype, TILE, TILE)
+    return _product(dequantize(qdy_n, x_dtype, 1, TILE), w_deq, x_dtype, ((1,), (1,)))
+
+
+def _wgrad(x_deq, dy_MN, recipe: str, w_dtype):
+    """dw = x^T dy, contracting M (tokens): both re-tiled along M, 128 tokens per scale,
+    dequantized (the Hopper kernel's wgrad, `fp8_hopper.wgrad` with one group, goes here).
+    Returns (dw, the re-tiled operands' e4m3 values, for the counts)."""
+    qx_m = quantize(x_deq, recipe, TILE, 1)
+    qdy_m = quantize(dy_MN, recipe, TILE, 1)
+    dw = _product(
+        dequantize(qx_m, x_deq.dtype, TILE, 1), dequantize(qdy_m, dy_MN.dtype, TILE, 1), w_dtype,
+        ((0,), (0,)),
     )  # fmt: skip
-    return y, (qx, qw)
+    return dw, qx_m[0], qdy_m[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gemm(x_MK, w_KN, probe, recipe: str):
-    return _forward(x_MK, w_KN, recipe)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gemm(x_MK, w_KN, probe, recipe: str, hopper: bool):
+    return _forward(x_MK, w_KN, recipe, hopper)[0]
 
 
-def _gemm_fwd(x_MK, w_KN, probe, recipe: str):
-    y, (qx, qw) = _forward(x_MK, w_KN, recipe)
+def _gemm_fwd(x_MK, w_KN, probe, recipe: str, hopper: bool):
+    y, (qx, qw) = _forward(x_MK, w_KN, recipe, hopper)
     # the forward's counts for the probe (nn/fp8_stats.py), when there is one
     fwd = None if probe is None else fp8_stats.counts(x_MK, qx[0])
     # residuals: the operands' e4m3 values and scales; the weight's dtype rides on an empty array
     return y, (qx, qw, jnp.zeros((0,), w_KN.dtype), fwd)
 
 
-def _gemm_bwd(recipe: str, res, dy_MN):
+def _gemm_bwd(recipe: str, hopper: bool, res, dy_MN):
     qx, qw, w_dtype_tag, fwd = res
     x_dtype, w_dtype = dy_MN.dtype, w_dtype_tag.dtype
-    # dgrad: dx = dy w^T, contracting N: dy in 1 x 128 tiles along N, the weight's blocks as held.
+    # dgrad: dy in 1 x 128 tiles along N, the weight's blocks as held
     qdy_n = quantize(dy_MN, recipe, 1, TILE)
-    w_deq = dequantize(qw, w_dtype, TILE, TILE)
-    dx = _product(dequantize(qdy_n, dy_MN.dtype, 1, TILE), w_deq, x_dtype, ((1,), (1,)))
-    # wgrad: dw = x^T dy, contracting M (tokens): both re-tiled along M, 128 tokens per scale.
+    with jax.named_scope(SCOPES[1]):
+        dx = _dgrad(qdy_n, qw, w_dtype, x_dtype, hopper)
     x_deq = dequantize(qx, x_dtype, 1, TILE)
-    qx_m = quantize(x_deq, recipe, TILE, 1)
-    qdy_m = quantize(dy_MN, recipe, TILE, 1)
-    dw = _product(
-        dequantize(qx_m, x_dtype, TILE, 1), dequantize(qdy_m, dy_MN.dtype, TILE, 1), w_dtype,
-        ((0,), (0,)),
-    )  # fmt: skip
+    with jax.named_scope(SCOPES[2]):
+        dw, q_x_m, q_dy_m = _wgrad(x_deq, dy_MN, recipe, w_dtype)
     if fwd is None:
         return dx, dw, None
-    bwd = fp8_stats.total((dy_MN, qdy_n[0]), (x_deq, qx_m[0]), (dy_MN, qdy_m[0]))
+    bwd = fp8_stats.total((dy_MN, qdy_n[0]), (x_deq, q_x_m), (dy_MN, q_dy_m))
     return dx, dw, fp8_stats.encode(fwd, bwd)
 
 
@@ -125,11 +195,13 @@ def check_recipe(recipe: str) -> None:
 
 def matmul(x: jax.Array, w_KN: jax.Array, recipe: str, probe=None) -> jax.Array:
     """`x @ w_KN` ([..., K] x [K, N] -> [..., N]) with fp8 operands in all three GEMMs under
-    `recipe` (one of `RECIPES`). `probe` (float32 zeros `fp8_stats.SHAPE`, optional): its
+    `recipe` (one of `RECIPES`); its fprop and dgrad on Hopper's kernel where
+    `fp8_kernel.dense` says. `probe` (float32 zeros `fp8_stats.SHAPE`, optional): its
     cotangent is this GEMM's quantizer counts (nn/fp8_stats.py)."""
     check_recipe(recipe)
     lead, k = x.shape[:-1], x.shape[-1]
     if w_KN.ndim != 2 or w_KN.shape[0] != k:
         raise ValueError(f"fp8 matmul: x {x.shape} and w {w_KN.shape} do not contract")
-    y = _gemm(x.reshape(-1, k), w_KN, probe, recipe)
+    hopper = fp8_kernel.dense(recipe, k, w_KN.shape[1])
+    y = _gemm(x.reshape(-1, k), w_KN, probe, recipe, hopper)
     return y.reshape(*lead, w_KN.shape[1])

@@ -23,7 +23,7 @@ from expertax.config import config_rules
 from expertax.config.checks import ConfigError, check_attention_platform, check_moe_chunk_offload
 from expertax.config.schema import Config
 from expertax.models import decoder, init_params
-from expertax.nn import fp8_gemm, param
+from expertax.nn import fp8_gemm, fp8_kernel, param
 from expertax.nn.moe import gmm, strategy
 from expertax.parallel import remat
 from expertax.sharding import logical_to_spec, make_mesh, use_rules
@@ -49,6 +49,8 @@ class Trainer:
     # With parameter/optimizer host offload: the same shardings in device memory, where the
     # step moves the offloaded state before computing (None when nothing is offloaded).
     device_state_shardings: TrainState | None = None
+    # Under an fp8 `quantization`: the routed experts' fp8 backend and why (nn/fp8_kernel.py)
+    fp8_experts: str = ""
 
     @property
     def num_devices(self) -> int:
@@ -149,9 +151,16 @@ def build_trainer(c: Config, devices=None) -> Trainer:
     check_moe_chunk_offload(c, platform.of_mesh(mesh))
     rules = config_rules(c)
     check_context_rules(c, dict(mesh.shape), rules)
+    fp8_experts = ""
     if c.is_moe and c.sparse_matmul:
-        strategy.moe_specs(rules)  # a rules table the MoE layer cannot compute: ConfigError
+        specs = strategy.moe_specs(rules)  # a rules table the MoE layer cannot compute: ConfigError
         gmm.check_backend(c.gmm_impl, platform.of_mesh(mesh))  # kernels the mesh can run
+        if c.quantization:  # gmm_impl=fp8_hopper where its kernel cannot run: ConfigError
+            f_local = c.base_moe_mlp_dim // math.prod(mesh.shape[a] for a in specs.mlp)
+            on, device = platform.of_mesh(mesh), mesh.devices.flat[0]
+            fp8_experts = fp8_kernel.routed_choice(
+                c.gmm_impl, c.quantization, on, device, c.base_emb_dim, f_local
+            )[1]
     spec_tree = decoder.spec(c)
     tx = optimizer.make(c, spec_tree)
     param_sh = param.shardings(spec_tree, mesh, rules)
@@ -180,6 +189,7 @@ def build_trainer(c: Config, devices=None) -> Trainer:
         NamedSharding(mesh, batch_spec),
         global_batch,
         device_state_shardings=state_sh if host_sh is not None else None,
+        fp8_experts=fp8_experts,
     )
 
 

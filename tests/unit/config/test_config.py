@@ -148,6 +148,11 @@ INVALID = [
     ({"rope_type": "yarn", "rope_factor": 1.0}, ["rope_factor"]),
     ({"sharding_rules": "nope"}, ["sharding_rules", "default"]),
     ({"gmm_tile_rows_min": 12}, ["gmm_tile_rows_min=12", "power of two"]),
+    ({"gmm_impl": "fp8_hopper"}, ["gmm_impl=fp8_hopper", "quantization=fp8_blockwise"]),
+    (
+        {"gmm_impl": "fp8_hopper", "quantization": "fp8_blockwise"},
+        ["gmm_impl=fp8_hopper", "base_emb_dim=128", "base_moe_mlp_dim=64", "gmm_impl=auto"],
+    ),
     ({"synthetic_noise": 1.0}, ["synthetic_noise=1.0", "[0, 1)"]),
     ({"synthetic_noise": -0.1}, ["synthetic_noise=-0.1", "[0, 1)"]),
     (

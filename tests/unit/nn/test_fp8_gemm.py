@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from expertax import platform, quant, targets
 from expertax.convert import fp8 as hub_fp8
-from expertax.nn import fp8_gemm
+from expertax.nn import fp8_gemm, fp8_kernel
 from tests.tolerances import tol
 
 M, K, N = 64, 384, 256
@@ -94,11 +94,37 @@ def test_tiles_keep_small_tokens_that_one_scale_flushes():
 def test_residuals_are_fp8():
     x, w, _ = _operands()
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    _, res = fp8_gemm._gemm_fwd(xb, wb, None, "fp8_blockwise")
+    _, res = fp8_gemm._gemm_fwd(xb, wb, None, "fp8_blockwise", False)
     (qx, sx), (qw, sw), _, counts = res
     assert counts is None  # (no probe: nothing counted)
     assert qx.dtype == qw.dtype == quant.E4M3 and qx.shape == (M, K) and qw.shape == (K, N)
     assert sx.dtype == sw.dtype == jnp.float32 and sx.shape == (M, K // 128)
+
+
+@pytest.mark.slow  # 10-15 s in the interpreter on 2 cores
+def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one():
+    """Under `fp8_kernel.interpret()` (a CPU standing in for a Hopper GPU: Pallas's Mosaic GPU
+    interpreter) the blockwise fprop and dgrad run on the kernel as one group: within float32
+    accumulation of each row's largest value of the dequantized products (the per-128-K
+    promotion sums in another order), and not equal to them bit for bit (the control: the
+    kernel ran); the wgrad is the same dequantized code."""
+    m, k, n = 100, 256, 128  # 100 rows: one group padded to the tile; two K steps for the fprop
+    ks = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(ks[0], (m, k)) * jnp.logspace(-2, 2, m)[:, None]
+    w, dy = jax.random.normal(ks[1], (k, n)) * 0.05, jax.random.normal(ks[2], (m, n))
+
+    def run():
+        y, vjp = jax.vjp(lambda x, w: fp8_gemm.matmul(x, w, "fp8_blockwise"), x, w)
+        return tuple(np.asarray(a) for a in (y, *vjp(dy)))
+
+    want = run()
+    with fp8_kernel.interpret():
+        got = run()
+    for g, r in zip(got[:2], want[:2], strict=True):  # fprop, dgrad
+        row = np.abs(r).max(axis=1, keepdims=True)
+        np.testing.assert_array_less(np.abs(g - r), np.broadcast_to(2e-6 * row, r.shape))
+        assert not np.array_equal(g, r)
+    np.testing.assert_array_equal(got[2], want[2])
 
 
 def test_refuses_an_unknown_recipe():
@@ -134,3 +160,31 @@ def test_tensorwise_linear_is_three_cublaslt_fp8_gemms_on_h100():
     calls = re.findall(r'custom_call_target="([^"]+)"', text("fp8_tensorwise"))
     assert calls.count("__cublas$lt$matmul$f8") == 3 and "__cublas$lt$matmul" not in calls
     assert "__cublas$lt$matmul$f8" not in text("fp8_blockwise")
+
+
+@needs_gpu
+def test_blockwise_linear_is_the_hopper_kernel_on_h100():
+    """[512 x 256] x [256 x 384] on one H100 (its device named, as a trainer's context names
+    it): the blockwise fprop and dgrad are Pallas Mosaic GPU calls (moe/fp8_hopper.py's e4m3
+    wgmma kernel, one group), the wgrad a dequantized cuBLAS GEMM; a linear of N = 192 (not a
+    whole tile) stays dequantized (the control)."""
+    t = targets.parse_target("gpu:h100x8")
+    dev = t.devices()[0]
+    one = NamedSharding(Mesh([dev], ("one",)), PartitionSpec())
+
+    def calls(n):
+        shapes = ((512, 256), (256, n), (512, n))
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=one) for s in shapes]
+
+        def step(x, w, dy):
+            y, vjp = jax.vjp(lambda x, w: fp8_gemm.matmul(x, w, "fp8_blockwise"), x, w)
+            return y, vjp(dy)
+
+        with platform.use("gpu", dev):
+            lowered = jax.jit(step).lower(*args)
+            text = lowered.compile(compiler_options=fp8_gemm.GPU_COMPILER_OPTIONS).as_text()
+        return re.findall(r'custom_call_target="([^"]+)"', text)
+
+    kernel = calls(384)
+    assert kernel.count("mosaic_gpu_v2") == 2 and kernel.count("__cublas$lt$matmul") == 1
+    assert "mosaic_gpu_v2" not in calls(192)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn import activation, linear
+from expertax.nn import activation, fp8_kernel, linear
 from expertax.nn.moe import bias as bias_mod
 from expertax.nn.moe import fp8_gmm, routed
 from expertax.nn.moe.bias import ExpertBias
@@ -46,16 +46,19 @@ def expert_ffn_sorted(
     Returns (y [M, D], stash): with a paged stash (moe/stash.py) the stashed names' values are
     written to it, or, in its read mode, taken from it instead of computed.
     """
+    # fp8 (`quantization`, decoder.block_apply): fp8 grouped GEMMs (moe/fp8_gmm.py), the gated
+    # activation inside the second (its fp8 inputs are what it saves), on Hopper's kernel where
+    # nn/fp8_kernel.py says (D and the local F)
+    recipe, probe = linear.current_fp8(), linear.current_fp8_probe()
+    backend: str = c.gmm_impl
+    if recipe:
+        backend = fp8_kernel.routed(c.gmm_impl, recipe, rows_MD.shape[1], wi_0_EDF.shape[2])
     kw = dict(
         group_offset=group_offset,
-        backend=c.gmm_impl,
+        backend=backend,
         tile_rows=c.gmm_tile_rows,
         tile_rows_min=c.gmm_tile_rows_min,
     )
-
-    # fp8 (`quantization`, decoder.block_apply): fp8 grouped GEMMs (moe/fp8_gmm.py), the gated
-    # activation inside the second (its fp8 inputs are what it saves)
-    recipe, probe = linear.current_fp8(), linear.current_fp8_probe()
     # the probes of the rows' (K) and the output gradients' (N) counts: gate and up read D-wide
     # rows, the down projection writes them (fp8_stats.Probe)
     in_probes = None if probe is None else (probe.model_lanes, probe.lanes)

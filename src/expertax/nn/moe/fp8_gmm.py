@@ -38,18 +38,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from expertax import platform
-from expertax.nn import fp8_gemm, fp8_stats
+from expertax.nn import fp8_gemm, fp8_kernel, fp8_stats
 from expertax.nn.moe import fp8_hopper, tiles
 from expertax.nn.moe import gmm as gmm_mod
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
 
 TILE = fp8_gemm.TILE
-# `backend=HOPPER`: the fprop and the dgrad multiply the e4m3 operands in fp8_hopper.py's kernel
-# (Hopper's fp8 tensor cores; on CPU its interpreter), the wgrad runs dequantized on `auto`'s
-# backend
-HOPPER = "fp8_hopper"
+# `backend=HOPPER` (`gmm_impl=fp8_hopper`, or `auto` on a Hopper mesh: nn/fp8_kernel.py): the
+# fprop and the dgrad multiply the e4m3 operands in fp8_hopper.py's kernel (Hopper's fp8 tensor
+# cores; on CPU its interpreter), the wgrad runs dequantized on `auto`'s backend
+HOPPER = fp8_kernel.HOPPER
 
 
 def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None, probes=None, **kw):
@@ -108,9 +107,7 @@ def _prepare(recipe, group_offset, kw, probes, *arrays):
 
 def _backend(x_MK, w_EKN, sizes_E, offset, opts):
     _, has_offset, kw, expected = opts
-    kw = dict(kw)
-    if kw.get("backend") == HOPPER:  # the wgrad's backend
-        kw["backend"] = "auto"
+    kw = dict(kw)  # (backend=HOPPER: its products in the operands' dtype are `auto`'s, gmm.py)
     with tiles.expected_group_rows(expected):
         return gmm_mod.gmm(
             x_MK, w_EKN, sizes_E, group_offset=offset if has_offset else None,
@@ -127,6 +124,25 @@ def _grid(scale, shape):
     return jnp.broadcast_to(scale.astype(jnp.float32), shape)
 
 
+# the products' named scopes (the compiled program's op names, tools/fp8_kernels.py)
+SCOPES = ("fp8_gmm_fprop", "fp8_gmm_dgrad", "fp8_gmm_wgrad")
+
+
+def _scoped(i):
+    """The product run under its scope `SCOPES[i]`."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def scoped(*args, **kw):
+            with jax.named_scope(SCOPES[i]):
+                return fn(*args, **kw)
+
+        return scoped
+
+    return wrap
+
+
+@_scoped(0)
 def _fprop(qx, qw, sizes_E, offset, opts, dtype, w_dtype):
     """rows @ w per group from the quantized operands (rows in 1 x 128 tiles along K), in
     `dtype` (the rows'; `w_dtype`: the weight's)."""
@@ -141,6 +157,7 @@ def _fprop(qx, qw, sizes_E, offset, opts, dtype, w_dtype):
     )  # fmt: skip
 
 
+@_scoped(1)
 def _dgrad(q_dy, qw, x, w, sizes_E, offset, opts):
     """dy @ w^T per group: `q_dy` in 1 x 128 tiles along N; `x`, `w`: the fprop's operands
     dequantized (the backend's VJP), in the output's dtype."""
@@ -159,7 +176,21 @@ def _dgrad(q_dy, qw, x, w, sizes_E, offset, opts):
 
 def _interpret() -> bool:
     """The kernel in Pallas's interpreter when the program is traced for a CPU."""
-    return platform.current() == "cpu"
+    return fp8_kernel.interpreting()
+
+
+@_scoped(2)
+def _wgrad(x_local, dy_local, w, sizes_E, offset, opts):
+    """dw[g] = x^T dy over group g's rows (foreign rows already zeroed): both operands re-tiled
+    along the rows (128 rows per scale, per channel), dequantized, on `_backend`'s VJP (the
+    Hopper kernel's wgrad, `fp8_hopper.wgrad`, swaps in here under `_hopper(opts)`). Returns
+    (dw float32-accumulated in w's dtype, the re-tiled operands' e4m3 values, for the counts)."""
+    recipe = opts[0]
+    x_m, q_x_m = _tiles_q(x_local, recipe, TILE, 1)
+    dy_m, q_dy_m = _tiles_q(dy_local, recipe, TILE, 1)
+    _, pull_w = jax.vjp(lambda b: _backend(x_m, b, sizes_E, offset, opts), w)
+    (dw,) = pull_w(dy_m)
+    return dw, q_x_m, q_dy_m
 
 
 def _quantize_weights(w_EKN, recipe):
@@ -223,10 +254,7 @@ def _backward(opts, res, dy_MN):
     # wgrad: both operands re-tiled along the rows (its contraction), foreign rows zeroed
     local = _local_rows(sizes_E, offset, w.shape[0], x.shape[0])
     x_local, dy_local = jnp.where(local, x, 0), jnp.where(local, dy_MN, 0)
-    x_m, q_x_m = _tiles_q(x_local, recipe, TILE, 1)
-    dy_m, q_dy_m = _tiles_q(dy_local, recipe, TILE, 1)
-    _, pull_w = jax.vjp(lambda b: _backend(x_m, b, sizes_E, offset, opts), w)
-    (dw,) = pull_w(dy_m)
+    dw, q_x_m, q_dy_m = _wgrad(x_local, dy_local, w, sizes_E, offset, opts)
     cts = None
     if fwd is not None:
         bwd_k = fp8_stats.counts(x_local, q_x_m)
@@ -298,10 +326,7 @@ def _glu_backward(opts, act, names, res, dy_MN):
     dgate, dup = act_vjp(dh)
     local = _local_rows(sizes_E, offset, w.shape[0], h.shape[0])
     h_local, dy_local = jnp.where(local, _tiles(h, recipe, 1, TILE), 0), jnp.where(local, dy_MN, 0)
-    h_m, q_h_m = _tiles_q(h_local, recipe, TILE, 1)
-    dy_m, q_dy_m = _tiles_q(dy_local, recipe, TILE, 1)
-    _, pull_w = jax.vjp(lambda b: _backend(h_m, b, sizes_E, offset, opts), w)
-    (dw,) = pull_w(dy_m)
+    dw, q_h_m, q_dy_m = _wgrad(h_local, dy_local, w, sizes_E, offset, opts)
     cts = None
     if fwd is not None:
         bwd_k = fp8_stats.counts(h_local, q_h_m)

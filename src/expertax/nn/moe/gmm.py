@@ -17,6 +17,9 @@ Backends (`backend=`, the `gmm_impl` config key):
   matmul, forward, input and weight gradients (`gmm_kernels.py`); refused elsewhere.
 - `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
   (see docs/design/gmm.md).
+- `fp8_hopper` (`gmm_impl` under an fp8 `quantization` only): `moe/fp8_gmm.py` runs the fp8
+  fprop and dgrad on Hopper's kernel (nn/fp8_kernel.py); what runs in the operands' dtype
+  here (the fp8 wgrad, decoding's unquantized experts) is `auto`'s.
 
 `gmm_glu(gate, up, wo, sizes)` = `gmm(act(gate, up), wo, sizes)`, the expert FFN's second matmul
 with its SwiGLU: `tiled` computes the SwiGLU per work item (a row-wise `prologue` of the loop) and
@@ -35,11 +38,14 @@ import jax
 import jax.numpy as jnp
 
 from expertax import platform
+from expertax.nn import fp8_kernel
 from expertax.nn.activation import GatedActivation, swiglu
 from expertax.nn.moe import gmm_kernels, tiles
 from expertax.nn.moe.vma import varying_like
 
 BACKENDS = ("auto", "ragged_dot", "tiled", *gmm_kernels.KERNELS)
+# the values of `gmm_impl`: these and the fp8 kernel of the routed experts (moe/fp8_gmm.py)
+CONFIG_VALUES = (*BACKENDS, fp8_kernel.HOPPER)
 
 # Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, docs/design/gmm.md).
 # platform: (choice, measured on, date, evidence). GPU and TPU: COMPILED for the target without
@@ -92,10 +98,11 @@ DEFAULT_TILE_ROWS_MIN = 8
 
 def resolve_backend(backend: str, on: str | None = None) -> str:
     """The concrete backend `backend` stands for on platform `on` (default: the platform being
-    traced for, `expertax.platform.current()`): `auto` is `MEASURED`'s choice there."""
-    if backend not in BACKENDS:
+    traced for, `expertax.platform.current()`): `auto` is `MEASURED`'s choice there, and so is
+    `fp8_hopper` (its products in the operands' dtype: the module docstring)."""
+    if backend not in CONFIG_VALUES:
         raise ValueError(f"gmm backend={backend!r}; valid: {', '.join(BACKENDS)}")
-    if backend != "auto":
+    if backend not in ("auto", fp8_kernel.HOPPER):
         return backend
     return MEASURED.get(on or platform.current(), ("tiled",))[0]
 

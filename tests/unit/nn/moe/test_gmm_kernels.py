@@ -230,9 +230,9 @@ def test_gmm_impl_values_are_the_backends():
     import typing
 
     from expertax.config.schema import Config
-    from expertax.nn.moe.gmm import BACKENDS
+    from expertax.nn.moe.gmm import CONFIG_VALUES
 
-    assert typing.get_args(Config.model_fields["gmm_impl"].annotation) == BACKENDS
+    assert typing.get_args(Config.model_fields["gmm_impl"].annotation) == CONFIG_VALUES
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""Where the fp8 recipe's products run: Hopper's fp8 tensor cores (`moe/fp8_hopper.py`'s kernel)
+or dequantized in the operands' dtype.
+
+The kernel multiplies e4m3 tiles with `wgmma` (sm_90a: H100, H200) and promotes each 128-wide K
+step's float32 partial by the operands' scales (DeepSeek-V3's block-scaled GEMM). It takes a
+product when the program is traced for a Hopper GPU and the product's K and N (the contraction
+and the output width) are multiples of the 128 tile:
+- the routed experts (`moe/fp8_gmm.py`, config key `gmm_impl`): `fp8_hopper` runs their fprop
+  and dgrad on it under either recipe (tensorwise scales broadcast to the block grids), `auto`
+  picks it under a `quantization` on a Hopper mesh, from the evidence below, where the dims fit
+  (D and the local F; otherwise `auto` keeps the dequantized products on its backend); the
+  wgrad stays dequantized (`fp8_gmm._wgrad`);
+- the dense linears (`nn/fp8_gemm.py`: attention projections, dense MLPs, shared experts) under
+  `fp8_blockwise`: fprop and dgrad as one group, each linear whose K and N fit; the others, and
+  every wgrad, dequantized. `fp8_tensorwise` stays on cuBLASLt's fp8 GEMM (XLA's rewrite of a
+  scalar-scaled dot), which needs no kernel of ours.
+
+Why `auto` picks it on Hopper (compiled for `gpu:h100x8`, not run: docs/design/fp8.md): its PTX
+multiplies e4m3 by e4m3 into float32 (`wgmma.mma_async ... f32.e4m3.e4m3`,
+tests/unit/nn/moe/test_fp8_hopper.py), where the bfloat16 backend `auto` picks on a GPU
+(tokamax's Triton grouped GEMM) converts the dequantized operands to f16 for `mma.sync`: fp8's
+bytes without its tensor cores. Elsewhere (TPU, CPU, pre-Hopper and later GPUs) `auto` is what
+it is without fp8.
+
+`interpret()`: a CPU stands in for a Hopper GPU, the kernel running in Pallas's Mosaic GPU
+interpreter (tests only: seconds per product at test sizes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+
+from expertax import platform
+from expertax.config.checks import FP8_KERNEL, ConfigError
+from expertax.nn.moe import fp8_hopper
+
+HOPPER = FP8_KERNEL  # the `gmm_impl` value
+TILE = fp8_hopper.TILE  # the kernel's row, column and K tile (quant.BLOCK)
+RECIPES = ("fp8_tensorwise", "fp8_blockwise")
+_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_interpret", default=False)
+
+
+@contextlib.contextmanager
+def interpret():
+    """Inside, a CPU stands in for a Hopper GPU: the products `hopper()` assigns to the kernel
+    run in Pallas's Mosaic GPU interpreter (tests)."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def is_hopper(device) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.x: H100, H200): the generation
+    with `wgmma` (Blackwell's tensor cores take other instructions)."""
+    capability = str(getattr(device, "compute_capability", "") or "")
+    return capability.split(".")[0] == "9"
+
+
+def hopper(on: str | None = None, device=None) -> bool:
+    """Whether programs traced now run the kernel: for a Hopper GPU (`on`, `device`: default the
+    platform traced for, `expertax.platform`), or for a CPU inside `interpret()`."""
+    on = on or platform.current()
+    if on == "cpu":
+        return _INTERPRET.get()
+    if on != "gpu":
+        return False
+    device = device or platform.device()
+    if device is None:  # traced outside a trainer's context: a GPU machine's own devices
+        devices = jax.devices()
+        device = devices[0] if platform.of_devices(devices) == "gpu" else None
+    return device is not None and is_hopper(device)
+
+
+def interpreting() -> bool:
+    """The kernel in Pallas's interpreter: the program is traced for a CPU."""
+    return platform.current() == "cpu"
+
+
+def fits(*dims: int) -> bool:
+    """Whether each dim (a product's K and N) is a whole number of the kernel's tiles."""
+    return all(d > 0 and d % TILE == 0 for d in dims)
+
+
+def dense(recipe: str, k: int, n: int) -> bool:
+    """Whether a dense linear [M, K] x [K, N] under `recipe` runs its fprop and dgrad on the
+    kernel (the module docstring)."""
+    return recipe == "fp8_blockwise" and fits(k, n) and hopper()
+
+
+def routed(gmm_impl: str, recipe: str, k: int, n: int) -> str:
+    """The backend of the routed experts' fp8 products [M, K] x [E, K, N] (local shapes):
+    `auto` is `HOPPER` where `dense`'s conditions hold for either recipe, else `gmm_impl`."""
+    if gmm_impl == "auto" and recipe in RECIPES and fits(k, n) and hopper():
+        return HOPPER
+    return gmm_impl
+
+
+def routed_choice(
+    gmm_impl: str, recipe: str, on: str, device, d: int, f_local: int
+) -> tuple[str, str]:
+    """(the routed experts' fp8 backend on a mesh of `on` devices (`device`: one of them), why)
+    for experts of width D = `d` and a local MLP dim `f_local` (F over its shards); a
+    ConfigError, before any compilation, where `gmm_impl=fp8_hopper` cannot run there."""
+    if gmm_impl != HOPPER and (gmm_impl != "auto" or recipe not in RECIPES):
+        return gmm_impl, f"gmm_impl={gmm_impl}"
+    kind = getattr(device, "device_kind", on)
+    if not hopper(on, device):
+        if gmm_impl == HOPPER:
+            raise ConfigError(
+                f"gmm_impl={HOPPER}: its kernel multiplies e4m3 with Hopper's wgmma (H100, H200: "
+                f"gpu:h100x*, gpu:h200x* targets), not on the {kind} devices of this mesh; use "
+                "gmm_impl=auto (the dequantized products on this platform's backend)"
+            )
+        return gmm_impl, f"gmm_impl=auto: not a Hopper GPU ({kind}): dequantized products"
+    if not fits(d, f_local):
+        if gmm_impl == HOPPER:
+            raise ConfigError(
+                f"gmm_impl={HOPPER}: its kernel takes 128 x 128 tiles; the experts' D "
+                f"(base_emb_dim={d}) and MLP dim per shard (F={f_local}) must be multiples of "
+                f"{TILE}; use gmm_impl=auto (dequantized products for these dims)"
+            )
+        return gmm_impl, (
+            f"gmm_impl=auto: D={d} or F per shard={f_local} is not a multiple of {TILE}: "
+            "dequantized products"
+        )
+    return HOPPER, f"gmm_impl={gmm_impl}: fprop and dgrad on the {HOPPER} kernel ({kind})"

@@ -1,0 +1,68 @@
+"""Which kernel runs each fp8 product of a compiled step (tools/fp8_kernels.py): the op-name
+scopes read back, and a whole deepseek3-tiny step compiled for `gpu:h100x8` whose routed and
+dense fprops and dgrads are the Hopper kernel's Mosaic GPU calls."""
+
+import pytest
+
+from expertax import targets
+from expertax.config import load_config
+from expertax.tools import fp8_kernels
+from expertax.train.trainer import build_trainer
+
+
+def _line(target: str, op: str) -> str:
+    call = f'custom_call_target="{target}"'
+    return f'  %c = bf16[8,8] custom-call(%a), {call}, metadata={{op_name="{op}"}}'
+
+
+def test_scopes_and_targets_read_back():
+    text = "\n".join(
+        [
+            _line("mosaic_gpu_v2", "jit(f)/jvp()/moe/shard_map/fp8_gmm_fprop/mpmd_map"),
+            _line("mosaic_gpu_v2", "jit(f)/transpose(jvp())/moe/fp8_dgrad/shard_map/mpmd_map"),
+            _line("__cublas$lt$matmul", "jit(f)/transpose(jvp())/fp8_wgrad/dot_general"),
+            _line("__cublas$lt$matmul$f8", "jit(f)/jvp()/fp8_fprop/dot_general"),
+            _line("__gpu$xla.gpu.triton", "jit(f)/transpose(jvp())/moe/fp8_gmm_wgrad/x"),
+            _line("__cublas$lt$matmul", "jit(f)/jvp()/nd,de->ne/dot_general"),
+            _line("__cudnn$fmhaScaleBiasSoftmax", "jit(f)/jvp()/fp8_fprop/attention"),
+        ]
+    )
+    assert fp8_kernels.by_product(text) == {
+        ("routed experts fprop", "mosaic_gpu_fp8"): 1,
+        ("shared experts dgrad", "mosaic_gpu_fp8"): 1,
+        ("dense linears wgrad", "cublas_bf16"): 1,
+        ("dense linears fprop", "cublaslt_fp8"): 1,
+        ("routed experts wgrad", "triton"): 1,
+        ("other", "cublas_bf16"): 1,
+    }  # the cuDNN attention call is no GEMM
+
+
+@pytest.mark.extended  # 115-200 s on 2 cores: the whole step, Mosaic GPU's kernels and ptxas
+@pytest.mark.skipif(not targets.compiler_available("gpu"), reason="expertax[gpu] is missing")
+def test_the_h100_step_runs_the_fp8_fprops_and_dgrads_on_the_hopper_kernel():
+    """`quantization=fp8_blockwise`, `gmm_impl=auto`, gpu:h100x8: the routed experts' fprop and
+    dgrad, and the dense linears' (MLA projections, the dense MLP, the shared expert), are
+    Mosaic GPU calls, but for MLA's wkv_a (256 -> 192, not whole tiles), whose fprop (and its
+    recomputation) and dgrad stay dequantized on cuBLAS, two layer kinds each; every wgrad is
+    dequantized (the kernel's wgrad is not wired yet)."""
+    devices = targets.parse_target("gpu:h100x8").devices()
+    keys = {
+        "model_name": "deepseek3-tiny",
+        "quantization": "fp8_blockwise",
+        "dtype": "bfloat16",
+        "max_target_length": 256,
+        **fp8_kernels.HOPPER_DIMS,
+    }
+    trainer = build_trainer(load_config(overrides=keys), devices)
+    assert "fp8_hopper kernel" in trainer.fp8_experts
+    counts = fp8_kernels.by_product(trainer.compile().as_text())
+    kernels: dict[str, set] = {}
+    for product, kernel in counts:
+        kernels.setdefault(product, set()).add(kernel)
+    for who in ("routed experts", "shared experts"):
+        assert kernels[f"{who} fprop"] == kernels[f"{who} dgrad"] == {"mosaic_gpu_fp8"}, who
+    for what in ("fprop", "dgrad"):
+        assert counts[(f"dense linears {what}", "mosaic_gpu_fp8")] >= 8, what  # 4 MLA + MLP
+        # wkv_a only, in the dense and the MoE layer (its fprop also recomputed by remat)
+        assert counts[(f"dense linears {what}", "cublas_bf16")] in (2, 4), (what, counts)
+    assert all(k != "mosaic_gpu_fp8" for p, k in counts if p.endswith("wgrad"))
