@@ -10,8 +10,8 @@ with float32 accumulation, under one of two recipes (config key `quantization`).
   weights in 128 x 128 blocks (the hub checkpoint's `weight_scale_inv` layout, the same
   quantizer as `convert/fp8.py`: `quant.quantize_blocks`). The wgrad contracts over tokens, so
   its operands are re-tiled along the token axis (1 x 128 over tokens, per channel). XLA has no
-  block-scaled fp8 GEMM: on a Hopper GPU the fprop and the dgrad of a linear whose K and N are
-  multiples of 128 run on `moe/fp8_hopper.py`'s kernel as one group (e4m3 `wgmma`, per-128-K
+  block-scaled fp8 GEMM: on a Hopper GPU all three products of a linear whose K and N are
+  multiples of 128 run on `moe/fp8_hopper.py`'s kernels as one group (e4m3 `wgmma`, per-128
   promotion; `nn/fp8_kernel.py` decides); every other product is dequantized and multiplied
   in the operands' dtype (fp8's bytes saved, not its tensor-core time).
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,13 +87,15 @@ def _kernel(product, dtype, rows_MC, scales_MC, w_KN, w_scales):
     )  # fmt: skip
 
 
-def _over_rows(fn, rows: tuple, whole: tuple):
+def _over_rows(fn, rows: tuple, whole: tuple, summed: tuple[bool, ...] | None = None):
     """`fn(*rows, *whole)` ([M, ...] each of `rows` -> [M, ...]) on each device's share of the
     rows: the kernel is a custom call that XLA's partitioner cannot split, and would run on the
     gathered rows of the whole batch on every device. The rows are the layer's [B, T] tokens
     flattened, split as the rules split (batch, length) over the mesh axes not already manual
     (a `shard_map` around); `whole` (the weight's e4m3 values and scales) replicated, which
-    gathers a sharded weight in e4m3 as its dot gathers it in its dtype."""
+    gathers a sharded weight in e4m3 as its dot gathers it in its dtype. `summed`: `fn` returns
+    a tuple, and the outputs marked True are sums over the rows (the wgrad's [K, N]), summed
+    over the devices' shares."""
     rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty:
         return fn(*rows, *whole)
@@ -108,9 +111,18 @@ def _over_rows(fn, rows: tuple, whole: tuple):
     if not axes:
         return fn(*rows, *whole)
     split, rep = PartitionSpec(tuple(axes)), PartitionSpec()
+    out_specs: Any = split
+    body = fn
+    if summed is not None:
+        out_specs = tuple(rep if s else split for s in summed)
+
+        def body(*args):
+            outs = fn(*args)
+            return tuple(jax.lax.psum(o, tuple(axes)) if s else o for o, s in zip(outs, summed))
+
     return jax.shard_map(
-        fn, mesh=mesh, in_specs=(*(split for _ in rows), *(rep for _ in whole)),
-        out_specs=split, axis_names=frozenset(axes), check_vma=False,
+        body, mesh=mesh, in_specs=(*(split for _ in rows), *(rep for _ in whole)),
+        out_specs=out_specs, axis_names=frozenset(axes), check_vma=False,
     )(*rows, *whole)  # fmt: skip
 
 
@@ -143,10 +155,22 @@ def _dgrad(qdy_n, qw, w_dtype, x_dtype, hopper: bool):
     return _product(dequantize(qdy_n, x_dtype, 1, TILE), w_deq, x_dtype, ((1,), (1,)))
 
 
-def _wgrad(x_deq, dy_MN, recipe: str, w_dtype):
+def _wgrad(x_deq, dy_MN, recipe: str, w_dtype, hopper: bool = False):
     """dw = x^T dy, contracting M (tokens): both re-tiled along M, 128 tokens per scale,
-    dequantized (the Hopper kernel's wgrad, `fp8_hopper.wgrad` with one group, goes here).
-    Returns (dw, the re-tiled operands' e4m3 values, for the counts)."""
+    dequantized; on Hopper under `fp8_blockwise`, `fp8_hopper.wgrad` with one group (each
+    device's rows in 128-row tiles, the [K, N] sums added over the devices). Returns (dw, the
+    re-tiled operands' e4m3 values, for the counts)."""
+    if hopper and recipe == "fp8_blockwise":
+
+        def kernel(x, dy):
+            sizes = jnp.full((1,), x.shape[0], jnp.int32)
+            dw, q_x, q_dy = fp8_hopper.wgrad_counted(
+                x, dy, sizes, num_groups=1, interpret=fp8_kernel.interpreting()
+            )
+            return dw[0], q_x, q_dy
+
+        dw, q_x_m, q_dy_m = _over_rows(kernel, (x_deq, dy_MN), (), summed=(True, False, False))
+        return dw.astype(w_dtype), q_x_m, q_dy_m
     qx_m = quantize(x_deq, recipe, TILE, 1)
     qdy_m = quantize(dy_MN, recipe, TILE, 1)
     dw = _product(
@@ -178,7 +202,7 @@ def _gemm_bwd(recipe: str, hopper: bool, res, dy_MN):
         dx = _dgrad(qdy_n, qw, w_dtype, x_dtype, hopper)
     x_deq = dequantize(qx, x_dtype, 1, TILE)
     with jax.named_scope(SCOPES[2]):
-        dw, q_x_m, q_dy_m = _wgrad(x_deq, dy_MN, recipe, w_dtype)
+        dw, q_x_m, q_dy_m = _wgrad(x_deq, dy_MN, recipe, w_dtype, hopper)
     if fwd is None:
         return dx, dw, None
     bwd = fp8_stats.total((dy_MN, qdy_n[0]), (x_deq, q_x_m), (dy_MN, q_dy_m))

@@ -342,6 +342,21 @@ def wgrad(
     return wgrad_quantized(*operands, out_dtype=out_dtype, interpret=interpret)
 
 
+def wgrad_counted(x, dy, sizes, *, group_offset=None, num_groups: int, interpret=False):
+    """`wgrad` (float32) and the e4m3 values each of the M rows was multiplied as ([M, K] and
+    [M, N], zero outside the groups), for the quantizer counts (nn/fp8_stats.py)."""
+    local, first = _local_groups(sizes, group_offset, num_groups)
+    layout = padding(x.shape[0], local, first)
+    ops = wgrad_operands(x, dy, sizes, group_offset=group_offset, num_groups=num_groups)
+    dw = wgrad_quantized(*ops, interpret=interpret)
+    inside = (layout.rows >= 0)[:, None]
+
+    def rows(q):
+        return jnp.where(inside, q[jnp.maximum(layout.rows, 0)], jnp.zeros((), q.dtype))
+
+    return dw, rows(ops.x), rows(ops.dy)
+
+
 def wgrad_operands(x, dy, sizes, *, group_offset=None, num_groups: int) -> WgradOperands:
     """`wgrad`'s padding and quantization: the rows of the local groups gathered into the padded
     layout (`padding`: `padded_rows(M, G)` rows, zero outside the groups) and quantized in
