@@ -77,14 +77,27 @@ def _product(a, b, dtype, contract):
     ).astype(dtype)
 
 
+def _to_tiles(a):
+    """`a` [..., R, C] zero-padded to whole tiles in its last two dims (the scale grids are
+    already whole: a partial block's scale is its real values' amax, which zeros keep)."""
+    r, c = a.shape[-2:]
+    pad = [(0, 0)] * (a.ndim - 2) + [(0, fp8_kernel.padded(r) - r), (0, fp8_kernel.padded(c) - c)]
+    return jnp.pad(a, pad)
+
+
 def _kernel(product, dtype, rows_MC, scales_MC, w_KN, w_scales):
     """`product` (`fp8_hopper.gmm` or `.dgrad`) of the rows (e4m3, 1 x 128 scales along the
-    contraction C) with the weight as the kernel's one group ([1, K, N]: all rows its group)."""
+    contraction C) with the weight as the kernel's one group ([1, K, N]: all rows its group);
+    K and N zero-padded to whole tiles, the output's padding cut."""
     sizes = jnp.full((1,), rows_MC.shape[0], jnp.int32)
-    return product(
-        rows_MC, scales_MC, w_KN[None], w_scales[None], sizes, out_dtype=dtype,
+    c = rows_MC.shape[1]
+    out = w_KN.shape[1] if c == w_KN.shape[0] else w_KN.shape[0]  # gmm: N; dgrad: K
+    rows = jnp.pad(rows_MC, ((0, 0), (0, fp8_kernel.padded(c) - c)))
+    y = product(
+        rows, scales_MC, _to_tiles(w_KN)[None], w_scales[None], sizes, out_dtype=dtype,
         interpret=fp8_kernel.interpreting(),
     )  # fmt: skip
+    return y[:, :out]
 
 
 def _over_rows(fn, rows: tuple, whole: tuple, summed: tuple[bool, ...] | None = None):
@@ -164,10 +177,12 @@ def _wgrad(x_deq, dy_MN, recipe: str, w_dtype, hopper: bool = False):
 
         def kernel(x, dy):
             sizes = jnp.full((1,), x.shape[0], jnp.int32)
+            (k, n), pad = (x.shape[1], dy.shape[1]), fp8_kernel.padded
+            x_p, dy_p = (jnp.pad(a, ((0, 0), (0, pad(d) - d))) for a, d in ((x, k), (dy, n)))
             dw, q_x, q_dy = fp8_hopper.wgrad_counted(
-                x, dy, sizes, num_groups=1, interpret=fp8_kernel.interpreting()
+                x_p, dy_p, sizes, num_groups=1, interpret=fp8_kernel.interpreting()
             )
-            return dw[0], q_x, q_dy
+            return dw[0, :k, :n], q_x[:, :k], q_dy[:, :n]
 
         dw, q_x_m, q_dy_m = _over_rows(kernel, (x_deq, dy_MN), (), summed=(True, False, False))
         return dw.astype(w_dtype), q_x_m, q_dy_m

@@ -11,9 +11,11 @@ and the output width) are multiples of the 128 tile:
   (D and the local F; otherwise `auto` keeps the dequantized products on its backend); the
   wgrad stays dequantized (`fp8_gmm._wgrad`);
 - the dense linears (`nn/fp8_gemm.py`: attention projections, dense MLPs, shared experts) under
-  `fp8_blockwise`: fprop and dgrad as one group, each linear whose K and N fit; the others, and
-  every wgrad, dequantized. `fp8_tensorwise` stays on cuBLASLt's fp8 GEMM (XLA's rewrite of a
-  scalar-scaled dot), which needs no kernel of ours.
+  `fp8_blockwise`: all three products as one group, each linear whose K and N fit or whose
+  zero-padding to whole tiles adds at most a quarter (`PAD_LIMIT`: DeepSeek-V3's MLA wkv_a,
+  7168 -> 576, pads N to 640, 11 % more work; the padded e4m3 values are zeros, so the product
+  is the unpadded one's); the others dequantized. `fp8_tensorwise` stays on cuBLASLt's fp8
+  GEMM (XLA's rewrite of a scalar-scaled dot), which needs no kernel of ours.
 
 Why `auto` picks it on Hopper (compiled for `gpu:h100x8`, not run: docs/design/fp8.md): its PTX
 multiplies e4m3 by e4m3 into float32 (`wgmma.mma_async ... f32.e4m3.e4m3`,
@@ -86,10 +88,21 @@ def fits(*dims: int) -> bool:
     return all(d > 0 and d % TILE == 0 for d in dims)
 
 
+# How much a dense linear's K x N may grow by its zero-padding to whole tiles and still run on
+# the kernel (`dense`)
+PAD_LIMIT = 1.25
+
+
+def padded(d: int) -> int:
+    """`d` rounded up to whole tiles."""
+    return -(-d // TILE) * TILE
+
+
 def dense(recipe: str, k: int, n: int) -> bool:
-    """Whether a dense linear [M, K] x [K, N] under `recipe` runs its fprop and dgrad on the
-    kernel (the module docstring)."""
-    return recipe == "fp8_blockwise" and fits(k, n) and hopper()
+    """Whether a dense linear [M, K] x [K, N] under `recipe` runs its products on the kernel
+    (the module docstring): K and N whole tiles, or padded to them by at most `PAD_LIMIT`."""
+    grows = padded(k) * padded(n) <= PAD_LIMIT * k * n
+    return recipe == "fp8_blockwise" and k > 0 and n > 0 and grows and hopper()
 
 
 def routed(gmm_impl: str, recipe: str, k: int, n: int) -> str:

@@ -107,8 +107,9 @@ def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one():
     interpreter) the blockwise fprop, dgrad and wgrad run on the kernels as one group: within
     float32 accumulation of each row's largest value of the dequantized products (the per-128
     promotion sums in another order; the wgrad's 100 rows are one tile, padded with zeros),
-    and not equal to them bit for bit (the control: the kernels ran)."""
-    m, k, n = 100, 256, 128  # 100 rows: one group padded to the tile; two K steps for the fprop
+    and not equal to them bit for bit (the control: the kernels ran). N = 320 is zero-padded
+    to 384 around the kernels (fp8_kernel.PAD_LIMIT)."""
+    m, k, n = 100, 256, 320  # 100 rows: one group padded to the tile; two K steps for the fprop
     ks = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(ks[0], (m, k)) * jnp.logspace(-2, 2, m)[:, None]
     w, dy = jax.random.normal(ks[1], (k, n)) * 0.05, jax.random.normal(ks[2], (m, n))
@@ -165,8 +166,9 @@ def test_tensorwise_linear_is_three_cublaslt_fp8_gemms_on_h100():
 def test_blockwise_linear_is_the_hopper_kernel_on_h100():
     """[512 x 256] x [256 x 384] on one H100 (its device named, as a trainer's context names
     it): the blockwise fprop, dgrad and wgrad are Pallas Mosaic GPU calls (moe/fp8_hopper.py's
-    e4m3 wgmma kernels, one group), no cuBLAS GEMM; a linear of N = 192 (not a whole tile)
-    stays dequantized (the control)."""
+    e4m3 wgmma kernels, one group), no cuBLAS GEMM; so are they at N = 576 (MLA's wkv_a width,
+    zero-padded to 640 around the kernels); a linear of N = 192 (256 would be a third more
+    work) stays dequantized (the control)."""
     t = targets.parse_target("gpu:h100x8")
     dev = t.devices()[0]
     one = NamedSharding(Mesh([dev], ("one",)), PartitionSpec())
@@ -184,6 +186,7 @@ def test_blockwise_linear_is_the_hopper_kernel_on_h100():
             text = lowered.compile(compiler_options=fp8_gemm.GPU_COMPILER_OPTIONS).as_text()
         return re.findall(r'custom_call_target="([^"]+)"', text)
 
-    kernel = calls(384)
-    assert kernel.count("mosaic_gpu_v2") == 3 and "__cublas$lt$matmul" not in kernel
+    for n in (384, 576):
+        kernel = calls(n)
+        assert kernel.count("mosaic_gpu_v2") == 3 and "__cublas$lt$matmul" not in kernel, n
     assert "mosaic_gpu_v2" not in calls(192)
