@@ -243,6 +243,9 @@ class _Counter:
         attention = _attention_kernel_flops(ins, target, self.float_operand_dims(ins))
         if attention is not None:
             return attention
+        fp8 = _fp8_hopper_flops(ins, target)
+        if fp8 is not None:
+            return fp8
         if target == "tpu_custom_call":
             est = re.search(r'"cost_estimate":\{"flops":"?(\d+)', ins.attrs)
             if est:
@@ -298,6 +301,40 @@ class _Counter:
 # 2Q + V) and dk/dv (scores, dO V^T, P^T dO, dS^T Q: 2Q + 2V); cuDNN's backward is one kernel
 # (scores, dO V^T, P^T dO, dS K, dS^T Q: 3Q + 2V).
 _SPLASH_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
+
+
+# The fp8 Hopper kernels (nn/moe/fp8_hopper.py) by the named scope of their product
+# (nn/fp8_gemm.SCOPES, nn/moe/fp8_gmm.SCOPES)
+_FP8_SCOPE_RE = re.compile(r"fp8_(?:gmm_)?(fprop|dgrad|wgrad)")
+_F8_OPERAND_RE = re.compile(r"f8e4m3fn\[(\d+,\d+)\]")
+_F8_WEIGHT_RE = re.compile(r"f8e4m3fn\[(\d+),\d+,\d+\]")
+
+
+def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
+    """FLOPs of an fp8 Hopper kernel call (a Mosaic GPU custom call under an fp8 product's
+    scope) from its shapes: the fprop and dgrad multiply [Mp, C] e4m3 rows by each group's
+    [C, N] weight into [Mp, N], the wgrad [G, K, N] from x^T [K, Mp] and dy^T [N, Mp]. The
+    wrapper lays out Mp = the rows plus up to a tile per group (each group starts at a row
+    tile, fp8_hopper.padded_rows), and the kernel skips the tiles past the last group: it
+    computes the rows rounded up per group, counted here at one group's rows exactly (Mp - 128)
+    and at several groups' on average (half a tile of padding each: Mp - 64 G). None for other
+    calls."""
+    scope = _FP8_SCOPE_RE.search(ins.op_name)
+    if not target.startswith("mosaic_gpu") or scope is None:
+        return None
+    found = _F8_OPERAND_RE.findall(ins.attrs)
+    if not found:
+        return None
+    out = _dims(ins.shape)
+    (rows,) = [tuple(int(d) for d in f.split(",")) for f in found[:1]]
+    if scope.group(1) == "wgrad":  # [G, K, N] <- x^T [K, Mp], dy^T [N, Mp]
+        g, mp, width = out[0], rows[1], math.prod(out[1:])
+    else:  # [Mp, N] <- [Mp, C] x [G, ., .]
+        weight = _F8_WEIGHT_RE.search(ins.attrs)
+        g = int(weight.group(1)) if weight else 1
+        mp, width = out[0], rows[1] * math.prod(out[1:])
+    computed = mp - 128 if g == 1 else mp - 64 * g
+    return 2 * max(computed, 0) * width
 
 
 def _attention_kernel_flops(ins: Instruction, target: str, operands) -> int | None:

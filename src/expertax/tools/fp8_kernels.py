@@ -28,7 +28,7 @@ _OP = re.compile(r'op_name="([^"]+)"')
 HOPPER_DIMS = {
     "base_emb_dim": 256,
     "q_lora_rank": 128,
-    "kv_lora_rank": 128,
+    "kv_lora_rank": 384,  # wkv_a: 256 -> 384 + 64 = 448, zero-padded to 512 (as 576 -> 640)
     "qk_nope_head_dim": 64,
     "qk_rope_head_dim": 64,
     "v_head_dim": 64,

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from expertax import platform, quant, targets
 from expertax.convert import fp8 as hub_fp8
 from expertax.nn import fp8_gemm, fp8_kernel
+from expertax.planner.flops import count_flops
 from tests.tolerances import tol
 
 M, K, N = 64, 384, 256
@@ -168,7 +169,8 @@ def test_blockwise_linear_is_the_hopper_kernel_on_h100():
     it): the blockwise fprop, dgrad and wgrad are Pallas Mosaic GPU calls (moe/fp8_hopper.py's
     e4m3 wgmma kernels, one group), no cuBLAS GEMM; so are they at N = 576 (MLA's wkv_a width,
     zero-padded to 640 around the kernels); a linear of N = 192 (256 would be a third more
-    work) stays dequantized (the control)."""
+    work) stays dequantized (the control). The planner counts the three calls' FLOPs from
+    their shapes: those of the three products (planner/flops.py)."""
     t = targets.parse_target("gpu:h100x8")
     dev = t.devices()[0]
     one = NamedSharding(Mesh([dev], ("one",)), PartitionSpec())
@@ -184,9 +186,11 @@ def test_blockwise_linear_is_the_hopper_kernel_on_h100():
         with platform.use("gpu", dev):
             lowered = jax.jit(step).lower(*args)
             text = lowered.compile(compiler_options=fp8_gemm.GPU_COMPILER_OPTIONS).as_text()
-        return re.findall(r'custom_call_target="([^"]+)"', text)
+        return re.findall(r'custom_call_target="([^"]+)"', text), text
 
     for n in (384, 576):
-        kernel = calls(n)
+        kernel, text = calls(n)
         assert kernel.count("mosaic_gpu_v2") == 3 and "__cublas$lt$matmul" not in kernel, n
-    assert "mosaic_gpu_v2" not in calls(192)
+        # N = 576 is multiplied padded to 640
+        assert count_flops(text).flops == 3 * 2 * 512 * 256 * (-(-n // 128) * 128), n
+    assert "mosaic_gpu_v2" not in calls(192)[0]
