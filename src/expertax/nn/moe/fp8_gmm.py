@@ -17,7 +17,7 @@ with the backend's own kernels for all three products (its VJP gives the dgrad a
 wgrad), but no fp8 tensor-core time: no such backend multiplies e4m3 in its grouped GEMM
 (docs/design/fp8.md, "Grouped GEMM"). `backend=HOPPER` instead runs the fprop and the dgrad on
 the quantized operands in `fp8_hopper.py`'s kernel (e4m3 `wgmma` on Hopper; Pallas's interpreter
-when traced for a CPU), the wgrad too under `fp8_blockwise` (`fp8_hopper.wgrad`).
+when traced for a CPU), and the wgrad on `fp8_hopper.wgrad`.
 
 `given=` (the paged stash): the output is known; the value is `given`, the backward is this
 one's.
@@ -47,7 +47,7 @@ from expertax.parallel import remat
 TILE = fp8_gemm.TILE
 # `backend=HOPPER` (`gmm_impl=fp8_hopper`, or `auto` on a Hopper mesh: nn/fp8_kernel.py): the
 # fprop and the dgrad multiply the e4m3 operands in fp8_hopper.py's kernel (Hopper's fp8 tensor
-# cores; on CPU its interpreter), and under fp8_blockwise the wgrad (tensorwise: dequantized)
+# cores; on CPU its interpreter), the wgrad on its wgrad kernel
 HOPPER = fp8_kernel.HOPPER
 
 
@@ -183,15 +183,16 @@ def _interpret() -> bool:
 def _wgrad(x_local, dy_local, w, sizes_E, offset, opts):
     """dw[g] = x^T dy over group g's rows (foreign rows already zeroed): both operands re-tiled
     along the rows (128 rows per scale, per channel), dequantized, on `_backend`'s VJP; under
-    `_hopper(opts)` with `fp8_blockwise`, the Hopper kernel's wgrad (`fp8_hopper.wgrad`: e4m3
-    `wgmma`, each group's rows padded to whole 128-row tiles, so a tile's scale is one
-    expert's; tensorwise stays dequantized). Returns (dw float32-accumulated in w's dtype, the
-    re-tiled operands' e4m3 values, for the counts)."""
+    `_hopper(opts)` the Hopper kernel's wgrad (`fp8_hopper.wgrad`: e4m3 `wgmma`; blockwise:
+    each group's rows padded to whole 128-row tiles, so a tile's scale is one expert's;
+    tensorwise: one scale per operand, as here). Returns (dw float32-accumulated in w's dtype,
+    the re-tiled operands' e4m3 values, for the counts)."""
     recipe = opts[0]
-    if _hopper(opts) and recipe == "fp8_blockwise":
+    if _hopper(opts):
         dw, q_x_m, q_dy_m = fp8_hopper.wgrad_counted(
             x_local, dy_local, sizes_E, group_offset=offset if opts[1] else None,
             num_groups=w.shape[0], interpret=_interpret(),
+            tensorwise=recipe == "fp8_tensorwise",
         )  # fmt: skip
         # the Pallas call's output declares no varying axes: it varies as the weight's cotangent
         return varying_like(dw.astype(w.dtype), w), q_x_m, q_dy_m

@@ -342,12 +342,17 @@ def wgrad(
     return wgrad_quantized(*operands, out_dtype=out_dtype, interpret=interpret)
 
 
-def wgrad_counted(x, dy, sizes, *, group_offset=None, num_groups: int, interpret=False):
+def wgrad_counted(
+    x, dy, sizes, *, group_offset=None, num_groups: int, interpret=False, tensorwise=False
+):
     """`wgrad` (float32) and the e4m3 values each of the M rows was multiplied as ([M, K] and
-    [M, N], zero outside the groups), for the quantizer counts (nn/fp8_stats.py)."""
+    [M, N], zero outside the groups), for the quantizer counts (nn/fp8_stats.py); `tensorwise`:
+    as `wgrad_operands`."""
     local, first = _local_groups(sizes, group_offset, num_groups)
     layout = padding(x.shape[0], local, first)
-    ops = wgrad_operands(x, dy, sizes, group_offset=group_offset, num_groups=num_groups)
+    ops = wgrad_operands(
+        x, dy, sizes, group_offset=group_offset, num_groups=num_groups, tensorwise=tensorwise
+    )
     dw = wgrad_quantized(*ops, interpret=interpret)
     inside = (layout.rows >= 0)[:, None]
 
@@ -357,10 +362,14 @@ def wgrad_counted(x, dy, sizes, *, group_offset=None, num_groups: int, interpret
     return dw, rows(ops.x), rows(ops.dy)
 
 
-def wgrad_operands(x, dy, sizes, *, group_offset=None, num_groups: int) -> WgradOperands:
+def wgrad_operands(
+    x, dy, sizes, *, group_offset=None, num_groups: int, tensorwise=False
+) -> WgradOperands:
     """`wgrad`'s padding and quantization: the rows of the local groups gathered into the padded
     layout (`padding`: `padded_rows(M, G)` rows, zero outside the groups) and quantized in
-    128 x 1 blocks (per row tile, per channel)."""
+    128 x 1 blocks (per row tile, per channel); `tensorwise` (the `fp8_tensorwise` recipe):
+    one scale per operand (the local groups' amax: the padding and the other rows are zeros),
+    broadcast to the kernel's grid."""
     (m, k), n = x.shape, dy.shape[-1]
     if dy.shape != (m, n) or k % TILE or n % TILE:
         raise ValueError(
@@ -369,8 +378,15 @@ def wgrad_operands(x, dy, sizes, *, group_offset=None, num_groups: int) -> Wgrad
         )
     local, first = _local_groups(sizes, group_offset, num_groups)
     layout = padding(m, local, first)
-    x_q, x_s = quant.quantize_blocks(pad(x, layout), TILE, 1)
-    dy_q, dy_s = quant.quantize_blocks(pad(dy, layout), TILE, 1)
+
+    def tiles(a):
+        a = pad(a, layout)
+        if not tensorwise:
+            return quant.quantize_blocks(a, TILE, 1)
+        q, scale = quant.quantize_blocks(a, *a.shape)
+        return q, jnp.broadcast_to(scale, (a.shape[0] // TILE, a.shape[1]))
+
+    (x_q, x_s), (dy_q, dy_s) = tiles(x), tiles(dy)
     return WgradOperands(x_q, x_s, dy_q, dy_s, layout.first_tile, layout.tiles)
 
 

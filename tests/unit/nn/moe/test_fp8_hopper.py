@@ -187,8 +187,8 @@ def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe):
     for i in range(2):  # fprop, dgrad
         _assert_close(out[fp8_gmm.HOPPER][i], np.asarray(out["tiled"][i]))
     assert not np.any(np.asarray(out[fp8_gmm.HOPPER][0])[:40])  # the foreign group's rows
-    if recipe == "fp8_tensorwise":  # the wgrad: dequantized on `auto`'s backend, the same code
-        _assert_close(out[fp8_gmm.HOPPER][2], np.asarray(out["tiled"][2]))
+    if recipe == "fp8_tensorwise":  # the kernel's wgrad with one scale per operand: the same
+        _assert_close(out[fp8_gmm.HOPPER][2], np.asarray(out["tiled"][2]))  # quantization
         return
     # blockwise: fp8_hopper.wgrad on the rows the forward saved (its 1 x 128 tiles dequantized),
     # each group's rows in 128-row tiles of their own (the global tiling differs: the control)
