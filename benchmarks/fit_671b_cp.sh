@@ -5,9 +5,7 @@
 # benchmarks/results/fit-cp/<target>-<T>.{json,txt} and each search's wall time to wall.txt (with
 # the load average before and after). Needs the tpu and gpu extras. Run alone: the wall times
 # are the figures. One case: bash benchmarks/fit_671b_cp.sh tpu-v5p-1024-131072
-# The tpu:v5p-1024 32,768 row of BENCHMARKS.md was searched before nn/attention/latent_blockwise.py
-# (MLA expanding the whole gathered sequence's keys and values on each device) and before the
-# search broke step-time ties by collective bytes; the other three after both.
+# An MLA context answer is compiled with both context strategies (ring, all_gather), the smaller kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results/fit-cp
