@@ -22,7 +22,15 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
+
+# The fp8 Hopper kernels' numerics are tested in Pallas's Mosaic GPU interpreter, whose
+# parameters jax 0.10.2 exports from no public module: the tests (not the library) import it.
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+
+from expertax.nn.moe import fp8_hopper  # noqa: E402
+
+fp8_hopper.INTERPRETER = InterpretGPUParams()
 
 # A shrunk Mixtral with DeepSeek's sigmoid routing and balancing bias (a parameter updated outside
 # the optimizer), shared by the trainer-level tests so they reuse one compiled step.

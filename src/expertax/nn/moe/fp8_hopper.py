@@ -62,7 +62,7 @@ float32 tiles, a step's column scales are 32 values per thread (the WGMMA column
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -202,11 +202,20 @@ def _pad_groups(x, x_scale, sizes, first):
     return pad(x, layout), xs_pad, tile_group, layout.rows
 
 
-def _interpreter():
-    """Pallas's Mosaic GPU interpreter (not exported by jax 0.10.2's public API)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+# Pallas's Mosaic GPU interpreter: its parameters object (`InterpretGPUParams`), which jax
+# 0.10.2 does not export from a public module, so the library never imports it: whoever runs
+# the kernels interpreted sets it (tests/conftest.py). None: no interpreter.
+INTERPRETER: Any = None
 
-    return InterpretGPUParams()
+
+def _interpreter():
+    if INTERPRETER is None:
+        raise RuntimeError(
+            "fp8_hopper: running the kernels interpreted needs Pallas's Mosaic GPU interpreter "
+            "parameters, which jax 0.10.2 does not export: set fp8_hopper.INTERPRETER to an "
+            "InterpretGPUParams (tests/conftest.py does); on a Hopper GPU nothing is needed"
+        )
+    return INTERPRETER
 
 
 def _transforms(dtype):
