@@ -85,13 +85,13 @@ def _to_tiles(a):
     return jnp.pad(a, pad)
 
 
-def _kernel(product, dtype, rows_MC, scales_MC, w_KN, w_scales):
+def _kernel(product, dtype, out_axis, rows_MC, scales_MC, w_KN, w_scales):
     """`product` (`fp8_hopper.gmm` or `.dgrad`) of the rows (e4m3, 1 x 128 scales along the
     contraction C) with the weight as the kernel's one group ([1, K, N]: all rows its group);
-    K and N zero-padded to whole tiles, the output's padding cut."""
+    K and N zero-padded to whole tiles, the output's padding cut to the weight's dim
+    `out_axis` (gmm: N, 1; dgrad: K, 0)."""
     sizes = jnp.full((1,), rows_MC.shape[0], jnp.int32)
-    c = rows_MC.shape[1]
-    out = w_KN.shape[1] if c == w_KN.shape[0] else w_KN.shape[0]  # gmm: N; dgrad: K
+    c, out = rows_MC.shape[1], w_KN.shape[out_axis]
     rows = jnp.pad(rows_MC, ((0, 0), (0, fp8_kernel.padded(c) - c)))
     y = product(
         rows, scales_MC, _to_tiles(w_KN)[None], w_scales[None], sizes, out_dtype=dtype,
@@ -154,7 +154,7 @@ def _forward(x_MK, w_KN, recipe: str, hopper: bool):
 def _fprop(x_MK, qx, qw, w_dtype, hopper: bool):
     dtype = x_MK.dtype
     if hopper:  # fp8_kernel.dense: the e4m3 tiles on Hopper's tensor cores
-        return _over_rows(functools.partial(_kernel, fp8_hopper.gmm, dtype), qx, qw)
+        return _over_rows(functools.partial(_kernel, fp8_hopper.gmm, dtype, 1), qx, qw)
     return _product(
         dequantize(qx, dtype, 1, TILE), dequantize(qw, w_dtype, TILE, TILE), dtype, ((1,), (0,))
     )
@@ -163,7 +163,7 @@ def _fprop(x_MK, qx, qw, w_dtype, hopper: bool):
 def _dgrad(qdy_n, qw, w_dtype, x_dtype, hopper: bool):
     """dx = dy w^T, contracting N: `qdy_n` the output gradient in 1 x 128 tiles along N."""
     if hopper:
-        return _over_rows(functools.partial(_kernel, fp8_hopper.dgrad, x_dtype), qdy_n, qw)
+        return _over_rows(functools.partial(_kernel, fp8_hopper.dgrad, x_dtype, 0), qdy_n, qw)
     w_deq = dequantize(qw, w_dtype, TILE, TILE)
     return _product(dequantize(qdy_n, x_dtype, 1, TILE), w_deq, x_dtype, ((1,), (1,)))
 
