@@ -1,7 +1,8 @@
 """Context parallelism in `expertax parity`: the default matrix's context rows train the same
 model as one device, on packed data (documents of every length, segment ids and positions from
 0 per document, moved with the tokens by the load-balanced reorder), deepseek3-tiny with MTP
-(every row of the matrix) and mixtral-tiny (on demand, -m full_grid).
+(every row of the matrix) and mixtral-tiny (three rows in the default run:
+test_parity_context_mixtral.py; the rest on demand, -m full_grid).
 
 Data seed 1: with seed 0 the second batch holds a token whose top-k experts are a near tie that
 the cp2-ep2-fsdp2 layout's float32 rounding flips (the layer outputs differ at that one token
@@ -43,10 +44,12 @@ def _context_table(model: list[str], layouts: list[str], tmp_path) -> list[dict]
 
 
 DEEPSEEK = ["model_name=deepseek3-tiny", "mtp_num_layers=1"]
-# the default run's rows: the all-to-all dispatch beside FSDP (gathered keys), and the pipeline
-# with the ring of experts passing MLA's latent round a ring (context_parallel_strategy=ring);
-# the matrix's other rows, the reorder off and mixtral-tiny's run on demand (-m full_grid): CI's
-# 45 minutes do not hold them (test_context.py checks both strategies and both reorders)
+# the default run's deepseek rows: the all-to-all dispatch beside FSDP (gathered keys), and the
+# pipeline with the ring of experts passing MLA's latent round a ring
+# (context_parallel_strategy=ring); mixtral-tiny's default rows (test_parity_context_mixtral.py)
+# hold the other three layouts the default matrix names, the reorder off in one; the rest run on
+# demand (-m full_grid): CI's 45 minutes do not hold them (test_context.py checks both strategies
+# and both reorders)
 DEFAULT_ROWS = [
     "sparse-padded-cp2-ep2-fsdp2",
     "sparse-ring-pp2-cp2-ep2-cpring",
@@ -65,7 +68,7 @@ def test_context_rows_deepseek3_tiny_with_mtp_rest(tmp_path):
     _context_table(DEEPSEEK, rest, tmp_path)
 
 
-@pytest.mark.full_grid  # 135 s: on demand
-def test_context_rows_mixtral_tiny(tmp_path):
-    layouts = ["sparse-padded-cp2-ep2-fsdp2-nolb", "sparse-ring-cp4-ep2", "sparse-ring-pp2-cp2-ep2"]
+@pytest.mark.full_grid  # 90 s: on demand (the default run holds mixtral-tiny's other rows)
+def test_context_rows_mixtral_tiny_rest(tmp_path):
+    layouts = ["sparse-padded-cp2-ep2-fsdp2-nolb", "sparse-ring-pp2-cp2-ep2"]
     _context_table(["model_name=mixtral-tiny"], layouts, tmp_path)
