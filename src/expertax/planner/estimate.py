@@ -168,10 +168,9 @@ class Estimator:
         c1 = self.c.model_copy(update={k: v for k, v in o.items() if k in Config.model_fields})
         sizes = {a: n for a, n in shape.items() if n > 1}
         tokens = int(c1.per_device_batch_size * math.prod(shape.values())) * c1.max_target_length
-        widths = stash_mod.widths(c1, sizes)
         rows = stash_mod.capacity_rows(c1, c1.num_moe_layers, tokens, sizes)
         rows += c1.moe_paged_stash_page_rows
-        return rows * sum(widths.values()) * jnp.dtype(c1.dtype).itemsize
+        return rows * stash_mod.row_bytes(c1, sizes, c1.dtype)  # (fp8: gate and up in e4m3)
 
     def state_bytes(self, shape: dict[str, int], rules_name: str) -> tuple[int, int, int]:
         """(parameter elements, trainable elements, largest layer's elements gathered for

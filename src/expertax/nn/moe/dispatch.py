@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn import activation, fp8_kernel, linear
+from expertax.nn import activation, fp8_gemm, fp8_kernel, linear
 from expertax.nn.moe import bias as bias_mod
 from expertax.nn.moe import fp8_gmm, routed
+from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.bias import ExpertBias
 from expertax.nn.moe.gmm import gmm, gmm_glu
 from expertax.nn.moe.stash import Stash, run_ffn
@@ -65,9 +66,16 @@ def expert_ffn_sorted(
     out_probes = None if probe is None else (probe.lanes, probe.model_lanes)
 
     def ffn(given):
+        # under fp8, gate and up as the stash holds them: the activation's quantized inputs
+        held = tuple(stash_mod.held(given, n, recipe) for n in stash_mod.FP8_HELD) if recipe else ()
+
         def mm(lhs, w, name):
             w, g = w.astype(dtype), given.get(name)
             if recipe:  # untagged: the names go on gmm_glu's fp8 copies of gate and up
+                if (q := dict(zip(stash_mod.FP8_HELD, held)).get(name)) is not None:
+                    # the matmul's value is read by nothing but the gated activation, which
+                    # takes `held` instead (fp8_gmm.gmm_glu): no fprop, its backward as ever
+                    g = fp8_gemm.dequantize(q, dtype, 1, fp8_gmm.TILE)
                 return fp8_gmm.gmm(lhs, w, group_sizes_E, recipe, given=g, probes=in_probes, **kw)
             return remat.tag(gmm(lhs, w, group_sizes_E, given=g, **kw), name)
 
@@ -79,12 +87,16 @@ def expert_ffn_sorted(
             gate = gate + bias_mod.rows(bias.gate_EF, ids_M, dtype)
             up = up + bias_mod.rows(bias.up_EF, ids_M, dtype)
         if recipe:  # the activation's inputs kept in fp8 under gate's and up's names
-            names = (remat.MOE_MLPWI_0, remat.MOE_MLPWI_1)
+            names = stash_mod.FP8_HELD
             y = fp8_gmm.gmm_glu(
                 gate, up, wo_EFD.astype(dtype), group_sizes_E, recipe, activation.of(c), names,
-                given=given.get(remat.MOE_MLPWO), probes=out_probes, **kw,
+                given=given.get(remat.MOE_MLPWO), held=held, probes=out_probes, **kw,
             )  # fmt: skip
             y = remat.tag(y, remat.MOE_MLPWO)
+            # what a paged stash writes of them: the same quantized tiles the activation saves
+            for name, a in zip(names, (gate, up)):
+                q = fp8_gemm.quantize(a, recipe, 1, fp8_gmm.TILE)
+                values.update(stash_mod.fp8_values(name, q))
         else:
             # The SwiGLU runs inside the second matmul, on each work item's rows (gmm_glu): no
             # [M, F] hidden buffer, and none of the worst-case padding rows of EP is touched.

@@ -76,17 +76,27 @@ def gmm_glu(
     *,
     group_offset=None,
     given=None,
+    held=(),
     probes=None,
     **kw,
 ):
     """`gmm(act(gate, up), rhs, sizes, recipe)` saving gate and up in fp8 under the checkpoint
-    `names` (gate's, up's) for the backward (the module docstring); `act` hashable."""
+    `names` (gate's, up's) for the backward (the module docstring); `act` hashable.
+
+    `held` (the paged stash's read mode): (gate's, up's) quantized tiles as the forward saved
+    them (`fp8_gemm.quantize(.., 1, TILE)`), or None each: those are the residuals, and the
+    values of `gate_MF`/`up_MF` they stand for are not read (the forward's output, when not
+    `given`, and the counts come from their dequantized values)."""
     arrays = (gate_MF, up_MF, rhs_EFN, sizes_E)
     opts, args, probes = _prepare(recipe, group_offset, kw, probes, *arrays)
     gate_MF, up_MF, rhs_EFN, sizes_E, offset = args
     if given is not None:
         given = varying_like(given.astype(gate_MF.dtype), gate_MF)
-    return _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, tuple(names))
+    held = tuple(held) + (None,) * (2 - len(held))
+    held = jax.tree.map(lambda a: varying_like(a, gate_MF), held)
+    return _glu(
+        gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, held, probes, opts, act, tuple(names)
+    )
 
 
 def _prepare(recipe, group_offset, kw, probes, *arrays):
@@ -302,12 +312,21 @@ def _gmm_given_bwd(opts, res, dy_MN):
 _gmm_given.defvjp(_gmm_given_fwd, _gmm_given_bwd)
 
 
-def _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, names):
+def _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, held, probes, opts, act, names):
     recipe = opts[0]
     qw = _quantize_weights(rhs_EFN, recipe)
+    # the activation's inputs in 1 x 128 tiles (or as the paged stash held them)
+    qg, qu = (
+        fp8_gemm.quantize(a, recipe, 1, TILE) if q is None else q
+        for a, q in zip((gate_MF, up_MF), held)
+    )
     fwd = None
     if given is None or probes is not None:
         # (with a given output and probes: the hidden rows only for their counts)
+        gate_MF, up_MF = (
+            a if h is None else fp8_gemm.dequantize(q, a.dtype, 1, TILE)
+            for a, h, q in zip((gate_MF, up_MF), held, (qg, qu))
+        )
         h_exact = act(gate_MF, up_MF)
         qh = fp8_gemm.quantize(h_exact, recipe, 1, TILE)
         q_h = qh[0]
@@ -316,9 +335,8 @@ def _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, 
             fwd = fp8_stats.counts(h_exact, q_h, local)
     if given is None:
         given = _fprop(qh, qw, sizes_E, offset, opts, h_exact.dtype, rhs_EFN.dtype)
-    # the activation's inputs in 1 x 128 tiles under their checkpoint names (remat keeps or
-    # recomputes these fp8 bytes as the policy places the names)
-    qg, qu = (fp8_gemm.quantize(a, recipe, 1, TILE) for a in (gate_MF, up_MF))
+    # the activation's inputs under their checkpoint names (remat keeps or recomputes these fp8
+    # bytes as the policy places the names)
     qg, qu = (jax.tree.map(lambda a, n=n: remat.tag(a, n), q) for q, n in zip((qg, qu), names))
     tags = (jnp.zeros((0,), gate_MF.dtype), jnp.zeros((0,), rhs_EFN.dtype))
     return given, (qg, qu, qw, sizes_E, offset, tags, fwd)
@@ -342,16 +360,18 @@ def _glu_backward(opts, act, names, res, dy_MN):
         bwd_k = fp8_stats.counts(h_local, q_h_m)
         bwd_n = fp8_stats.total((dy_MN, q_dy_n), rows=local) + fp8_stats.counts(dy_local, q_dy_m)
         cts = _cotangents(fwd, bwd_k, bwd_n)
-    return dgate, dup, dw.astype(w_tag.dtype), None, None, None, cts
+    return dgate, dup, dw.astype(w_tag.dtype), None, None, None, None, cts
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, names):
-    return _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, None, opts, act, names)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _glu(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, held, probes, opts, act, names):
+    args = (gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, held, None)
+    return _glu_forward(*args, opts, act, names)[0]
 
 
-def _glu_fwd(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, names):
-    return _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, probes, opts, act, names)
+def _glu_fwd(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, held, probes, opts, act, names):
+    args = (gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, held, probes)
+    return _glu_forward(*args, opts, act, names)
 
 
 _glu.defvjp(_glu_fwd, _glu_backward)

@@ -20,6 +20,14 @@ matmul's own. docs/design/stash.md has the whole mechanism.
 Per device, a buffer is `[capacity + page, W]` (W = F/tensor for the gate and up, D for the
 output); outside the `shard_map` the devices' buffers are stacked on the leading axis, sharded
 over the mesh axes of `AXES`, and `offset`, `fits`, `rows` have one entry per such device.
+
+Under an fp8 `quantization` (nn/moe/fp8_gmm.py) the gate and up are held as what the backward
+reads: the activation's inputs in 1 x 128 e4m3 tiles, one byte per value in `name` and the
+float32 scales of each row in `name + SCALE` (F/128 per row; `fp8_tensorwise`: the one scale,
+repeated per row), DeepSeek-V3's cached SwiGLU inputs (`buffers`). The read mode hands them to
+the gated activation as its residuals (`held`): the gradients are bitwise those of the plain
+fp8 stack that keeps the same names. The output rows stay in the compute dtype (the combine is
+bf16 in the recipe).
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ from jax.sharding import PartitionSpec as P
 from expertax.config.schema import Config
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
+from expertax.quant import BLOCK as TILE
 
 WRITE, READ = "write", "read"
+SCALE = "/scale"  # the buffer of an fp8-held name's row scales: name + SCALE
 # The mesh axes over which a device's stashed rows differ: its tokens (data, fsdp, context,
 # expert), its experts (expert) and its slice of F (tensor). The buffers are replicated over
 # any other axis.
@@ -49,8 +59,9 @@ class Stash:
     """The shared buffers and the cursor into them (a pytree; `mode`, `capacity`, `page` static).
 
     bufs: name -> [capacity + page, W] per device, the rows' bits as unsigned integers of the
-    values' width (`dtype`): a copy, never arithmetic, and no backend widens integers (XLA:CPU
-    converts a bfloat16 buffer to float32 whole). offset: int32 [1], the first free row.
+    values' width (`dtypes`: each buffer's value dtype): a copy, never arithmetic, and no
+    backend widens integers (XLA:CPU converts a bfloat16 buffer to float32 whole).
+    offset: int32 [1], the first free row.
     fits: bool [1], false once a row of the current layer did not fit (write mode).
     rows: int32 [1], the rows the stack's layers so far needed, fitting or not (the factor report).
     """
@@ -62,7 +73,11 @@ class Stash:
     mode: str
     capacity: int
     page: int
-    dtype: str
+    dtypes: tuple[tuple[str, str], ...]
+
+    def dtype(self, name: str) -> jnp.dtype:
+        """The value dtype of buffer `name`."""
+        return jnp.dtype(dict(self.dtypes)[name])
 
     def with_fields(self, **kw) -> Stash:
         return dataclasses.replace(self, **kw)
@@ -80,7 +95,7 @@ class Stash:
             for name, buf in bufs.items():
                 value = values[name]
                 rows = jnp.take(value, jnp.clip(src, 0, value.shape[0] - 1), axis=0)
-                rows = jax.lax.bitcast_convert_type(rows.astype(self.dtype), buf.dtype)
+                rows = jax.lax.bitcast_convert_type(rows.astype(self.dtype(name)), buf.dtype)
                 out[name] = jax.lax.dynamic_update_slice_in_dim(buf, rows, off + i * self.page, 0)
             return out
 
@@ -98,16 +113,16 @@ class Stash:
         buf = self.bufs[name]
         off = self.offset[0]
         r = jnp.arange(self.page, dtype=jnp.int32)
-        zeros = jnp.zeros((num_rows + self.page, buf.shape[1]), self.dtype)
+        zeros = jnp.zeros((num_rows + self.page, buf.shape[1]), buf.dtype)
         out = varying_like(zeros, buf, n)
 
-        def body(i, out):
+        def body(i, out):  # on the bits: zero bits are a zero of every value dtype
             bits = jax.lax.dynamic_slice_in_dim(buf, off + i * self.page, self.page)
-            rows = jax.lax.bitcast_convert_type(bits, self.dtype)
-            rows = jnp.where((i * self.page + r < n)[:, None], rows, jnp.zeros((), self.dtype))
-            return jax.lax.dynamic_update_slice_in_dim(out, rows, start + i * self.page, 0)
+            bits = jnp.where((i * self.page + r < n)[:, None], bits, jnp.zeros((), buf.dtype))
+            return jax.lax.dynamic_update_slice_in_dim(out, bits, start + i * self.page, 0)
 
-        return jax.lax.fori_loop(0, _cdiv(n, self.page), body, out)[:num_rows]
+        out = jax.lax.fori_loop(0, _cdiv(n, self.page), body, out)[:num_rows]
+        return jax.lax.bitcast_convert_type(out, self.dtype(name))
 
     def advance(self, n) -> Stash:
         return self.with_fields(offset=self.offset + n, rows=self.rows + n)
@@ -116,7 +131,7 @@ class Stash:
 jax.tree_util.register_dataclass(
     Stash,
     data_fields=["bufs", "offset", "fits", "rows"],
-    meta_fields=["mode", "capacity", "page", "dtype"],
+    meta_fields=["mode", "capacity", "page", "dtypes"],
 )
 
 
@@ -176,6 +191,55 @@ def widths(c: Config, axis_sizes: dict[str, int]) -> dict[str, int]:
     return {n: full[n] for n in remat.stashed_names(c)}
 
 
+FP8_HELD = (remat.MOE_MLPWI_0, remat.MOE_MLPWI_1)  # the names held in fp8 under a quantization
+
+
+def buffers(c: Config, axis_sizes: dict[str, int], dtype) -> dict[str, tuple[int, jnp.dtype]]:
+    """Each buffer's (row width, value dtype) per device: the stashed names in `dtype` (the
+    compute dtype), or, under an fp8 `quantization`, the gate and up as e4m3 plus a buffer of
+    their float32 row scales (`scale_columns`; the module docstring)."""
+    out: dict[str, tuple[int, jnp.dtype]] = {}
+    for name, w in widths(c, axis_sizes).items():
+        if c.quantization and name in FP8_HELD:
+            out[name] = (w, jnp.dtype(jnp.float8_e4m3fn))
+            out[name + SCALE] = (scale_columns(c.quantization, w), jnp.dtype(jnp.float32))
+        else:
+            out[name] = (w, jnp.dtype(dtype))
+    return out
+
+
+def row_bytes(c: Config, axis_sizes: dict[str, int], dtype) -> int:
+    """The bytes of one stashed row over all buffers (`buffers`)."""
+    return sum(w * t.itemsize for w, t in buffers(c, axis_sizes, dtype).values())
+
+
+def scale_columns(recipe: str, width: int) -> int:
+    """The float32 scales an fp8-held row of `width` values carries: one per 1 x 128 tile
+    (fp8_gemm.quantize: a shorter row is one tile), or the tensorwise scale once."""
+    if recipe == "fp8_tensorwise":
+        return 1
+    return -(-width // min(TILE, width))
+
+
+def fp8_values(name: str, q) -> dict[str, jax.Array]:
+    """The buffers' values of an fp8-held name from its quantized rows `q` = (e4m3 [M, W],
+    scales [M, W/128] or the tensorwise scalar, repeated per row)."""
+    values, scale = q
+    rows = values.shape[0]
+    scale = jnp.broadcast_to(scale, (rows, 1)) if scale.ndim == 0 else scale
+    return {name: values, name + SCALE: scale}
+
+
+def held(given: dict[str, jax.Array], name: str, recipe: str):
+    """The quantized rows (e4m3, scales) of an fp8-held `name` read back from `given` (the read
+    mode's values), in `fp8_gemm.quantize`'s form (tensorwise: the scalar, the largest of the
+    rows' copies: the rows outside the layer's are zero), or None when the stash holds none."""
+    if name not in given or name + SCALE not in given:
+        return None
+    scale = given[name + SCALE]
+    return given[name], jnp.max(scale) if recipe == "fp8_tensorwise" else scale
+
+
 def empty(c: Config, num_layers: int, num_tokens: int, dtype, axis_sizes: dict[str, int]) -> Stash:
     """A zeroed write-mode stash for a stack of `num_layers` MoE layers over `num_tokens` tokens,
     one per device of the MoE `shard_map` over a mesh of `axis_sizes` ({} for one device),
@@ -184,8 +248,9 @@ def empty(c: Config, num_layers: int, num_tokens: int, dtype, axis_sizes: dict[s
     devices, sizes = math.prod(axis_sizes[a] for a in axes), axis_sizes
     cap = capacity_rows(c, num_layers, num_tokens, sizes)
     page = c.moe_paged_stash_page_rows
-    bits = bits_dtype(dtype)
-    bufs = {n: jnp.zeros((devices * (cap + page), w), bits) for n, w in widths(c, sizes).items()}
+    layout = buffers(c, sizes, dtype)
+    rows = devices * (cap + page)
+    bufs = {n: jnp.zeros((rows, w), bits_dtype(t)) for n, (w, t) in layout.items()}
     stash = Stash(
         bufs=bufs,
         offset=jnp.zeros((devices,), jnp.int32),
@@ -194,7 +259,7 @@ def empty(c: Config, num_layers: int, num_tokens: int, dtype, axis_sizes: dict[s
         mode=WRITE,
         capacity=cap,
         page=page,
-        dtype=jnp.dtype(dtype).name,
+        dtypes=tuple((n, t.name) for n, (_, t) in layout.items()),
     )
     return constrain(stash, axes)
 

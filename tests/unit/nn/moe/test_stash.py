@@ -4,6 +4,8 @@ config errors. The expert-parallel paths are in tests/distributed/test_stash.py.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from expertax.config import ConfigError, load_config
 from expertax.models import stashed_stack
 from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.gmm import gmm
+from expertax.parallel import remat
 from expertax.planner.residuals import residual_sources
 from expertax.train import step as step_lib
 from tests.unit.models.test_decoder import lm_batch
@@ -95,6 +98,45 @@ def test_stash_gradients_are_bitwise_the_plain_stacks(model, fused):
 
 
 @pytest.mark.parametrize(
+    "recipe",
+    ["fp8_blockwise", pytest.param("fp8_tensorwise", marks=pytest.mark.full_grid)],
+)
+def test_fp8_stash_holds_e4m3_and_its_gradients_are_bitwise_the_plain_fp8_stack(recipe):
+    """Under an fp8 recipe the stash holds gate and up as the activation saves them (e4m3 bytes
+    and float32 row scales, nn/moe/stash.py) and hands them back as its residuals: the loss and
+    the gradients are bitwise those of the plain fp8 stack keeping the same names."""
+    plain, stashed = configs("mixtral-tiny", quantization=recipe, moe_paged_stash_page_rows=5)
+    f = plain.base_moe_mlp_dim
+    layout = stash_mod.buffers(stashed, {}, jnp.float32)
+    scale_cols = 1 if recipe == "fp8_tensorwise" else -(-f // min(128, f))
+    assert layout == {
+        remat.MOE_MLPWI_0: (f, jnp.dtype(jnp.float8_e4m3fn)),
+        remat.MOE_MLPWI_0 + stash_mod.SCALE: (scale_cols, jnp.dtype(jnp.float32)),
+        remat.MOE_MLPWI_1: (f, jnp.dtype(jnp.float8_e4m3fn)),
+        remat.MOE_MLPWI_1 + stash_mod.SCALE: (scale_cols, jnp.dtype(jnp.float32)),
+        remat.MOE_MLPWO: (plain.base_emb_dim, jnp.dtype(jnp.float32)),
+    }
+    # a row costs (1 + 4 scale_cols / f) bytes per gate or up value, not 4 (float32 here)
+    d = plain.base_emb_dim
+    assert stash_mod.row_bytes(stashed, {}, jnp.float32) == 2 * (f + 4 * scale_cols) + 4 * d
+    p = init_params(plain)
+    batch = lm_batch(plain, 2)
+    l0, g0, _ = loss_grads_stats(plain, p, batch)
+    l1, g1, s1 = loss_grads_stats(stashed, p, batch)
+    assert int(jnp.sum(s1.stash_overflow)) == 0
+    assert float(l0) == float(l1)
+    assert_bitwise(g0, g1)
+    # what the stashed stack saves: the e4m3 bytes and scale bits, no gate or up in float32
+    loss = lambda p: step_lib.loss_fn(p, batch, stashed)[0]
+    saved = Counter((tuple(r.aval.shape), r.aval.dtype.name) for r in residual_sources(loss, p))
+    rows = stash_mod.capacity_rows(stashed, plain.num_moe_layers, 2 * plain.max_target_length, {})
+    rows += stashed.moe_paged_stash_page_rows
+    assert saved[((rows, f), "uint8")] == 2 and saved[((rows, scale_cols), "uint32")] == 2
+    assert saved[((rows, f), "uint32")] == (f == d)  # only the output's buffer, if as wide
+    assert saved[((rows, d), "uint32")] == 1
+
+
+@pytest.mark.parametrize(
     "factor, overflowing", [(0.6, "some"), pytest.param(0.01, "all", marks=pytest.mark.full_grid)]
 )
 def test_layers_that_overflow_are_recomputed_exactly(factor, overflowing):
@@ -143,7 +185,7 @@ def test_pages_round_trip_and_overflow_writes_nothing():
         mode=stash_mod.WRITE,
         capacity=cap,
         page=page,
-        dtype="float32",
+        dtypes=(("v", "float32"),),
     )
     w = jax.jit(lambda s: s.write({"v": value}, 3, 9))(s)  # rows 3..11, 3 pages (last partial)
     assert int(w.offset[0]) == 11 and bool(w.fits[0]) and int(w.rows[0]) == 9
