@@ -89,7 +89,9 @@ def _kernel(product, dtype, out_axis, rows_MC, scales_MC, w_KN, w_scales):
     """`product` (`fp8_hopper.gmm` or `.dgrad`) of the rows (e4m3, 1 x 128 scales along the
     contraction C) with the weight as the kernel's one group ([1, K, N]: all rows its group);
     K and N zero-padded to whole tiles, the output's padding cut to the weight's dim
-    `out_axis` (gmm: N, 1; dgrad: K, 0)."""
+    `out_axis` (gmm: N, 1; dgrad: K, 0). The kernel's default 128-row tile: with one group the
+    padding is under one tile in all, and a 128-row tile reuses each weight tile for twice the
+    rows of a 64-row one."""
     sizes = jnp.full((1,), rows_MC.shape[0], jnp.int32)
     c, out = rows_MC.shape[1], w_KN.shape[out_axis]
     rows = jnp.pad(rows_MC, ((0, 0), (0, fp8_kernel.padded(c) - c)))

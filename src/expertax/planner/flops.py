@@ -304,8 +304,10 @@ _SPLASH_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
 
 
 # The fp8 Hopper kernels (nn/moe/fp8_hopper.py) by the named scope of their product
-# (nn/fp8_gemm.SCOPES, nn/moe/fp8_gmm.SCOPES)
+# (nn/fp8_gemm.SCOPES, nn/moe/fp8_gmm.SCOPES), and their row tile by the kernel call's own
+# (fp8_hopper.tile_scope; 128 where it is absent)
 _FP8_SCOPE_RE = re.compile(r"fp8_(?:gmm_)?(fprop|dgrad|wgrad)")
+_FP8_TILE_RE = re.compile(r"fp8_tile~(\d+)")
 _F8_OPERAND_RE = re.compile(r"f8e4m3fn\[(\d+,\d+)\]")
 _F8_WEIGHT_RE = re.compile(r"f8e4m3fn\[(\d+),\d+,\d+\]")
 
@@ -314,14 +316,17 @@ def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
     """FLOPs of an fp8 Hopper kernel call (a Mosaic GPU custom call under an fp8 product's
     scope) from its shapes: the fprop and dgrad multiply [Mp, C] e4m3 rows by each group's
     [C, N] weight into [Mp, N], the wgrad [G, K, N] from x^T [K, Mp] and dy^T [N, Mp]. The
-    wrapper lays out Mp = the rows plus up to a tile per group (each group starts at a row
-    tile, fp8_hopper.padded_rows), and the kernel skips the tiles past the last group: it
-    computes the rows rounded up per group, counted here at one group's rows exactly (Mp - 128)
-    and at several groups' on average (half a tile of padding each: Mp - 64 G). None for other
-    calls."""
+    wrapper lays out Mp = the rows plus up to a row tile per group (each group starts at a row
+    tile, fp8_hopper.padded_rows; the tile T is 64 or 128 rows for the fprop and dgrad, 128 for
+    the wgrad, named in the op_name as `fp8_tile~T`), and the kernel skips the tiles past the
+    last group: it computes the rows rounded up per group, counted here at one group's rows
+    exactly (Mp - T) and at several groups' on average (half a tile of padding each:
+    Mp - T / 2 G). None for other calls."""
     scope = _FP8_SCOPE_RE.search(ins.op_name)
     if not target.startswith("mosaic_gpu") or scope is None:
         return None
+    named = _FP8_TILE_RE.search(ins.op_name)
+    tile = int(named.group(1)) if named else 128
     found = _F8_OPERAND_RE.findall(ins.attrs)
     if not found:
         return None
@@ -333,7 +338,7 @@ def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
         weight = _F8_WEIGHT_RE.search(ins.attrs)
         g = int(weight.group(1)) if weight else 1
         mp, width = out[0], rows[1] * math.prod(out[1:])
-    computed = mp - 128 if g == 1 else mp - 64 * g
+    computed = mp - tile if g == 1 else mp - tile // 2 * g
     return 2 * max(computed, 0) * width
 
 

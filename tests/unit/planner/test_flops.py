@@ -245,6 +245,45 @@ ENTRY %main (a: bf16[8,256,512], b: bf16[8,512,128]) -> bf16[8,256,128] {
     assert flops._valid_pairs(4, 3, 4, 1, 1, 1, 1) == 10
 
 
+def _fp8_hopper_call(name, mp, g, scope):
+    """A Mosaic GPU call of fp8_hopper's fprop kernel, as XLA:GPU prints it: [Mp, 256] from the
+    padded e4m3 rows [Mp, 256] and `g` groups' weights [g, 256, 256]."""
+    return (
+        f"  %{name} = bf16[{mp},256]{{1,0}} custom-call(%t, %x, %s, %w, %ws), "
+        f'custom_call_target="mosaic_gpu_v2", operand_layout_constraints={{s32[{mp // 64}]{{0}}, '
+        f"f8e4m3fn[{mp},256]{{1,0}}, f32[2,{mp}]{{1,0}}, f8e4m3fn[{g},256,256]{{2,1,0}}, "
+        f'f32[{g},2,2]{{2,1,0}}}}, metadata={{op_name="jit(f)/{scope}/mpmd_map"}}'
+    )
+
+
+@pytest.mark.parametrize(
+    "mp, g, scope, rows",
+    [
+        # 512 rows in 4 groups, each padded by half a row tile on average
+        (768, 4, "fp8_gmm_fprop/fp8_tile~64", 512 + 4 * 32),
+        (1024, 4, "fp8_gmm_fprop/fp8_tile~128", 512 + 4 * 64),
+        (1024, 4, "fp8_gmm_fprop", 512 + 4 * 64),  # no tile named: 128
+        # one group (the dense linears): its rows exactly, Mp less one tile
+        (576, 1, "fp8_fprop/fp8_tile~64", 512),
+        (640, 1, "fp8_fprop/fp8_tile~128", 512),
+    ],
+)
+def test_fp8_hopper_kernel_counts_the_rows_of_its_row_tile(mp, g, scope, rows):
+    """fp8_hopper's fprop/dgrad pads each group to whole row tiles (64 or 128 rows, named by the
+    call's `fp8_tile~T` scope): counted at the rows plus half a tile per group of several."""
+    hlo = "\n".join(
+        [
+            f"ENTRY %main (x: f8e4m3fn[{mp},256]) -> bf16[{mp},256] {{",
+            f"  %x = f8e4m3fn[{mp},256]{{1,0}} parameter(0)",
+            _fp8_hopper_call("k", mp, g, scope),
+            "}",
+        ]
+    )
+    r = count_flops(hlo)
+    assert not r.opaque
+    assert r.flops == 2 * rows * 256 * 256
+
+
 # --- compiled programs ------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from jax._src.ad_checkpoint import saved_residuals  # (public: print_saved_resid
 from expertax import quant
 from expertax.nn import fp8_gemm
 from expertax.nn.activation import swiglu
-from expertax.nn.moe import fp8_gmm
+from expertax.nn.moe import fp8_gmm, tiles
 from tests.tolerances import tol
 
 E, M, K, N = 4, 300, 256, 160
@@ -95,6 +95,17 @@ def test_backends_agree():
         out[backend] = (y[: sum(SIZES)], vjp(dy)[0][: sum(SIZES)], vjp(dy)[1])
     for a, b in zip(out["tiled"], out["ragged_dot"], strict=True):
         np.testing.assert_allclose(a, b, **tol(jnp.float32))
+
+
+def test_hopper_row_tile_from_the_expected_rows():
+    """The Hopper kernel's fprop/dgrad row tile from the balanced rows per group the program
+    names: 64 where it names none or fewer than 1,024 (half a tile of padding per group), 128
+    from 1,024 on (each weight tile reused for twice the rows)."""
+    args = (jnp.ones((8, K)), jnp.ones((E, K, N)), jnp.asarray(SIZES))
+    for expected, want in ((None, 64), (512.0, 64), (1023.0, 64), (1024.0, 128), (4096.0, 128)):
+        with tiles.expected_group_rows(expected):
+            opts = fp8_gmm._prepare("fp8_blockwise", None, {}, None, *args)[0]
+        assert fp8_gmm._hopper_tile_rows(opts) == want, expected
 
 
 def test_given_value_keeps_the_backward():

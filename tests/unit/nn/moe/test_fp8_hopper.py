@@ -1,14 +1,16 @@
 """The Hopper fp8 grouped GEMM (nn/moe/fp8_hopper.py).
 
 - numerics on CPU in Pallas's Mosaic GPU interpreter: the fprop and the dgrad against the
-  recipe's dequantized operands multiplied per group in float32 (uneven groups, an empty one,
-  rows past the groups, a group offset); the interpreter reads the weight tiles untransposed
-  (the module docstring), the rest is the GPU's code;
-- compiled for `gpu:h100x8` without a GPU: Mosaic GPU's pipeline runs in the compile and ptxas
-  accepts its PTX for sm_90a, whose products are `wgmma ... e4m3.e4m3` with float32
-  accumulators.
+  recipe's dequantized operands multiplied per group in float32 (uneven groups, one smaller than
+  a 64-row tile, an empty one, rows past the groups, a group offset), in 64- and 128-row tiles;
+  the interpreter reads the weight tiles untransposed (the module docstring), the rest is the
+  GPU's code;
+- compiled for `gpu:h100x8` without a GPU, in both row tiles: Mosaic GPU's pipeline runs in the
+  compile and ptxas accepts its PTX for sm_90a, whose products are `wgmma ... e4m3.e4m3` with
+  float32 accumulators.
 """
 
+import functools
 import re
 
 import jax
@@ -58,52 +60,61 @@ def _assert_close(got, want, rounding=0.0):
     np.testing.assert_array_less(np.abs(got - want), 2e-6 * row + rounding * np.abs(want) + 1e-30)
 
 
+@pytest.mark.parametrize("tile_rows", fp8_hopper.TILE_ROWS)
 @pytest.mark.parametrize(
     "sizes, offset",
-    [((100, 0, 120), None), ((40, 90, 0, 126), 1)],
-    ids=["uneven_empty_tail", "offset"],
+    [((100, 0, 30, 90), None), ((40, 90, 0, 126), 1)],
+    ids=["uneven_small_empty_tail", "offset"],
 )
-def test_fprop_in_the_interpreter_matches_the_dequantized_product(sizes, offset):
+def test_fprop_in_the_interpreter_matches_the_dequantized_product(sizes, offset, tile_rows):
     g = len(sizes) - (offset or 0)
     x, w = _operands(g)
     x_q = fp8_gemm.quantize(x, "fp8_blockwise", 1, TILE)
     w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
     sizes_arr = jnp.asarray(sizes, jnp.int32)
     got = fp8_hopper.gmm(
-        *x_q, *w_q, sizes_arr, group_offset=offset, out_dtype=jnp.float32, interpret=True
-    )
+        *x_q, *w_q, sizes_arr, group_offset=offset, out_dtype=jnp.float32, tile_rows=tile_rows,
+        interpret=True,
+    )  # fmt: skip
     want = _reference(x_q, w_q, np.asarray(sizes), offset or 0)
     _assert_close(got, want)
     assert not np.any(np.asarray(got)[sum(sizes) :])  # rows past the groups: exact zeros
 
 
-def test_dgrad_in_the_interpreter_matches_the_dequantized_product():
+@pytest.mark.parametrize("tile_rows", fp8_hopper.TILE_ROWS)
+def test_dgrad_in_the_interpreter_matches_the_dequantized_product(tile_rows):
     """dy [M, N] in 1 x 128 tiles along N times each expert's weight transposed."""
-    sizes = np.array([130, 0, 70])
+    sizes = np.array([130, 0, 40])
     dy, w = _operands(3, k=128, n=256, seed=1, width=256)
     dy_q = fp8_gemm.quantize(dy, "fp8_blockwise", 1, TILE)
     w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
     got = fp8_hopper.dgrad(
-        *dy_q, *w_q, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, interpret=True
-    )
+        *dy_q, *w_q, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, tile_rows=tile_rows,
+        interpret=True,
+    )  # fmt: skip
     # the reference: the weight transposed with its blocks, through the same per-group product
     wt_q = (jnp.swapaxes(w_q[0], 1, 2), jnp.swapaxes(w_q[1], 1, 2))
     _assert_close(got, _reference(dy_q, wt_q, sizes))
 
 
-def test_bfloat16_output_and_the_padded_schedule():
+@pytest.mark.parametrize(
+    "tile_rows, groups", [(64, [0, 1, 1, 2, 2]), (128, [0, 1, 2])], ids=["64", "128"]
+)
+def test_bfloat16_output_and_the_padded_schedule(tile_rows, groups):
     """bfloat16 out (the recipe's dtype) is the float32 product rounded once; a group of 1
-    to 128 rows costs one row tile."""
+    to `tile_rows` rows costs one row tile (`groups`: each row tile's group)."""
     sizes = np.array([1, 127, 128])
     x, w = _operands(3, seed=2)
     x_q = fp8_gemm.quantize(x, "fp8_blockwise", 1, TILE)
     w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
-    got = fp8_hopper.gmm(*x_q, *w_q, jnp.asarray(sizes, jnp.int32), interpret=True)
+    sizes_arr = jnp.asarray(sizes, jnp.int32)
+    got = fp8_hopper.gmm(*x_q, *w_q, sizes_arr, tile_rows=tile_rows, interpret=True)
     assert got.dtype == jnp.bfloat16
     want = _reference(x_q, w_q, sizes)
     _assert_close(got, want, rounding=2**-8)
-    tiles = fp8_hopper._pad_groups(x_q[0], x_q[1], jnp.asarray(sizes, jnp.int32), 0)[2]
-    assert list(np.asarray(tiles)) == [0, 1, 2] + [-1] * (len(tiles) - 3)
+    tiles = fp8_hopper._pad_groups(x_q[0], x_q[1], sizes_arr, 0, tile_rows)[2]
+    assert len(tiles) == fp8_hopper.padded_rows(M, 3, tile_rows) // tile_rows
+    assert list(np.asarray(tiles)) == groups + [-1] * (len(tiles) - len(groups))
 
 
 def test_refusals():
@@ -117,6 +128,8 @@ def test_refusals():
         fp8_hopper.gmm(*x_q, w_q[0], w_q[1][:, :1], sizes)
     with pytest.raises(ValueError, match="rows"):
         fp8_hopper.dgrad(*x_q, *w_q, sizes)  # dgrad contracts over N = 128, not K = 256
+    with pytest.raises(ValueError, match="tile_rows"):
+        fp8_hopper.gmm(*x_q, *w_q, sizes, tile_rows=32)
 
 
 needs_gpu = pytest.mark.skipif(
@@ -125,8 +138,9 @@ needs_gpu = pytest.mark.skipif(
 
 
 @needs_gpu
+@pytest.mark.parametrize("tile_rows", fp8_hopper.TILE_ROWS)
 @pytest.mark.parametrize("product", ["gmm", "dgrad"])
-def test_compiles_for_h100_to_e4m3_wgmma(product, tmp_path, monkeypatch):
+def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, tmp_path, monkeypatch):
     """Deviceless compile for an H100: the CUDA plugin runs Mosaic GPU's pipeline and ptxas; the
     PTX it dumps multiplies e4m3 by e4m3 into float32 on the tensor cores (`wgmma.mma_async`),
     and no product in the kernel is on other types."""
@@ -135,7 +149,8 @@ def test_compiles_for_h100_to_e4m3_wgmma(product, tmp_path, monkeypatch):
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     dev = targets.parse_target("gpu:h100x8").devices()[0]
     sharding = SingleDeviceSharding(dev)
-    g, m, k, n = 4, 512, 384, 256 if product == "gmm" else 512  # distinct shapes: fresh kernels
+    # distinct shapes: fresh kernels
+    g, m, k, n = 4, 512 + tile_rows, 384, 256 if product == "gmm" else 512
 
     def arg(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -149,16 +164,19 @@ def test_compiles_for_h100_to_e4m3_wgmma(product, tmp_path, monkeypatch):
         arg((g,), jnp.int32),
     )
     with platform.use("gpu", dev):
-        lowered = jax.jit(getattr(fp8_hopper, product)).lower(*args)
+        fn = functools.partial(getattr(fp8_hopper, product), tile_rows=tile_rows)
+        lowered = jax.jit(fn).lower(*args)
     assert "mosaic_gpu_v2" in lowered.as_text()
     lowered.compile()
     ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     assert ".target sm_90a" in ptx
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.(\w+)\.(\w+)", ptx)
-    # a 128-row tile is two m64 instructions; a 128-wide K step four k32 ones: 8 per step
-    assert len(mmas) == 8 and set(mmas) == {("e4m3", "e4m3")}, mmas
+    # a row tile is one m64 instruction per 64 rows; a 128-wide K step four k32 ones
+    assert len(mmas) == tile_rows // 64 * 4 and set(mmas) == {("e4m3", "e4m3")}, mmas
     ptxas = "\n".join(p.read_text() for p in tmp_path.glob("*.ptxas"))
     assert "sm_90a" in ptxas
+    if tile_rows == 64:  # a 64 x 128 float32 tile, held twice, fits the registers (128 spills)
+        assert "0 bytes spill stores" in ptxas, ptxas
 
 
 # 15-35 s each in the interpreter on 2 cores: the blockwise case in the default run
