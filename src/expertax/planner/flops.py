@@ -308,6 +308,7 @@ _SPLASH_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
 # (fp8_hopper.tile_scope; 128 where it is absent)
 _FP8_SCOPE_RE = re.compile(r"fp8_(?:gmm_)?(fprop|dgrad|wgrad)")
 _FP8_TILE_RE = re.compile(r"fp8_tile~(\d+)")
+_ROWS_RE = re.compile(r"rows~(\d+)")  # the balanced rows per group (planner/kernels.py)
 _F8_OPERAND_RE = re.compile(r"f8e4m3fn\[(\d+,\d+)\]")
 _F8_WEIGHT_RE = re.compile(r"f8e4m3fn\[(\d+),\d+,\d+\]")
 
@@ -320,8 +321,10 @@ def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
     tile, fp8_hopper.padded_rows; the tile T is 64 or 128 rows for the fprop and dgrad, 128 for
     the wgrad, named in the op_name as `fp8_tile~T`), and the kernel skips the tiles past the
     last group: it computes the rows rounded up per group, counted here at one group's rows
-    exactly (Mp - T) and at several groups' on average (half a tile of padding each:
-    Mp - T / 2 G). None for other calls."""
+    exactly (Mp - T), at the balanced rows per group the program names (`rows~R`, as the
+    bfloat16 kernels are counted, planner/kernels.py: G ceil(R / T) tiles), or else at
+    several groups' on average (half a tile of padding each: Mp - T / 2 G). None for other
+    calls."""
     scope = _FP8_SCOPE_RE.search(ins.op_name)
     if not target.startswith("mosaic_gpu") or scope is None:
         return None
@@ -338,7 +341,13 @@ def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
         weight = _F8_WEIGHT_RE.search(ins.attrs)
         g = int(weight.group(1)) if weight else 1
         mp, width = out[0], rows[1] * math.prod(out[1:])
-    computed = mp - tile if g == 1 else mp - tile // 2 * g
+    balanced = _ROWS_RE.search(ins.op_name)
+    if g == 1:
+        computed = mp - tile
+    elif balanced:
+        computed = min(mp, g * -(-int(balanced.group(1)) // tile) * tile)
+    else:
+        computed = mp - tile // 2 * g
     return 2 * max(computed, 0) * width
 
 

@@ -266,11 +266,17 @@ def _fp8_hopper_call(name, mp, g, scope):
         # one group (the dense linears): its rows exactly, Mp less one tile
         (576, 1, "fp8_fprop/fp8_tile~64", 512),
         (640, 1, "fp8_fprop/fp8_tile~128", 512),
+        # balanced routing named (rows~R, as for the bfloat16 kernels): G ceil(R / T) tiles
+        (768, 4, "fp8_gmm_fprop/rows~128/fp8_tile~64", 4 * 128),
+        (768, 4, "fp8_gmm_fprop/rows~100/fp8_tile~64", 4 * 128),
+        (1024, 4, "fp8_gmm_dgrad/rows~100/fp8_tile~128", 4 * 128),
+        (768, 4, "fp8_gmm_fprop/rows~1000/fp8_tile~64", 768),  # at most the buffer
     ],
 )
 def test_fp8_hopper_kernel_counts_the_rows_of_its_row_tile(mp, g, scope, rows):
     """fp8_hopper's fprop/dgrad pads each group to whole row tiles (64 or 128 rows, named by the
-    call's `fp8_tile~T` scope): counted at the rows plus half a tile per group of several."""
+    call's `fp8_tile~T` scope): counted at the rows plus half a tile per group of several, or
+    at the tiles the balanced rows per group fill where the program names them (`rows~R`)."""
     hlo = "\n".join(
         [
             f"ENTRY %main (x: f8e4m3fn[{mp},256]) -> bf16[{mp},256] {{",

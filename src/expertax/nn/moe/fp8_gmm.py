@@ -33,6 +33,7 @@ rows for the wgrad and takes the activation's gradient.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -144,6 +145,14 @@ def _hopper_tile_rows(opts) -> int:
     return 64 if expected is None or expected < HOPPER_TILE_128_FROM_ROWS else 128
 
 
+def _rows_scope(opts):
+    """The Hopper kernel's call traced under `rows~R` (R: the balanced rows per group, where
+    named), as gmm_kernels.py names the bfloat16 kernels: the compiled FLOPs count both at the
+    tiles those groups fill (planner/flops.py)."""
+    expected = opts[3]
+    return jax.named_scope(f"rows~{round(expected)}") if expected else contextlib.nullcontext()
+
+
 def _grid(scale, shape):
     """A scale as the blockwise grid of `shape` (a tensorwise scale broadcast to it)."""
     return jnp.broadcast_to(scale.astype(jnp.float32), shape)
@@ -176,11 +185,12 @@ def _fprop(qx, qw, sizes_E, offset, opts, dtype, w_dtype):
         return _backend(x, _dequantize_weights(qw, w_dtype), sizes_E, offset, opts)
     (x, xs), (w, ws) = qx, qw
     g, k, n = w.shape
-    return fp8_hopper.gmm(
-        x, _grid(xs, (x.shape[0], k // TILE)), w, _grid(ws, (g, k // TILE, n // TILE)), sizes_E,
-        group_offset=offset if opts[1] else None, out_dtype=dtype,
-        tile_rows=_hopper_tile_rows(opts), interpret=_interpret(),
-    )  # fmt: skip
+    with _rows_scope(opts):
+        return fp8_hopper.gmm(
+            x, _grid(xs, (x.shape[0], k // TILE)), w, _grid(ws, (g, k // TILE, n // TILE)),
+            sizes_E, group_offset=offset if opts[1] else None, out_dtype=dtype,
+            tile_rows=_hopper_tile_rows(opts), interpret=_interpret(),
+        )  # fmt: skip
 
 
 @_scoped(1)
@@ -193,11 +203,12 @@ def _dgrad(q_dy, qw, x, w, sizes_E, offset, opts):
         return pull(fp8_gemm.dequantize(q_dy, dtype, 1, TILE))[0]
     (dy, dys), (wq, ws) = q_dy, qw
     g, k, n = wq.shape
-    return fp8_hopper.dgrad(
-        dy, _grid(dys, (dy.shape[0], n // TILE)), wq, _grid(ws, (g, k // TILE, n // TILE)),
-        sizes_E, group_offset=offset if opts[1] else None, out_dtype=dtype,
-        tile_rows=_hopper_tile_rows(opts), interpret=_interpret(),
-    )  # fmt: skip
+    with _rows_scope(opts):
+        return fp8_hopper.dgrad(
+            dy, _grid(dys, (dy.shape[0], n // TILE)), wq, _grid(ws, (g, k // TILE, n // TILE)),
+            sizes_E, group_offset=offset if opts[1] else None, out_dtype=dtype,
+            tile_rows=_hopper_tile_rows(opts), interpret=_interpret(),
+        )  # fmt: skip
 
 
 def _interpret() -> bool:
@@ -215,11 +226,12 @@ def _wgrad(x_local, dy_local, w, sizes_E, offset, opts):
     the re-tiled operands' e4m3 values, for the counts)."""
     recipe = opts[0]
     if _hopper(opts):
-        dw, q_x_m, q_dy_m = fp8_hopper.wgrad_counted(
-            x_local, dy_local, sizes_E, group_offset=offset if opts[1] else None,
-            num_groups=w.shape[0], interpret=_interpret(),
-            tensorwise=recipe == "fp8_tensorwise",
-        )  # fmt: skip
+        with _rows_scope(opts):
+            dw, q_x_m, q_dy_m = fp8_hopper.wgrad_counted(
+                x_local, dy_local, sizes_E, group_offset=offset if opts[1] else None,
+                num_groups=w.shape[0], interpret=_interpret(),
+                tensorwise=recipe == "fp8_tensorwise",
+            )  # fmt: skip
         # the Pallas call's output declares no varying axes: it varies as the weight's cotangent
         return varying_like(dw.astype(w.dtype), w), q_x_m, q_dy_m
     x_m, q_x_m = _tiles_q(x_local, recipe, TILE, 1)
