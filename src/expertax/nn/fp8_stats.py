@@ -90,7 +90,15 @@ def counts(x, q, rows=None) -> jax.Array:
     if rows is not None:
         masks = tuple(m & rows for m in masks)
     cols = x.shape[-1]
-    per_row = jnp.stack([jnp.sum(m.reshape(-1, cols), axis=-1, dtype=jnp.int32) for m in masks])
+    # one variadic reduction over the three masks (XLA fuses their comparisons into it; three
+    # separate sums made it write the masks out whole, a byte per element each)
+    ints = tuple(m.reshape(-1, cols).astype(jnp.int32) for m in masks)
+    zero = jnp.int32(0)
+    per_row = jnp.stack(
+        jax.lax.reduce(
+            ints, (zero,) * len(ints), lambda a, b: tuple(u + v for u, v in zip(a, b)), (1,)
+        )
+    )
     group = max(1, GROUP // cols)  # rows per group: at most GROUP elements
     r = per_row.shape[1]
     n_groups = -(-r // group)
