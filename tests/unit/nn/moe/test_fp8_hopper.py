@@ -227,19 +227,21 @@ def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, narrow, tmp_path, m
 
 # 15-35 s each in the interpreter on 2 cores: the blockwise case in the default run
 @pytest.mark.parametrize(
-    "recipe",
+    "recipe, n",
     [
-        pytest.param("fp8_blockwise", marks=pytest.mark.slow),
-        pytest.param("fp8_tensorwise", marks=pytest.mark.full_grid),
+        pytest.param("fp8_blockwise", 256, marks=pytest.mark.slow),
+        pytest.param("fp8_tensorwise", 256, marks=pytest.mark.full_grid),
+        pytest.param("fp8_tensorwise", 192, marks=pytest.mark.full_grid, id="tensorwise-F192"),
     ],
 )
-def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe):
+def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe, n):
     """`fp8_gmm.gmm(..., backend="fp8_hopper")` (here in the interpreter): the fprop and dgrad
     from the kernel equal the dequantized `tiled` products, the wgrad is the same code; with EP's
-    group offset (the local groups 1 and 2 of four). Tensorwise scales go in broadcast to grids."""
+    group offset (the local groups 1 and 2 of four). Tensorwise scales go in broadcast to grids
+    (of cdiv(N, 128) blocks at N = 192, the kernel's 64-wide tiles)."""
     sizes = jnp.array([40, 100, 0, 90], jnp.int32)
-    x, w = _operands(2, n=256, seed=3)
-    dy = jnp.asarray(np.random.default_rng(4).standard_normal((M, 256)), jnp.float32)
+    x, w = _operands(2, n=n, seed=3)
+    dy = jnp.asarray(np.random.default_rng(4).standard_normal((M, n)), jnp.float32)
     out = {}
     for backend in ("tiled", fp8_gmm.HOPPER):
 
