@@ -270,13 +270,15 @@ def check_quantization(c: Config) -> None:
         )
 
 
-# `gmm_impl=fp8_hopper` (nn/fp8_kernel.py): its kernel's tile along K and N (quant.BLOCK)
-FP8_KERNEL, FP8_KERNEL_TILE = "fp8_hopper", 128
+# `gmm_impl=fp8_hopper` (nn/fp8_kernel.py): its kernel's narrowest tile along K and N (128
+# where a dim allows, 64 otherwise: nn/moe/fp8_hopper.tile_for)
+FP8_KERNEL, FP8_KERNEL_TILE = "fp8_hopper", 64
 
 
 def check_fp8_kernel(c: Config) -> None:
-    """`gmm_impl=fp8_hopper` multiplies fp8 operands in 128 x 128 tiles: it needs a recipe and
-    dims of whole tiles (the devices and the split of F: nn/fp8_kernel.routed_choice)."""
+    """`gmm_impl=fp8_hopper` multiplies fp8 operands in tiles of 128 or 64 along K and N: it
+    needs a recipe and dims of whole 64-tiles (the devices and the split of F:
+    nn/fp8_kernel.routed_choice)."""
     if c.gmm_impl != FP8_KERNEL:
         return
     if not c.quantization:
@@ -288,7 +290,7 @@ def check_fp8_kernel(c: Config) -> None:
     d, f, t = c.base_emb_dim, c.base_moe_mlp_dim, FP8_KERNEL_TILE
     if c.is_moe and (d % t or f % t):
         raise ConfigError(
-            f"gmm_impl={FP8_KERNEL}: its kernel takes {t} x {t} tiles; base_emb_dim={d} and "
+            f"gmm_impl={FP8_KERNEL}: its kernel takes tiles of 128 or {t}; base_emb_dim={d} and "
             f"base_moe_mlp_dim={f} must be multiples of {t}; use gmm_impl=auto (dequantized "
             "products for these dims)"
         )

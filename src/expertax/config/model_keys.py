@@ -281,7 +281,7 @@ class MoESection(_Section):
         "platform), ragged_dot (jax.lax.ragged_dot), tokamax_triton / tokamax_mosaic_gpu (GPU "
         "kernels, extra 'gpu'), megablox (TPU kernels); auto picks per platform from the "
         "evidence recorded in nn/moe/gmm.py (MEASURED). fp8_hopper (quantization only, Hopper "
-        "GPUs, D and F multiples of 128): the fp8 fprop and dgrad on e4m3 wgmma "
+        "GPUs, D and F multiples of 64): the fp8 fprop and dgrad on e4m3 wgmma "
         "(nn/fp8_kernel.py), which auto picks under quantization on a Hopper mesh where the "
         "dims fit.",
     )

@@ -11,9 +11,10 @@ with float32 accumulation, under one of two recipes (config key `quantization`).
   quantizer as `convert/fp8.py`: `quant.quantize_blocks`). The wgrad contracts over tokens, so
   its operands are re-tiled along the token axis (1 x 128 over tokens, per channel). XLA has no
   block-scaled fp8 GEMM: on a Hopper GPU all three products of a linear whose K and N are
-  multiples of 128 run on `moe/fp8_hopper.py`'s kernels as one group (e4m3 `wgmma`, per-128
-  promotion; `nn/fp8_kernel.py` decides); every other product is dequantized and multiplied
-  in the operands' dtype (fp8's bytes saved, not its tensor-core time).
+  multiples of 64 (or zero-padded to them at little cost) run on `moe/fp8_hopper.py`'s kernels
+  as one group (e4m3 `wgmma`, per-128 promotion, or per-64 along a dim that is not a multiple
+  of 128; `nn/fp8_kernel.py` decides); every other product is dequantized and multiplied in
+  the operands' dtype (fp8's bytes saved, not its tensor-core time).
 
 The forward saves the fp8 values and scales of its input and of the weight for the backward
 (what the named-remat placements then hold), never the input in its own dtype. On every backend
@@ -78,8 +79,9 @@ def _product(a, b, dtype, contract):
 
 
 def _to_tiles(a):
-    """`a` [..., R, C] zero-padded to whole tiles in its last two dims (the scale grids are
-    already whole: a partial block's scale is its real values' amax, which zeros keep)."""
+    """`a` [..., R, C] zero-padded to multiples of 64 (the kernel's narrowest tile) in its last
+    two dims: nothing where they are (MLA's wkv_a, 576 wide); the scale grids are already
+    whole (a partial block's scale is its real values' amax, which zeros keep)."""
     r, c = a.shape[-2:]
     pad = [(0, 0)] * (a.ndim - 2) + [(0, fp8_kernel.padded(r) - r), (0, fp8_kernel.padded(c) - c)]
     return jnp.pad(a, pad)
@@ -88,10 +90,10 @@ def _to_tiles(a):
 def _kernel(product, dtype, out_axis, rows_MC, scales_MC, w_KN, w_scales):
     """`product` (`fp8_hopper.gmm` or `.dgrad`) of the rows (e4m3, 1 x 128 scales along the
     contraction C) with the weight as the kernel's one group ([1, K, N]: all rows its group);
-    K and N zero-padded to whole tiles, the output's padding cut to the weight's dim
-    `out_axis` (gmm: N, 1; dgrad: K, 0). The kernel's default 128-row tile: with one group the
-    padding is under one tile in all, and a 128-row tile reuses each weight tile for twice the
-    rows of a 64-row one."""
+    K and N zero-padded to multiples of 64 (`fp8_kernel.padded`: most dims are already), the
+    output's padding cut to the weight's dim `out_axis` (gmm: N, 1; dgrad: K, 0). The kernel's
+    default 128-row tile: with one group the padding is under one tile in all, and a 128-row
+    tile reuses each weight tile for twice the rows of a 64-row one."""
     sizes = jnp.full((1,), rows_MC.shape[0], jnp.int32)
     c, out = rows_MC.shape[1], w_KN.shape[out_axis]
     rows = jnp.pad(rows_MC, ((0, 0), (0, fp8_kernel.padded(c) - c)))

@@ -1,21 +1,24 @@
 """Where the fp8 recipe's products run: Hopper's fp8 tensor cores (`moe/fp8_hopper.py`'s kernel)
 or dequantized in the operands' dtype.
 
-The kernel multiplies e4m3 tiles with `wgmma` (sm_90a: H100, H200) and promotes each 128-wide K
-step's float32 partial by the operands' scales (DeepSeek-V3's block-scaled GEMM). It takes a
-product when the program is traced for a Hopper GPU and the product's K and N (the contraction
-and the output width) are multiples of the 128 tile:
+The kernel multiplies e4m3 tiles with `wgmma` (sm_90a: H100, H200) and promotes each K step's
+float32 partial by the operands' scales (DeepSeek-V3's block-scaled GEMM): steps and output
+tiles of the recipe's 128, or 64 along a dim that is a multiple of 64 and not of 128 (`wgmma`
+takes N in multiples of 8 and K in steps of 32; the step still takes its 128-block's scale). It
+takes a product when the program is traced for a Hopper GPU and the product's K and N (the
+contraction and the output width) are multiples of 64 (`NARROW`):
 - the routed experts (`moe/fp8_gmm.py`, config key `gmm_impl`): `fp8_hopper` runs their fprop
   and dgrad on it under either recipe (tensorwise scales broadcast to the block grids), `auto`
   picks it under a `quantization` on a Hopper mesh, from the evidence below, where the dims fit
   (D and the local F; otherwise `auto` keeps the dequantized products on its backend); the
   wgrad stays dequantized (`fp8_gmm._wgrad`);
 - the dense linears (`nn/fp8_gemm.py`: attention projections, dense MLPs, shared experts) under
-  `fp8_blockwise`: all three products as one group, each linear whose K and N fit or whose
-  zero-padding to whole tiles adds at most a quarter (`PAD_LIMIT`: DeepSeek-V3's MLA wkv_a,
-  7168 -> 576, pads N to 640, 11 % more work; the padded e4m3 values are zeros, so the product
-  is the unpadded one's); the others dequantized. `fp8_tensorwise` stays on cuBLASLt's fp8
-  GEMM (XLA's rewrite of a scalar-scaled dot), which needs no kernel of ours.
+  `fp8_blockwise`: all three products as one group, each linear whose K and N fit (DeepSeek-V3's
+  MLA wkv_a, 7168 -> 576 = 4.5 x 128, runs unpadded in 64-wide tiles along N) or whose
+  zero-padding to multiples of 64 adds at most a quarter (`PAD_LIMIT`; the padded e4m3 values
+  are zeros, so the product is the unpadded one's); the others dequantized. `fp8_tensorwise`
+  stays on cuBLASLt's fp8 GEMM (XLA's rewrite of a scalar-scaled dot), which needs no kernel of
+  ours.
 
 Why `auto` picks it on Hopper (compiled for `gpu:h100x8`, not run: docs/design/fp8.md): its PTX
 multiplies e4m3 by e4m3 into float32 (`wgmma.mma_async ... f32.e4m3.e4m3`,
@@ -41,6 +44,7 @@ from expertax.nn.moe import fp8_hopper
 
 HOPPER = FP8_KERNEL  # the `gmm_impl` value
 TILE = fp8_hopper.TILE  # the kernel's row, column and K tile (quant.BLOCK)
+NARROW = fp8_hopper.NARROW  # its column tile and K step along dims not multiples of TILE
 RECIPES = ("fp8_tensorwise", "fp8_blockwise")
 _INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_interpret", default=False)
 
@@ -84,23 +88,26 @@ def interpreting() -> bool:
 
 
 def fits(*dims: int) -> bool:
-    """Whether each dim (a product's K and N) is a whole number of the kernel's tiles."""
-    return all(d > 0 and d % TILE == 0 for d in dims)
+    """Whether each dim (a product's K and N) is a whole number of the kernel's narrowest tile
+    (64: 128 where the dim allows, `fp8_hopper.tile_for`)."""
+    return all(d > 0 and d % NARROW == 0 for d in dims)
 
 
-# How much a dense linear's K x N may grow by its zero-padding to whole tiles and still run on
-# the kernel (`dense`)
+# How much a dense linear's K x N may grow by its zero-padding to multiples of 64 and still run
+# on the kernel (`dense`)
 PAD_LIMIT = 1.25
 
 
 def padded(d: int) -> int:
-    """`d` rounded up to whole tiles."""
-    return -(-d // TILE) * TILE
+    """`d` rounded up to a multiple of 64, the narrowest tile: itself where it is one (576 for
+    MLA's wkv_a), so only dims that are not multiples of 64 are zero-padded."""
+    return -(-d // NARROW) * NARROW
 
 
 def dense(recipe: str, k: int, n: int) -> bool:
     """Whether a dense linear [M, K] x [K, N] under `recipe` runs its products on the kernel
-    (the module docstring): K and N whole tiles, or padded to them by at most `PAD_LIMIT`."""
+    (the module docstring): K and N multiples of 64, or padded to them by at most
+    `PAD_LIMIT`."""
     grows = padded(k) * padded(n) <= PAD_LIMIT * k * n
     return recipe == "fp8_blockwise" and k > 0 and n > 0 and grows and hopper()
 
@@ -133,12 +140,12 @@ def routed_choice(
     if not fits(d, f_local):
         if gmm_impl == HOPPER:
             raise ConfigError(
-                f"gmm_impl={HOPPER}: its kernel takes 128 x 128 tiles; the experts' D "
-                f"(base_emb_dim={d}) and MLP dim per shard (F={f_local}) must be multiples of "
-                f"{TILE}; use gmm_impl=auto (dequantized products for these dims)"
+                f"gmm_impl={HOPPER}: its kernel takes tiles of {TILE} or {NARROW}; the experts' "
+                f"D (base_emb_dim={d}) and MLP dim per shard (F={f_local}) must be multiples of "
+                f"{NARROW}; use gmm_impl=auto (dequantized products for these dims)"
             )
         return gmm_impl, (
-            f"gmm_impl=auto: D={d} or F per shard={f_local} is not a multiple of {TILE}: "
+            f"gmm_impl=auto: D={d} or F per shard={f_local} is not a multiple of {NARROW}: "
             "dequantized products"
         )
     return HOPPER, f"gmm_impl={gmm_impl}: fprop and dgrad on the {HOPPER} kernel ({kind})"

@@ -24,11 +24,12 @@ _CALL = re.compile(r'custom_call_target="([^"]+)"')
 _OP = re.compile(r'op_name="([^"]+)"')
 # deepseek3-tiny's dims as whole 128-tiles: MLA's wq_a 256->128, wq_b 128->512, wkv_b
 # 128->512, wo 256->256; the dense MLP 256->512->256; experts 256->128->256. wkv_a
-# (256 -> kv_lora_rank + qk_rope_head_dim = 192) is not, as DeepSeek-V3's (7168 -> 576) is not.
+# (256 -> kv_lora_rank + qk_rope_head_dim) is not, as DeepSeek-V3's (7168 -> 576) is not: a
+# multiple of 64, in the kernel's 64-wide tiles along N.
 HOPPER_DIMS = {
     "base_emb_dim": 256,
     "q_lora_rank": 128,
-    "kv_lora_rank": 384,  # wkv_a: 256 -> 384 + 64 = 448, zero-padded to 512 (as 576 -> 640)
+    "kv_lora_rank": 384,  # wkv_a: 256 -> 384 + 64 = 448 = 3.5 x 128, unpadded (as 576)
     "qk_nope_head_dim": 64,
     "qk_rope_head_dim": 64,
     "v_head_dim": 64,

@@ -150,8 +150,8 @@ INVALID = [
     ({"gmm_tile_rows_min": 12}, ["gmm_tile_rows_min=12", "power of two"]),
     ({"gmm_impl": "fp8_hopper"}, ["gmm_impl=fp8_hopper", "quantization=fp8_blockwise"]),
     (
-        {"gmm_impl": "fp8_hopper", "quantization": "fp8_blockwise"},
-        ["gmm_impl=fp8_hopper", "base_emb_dim=128", "base_moe_mlp_dim=64", "gmm_impl=auto"],
+        {"gmm_impl": "fp8_hopper", "quantization": "fp8_blockwise", "base_moe_mlp_dim": 96},
+        ["gmm_impl=fp8_hopper", "base_emb_dim=128", "base_moe_mlp_dim=96", "gmm_impl=auto"],
     ),
     ({"synthetic_noise": 1.0}, ["synthetic_noise=1.0", "[0, 1)"]),
     ({"synthetic_noise": -0.1}, ["synthetic_noise=-0.1", "[0, 1)"]),

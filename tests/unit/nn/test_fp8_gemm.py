@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from expertax import platform, quant, targets
 from expertax.convert import fp8 as hub_fp8
 from expertax.nn import fp8_gemm, fp8_kernel
+from expertax.nn.moe import fp8_hopper
 from expertax.planner.flops import count_flops
 from tests.tolerances import tol
 
@@ -102,26 +103,53 @@ def test_residuals_are_fp8():
     assert sx.dtype == sw.dtype == jnp.float32 and sx.shape == (M, K // 128)
 
 
-@pytest.mark.slow  # 10-15 s in the interpreter on 2 cores
-def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one():
+# 10-20 s each in the interpreter on 2 cores: the unpadded case in the default run
+@pytest.mark.parametrize(
+    "n, n_kernel",
+    [
+        pytest.param(448, 448, marks=pytest.mark.slow, id="448_unpadded"),
+        pytest.param(300, 320, marks=pytest.mark.full_grid, id="300_padded_to_320"),
+    ],
+)
+def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one(
+    n, n_kernel, monkeypatch
+):
     """Under `fp8_kernel.interpret()` (a CPU standing in for a Hopper GPU: Pallas's Mosaic GPU
     interpreter) the blockwise fprop, dgrad and wgrad run on the kernels as one group: within
     float32 accumulation of each row's largest value of the dequantized products (the per-128
     promotion sums in another order; the wgrad's 100 rows are one tile, padded with zeros),
-    and not equal to them bit for bit (the control: the kernels ran). N = 320 is zero-padded
-    to 384 around the kernels (fp8_kernel.PAD_LIMIT)."""
-    m, k, n = 100, 256, 320  # 100 rows: one group padded to the tile; two K steps for the fprop
+    and not equal to them bit for bit (the control: the kernels ran). N = 448 (3.5 x 128, the
+    small model's wkv_a width, as 576 is DeepSeek-V3's) runs unpadded in 64-wide tiles along N
+    (the fprop's output tiles, the dgrad's K steps, the wgrad's [K, N] tiles); N = 300 is
+    zero-padded to 320 around the kernels (fp8_kernel.PAD_LIMIT)."""
+    m, k = 100, 256  # 100 rows: one group padded to the tile; two K steps for the fprop
     ks = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(ks[0], (m, k)) * jnp.logspace(-2, 2, m)[:, None]
     w, dy = jax.random.normal(ks[1], (k, n)) * 0.05, jax.random.normal(ks[2], (m, n))
+    seen = []  # (contraction, output width, column tile, K step) of each fprop / dgrad call
+    kernel, wgrad_kernel = fp8_hopper._kernel, fp8_hopper._wgrad_kernel
+
+    def spy(x_pad, xs_t, w, w_scale, tile_group, n, *args, **tiles):
+        seen.append((x_pad.shape[1], n, tiles["tile_cols"], tiles["k_step"]))
+        return kernel(x_pad, xs_t, w, w_scale, tile_group, n, *args, **tiles)
+
+    def wgrad_spy(xt, xs, dy_kernel, dys, *args):
+        seen.append((xt.shape[0], dys.shape[1]))
+        return wgrad_kernel(xt, xs, dy_kernel, dys, *args)
+
+    monkeypatch.setattr(fp8_hopper, "_kernel", spy)
+    monkeypatch.setattr(fp8_hopper, "_wgrad_kernel", wgrad_spy)
 
     def run():
         y, vjp = jax.vjp(lambda x, w: fp8_gemm.matmul(x, w, "fp8_blockwise"), x, w)
         return tuple(np.asarray(a) for a in (y, *vjp(dy)))
 
     want = run()
+    assert not seen
     with fp8_kernel.interpret():
         got = run()
+    narrow = fp8_hopper.tile_for(n_kernel)
+    assert seen == [(k, n_kernel, narrow, 128), (n_kernel, k, 128, narrow), (k, n_kernel)]
     for g, r in zip(got, want, strict=True):  # fprop, dgrad, wgrad
         row = np.abs(r).max(axis=1, keepdims=True)
         np.testing.assert_array_less(np.abs(g - r), np.broadcast_to(2e-6 * row, r.shape))
@@ -168,9 +196,9 @@ def test_blockwise_linear_is_the_hopper_kernel_on_h100():
     """[512 x 256] x [256 x 384] on one H100 (its device named, as a trainer's context names
     it): the blockwise fprop, dgrad and wgrad are Pallas Mosaic GPU calls (moe/fp8_hopper.py's
     e4m3 wgmma kernels, one group), no cuBLAS GEMM; so are they at N = 576 (MLA's wkv_a width,
-    zero-padded to 640 around the kernels); a linear of N = 192 (256 would be a third more
-    work) stays dequantized (the control). The planner counts the three calls' FLOPs from
-    their shapes: those of the three products (planner/flops.py)."""
+    4.5 x 128: unpadded, in 64-wide tiles along N); a linear of N = 200 (padded to 256 it would
+    be 28 % more work) stays dequantized (the control). The planner counts the three calls'
+    FLOPs from their shapes: those of the three products, unpadded (planner/flops.py)."""
     t = targets.parse_target("gpu:h100x8")
     dev = t.devices()[0]
     one = NamedSharding(Mesh([dev], ("one",)), PartitionSpec())
@@ -191,6 +219,6 @@ def test_blockwise_linear_is_the_hopper_kernel_on_h100():
     for n in (384, 576):
         kernel, text = calls(n)
         assert kernel.count("mosaic_gpu_v2") == 3 and "__cublas$lt$matmul" not in kernel, n
-        # N = 576 is multiplied padded to 640
-        assert count_flops(text).flops == 3 * 2 * 512 * 256 * (-(-n // 128) * 128), n
-    assert "mosaic_gpu_v2" not in calls(192)[0]
+        # N = 576 is multiplied as it is, no padding
+        assert count_flops(text).flops == 3 * 2 * 512 * 256 * n, n
+    assert "mosaic_gpu_v2" not in calls(200)[0]

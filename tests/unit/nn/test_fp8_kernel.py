@@ -36,7 +36,8 @@ def test_routed_auto_takes_the_kernel_on_hopper_where_the_dims_fit():
     with platform.use("gpu", H100):
         assert fp8_kernel.routed("auto", "fp8_blockwise", 256, 128) == HOPPER
         assert fp8_kernel.routed("auto", "fp8_tensorwise", 256, 128) == HOPPER
-        assert fp8_kernel.routed("auto", "fp8_blockwise", 128, 64) == "auto"  # F=64
+        assert fp8_kernel.routed("auto", "fp8_blockwise", 128, 64) == HOPPER  # 64-wide tiles
+        assert fp8_kernel.routed("auto", "fp8_blockwise", 128, 96) == "auto"  # F=96
         assert fp8_kernel.routed("tiled", "fp8_blockwise", 256, 128) == "tiled"  # chosen
         assert fp8_kernel.routed("auto", "", 256, 128) == "auto"  # no recipe
     with platform.use("gpu", A100):
@@ -49,15 +50,20 @@ def test_dense_takes_blockwise_only_and_whole_tiles():
     with platform.use("gpu", H100):
         assert fp8_kernel.dense("fp8_blockwise", 256, 384)
         assert not fp8_kernel.dense("fp8_tensorwise", 256, 384)  # cuBLASLt's fp8 GEMM
-        assert not fp8_kernel.dense("fp8_blockwise", 256, 192)  # MLA's wkv_a: 128 + 64
+        assert fp8_kernel.dense("fp8_blockwise", 256, 192)  # MLA's wkv_a: 128 + 64, unpadded
+        assert fp8_kernel.dense("fp8_blockwise", 7168, 576)  # DeepSeek-V3's wkv_a
+        assert fp8_kernel.dense("fp8_blockwise", 256, 300)  # padded to 320: 7 % more
+        assert not fp8_kernel.dense("fp8_blockwise", 256, 200)  # padded to 256: 28 % more
+    assert [fp8_kernel.padded(d) for d in (576, 448, 300, 64)] == [576, 448, 320, 64]
     assert not fp8_kernel.dense("fp8_blockwise", 256, 384)  # the CPU: numerics as they were
 
 
 def test_routed_choice_says_why_and_refuses_an_explicit_kernel_it_cannot_run():
     choice = fp8_kernel.routed_choice
     assert choice("auto", "fp8_blockwise", "gpu", H100, 256, 128)[0] == HOPPER
-    backend, why = choice("auto", "fp8_blockwise", "gpu", H100, 128, 64)
-    assert backend == "auto" and "F per shard=64" in why and "dequantized" in why
+    assert choice("auto", "fp8_blockwise", "gpu", H100, 128, 64)[0] == HOPPER
+    backend, why = choice("auto", "fp8_blockwise", "gpu", H100, 128, 96)
+    assert backend == "auto" and "F per shard=96" in why and "dequantized" in why
     backend, why = choice("auto", "fp8_blockwise", "gpu", A100, 256, 128)
     assert backend == "auto" and "A100" in why
     assert choice(HOPPER, "fp8_tensorwise", "gpu", H100, 256, 128)[0] == HOPPER
@@ -67,7 +73,7 @@ def test_routed_choice_says_why_and_refuses_an_explicit_kernel_it_cannot_run():
         choice(HOPPER, "fp8_blockwise", "tpu", None, 256, 128)
     with pytest.raises(ConfigError, match=r"not on the cpu devices"):
         choice(HOPPER, "fp8_blockwise", "cpu", CPU, 256, 128)
-    with pytest.raises(ConfigError, match=r"base_emb_dim=256\) and MLP dim per shard \(F=64\)"):
-        choice(HOPPER, "fp8_blockwise", "gpu", H100, 256, 64)
+    with pytest.raises(ConfigError, match=r"base_emb_dim=256\) and MLP dim per shard \(F=96\)"):
+        choice(HOPPER, "fp8_blockwise", "gpu", H100, 256, 96)
     with fp8_kernel.interpret():
         assert choice(HOPPER, "fp8_blockwise", "cpu", CPU, 256, 128)[0] == HOPPER

@@ -43,8 +43,8 @@ def test_scopes_and_targets_read_back():
 @pytest.mark.skipif(not targets.compiler_available("gpu"), reason="expertax[gpu] is missing")
 def test_the_h100_step_runs_the_fp8_products_on_the_hopper_kernels():
     """`quantization=fp8_blockwise`, `gmm_impl=auto`, gpu:h100x8: the routed experts' fprop,
-    dgrad and wgrad, and the dense linears' (MLA projections, wkv_a's 448 columns zero-padded
-    to 512 among them, the dense MLP, the shared expert), are Mosaic GPU calls: no GEMM of the
+    dgrad and wgrad, and the dense linears' (MLA projections, wkv_a's 448 columns in 64-wide
+    tiles among them, the dense MLP, the shared expert), are Mosaic GPU calls: no GEMM of the
     recipe's on cuBLAS."""
     devices = targets.parse_target("gpu:h100x8").devices()
     keys = {

@@ -83,8 +83,9 @@ WHOLE_TILES = {"base_emb_dim": 256, "base_moe_mlp_dim": 128}
 
 def test_the_hopper_kernel_is_refused_off_hopper_and_taken_where_it_runs():
     """`gmm_impl=fp8_hopper` on the CPU's mesh: refused before compiling, naming the devices;
-    inside `fp8_kernel.interpret()` (the CPU standing in for a Hopper GPU) it is taken, and
-    `auto` with the tiny model's F=64 keeps the dequantized products, saying why."""
+    inside `fp8_kernel.interpret()` (the CPU standing in for a Hopper GPU) it is taken, so is
+    `auto`'s choice with the tiny model's F=64 (64-wide tiles), and `auto` with F=96 (not a
+    multiple of 64) keeps the dequantized products, saying why."""
     from expertax.nn import fp8_kernel
 
     c = _config("deepseek3-tiny", "fp8_blockwise", gmm_impl="fp8_hopper", **WHOLE_TILES)
@@ -93,7 +94,10 @@ def test_the_hopper_kernel_is_refused_off_hopper_and_taken_where_it_runs():
     with fp8_kernel.interpret():
         assert "fp8_hopper kernel" in build_trainer(c, jax.devices()[:1]).fp8_experts
         tiny = build_trainer(_config("deepseek3-tiny", "fp8_blockwise"), jax.devices()[:1])
-    assert "F per shard=64" in tiny.fp8_experts and "dequantized" in tiny.fp8_experts
+        assert "fp8_hopper kernel" in tiny.fp8_experts
+        odd = _config("deepseek3-tiny", "fp8_blockwise", base_moe_mlp_dim=96)
+        odd = build_trainer(odd, jax.devices()[:1])
+    assert "F per shard=96" in odd.fp8_experts and "dequantized" in odd.fp8_experts
 
 
 def _metric_names(c) -> set[str]:

@@ -185,9 +185,10 @@ def _fprop(qx, qw, sizes_E, offset, opts, dtype, w_dtype):
         return _backend(x, _dequantize_weights(qw, w_dtype), sizes_E, offset, opts)
     (x, xs), (w, ws) = qx, qw
     g, k, n = w.shape
+    blocks = fp8_hopper.blocks  # a 64-wide last block where a dim is not a multiple of 128
     with _rows_scope(opts):
         return fp8_hopper.gmm(
-            x, _grid(xs, (x.shape[0], k // TILE)), w, _grid(ws, (g, k // TILE, n // TILE)),
+            x, _grid(xs, (x.shape[0], blocks(k))), w, _grid(ws, (g, blocks(k), blocks(n))),
             sizes_E, group_offset=offset if opts[1] else None, out_dtype=dtype,
             tile_rows=_hopper_tile_rows(opts), interpret=_interpret(),
         )  # fmt: skip
@@ -203,9 +204,10 @@ def _dgrad(q_dy, qw, x, w, sizes_E, offset, opts):
         return pull(fp8_gemm.dequantize(q_dy, dtype, 1, TILE))[0]
     (dy, dys), (wq, ws) = q_dy, qw
     g, k, n = wq.shape
+    blocks = fp8_hopper.blocks
     with _rows_scope(opts):
         return fp8_hopper.dgrad(
-            dy, _grid(dys, (dy.shape[0], n // TILE)), wq, _grid(ws, (g, k // TILE, n // TILE)),
+            dy, _grid(dys, (dy.shape[0], blocks(n))), wq, _grid(ws, (g, blocks(k), blocks(n))),
             sizes_E, group_offset=offset if opts[1] else None, out_dtype=dtype,
             tile_rows=_hopper_tile_rows(opts), interpret=_interpret(),
         )  # fmt: skip

@@ -4,12 +4,15 @@
 weight, both operands e4m3 in the `fp8_blockwise` recipe's layout (DeepSeek-V3, Sec. 3.3):
 - `x` [M, K] e4m3, `x_scale` [M, K / 128] float32: 1 x 128 tiles along K;
 - `w` [G, K, N] e4m3, `w_scale` [G, K / 128, N / 128] float32: 128 x 128 blocks;
+  K and N multiples of 64; where one is not a multiple of 128 its last block is 64 wide (the
+  grids' K / 128 and N / 128 rounded up, as `quant.quantize_blocks` cuts an edge block);
 - `sizes` [G] int32, rows sorted by group, `sum(sizes) <= M`; the rows past the sum are zero
   (`group_offset`: the local groups of an expert-parallel shard, as `moe/gmm.py` takes them).
 The output is [M, N] in `out_dtype`.
 
-The kernel (Pallas Mosaic GPU, one CTA per output tile of `tile_rows` (64 or 128) rows by 128
-columns, one warpgroup) runs a K loop of 128-wide steps, TMA-pipelined: each step is one `wgmma`
+The kernel (Pallas Mosaic GPU, one CTA per output tile of `tile_rows` (64 or 128) rows by
+`tile_cols` columns, one warpgroup) runs a K loop of `k_step`-wide steps, TMA-pipelined (both
+128, or 64 along a dim that is not a multiple of 128, `tile_for`: below): each step is one `wgmma`
 over the step's e4m3 tiles into a fresh float32 accumulator, then the promotion `out += partial *
 x_scale[row, k] * w_scale[g, k, n]` in float32 registers (DeepSeek's per-128-K promotion: the tensor
 cores' accumulation never runs past 128 values of K). Hopper's fp8 `wgmma` reads both operands
@@ -27,10 +30,16 @@ the same work a megablox-like schedule of (tile, group) items would spend on a t
 groups share. Hopper's `wgmma` multiplies 64 rows per instruction (m64nNk32), so a 64-row tile
 (one instruction high) halves that waste, which matters where groups hold few rows; a 128-row
 tile reuses each 128 x 128 weight tile it loads for twice the rows (`fp8_gmm.py` picks by the
-balanced rows per group; the dense linears, one group, keep 128). Along K and N the tiles stay
-the recipe's 128 (the weight's blocks, the per-128-K promotion), whatever the row tile. The
-kernel call is traced under the named scope `fp8_tile~{tile_rows}` (`tile_scope`), from which
-the planner counts its padded rows (planner/flops.py).
+balanced rows per group; the dense linears, one group, keep 128). Along K and N the tiles are
+the recipe's 128 (the weight's blocks, the per-128-K promotion) wherever the dim is a multiple
+of 128, whatever the row tile. A dim that is a multiple of 64 and not of 128 (DeepSeek-V3's MLA
+wkv_a, 7168 -> 576 = 4.5 x 128) takes 64-wide output tiles or K steps instead of being
+zero-padded to whole 128s (11 % more work for wkv_a): `wgmma` takes N in multiples of 8 and K
+in steps of 32, so 64 is as native; a 64-wide tile or step reads the scale of the 128-block it
+lies in (block `index * 64 // 128`), so the products are the recipe's, the promotion running
+every 64 values of K instead of 128. The kernel call is traced under the named scope
+`fp8_tile~{tile_rows}` (`tile_scope`), from which the planner counts its padded rows
+(planner/flops.py).
 
 `dgrad(dy, dy_scale, w, w_scale, sizes)` is the same kernel on the output gradient in 1 x 128
 tiles along N with each expert's weight as held ([G, K, N]: N minor, the dgrad's contraction)
@@ -51,12 +60,15 @@ four per 64 rows of the tile (eight at 128). The float32 tile is held twice (the
 the promoted sum): at 128 rows ptxas reports 255 registers and a small spill (96 bytes of
 stores, 88 of loads); at 64 rows 143 registers (144 for the dgrad) and no spill. Two consumer
 warpgroups of 64 rows each would give a 128-row tile the 64-row tile's registers (not done).
+A 64-column tile is `m64n64k32` (64 x 64 at 64-wide K steps: two per step, 83 registers; 128
+x 64 at 128-wide steps, the dense wkv_a's fprop: eight, 156 registers; no spill in either).
 
 `wgrad(x, dy, sizes, num_groups=G)` is the weight gradient, per group `x^T dy` [K, N] contracted
 over the group's rows, from the unquantized rows: it pads them (the layout above, always in
 128-row tiles: the recipe's quantization tile along the rows) and quantizes both in 128-row
 tiles per channel, so that each contraction step's scales belong to one group (DeepSeek's
-per-expert tiling). One CTA per group and 128 x 128 tile of [K, N] loops over its
+per-expert tiling). One CTA per group and 128 x 128 tile of [K, N] (64 along K or N where
+it is not a multiple of 128) loops over its
 group's row tiles, the trip count read from a table (`emit_pipeline`'s dynamic grid; zero steps
 for an empty group): one `wgmma` per step on x^T [K, Mp] and dy^T [N, Mp] (both K-major: the
 wrapper transposes them), promoted by the step's scale of each row of x^T and each column of
@@ -65,7 +77,8 @@ and block). Interpreted, it takes dy [Mp, N] untransposed and reads the scales t
 ref reads, as `gmm` does. Compiled for an H100: the same eight e4m3 `wgmma` per step; ptxas
 reports 255 registers and 196 bytes of spill stores, more than `gmm`'s 96 at 128 rows: besides
 the two float32 tiles, a step's column scales are 32 values per thread (the WGMMA column
-layout) where `gmm` has one block scale.
+layout) where `gmm` has one block scale. A 64 x 64 tile: four `m64n64k32` per step, 96
+registers, no spill; 128 x 64: eight, 145 registers, no spill.
 """
 
 from __future__ import annotations
@@ -81,10 +94,28 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from expertax import quant
 
 TILE = 128  # rows per tile, output columns per tile, K per step: the recipe's block
+# the narrow tile along K and N for dims that are multiples of 64 but not of 128 (MLA's wkv_a,
+# 576 wide): `wgmma` takes N in multiples of 8 and K in steps of 32, so 64 is as native as 128;
+# a 128 x 128 scale block then covers two tiles or steps (`tile_for`)
+NARROW = 64
 # the fprop's and dgrad's row tiles: `wgmma` multiplies 64 rows per instruction (m64nNk32), so a
 # 64-row tile is one instruction high; the wgrad's rows are its contraction, tiled at TILE
 TILE_ROWS = (64, TILE)
 E4M3 = jnp.float8_e4m3fn
+
+
+def tile_for(dim: int) -> int:
+    """The kernel's tile along an output width or a contraction of `dim` values: the recipe's
+    128 where it divides `dim` (each tile or K step one scale block), else 64 (two tiles or
+    steps per block, each promoted by the block's scale: the same products, the promotion
+    every 64 values of K instead of 128)."""
+    return TILE if dim % TILE == 0 else NARROW
+
+
+def blocks(dim: int) -> int:
+    """The scale blocks along a dim of `dim` values: the last one partial (64 wide) where `dim`
+    is not a multiple of 128 (`quant.quantize_blocks`'s edge blocks)."""
+    return -(-dim // TILE)
 
 
 def gmm(
@@ -127,13 +158,14 @@ def dgrad(
 
 def _product(x, x_scale, w_kernel, w_scale, sizes, group_offset, out_dtype, tile_rows, interpret):
     """The kernel's product of the rows `x` [M, C] (C the contraction) with `w_kernel`: [G, O, C]
-    for the GPU, [G, C, O] interpreted; `w_scale` [G, C / 128, O / 128]; in row tiles of
-    `tile_rows`."""
-    g, n = w_kernel.shape[0], w_scale.shape[2] * TILE
+    for the GPU, [G, C, O] interpreted; `w_scale` [G, C / 128, O / 128] (whole blocks rounded
+    up); in row tiles of `tile_rows`, output columns and K steps of `tile_for` O and C."""
+    g, n = w_kernel.shape[0], w_kernel.shape[2 if interpret else 1]
     local, first = _local_groups(sizes, group_offset, g)
     x_pad, xs_pad, tile_group, rows = _pad_groups(x, x_scale, local, first, tile_rows)
     args = (x_pad, xs_pad.T, w_kernel, w_scale, tile_group, n, out_dtype, interpret)
-    out = _kernel(*args, tile_rows=tile_rows)
+    tiles = {"tile_cols": tile_for(n), "k_step": tile_for(x.shape[1])}
+    out = _kernel(*args, tile_rows=tile_rows, **tiles)
     return jnp.where(rows[:, None] >= 0, out[jnp.maximum(rows, 0)], 0).astype(out_dtype)
 
 
@@ -152,13 +184,13 @@ def _check(x, x_scale, w, w_scale, contraction, tile_rows):
     if x.dtype != E4M3 or w.dtype != E4M3:
         raise ValueError(f"operands must be e4m3, got {x.dtype} and {w.dtype}")
     g, k, n = w.shape
-    if k % TILE or n % TILE:
-        raise ValueError(f"the weight's K={k} and N={n} must be multiples of {TILE}")
+    if k % NARROW or n % NARROW:
+        raise ValueError(f"the weight's K={k} and N={n} must be multiples of {NARROW}")
     c = (k, n)[contraction - 1]
     want = {
         "rows": (x.shape, (x.shape[0], c)),
-        "row scales": (x_scale.shape, (x.shape[0], c // TILE)),
-        "weight scales": (w_scale.shape, (g, k // TILE, n // TILE)),
+        "row scales": (x_scale.shape, (x.shape[0], blocks(c))),
+        "weight scales": (w_scale.shape, (g, blocks(k), blocks(n))),
     }
     for name, (got, shape) in want.items():
         if tuple(got) != shape:
@@ -243,8 +275,10 @@ def _interpreter():
     return INTERPRETER
 
 
-def _transforms(dtype):
-    swizzle = plgpu.find_swizzle(TILE * jnp.dtype(dtype).itemsize * 8)
+def _transforms(dtype, minor: int = TILE):
+    """The shared-memory tiling and swizzle of a block whose minor dim holds `minor` values:
+    the largest swizzle its rows take (128 bytes for 128 e4m3 values, 64 for 64)."""
+    swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
     return (
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
         plgpu.SwizzleTransform(swizzle),
@@ -252,9 +286,10 @@ def _transforms(dtype):
 
 
 def _mma(a_smem, b_smem, shape, interpret):
-    """A fresh float32 product of two e4m3 tiles in shared memory, `shape` [rows, columns] (64 or
-    128 by 128), one `wgmma`: `a` [rows, contraction]; `b` [columns, contraction] (K-major, read
-    through its transposed view) on the GPU, [contraction, columns] interpreted."""
+    """A fresh float32 product of two e4m3 tiles in shared memory, `shape` [rows, columns] (64
+    or 128 by 64 or 128), one `wgmma`: `a` [rows, contraction]; `b` [columns, contraction]
+    (K-major, read through its transposed view) on the GPU, [contraction, columns]
+    interpreted."""
     b_tile = b_smem if interpret else plgpu.transpose_ref(b_smem, (1, 0))
 
     def mma(acc_ref):
@@ -265,7 +300,7 @@ def _mma(a_smem, b_smem, shape, interpret):
 
 
 def _vector(smem, layout, interpret):
-    """The 128 float32 scales of a [1, 128] shared-memory block in registers, laid out to
+    """The float32 scales of a [1, 64 or 128] shared-memory block in registers, laid out to
     broadcast along a WGMMA tile's rows or columns (interpreted: a plain ref read)."""
     return smem[0, :] if interpret else plgpu.load(smem.at[0], (), layout=layout)
 
@@ -277,13 +312,13 @@ def _zero(shape, interpret):
 
 
 def _store(acc, out_gmem):
-    """The tile `acc` ([64 or 128, 128]) into the tile `out_gmem` of global memory (its shape, in
-    its dtype), through shared memory and TMA."""
+    """The tile `acc` ([64 or 128, 64 or 128]) into the tile `out_gmem` of global memory (its
+    shape, in its dtype), through shared memory and TMA."""
     dtype = out_gmem.dtype
 
     @functools.partial(
         pl.run_scoped,
-        out_smem=plgpu.SMEM(acc.shape, dtype, transforms=_transforms(dtype)),
+        out_smem=plgpu.SMEM(acc.shape, dtype, transforms=_transforms(dtype, acc.shape[1])),
     )
     def _(out_smem):
         out_smem[...] = acc.astype(dtype)
@@ -292,13 +327,18 @@ def _store(acc, out_gmem):
         plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret, *, tile_rows):
-    """The padded product [Mp, N] in tiles of `tile_rows` x 128: x_pad [Mp, K] e4m3, xs_t
-    [K / 128, Mp] its scales transposed (a step's scales of a tile are one contiguous row for
-    TMA); each row tile's group from `tile_group` [Mp / tile_rows]."""
+def _kernel(
+    x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret, *, tile_rows, tile_cols, k_step
+):
+    """The padded product [Mp, N] in tiles of `tile_rows` x `tile_cols` (64 or 128 each), over
+    K steps of `k_step` (64 or 128): x_pad [Mp, K] e4m3, xs_t [K / 128, Mp] its scales
+    transposed (a step's scales of a tile are one contiguous row for TMA); each row tile's
+    group from `tile_group` [Mp / tile_rows]. A 64-wide tile or step takes the scale of the
+    128-block it lies in (`index * width // 128`): two consecutive K steps of 64 read the same
+    row of xs_t, the per-1 x 128 tile scales as quantized."""
     mp, k = x_pad.shape
-    steps = k // TILE
-    shape = (tile_rows, TILE)
+    steps = k // k_step
+    shape = (tile_rows, tile_cols)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def body(tile_group_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem):
@@ -314,29 +354,39 @@ def _kernel(x_pad, xs_t, w, w_scale, tile_group, n, out_dtype, interpret, *, til
                 (ki,) = idx
                 partial = _mma(x_smem, w_smem, shape, interpret)
                 x_s = _vector(xs_smem, row_layout, interpret)
-                w_s = ws_gmem[g, ki, ni]
+                w_s = ws_gmem[g, ki * k_step // TILE, ni * tile_cols // TILE]
                 promote = jax.lax.broadcast_in_dim(x_s * w_s, shape, (0,))
                 return carry + partial * promote
 
-            w_block = (TILE, TILE)
-            w_index = (lambda ki: (ki, ni)) if interpret else (lambda ki: (ni, ki))
+            if interpret:  # [G, K, N]: the contraction first
+                w_spec = plgpu.BlockSpec(
+                    (k_step, tile_cols),
+                    lambda ki: (ki, ni),
+                    transforms=_transforms(E4M3, tile_cols),
+                )
+            else:  # [G, N, K]: K-major
+                w_spec = plgpu.BlockSpec(
+                    (tile_cols, k_step), lambda ki: (ni, ki), transforms=_transforms(E4M3, k_step)
+                )
+            x_spec = plgpu.BlockSpec(
+                (tile_rows, k_step), lambda ki: (mi, ki), transforms=_transforms(E4M3, k_step)
+            )
+            # the row scales' block index is its row of xs_t: the step's 128-block
+            xs_spec = plgpu.BlockSpec((1, tile_rows), lambda ki: (ki * k_step // TILE, mi))
             acc = plgpu.emit_pipeline(
                 step,
                 grid=(steps,),
-                in_specs=[
-                    plgpu.BlockSpec(shape, lambda ki: (mi, ki), transforms=_transforms(E4M3)),
-                    plgpu.BlockSpec((1, tile_rows), lambda ki: (ki, mi)),
-                    plgpu.BlockSpec(w_block, w_index, transforms=_transforms(E4M3)),
-                ],
+                in_specs=[x_spec, xs_spec, w_spec],
                 max_concurrent_steps=2,
                 init_carry=_zero(shape, interpret),
             )(x_gmem, xs_gmem, w_g)
-            _store(acc, out_gmem.at[pl.ds(mi * tile_rows, tile_rows), pl.ds(ni * TILE, TILE)])
+            rows, cols = pl.ds(mi * tile_rows, tile_rows), pl.ds(ni * tile_cols, tile_cols)
+            _store(acc, out_gmem.at[rows, cols])
 
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
-        grid=(mp // tile_rows, n // TILE),
+        grid=(mp // tile_rows, n // tile_cols),
         grid_names=("m", "n"),
         interpret=_interpreter() if interpret else None,
     )
@@ -370,7 +420,8 @@ def wgrad(
     `fp8_blockwise` recipe: `x` [M, K] and `dy` [M, N] unquantized (float32 or bfloat16), rows
     sorted by group, `sizes` [G_all] with `group_offset` as for `gmm` (the `num_groups` local
     groups' rows; the other rows are ignored); returns [num_groups, K, N] in `out_dtype` (an
-    empty group's matrix is zero). K and N are multiples of 128.
+    empty group's matrix is zero). K and N are multiples of 64 (`tile_for`: the [K, N] tiles
+    64 wide along a dim that is not a multiple of 128).
 
     Both operands are quantized along the rows, the wgrad's contraction (`wgrad_operands`), in
     the padded layout: each group's rows from a row tile on, zero-filled to the next, and one
@@ -413,9 +464,9 @@ def wgrad_operands(
     one scale per operand (the local groups' amax: the padding and the other rows are zeros),
     broadcast to the kernel's grid."""
     (m, k), n = x.shape, dy.shape[-1]
-    if dy.shape != (m, n) or k % TILE or n % TILE:
+    if dy.shape != (m, n) or k % NARROW or n % NARROW:
         raise ValueError(
-            f"wgrad takes x [M, K] and dy [M, N] with K and N multiples of {TILE}: got x "
+            f"wgrad takes x [M, K] and dy [M, N] with K and N multiples of {NARROW}: got x "
             f"{tuple(x.shape)} and dy {tuple(dy.shape)}"
         )
     local, first = _local_groups(sizes, group_offset, num_groups)
@@ -447,9 +498,10 @@ def wgrad_quantized(
     (mp, k), n = x.shape, dy.shape[1]
     want = {"dy": (dy.shape, (mp, n)), "x scales": (x_scale.shape, (mp // TILE, k))}
     want["dy scales"] = (dy_scale.shape, (mp // TILE, n))
-    if x.dtype != E4M3 or dy.dtype != E4M3 or mp % TILE or k % TILE or n % TILE:
+    if x.dtype != E4M3 or dy.dtype != E4M3 or mp % TILE or k % NARROW or n % NARROW:
         raise ValueError(
-            f"wgrad_quantized takes e4m3 x [Mp, K] and dy [Mp, N], all multiples of {TILE}: "
+            f"wgrad_quantized takes e4m3 x [Mp, K] and dy [Mp, N], Mp a multiple of {TILE}, K "
+            f"and N of {NARROW}: "
             f"got {x.dtype} {tuple(x.shape)} and {dy.dtype} {tuple(dy.shape)}"
         )
     for name, (got, shape) in want.items():
@@ -461,14 +513,17 @@ def wgrad_quantized(
 
 
 def _wgrad_kernel(xt, xs, dy_kernel, dys, first_tile, tiles, out_dtype, interpret):
-    """[G, K, N]: one CTA per group and 128 x 128 tile of its [K, N], a pipelined loop over the
-    group's `tiles[g]` row tiles (a trip count read from the table: `emit_pipeline`'s dynamic
-    grid, zero steps for an empty group). xt [K, Mp] e4m3; dy_kernel [N, Mp] ([Mp, N]
-    interpreted); xs [Mp / 128, K], dys [Mp / 128, N]: a step's scales of a tile are one
-    contiguous row for TMA."""
+    """[G, K, N]: one CTA per group and `tile_for(K)` x `tile_for(N)` tile of its [K, N] (128,
+    or 64 along a dim that is not a multiple of 128: the scales here are per channel, so a
+    narrow tile only shortens the scale vectors), a pipelined loop over the group's `tiles[g]`
+    128-row tiles (a trip count read from the table: `emit_pipeline`'s dynamic grid, zero steps
+    for an empty group). xt [K, Mp] e4m3; dy_kernel [N, Mp] ([Mp, N] interpreted); xs
+    [Mp / 128, K], dys [Mp / 128, N]: a step's scales of a tile are one contiguous row for
+    TMA."""
     k = xt.shape[0]
     n = dys.shape[1]
     g = first_tile.shape[0]
+    tk, tn = tile_for(k), tile_for(n)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def body(first_gmem, tiles_gmem, xt_gmem, xs_gmem, dy_gmem, dys_gmem, out_gmem):
@@ -478,35 +533,42 @@ def _wgrad_kernel(xt, xs, dy_kernel, dys, first_tile, tiles, out_dtype, interpre
         start = first_gmem[gi]
 
         def step(idx, x_smem, xs_smem, dy_smem, dys_smem, carry):
-            partial = _mma(x_smem, dy_smem, (TILE, TILE), interpret)
+            partial = _mma(x_smem, dy_smem, (tk, tn), interpret)
             x_s = _vector(xs_smem, row_layout, interpret)
             dy_s = _vector(dys_smem, col_layout, interpret)
             # the per-128-row promotion: x^T's row scale times dy's column scale
-            rows = jax.lax.broadcast_in_dim(x_s, (TILE, TILE), (0,))
-            cols = jax.lax.broadcast_in_dim(dy_s, (TILE, TILE), (1,))
+            rows = jax.lax.broadcast_in_dim(x_s, (tk, tn), (0,))
+            cols = jax.lax.broadcast_in_dim(dy_s, (tk, tn), (1,))
             return carry + partial * rows * cols
 
-        dy_index = (lambda s: (start + s, ni)) if interpret else (lambda s: (ni, start + s))
+        if interpret:  # dy [Mp, N] as it is
+            dy_spec = plgpu.BlockSpec(
+                (TILE, tn), lambda s: (start + s, ni), transforms=_transforms(E4M3, tn)
+            )
+        else:  # dy^T [N, Mp]: K-major
+            dy_spec = plgpu.BlockSpec(
+                (tn, TILE), lambda s: (ni, start + s), transforms=_transforms(E4M3)
+            )
         acc = plgpu.emit_pipeline(
             step,
             grid=(tiles_gmem[gi],),
             in_specs=[
                 plgpu.BlockSpec(
-                    (TILE, TILE), lambda s: (ki, start + s), transforms=_transforms(E4M3)
+                    (tk, TILE), lambda s: (ki, start + s), transforms=_transforms(E4M3)
                 ),
-                plgpu.BlockSpec((1, TILE), lambda s: (start + s, ki)),
-                plgpu.BlockSpec((TILE, TILE), dy_index, transforms=_transforms(E4M3)),
-                plgpu.BlockSpec((1, TILE), lambda s: (start + s, ni)),
+                plgpu.BlockSpec((1, tk), lambda s: (start + s, ki)),
+                dy_spec,
+                plgpu.BlockSpec((1, tn), lambda s: (start + s, ni)),
             ],
             max_concurrent_steps=2,
-            init_carry=_zero((TILE, TILE), interpret),
+            init_carry=_zero((tk, tn), interpret),
         )(xt_gmem, xs_gmem, dy_gmem, dys_gmem)
-        _store(acc, out_gmem.at[gi, pl.ds(ki * TILE, TILE), pl.ds(ni * TILE, TILE)])
+        _store(acc, out_gmem.at[gi, pl.ds(ki * tk, tk), pl.ds(ni * tn, tn)])
 
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-        grid=(g, k // TILE, n // TILE),
+        grid=(g, k // tk, n // tn),
         grid_names=("g", "k", "n"),
         interpret=_interpreter() if interpret else None,
     )

@@ -98,6 +98,38 @@ def test_dgrad_in_the_interpreter_matches_the_dequantized_product(tile_rows):
 
 
 @pytest.mark.parametrize(
+    "product, tile_rows",
+    [("gmm", 64), ("dgrad", 128), pytest.param("gmm", 128, marks=pytest.mark.full_grid)],
+)
+def test_narrow_tiles_in_the_interpreter_match_the_dequantized_product(product, tile_rows):
+    """K = N = 192, multiples of 64 and not of 128: the kernel's output tiles are 64 columns
+    wide and its K steps 64 (`tile_for`), each promoted by the scale of the 128-block it lies
+    in (the scale grids' last column a 64-wide block). Within float32 accumulation of the
+    dequantized product per group, as for whole 128-tiles."""
+    assert fp8_hopper.tile_for(192) == fp8_hopper.tile_for(576) == 64
+    assert fp8_hopper.tile_for(256) == TILE
+    sizes = np.array([100, 0, 30, 90])
+    k = n = 192
+    x, w = _operands(len(sizes), k=k, n=n, seed=7)
+    x_q = fp8_gemm.quantize(x, "fp8_blockwise", 1, TILE)
+    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
+    assert x_q[1].shape == (M, 2) and w_q[1].shape == (len(sizes), 2, 2)  # last blocks: 64
+    got = getattr(fp8_hopper, product)(
+        *x_q, *w_q, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, tile_rows=tile_rows,
+        interpret=True,
+    )  # fmt: skip
+    assert got.shape == (M, 192)
+    if product == "dgrad":  # the reference: the weight transposed with its blocks
+        w_q = (jnp.swapaxes(w_q[0], 1, 2), jnp.swapaxes(w_q[1], 1, 2))
+    _assert_close(got, _reference(x_q, w_q, sizes))
+    # the control: a product that read the first block's scales for the last (64-wide) column
+    # of blocks is far outside the tolerance
+    wrong = (w_q[0], w_q[1].at[:, :, -1].set(w_q[1][:, :, 0]))
+    with pytest.raises(AssertionError):
+        _assert_close(got, _reference(x_q, wrong, sizes))
+
+
+@pytest.mark.parametrize(
     "tile_rows, groups", [(64, [0, 1, 1, 2, 2]), (128, [0, 1, 2])], ids=["64", "128"]
 )
 def test_bfloat16_output_and_the_padded_schedule(tile_rows, groups):
@@ -138,12 +170,21 @@ needs_gpu = pytest.mark.skipif(
 
 
 @needs_gpu
-@pytest.mark.parametrize("tile_rows", fp8_hopper.TILE_ROWS)
-@pytest.mark.parametrize("product", ["gmm", "dgrad"])
-def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "product, tile_rows, narrow",
+    [
+        *((p, t, False) for p in ("gmm", "dgrad") for t in fp8_hopper.TILE_ROWS),
+        ("gmm", 64, True),
+        pytest.param("dgrad", 64, True, marks=pytest.mark.full_grid),
+    ],
+)
+def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, narrow, tmp_path, monkeypatch):
     """Deviceless compile for an H100: the CUDA plugin runs Mosaic GPU's pipeline and ptxas; the
     PTX it dumps multiplies e4m3 by e4m3 into float32 on the tensor cores (`wgmma.mma_async`),
-    and no product in the kernel is on other types."""
+    and no product in the kernel is on other types. `narrow`: the contraction and the output
+    width multiples of 64, not of 128 (gmm: K = 320 into N = 192; dgrad: N = 448 into K =
+    192), so the output tile is 64 columns wide (`m64n64k32`) and a K step 64 deep (two k32
+    instructions per 64 rows)."""
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
@@ -151,16 +192,19 @@ def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, tmp_path, monkeypat
     sharding = SingleDeviceSharding(dev)
     # distinct shapes: fresh kernels
     g, m, k, n = 4, 512 + tile_rows, 384, 256 if product == "gmm" else 512
+    if narrow:
+        k, n = (320, 192) if product == "gmm" else (192, 448)  # (not gmm's kernel again)
 
     def arg(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     c = k if product == "gmm" else n
+    blocks = fp8_hopper.blocks
     args = (
         arg((m, c), quant.E4M3),
-        arg((m, c // TILE), jnp.float32),
+        arg((m, blocks(c)), jnp.float32),
         arg((g, k, n), quant.E4M3),
-        arg((g, k // TILE, n // TILE), jnp.float32),
+        arg((g, blocks(k), blocks(n)), jnp.float32),
         arg((g,), jnp.int32),
     )
     with platform.use("gpu", dev):
@@ -170,9 +214,11 @@ def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, tmp_path, monkeypat
     lowered.compile()
     ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     assert ".target sm_90a" in ptx
-    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.(\w+)\.(\w+)", ptx)
-    # a row tile is one m64 instruction per 64 rows; a 128-wide K step four k32 ones
-    assert len(mmas) == tile_rows // 64 * 4 and set(mmas) == {("e4m3", "e4m3")}, mmas
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.(\w+)\.(\w+)", ptx)
+    # a row tile is one m64 instruction per 64 rows; a K step one k32 one per 32 of its depth
+    width = 64 if narrow else 128
+    assert len(mmas) == tile_rows // 64 * width // 32, mmas
+    assert set(mmas) == {(str(width), "e4m3", "e4m3")}, mmas
     ptxas = "\n".join(p.read_text() for p in tmp_path.glob("*.ptxas"))
     assert "sm_90a" in ptxas
     if tile_rows == 64:  # a 64 x 128 float32 tile, held twice, fits the registers (128 spills)
@@ -181,19 +227,21 @@ def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, tmp_path, monkeypat
 
 # 15-35 s each in the interpreter on 2 cores: the blockwise case in the default run
 @pytest.mark.parametrize(
-    "recipe",
+    "recipe, n",
     [
-        pytest.param("fp8_blockwise", marks=pytest.mark.slow),
-        pytest.param("fp8_tensorwise", marks=pytest.mark.full_grid),
+        pytest.param("fp8_blockwise", 256, marks=pytest.mark.slow),
+        pytest.param("fp8_tensorwise", 256, marks=pytest.mark.full_grid),
+        pytest.param("fp8_tensorwise", 192, marks=pytest.mark.full_grid, id="tensorwise-F192"),
     ],
 )
-def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe):
+def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe, n):
     """`fp8_gmm.gmm(..., backend="fp8_hopper")` (here in the interpreter): the fprop and dgrad
     from the kernel equal the dequantized `tiled` products, the wgrad is the same code; with EP's
-    group offset (the local groups 1 and 2 of four). Tensorwise scales go in broadcast to grids."""
+    group offset (the local groups 1 and 2 of four). Tensorwise scales go in broadcast to grids
+    (of cdiv(N, 128) blocks at N = 192, the kernel's 64-wide tiles)."""
     sizes = jnp.array([40, 100, 0, 90], jnp.int32)
-    x, w = _operands(2, n=256, seed=3)
-    dy = jnp.asarray(np.random.default_rng(4).standard_normal((M, 256)), jnp.float32)
+    x, w = _operands(2, n=n, seed=3)
+    dy = jnp.asarray(np.random.default_rng(4).standard_normal((M, n)), jnp.float32)
     out = {}
     for backend in ("tiled", fp8_gmm.HOPPER):
 

@@ -76,32 +76,38 @@ def _within(got, want, scale):
 
 
 @pytest.mark.parametrize(
-    "sizes, offset, num_groups, dtype",
+    "sizes, offset, num_groups, dtype, k, n",
     [
-        pytest.param((100, 0, 200, 30), 0, 4, jnp.float32, id="uneven_empty"),
+        pytest.param((100, 0, 200, 30), 0, 4, jnp.float32, 256, 128, id="uneven_empty"),
+        # K and N multiples of 64, not of 128: the [K, N] tiles 64 x 64 (`tile_for`)
+        pytest.param((100, 0, 150), 0, 3, jnp.float32, 192, 192, id="narrow_tiles"),
         # on demand (CI's budget): test_fp8_hopper.py's fp8_gmm case takes a group offset too
         pytest.param(
             (40, 150, 0, 60, 90),
             1,
             3,
             jnp.bfloat16,
+            256,
+            128,
             id="offset_bfloat16",
             marks=pytest.mark.full_grid,
         ),
     ],
 )
-def test_wgrad_in_the_interpreter_matches_the_per_group_tiles(sizes, offset, num_groups, dtype):
-    """Each local group's `x^T dy` on its own 128-row tiles (groups of 1 to 3 tiles: the
+def test_wgrad_in_the_interpreter_matches_the_per_group_tiles(
+    sizes, offset, num_groups, dtype, k, n
+):
+    """Each local group's `x^T dy` [K, N] on its own 128-row tiles (groups of 1 to 3 tiles: the
     kernel's loop length per group); the empty group's matrix is exact zeros; the large rows
     outside the local groups do not reach it. The negative control: the globally tiled
     quantization's product differs by far more than the tolerance."""
-    x = _rows(256, sizes, offset, 0, dtype)
-    dy = _rows(128, sizes, offset, 1, dtype)
+    x = _rows(k, sizes, offset, 0, dtype)
+    dy = _rows(n, sizes, offset, 1, dtype)
     sizes_arr = jnp.asarray(sizes, jnp.int32)
     got = fp8_hopper.wgrad(
         x, dy, sizes_arr, group_offset=offset, num_groups=num_groups, interpret=True
     )
-    assert got.shape == (num_groups, 256, 128) and got.dtype == jnp.float32
+    assert got.shape == (num_groups, k, n) and got.dtype == jnp.float32
     want, scale = _reference(x, dy, sizes, offset, num_groups)
     assert _within(got, want, scale)
     empty = [g for g in range(num_groups) if sizes[offset + g] == 0]
@@ -116,9 +122,9 @@ def test_wgrad_in_the_interpreter_matches_the_per_group_tiles(sizes, offset, num
 
 
 def test_refusals():
-    x, dy = jnp.ones((M, 192)), jnp.ones((M, 128))
+    x, dy = jnp.ones((M, 160)), jnp.ones((M, 128))  # K = 160: not a multiple of 64
     sizes = jnp.array([10, 20], jnp.int32)
-    with pytest.raises(ValueError, match=r"x \(384, 192\) and dy \(384, 128\)"):
+    with pytest.raises(ValueError, match=r"x \(384, 160\) and dy \(384, 128\)"):
         fp8_hopper.wgrad(x, dy, sizes, num_groups=2)
     with pytest.raises(ValueError, match=r"x \(384, 256\) and dy \(383, 128\)"):
         fp8_hopper.wgrad(jnp.ones((M, 256)), dy[1:], sizes, num_groups=2)
@@ -134,17 +140,22 @@ def test_refusals():
 @pytest.mark.skipif(
     not targets.compiler_available("gpu"), reason="the GPU compiler (expertax[gpu]) is missing"
 )
-def test_wgrad_compiles_for_h100_to_e4m3_wgmma(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "k, n",
+    [(384, 256), pytest.param(192, 320, marks=pytest.mark.full_grid, id="narrow")],
+)
+def test_wgrad_compiles_for_h100_to_e4m3_wgmma(k, n, tmp_path, monkeypatch):
     """Deviceless compile for an H100 from bfloat16 rows (padding, quantization and the
     transposes in XLA around the kernel): the kernel's PTX multiplies e4m3 by e4m3 into float32
     on the tensor cores (`wgmma.mma_async`), 8 instructions per 128-row step (two m64 halves of
-    the K tile, four k32 slices of the step), and no product on other types."""
+    the K tile, four k32 slices of the step), and no product on other types; with K and N
+    multiples of 64 and not of 128 (`narrow`), 64 x 64 tiles of [K, N]: four `m64n64k32`."""
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     dev = targets.parse_target("gpu:h100x8").devices()[0]
     sharding = SingleDeviceSharding(dev)
-    g, m, k, n = 4, 640, 384, 256  # shapes of their own: a fresh kernel, not a cached one
+    g, m = 4, 640  # shapes of their own: a fresh kernel, not a cached one
 
     def arg(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -160,5 +171,6 @@ def test_wgrad_compiles_for_h100_to_e4m3_wgmma(tmp_path, monkeypatch):
     ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     assert ".target sm_90a" in ptx
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.(\w+)\.(\w+)", ptx)
-    assert len(mmas) == 8 and set(mmas) == {("128", "e4m3", "e4m3")}, mmas
+    tk, tn = fp8_hopper.tile_for(k), fp8_hopper.tile_for(n)
+    assert len(mmas) == tk // 64 * 4 and set(mmas) == {(str(tn), "e4m3", "e4m3")}, mmas
     assert "sm_90a" in "\n".join(p.read_text() for p in tmp_path.glob("*.ptxas"))
