@@ -321,7 +321,7 @@ def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
     tile, fp8_hopper.padded_rows; the tile T is 64 or 128 rows for the fprop and dgrad, 128 for
     the wgrad, named in the op_name as `fp8_tile~T`), and the kernel skips the tiles past the
     last group: it computes the rows rounded up per group, counted here at one group's rows
-    rounded up (Mp), at the balanced rows per group the program names (`rows~R`, as the
+    exactly (Mp - T), at the balanced rows per group the program names (`rows~R`, as the
     bfloat16 kernels are counted, planner/kernels.py: G ceil(R / T) tiles), or else at
     several groups' on average (half a tile of padding each: Mp - T / 2 G). None for other
     calls."""
@@ -343,7 +343,7 @@ def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
         mp, width = out[0], rows[1] * math.prod(out[1:])
     balanced = _ROWS_RE.search(ins.op_name)
     if g == 1:
-        computed = mp
+        computed = mp - tile
     elif balanced:
         computed = min(mp, g * -(-int(balanced.group(1)) // tile) * tile)
     else:

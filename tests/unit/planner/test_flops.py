@@ -263,9 +263,9 @@ def _fp8_hopper_call(name, mp, g, scope):
         (768, 4, "fp8_gmm_fprop/fp8_tile~64", 512 + 4 * 32),
         (1024, 4, "fp8_gmm_fprop/fp8_tile~128", 512 + 4 * 64),
         (1024, 4, "fp8_gmm_fprop", 512 + 4 * 64),  # no tile named: 128
-        # one group (the dense linears): its rows rounded up to the tile, Mp
-        (512, 1, "fp8_fprop/fp8_tile~64", 512),
-        (640, 1, "fp8_fprop/fp8_tile~128", 640),
+        # one group (the dense linears): its rows exactly, Mp less one tile
+        (576, 1, "fp8_fprop/fp8_tile~64", 512),
+        (640, 1, "fp8_fprop/fp8_tile~128", 512),
         # balanced routing named (rows~R, as for the bfloat16 kernels): G ceil(R / T) tiles
         (768, 4, "fp8_gmm_fprop/rows~128/fp8_tile~64", 4 * 128),
         (768, 4, "fp8_gmm_fprop/rows~100/fp8_tile~64", 4 * 128),

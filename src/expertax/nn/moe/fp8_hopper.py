@@ -21,24 +21,24 @@ takes the weight [G, N, K] (`gmm` transposes it; `dgrad`'s contraction is N, the
 as held) and multiplies its tile's transposed view.
 
 Groups and tiles: the wrapper pads each group to a multiple of the row tile (`tile_rows`, 64 or
-128: a gather of the e4m3 rows and their scales into at most `M + G * (tile_rows - 1)` rows,
-rounded down to the tile: `padded_rows`), so that each row tile belongs to one group; the kernel
-reads the tile's group from a table and skips the tiles past the last group; a second gather
-takes the output rows back (zero past the groups). The cost: two gathers (the rows at 1 + 4/128
-bytes per value, the output in `out_dtype`) and at most one tile of wasted rows per group, half
-a tile on average, the same work a megablox-like schedule of (tile, group) items would spend on
-a tile that two groups share. Hopper's `wgmma` multiplies 64 rows per instruction (m64nNk32), so
-a 64-row tile (one instruction high) halves that waste, which matters where groups hold few
-rows; a 128-row tile reuses each 128 x 128 weight tile it loads for twice the rows (`fp8_gmm.py`
-picks by the balanced rows per group; the dense linears, one group, keep 128). Along K and N the
-tiles are the recipe's 128 (the weight's blocks, the per-128-K promotion) wherever the dim is a
-multiple of 128, whatever the row tile. A dim that is a multiple of 64 and not of 128
-(DeepSeek-V3's MLA wkv_a, 7168 -> 576 = 4.5 x 128) takes 64-wide output tiles or K steps instead
-of being zero-padded to whole 128s (11 % more work for wkv_a): `wgmma` takes N in multiples of 8
-and K in steps of 32, so 64 is as native; a 64-wide tile or step reads the scale of the
-128-block it lies in (block `index * 64 // 128`), so the products are the recipe's, the
-promotion running every 64 values of K instead of 128. The kernel call is traced under the named
-scope `fp8_tile~{tile_rows}` (`tile_scope`), from which the planner counts its padded rows
+128: a gather of the e4m3 rows and their scales into `M + G * (tile_rows - 1)` rows rounded up
+to the tile), so that each row tile belongs to one group; the kernel reads the tile's group
+from a table and skips the tiles past the last group; a second gather takes the output rows
+back (zero past the groups). The cost: two gathers (the rows at 1 + 4/128 bytes per value, the
+output in `out_dtype`) and at most one tile of wasted rows per group, half a tile on average,
+the same work a megablox-like schedule of (tile, group) items would spend on a tile that two
+groups share. Hopper's `wgmma` multiplies 64 rows per instruction (m64nNk32), so a 64-row tile
+(one instruction high) halves that waste, which matters where groups hold few rows; a 128-row
+tile reuses each 128 x 128 weight tile it loads for twice the rows (`fp8_gmm.py` picks by the
+balanced rows per group; the dense linears, one group, keep 128). Along K and N the tiles are
+the recipe's 128 (the weight's blocks, the per-128-K promotion) wherever the dim is a multiple
+of 128, whatever the row tile. A dim that is a multiple of 64 and not of 128 (DeepSeek-V3's MLA
+wkv_a, 7168 -> 576 = 4.5 x 128) takes 64-wide output tiles or K steps instead of being
+zero-padded to whole 128s (11 % more work for wkv_a): `wgmma` takes N in multiples of 8 and K
+in steps of 32, so 64 is as native; a 64-wide tile or step reads the scale of the 128-block it
+lies in (block `index * 64 // 128`), so the products are the recipe's, the promotion running
+every 64 values of K instead of 128. The kernel call is traced under the named scope
+`fp8_tile~{tile_rows}` (`tile_scope`), from which the planner counts its padded rows
 (planner/flops.py).
 
 `dgrad(dy, dy_scale, w, w_scale, sizes)` is the same kernel on the output gradient in 1 x 128
@@ -198,10 +198,9 @@ def _check(x, x_scale, w, w_scale, contraction, tile_rows):
 
 
 def padded_rows(m: int, g: int, tile: int = TILE) -> int:
-    """The rows of the padded operand: `g` groups of at most `m` rows in all, each rounded up
-    to the row tile `tile`, fill at most `m + g * (tile - 1)` rows, and a whole number of tiles,
-    so at most that bound rounded down to a tile (one group: `m` rounded up, no spare tile)."""
-    return max(tile, (m + g * (tile - 1)) // tile * tile)
+    """The rows of the padded operand: every group rounded up to the row tile `tile`, at most
+    `g * (tile - 1)` rows more than `m`, a whole number of tiles."""
+    return -(-(m + g * (tile - 1)) // tile) * tile
 
 
 class Padding(NamedTuple):
