@@ -109,6 +109,18 @@ def test_stash_gradients_bitwise_under_expert_parallelism(model, strategy, mesh,
     assert factor[-1] > 0
 
 
+@pytest.mark.full_grid  # on demand (about a minute each): test_stash.py has one device's fp8 case
+@pytest.mark.parametrize("strategy", ["a2a", "ring"])
+def test_fp8_stash_gradients_bitwise_under_expert_parallelism(strategy):
+    """The e4m3 gate and up with their scales (fp8_blockwise) in each device's buffer, rows of
+    the all-to-all's receive buffer or the ring's compacted rows, skewed routing."""
+    over, _ = compare(
+        "mixtral-tiny", strategy, "ep4-fsdp2", "skewed",
+        quantization="fp8_blockwise", moe_paged_stash_capacity_factor=8.0,
+    )  # fmt: skip
+    assert over.sum() == 0
+
+
 @pytest.mark.full_grid  # on demand: tests/unit/models/test_layer_pattern.py has it on one device
 def test_stash_with_sliding_and_full_layers_under_expert_parallelism():
     """Each layer kind's block in the stashed scan and its backward (`attention_layer_pattern`),
