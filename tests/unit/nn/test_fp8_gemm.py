@@ -103,26 +103,28 @@ def test_residuals_are_fp8():
     assert sx.dtype == sw.dtype == jnp.float32 and sx.shape == (M, K // 128)
 
 
-# 10-20 s each in the interpreter on 2 cores: the unpadded case in the default run
+# seconds per tile in the interpreter on 2 cores: the unpadded case at small dims in the default
+# run (448, the small model's wkv_a width, and the padded case on demand)
 @pytest.mark.parametrize(
-    "n, n_kernel",
+    "n, n_kernel, k",
     [
-        pytest.param(448, 448, marks=pytest.mark.slow, id="448_unpadded"),
-        pytest.param(300, 320, marks=pytest.mark.full_grid, id="300_padded_to_320"),
+        pytest.param(192, 192, 128, marks=pytest.mark.slow, id="192_unpadded"),
+        pytest.param(448, 448, 256, marks=pytest.mark.full_grid, id="448_unpadded"),
+        pytest.param(300, 320, 256, marks=pytest.mark.full_grid, id="300_padded_to_320"),
     ],
 )
 def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one(
-    n, n_kernel, monkeypatch
+    n, n_kernel, k, monkeypatch
 ):
     """Under `fp8_kernel.interpret()` (a CPU standing in for a Hopper GPU: Pallas's Mosaic GPU
     interpreter) the blockwise fprop, dgrad and wgrad run on the kernels as one group: within
     float32 accumulation of each row's largest value of the dequantized products (the per-128
     promotion sums in another order; the wgrad's 100 rows are one tile, padded with zeros),
-    and not equal to them bit for bit (the control: the kernels ran). N = 448 (3.5 x 128, the
-    small model's wkv_a width, as 576 is DeepSeek-V3's) runs unpadded in 64-wide tiles along N
-    (the fprop's output tiles, the dgrad's K steps, the wgrad's [K, N] tiles); N = 300 is
-    zero-padded to 320 around the kernels (fp8_kernel.PAD_LIMIT)."""
-    m, k = 100, 256  # 100 rows: one group padded to the tile; two K steps for the fprop
+    and not equal to them bit for bit (the control: the kernels ran). N = 192 and 448 (1.5 and
+    3.5 x 128; 448 is the small model's wkv_a width, as 576 is DeepSeek-V3's) run unpadded in
+    64-wide tiles along N (the fprop's output tiles, the dgrad's K steps, the wgrad's [K, N]
+    tiles); N = 300 is zero-padded to 320 around the kernels (fp8_kernel.PAD_LIMIT)."""
+    m = 100  # 100 rows: one group padded to the tile; K / 128 K steps for the fprop
     ks = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(ks[0], (m, k)) * jnp.logspace(-2, 2, m)[:, None]
     w, dy = jax.random.normal(ks[1], (k, n)) * 0.05, jax.random.normal(ks[2], (m, n))
