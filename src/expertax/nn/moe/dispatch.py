@@ -67,12 +67,12 @@ def expert_ffn_sorted(
 
     def ffn(given):
         # under fp8, gate and up as the stash holds them: the activation's quantized inputs
-        held = tuple(stash_mod.held(given, n, recipe) for n in stash_mod.FP8_HELD) if recipe else ()
+        held = {n: stash_mod.held(given, n, recipe) for n in stash_mod.FP8_HELD} if recipe else {}
 
         def mm(lhs, w, name):
             w, g = w.astype(dtype), given.get(name)
             if recipe:  # untagged: the names go on gmm_glu's fp8 copies of gate and up
-                if (q := dict(zip(stash_mod.FP8_HELD, held)).get(name)) is not None:
+                if (q := held.get(name)) is not None:
                     # the matmul's value is read by nothing but the gated activation, which
                     # takes `held` instead (fp8_gmm.gmm_glu): no fprop, its backward as ever
                     g = fp8_gemm.dequantize(q, dtype, 1, fp8_gmm.TILE)
@@ -90,7 +90,8 @@ def expert_ffn_sorted(
             names = stash_mod.FP8_HELD
             y = fp8_gmm.gmm_glu(
                 gate, up, wo_EFD.astype(dtype), group_sizes_E, recipe, activation.of(c), names,
-                given=given.get(remat.MOE_MLPWO), held=held, probes=out_probes, **kw,
+                given=given.get(remat.MOE_MLPWO), held=tuple(held.values()), probes=out_probes,
+                **kw,
             )  # fmt: skip
             y = remat.tag(y, remat.MOE_MLPWO)
             # what a paged stash writes of them: the same quantized tiles the activation saves
