@@ -127,6 +127,42 @@ def test_padded_all_to_all_matches_numpy_ragged_model_with_gradients(seed, buffe
     np.testing.assert_array_equal(np.asarray(ct_initial), np.stack(want_initial))
 
 
+def test_native_exchange_gradients_are_the_ragged_transpose(monkeypatch):
+    """`a2a_impl=ragged`'s exchange (`exchange._ragged`: the native collective with its own
+    transpose, whose zero buffers XLA cannot merge): forward and VJP against the numpy model.
+    XLA:CPU has no ragged all-to-all, so the collective is the padded exchange here (the same
+    semantics, checked above); what this checks is the transpose's offsets and mask."""
+    rng = np.random.default_rng(2)
+    operand, send, in_off, out_off = exchange_case(rng)
+    initial = np.full((EP, int(send.sum(0).max()), 3), -7.0, np.float32)
+    block = int(send.max())
+
+    def native(x, out, io, ss, oo, rs, *, axis_name):
+        return exchange.padded_all_to_all(
+            x, out, io, ss, oo, rs, axis_name=axis_name, block_rows=block
+        )
+
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", native)
+
+    def body(x, out, io, ss, oo, rs):
+        args = (x[0], out[0], io[0], ss[0], oo[0], rs[0])
+        return exchange.all_to_all("ragged", *args, block_rows=block)[None]
+
+    spec = P("expert")
+    fn = jax.shard_map(body, mesh=expert_mesh(), in_specs=(spec,) * 6, out_specs=spec)
+    ints = [a.astype(np.int32) for a in (in_off, send, out_off, send.T.copy())]
+    got, vjp = jax.vjp(lambda x, out: fn(x, out, *ints), operand, initial)
+    want = numpy_ragged_all_to_all(list(operand), list(initial), in_off, send, out_off, send.T)
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+    ct = rng.normal(size=initial.shape).astype(np.float32)
+    ct_operand, ct_initial = vjp(ct)
+    want_operand, want_initial = numpy_ragged_all_to_all_vjp(
+        list(ct), operand.shape[1], in_off, send, out_off
+    )
+    np.testing.assert_array_equal(np.asarray(ct_operand), np.stack(want_operand))
+    np.testing.assert_array_equal(np.asarray(ct_initial), np.stack(want_initial))
+
+
 def _plan_roundtrip(experts_PNK, buffer_factor=-1.0, num_experts=16):
     """Rank-coded rows through sort_and_send, the local sort, its undoing and send_back with an
     identity FFN."""

@@ -88,7 +88,7 @@ def send(rows_MD, plan: ExchangePlan, num_rows: int, impl: str, block_rows: int)
     return all_to_all(
         impl,
         rows_MD,
-        jnp.zeros((num_rows, *rows_MD.shape[1:]), rows_MD.dtype),
+        rows.own_zeros((num_rows, *rows_MD.shape[1:]), rows_MD.dtype, rows_MD),
         plan.fwd_in_off,
         plan.fwd_send,
         plan.fwd_out_off,
@@ -177,7 +177,7 @@ def send_back(y_MD, plan: ExchangePlan, num_rows: int, impl: str, block_rows: in
     return all_to_all(
         impl,
         y_MD,
-        jnp.zeros((num_rows, y_MD.shape[1]), y_MD.dtype),
+        rows.own_zeros((num_rows, y_MD.shape[1]), y_MD.dtype, y_MD),
         plan.rev_in_off,
         plan.rev_send,
         plan.rev_out_off,

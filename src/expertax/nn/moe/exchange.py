@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
+from expertax.nn.moe import rows as rows_mod
 from expertax.nn.moe.strategy import EXPERT
 from expertax.nn.moe.vma import varying_axes, varying_over
 from expertax.nn.param import params_dataclass
@@ -264,10 +265,46 @@ def all_to_all(
     save the padded exchange two collectives: the plan already knows them."""
     args = (operand, output, in_off, send, out_off, recv)
     if impl == "ragged":
-        return jax.lax.ragged_all_to_all(*args, axis_name=EXPERT)
+        return _ragged(operand.shape[0], *args)
     return padded_all_to_all(
         *args, axis_name=EXPERT, block_rows=block_rows, longest=longest, recv_offsets=recv_off
     )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged(n, operand, output, in_off, send, out_off, recv):
+    """`jax.lax.ragged_all_to_all` over `expert`, with JAX's own transpose (the mirrored
+    exchange) but its zero buffers `rows.own_zeros`: JAX's are one zero fill for every
+    exchange of a shape in the backward, which XLA then copies for each, all copies live at
+    once (rows.own_zeros). `n`: the operand's rows (static)."""
+    del n
+    return jax.lax.ragged_all_to_all(operand, output, in_off, send, out_off, recv, axis_name=EXPERT)
+
+
+def _ragged_fwd(n, operand, output, in_off, send, out_off, recv):
+    out = _ragged(n, operand, output, in_off, send, out_off, recv)
+    return out, (in_off, send, out_off, recv)
+
+
+def _ragged_bwd(n, res, ct):
+    """`n`: the operand's rows."""
+    in_off, send, out_off, recv = res
+    # where this shard's rows went in each peer's buffer, and where each peer's rows came from
+    # in its own: the offsets as the peers hold them
+    out_off_t = jax.lax.all_to_all(out_off, EXPERT, 0, 0, tiled=True)
+    in_off_t = jax.lax.all_to_all(in_off, EXPERT, 0, 0, tiled=True)
+    zeros = rows_mod.own_zeros((n, *ct.shape[1:]), ct.dtype, ct)
+    ct_operand = jax.lax.ragged_all_to_all(
+        ct, zeros, out_off_t, recv, in_off_t, send, axis_name=EXPERT
+    )
+    # the output's rows that the exchange wrote take no cotangent through `output`
+    pos = jnp.arange(ct.shape[0], dtype=jnp.int32)[None, :]
+    written = jnp.any((pos >= out_off_t[:, None]) & (pos < (out_off_t + recv)[:, None]), axis=0)
+    ct_output = jnp.where(_rows_mask(written, ct.ndim), jnp.zeros((), ct.dtype), ct)
+    return ct_operand, ct_output, None, None, None, None
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 def padded_block_rows(c: Config, num_tokens: int, ep: int, buffer: int) -> int:

@@ -27,6 +27,24 @@ from expertax.nn.moe.vma import varying_like
 ROW_CHUNK = 256  # rows per loop iteration (read at trace time, when `chunk` is not given)
 
 
+def own_zeros(shape, dtype, like) -> jax.Array:
+    """Zeros of `shape` that the compiler cannot merge with another call's, for the init of a
+    loop or of an in-place collective's output (the buffer it updates). XLA's common-
+    subexpression elimination makes identical zero fills one buffer, and copy insertion then
+    gives each loop or collective a copy of it, placed where that one buffer is made: all the
+    copies live at once, long before their users run. Here the fill is the bits of `like`'s
+    first element shifted right by their width (zero, by the shift's definition), which the
+    compiler does not fold, so each call site's buffer is its own, made when `like` (the data
+    the loop or collective reads: it runs after it anyway) exists."""
+    if like.size == 0 or like.dtype == jnp.bool_:
+        return jnp.zeros(shape, dtype)
+    first = jnp.ravel(like)[0]
+    width = 8 * jnp.dtype(first.dtype).itemsize
+    bits = jax.lax.bitcast_convert_type(first, jnp.dtype(f"uint{width}"))
+    fill = jax.lax.shift_right_logical(bits, jnp.asarray(width, bits.dtype)).astype(dtype)
+    return jax.lax.broadcast(fill, tuple(shape))
+
+
 def _chunk(r: int, chunk: int | None) -> int:
     return max(1, min(ROW_CHUNK if chunk is None else chunk, r))
 
@@ -58,7 +76,7 @@ def gather_rows(x_ND, idx_R, count, chunk: int | None = None):
 
 def _gather_loop(x_ND, idx_R, count, chunk):
     r = idx_R.shape[0]
-    out = varying_like(jnp.zeros((r, x_ND.shape[1]), x_ND.dtype), x_ND, idx_R, count)
+    out = varying_like(own_zeros((r, x_ND.shape[1]), x_ND.dtype, x_ND), x_ND, idx_R, count)
 
     def body(i, out):
         start, mask = _rows(i, count, chunk, r)
@@ -77,7 +95,7 @@ def _scatter_loop(y_RD, idx_R, w_R, count, n: int, chunk: int):
     r = idx_R.shape[0]
     acc = y_RD.dtype if w_R is None else w_R.dtype
     refs = (y_RD, idx_R, count) if w_R is None else (y_RD, idx_R, w_R, count)
-    out = varying_like(jnp.zeros((n, y_RD.shape[1]), acc), *refs)
+    out = varying_like(own_zeros((n, y_RD.shape[1]), acc, y_RD), *refs)
 
     def body(i, out):
         start, mask = _rows(i, count, chunk, r)
@@ -135,8 +153,8 @@ def _scatter_bwd(n, chunk, res, dout_ND):
     y_RD, idx_R, w_R, count = res
     r = idx_R.shape[0]
     acc = w_R.dtype
-    dy = varying_like(jnp.zeros_like(y_RD), y_RD, idx_R, w_R, count, dout_ND)
-    dw = varying_like(jnp.zeros_like(w_R), y_RD, idx_R, w_R, count, dout_ND)
+    dy = varying_like(own_zeros(y_RD.shape, y_RD.dtype, dout_ND), y_RD, idx_R, w_R, count, dout_ND)
+    dw = varying_like(own_zeros(w_R.shape, w_R.dtype, dout_ND), y_RD, idx_R, w_R, count, dout_ND)
 
     def body(i, carry):
         dy, dw = carry
