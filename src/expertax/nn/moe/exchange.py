@@ -183,7 +183,7 @@ def _padded_bwd(axis_name, block_rows, n_rows, res, ct_out):
     in_off, send, recv_off, recv, longest = res
     ct_operand = _exchange_rounds(
         ct_out,
-        jnp.zeros((n_rows, *ct_out.shape[1:]), ct_out.dtype),
+        rows_mod.own_zeros((n_rows, *ct_out.shape[1:]), ct_out.dtype, ct_out),
         recv_off,
         recv,
         in_off,
