@@ -8,10 +8,32 @@ tolerances are the same at both levels (the suite passes at both). tests/xla_fla
 flags, and the cheaper code generation that children of tolerance-only tests use."""
 
 import os
+import shutil
+import tempfile
 
-from tests.xla_flags import with_devices
+from tests.timing import worker_codegen
+from tests.xla_flags import CHEAP_CPU_CODEGEN, TOLERANCE_ONLY_CODEGEN, with_devices
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + with_devices(8)).strip()
+# The worker's code generation (tests/timing.py: the odd-numbered xdist workers take the files
+# measured to pass, and to run faster, with the tolerance-only one)
+_CODEGEN = {"default": CHEAP_CPU_CODEGEN, "cheap": TOLERANCE_ONLY_CODEGEN}[
+    worker_codegen(
+        os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    )
+]
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " " + with_devices(8, codegen=_CODEGEN)
+).strip()
+# One persistent compilation cache for the whole run: this process, its xdist workers and every
+# child a test starts inherit the folder, so a program compiled once (a one-device reference, a
+# trainer's step, a child's layout) is read back by every later test that builds it. A folder
+# the caller names (CI's `.ci/run`) is used as it is; otherwise the first process makes one
+# for this run and removes it at the end.
+_OWN_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _OWN_CACHE = tempfile.mkdtemp(prefix="expertax-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compile-only TPU targets load libtpu in several test processes at once (see expertax.targets).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -29,6 +51,7 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 from expertax.nn.moe import fp8_hopper  # noqa: E402
+from tests import timing  # noqa: E402  (its schedule and durations report)
 
 fp8_hopper.INTERPRETER = InterpretGPUParams()
 
@@ -49,15 +72,20 @@ TINY_MOE = dict(
 )
 
 
+def pytest_configure(config):
+    config.pluginmanager.register(timing, "expertax-timing")  # tests/timing.py
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def persistent_compile_cache(tmp_path_factory):
-    """One persistent compilation cache for the session's train() runs (shared across modules):
-    trainer-level tests that build the same step compile it once."""
-    path = tmp_path_factory.getbasetemp() / "jax-compilation-cache"
-    settings = {
-        "jax_compilation_cache_dir": str(path),
-        "jax_persistent_cache_min_compile_time_secs": 0,
-    }
+def persistent_compile_cache():
+    """The run's compilation cache (above) for every program of a module's train() runs, the
+    fast ones too: trainer-level tests that build the same step compile it once."""
+    settings = {"jax_persistent_cache_min_compile_time_secs": 0}
     saved = {k: getattr(jax.config, k) for k in settings}
     for k, v in settings.items():
         jax.config.update(k, v)
@@ -66,3 +94,25 @@ def persistent_compile_cache(tmp_path_factory):
     for k, v in saved.items():
         jax.config.update(k, v)
     compilation_cache.reset_cache()
+
+
+ON_DEMAND = ("full_grid", "compile_matrix", "full_matrix")
+
+
+def pytest_collection_finish(session):
+    """With `EXPERTAX_COLLECTION_OUT=PATH`: every collected test's markers and `covered_by`
+    nodeids as JSON (tests/unit/test_on_demand.py reads it)."""
+    out = os.environ.get("EXPERTAX_COLLECTION_OUT")
+    if not out or hasattr(session.config, "workerinput"):
+        return
+    import json
+
+    rows = {
+        item.nodeid: {
+            "markers": sorted({m.name for m in item.iter_markers()}),
+            "covered_by": [n for m in item.iter_markers("covered_by") for n in m.args],
+        }
+        for item in session.items
+    }
+    with open(out, "w") as f:
+        json.dump(rows, f)

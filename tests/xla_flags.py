@@ -7,10 +7,12 @@ programs, their fusions and buffer assignments are a user's; only the machine co
 optimised.
 
 `TOLERANCE_ONLY_CODEGEN` (children of tests that compare losses within a tolerance, such as the
-whole parity matrix): XLA:CPU's fusions emitted by its direct LLVM IR emitters instead of its MLIR
-fusion pipeline, a train step of the tiny models compiled in about 0.6 x the time. It changes
-the fusions and the rounding of some of them, so the tests that compare programs bitwise (remat
-policies, the stash) or read the compiled program do not run with it.
+whole parity matrix, and the odd-numbered xdist workers of the default run, which take only the
+files measured to pass with it: tests/timing.py): XLA:CPU's fusions emitted by its direct LLVM
+IR emitters instead of its MLIR fusion pipeline, a train step of the tiny models compiled in
+about 0.6 x the time. It changes the fusions and the rounding of some of them, so the tests that
+compare programs bitwise (remat policies, the stash) or read the compiled program do not run
+with it.
 """
 
 CHEAP_CPU_CODEGEN = "--xla_backend_optimization_level=0"
