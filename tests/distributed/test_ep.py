@@ -87,7 +87,7 @@ def _padded_exchange(block_rows):
 # rows are more than a tight receive buffer holds. "tight": the buffer has exactly the rows the
 # busiest receiver gets, so blocks near its end are written shifted (exchange._exchange_rounds).
 # Each buffer and block once by default, the seeds alternating; the other seed of each on demand
-# (-m full_grid): CI's budget.
+# (-m full_grid): CI's budget. An on-demand case is covered by the same case's default seed.
 BLOCK_CASES = [
     ("roomy", 1),
     ("roomy", 2),
@@ -98,13 +98,22 @@ BLOCK_CASES = [
 ]
 
 
+def _block_case(i, seed, buffer, block):
+    if not (i + seed) % 2:
+        return pytest.param(seed, buffer, block)
+    default = (
+        "tests/distributed/test_ep.py::"
+        "test_padded_all_to_all_matches_numpy_ragged_model_with_gradients"
+        f"[{1 - seed}-{buffer}-{block}]"
+    )
+    return pytest.param(
+        seed, buffer, block, marks=[pytest.mark.full_grid, pytest.mark.covered_by(default)]
+    )
+
+
 @pytest.mark.parametrize(
     "seed, buffer, block",
-    [
-        pytest.param(seed, *case, marks=[pytest.mark.full_grid] if (i + seed) % 2 else [])
-        for seed in (0, 1)
-        for i, case in enumerate(BLOCK_CASES)
-    ],
+    [_block_case(i, seed, *case) for seed in (0, 1) for i, case in enumerate(BLOCK_CASES)],
 )
 def test_padded_all_to_all_matches_numpy_ragged_model_with_gradients(seed, buffer, block):
     rng = np.random.default_rng(seed)
@@ -432,14 +441,26 @@ CHUNKED = ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "max_target_len
 ROUTING_MODELS = {"deepseek": "model_name=deepseek3-tiny", "mixtral": "model_name=mixtral-tiny"}
 
 
-# a2a with deepseek's routing and the ring with mixtral's by default, the other two on demand
+# a2a with deepseek's routing and the ring with mixtral's by default, the other two on demand:
+# routing happens upstream of the chunk loop, so each strategy's default case covers its other one
+_CHUNKS = "tests/distributed/test_ep.py::test_token_chunks_match_one_chunk_on_the_mesh"
+
+
 @pytest.mark.parametrize(
     "strategy, routing",
     [
         ("a2a", "deepseek"),
         ("ring", "mixtral"),
-        pytest.param("a2a", "mixtral", marks=pytest.mark.full_grid),
-        pytest.param("ring", "deepseek", marks=pytest.mark.full_grid),
+        pytest.param(
+            "a2a",
+            "mixtral",
+            marks=[pytest.mark.full_grid, pytest.mark.covered_by(f"{_CHUNKS}[a2a-deepseek]")],
+        ),
+        pytest.param(
+            "ring",
+            "deepseek",
+            marks=[pytest.mark.full_grid, pytest.mark.covered_by(f"{_CHUNKS}[ring-mixtral]")],
+        ),
     ],
 )
 def test_token_chunks_match_one_chunk_on_the_mesh(strategy, routing):
@@ -496,7 +517,7 @@ def _shapes(text, op):
     return out
 
 
-@pytest.mark.full_grid  # 47 s: on demand (CI's budget)
+@pytest.mark.extended  # 47 s: CI's extended run
 def test_chunk_buffers_in_compiled_hlo_are_one_chunks_worst_case():
     """a2a (padded, on CPU): per-peer blocks of one round (`exchange.padded_block_rows`: twice the
     mean a peer gets, N*K/P) and the receive buffer of M = P*N*min(K, X) rows are a quarter

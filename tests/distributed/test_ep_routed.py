@@ -133,6 +133,31 @@ ROUTINGS = {
 # One default case (two compiles, ~10-20 s on the CI machine); the a2a receive side is also
 # covered by test_ep.py's layer tests against no mesh.
 DEFAULT = {("ring-ep8", "all-to-experts-0-3")}
+# What covers an on-demand case (covered_by): the default case's variant (the ring's other
+# meshes only resize axes; kept and unfused are the same routed.py / row-loop code on the a2a);
+# for the a2a, test_ep.py's layer test on a like mesh (the receive side against no mesh: outputs,
+# gradients, exact loads) and its hot and empty receivers; the separate FFN on one device.
+_HERE = "tests/distributed/test_ep_routed.py::test_routed_paths_equal_the_argsort_paths"
+_TEST_EP = "tests/distributed/test_ep.py::"
+_A2A_LAYER = {
+    "a2a-ep2-data4": "a2a-ep2-tp2-data2-gptoss",
+    "a2a-ep4-fsdp2": "a2a-ep4-fsdp2-expfsdp",
+    "a2a-ep8": "a2a-ep8",
+}
+
+
+def _covered_by(layout, variant):
+    ids = [f"{_HERE}[ring-ep8-all-to-experts-0-3{variant}]"]
+    if layout in _A2A_LAYER:
+        ids += [
+            f"{_TEST_EP}test_layer_forward_gradients_and_stats_match_no_mesh[{_A2A_LAYER[layout]}]",
+            f"{_TEST_EP}test_roundtrip_exact_uniform_and_skewed",
+        ]
+        if variant == "-unfused":
+            ids.append(
+                "tests/unit/nn/test_activation.py::test_moe_paths_equal_the_oracle[tiled_prologue]"
+            )
+    return pytest.mark.covered_by(*ids)
 
 
 def _case(layout, routing, *extra):
@@ -195,7 +220,7 @@ def _cases():
                 if default:
                     marks = ()
                 else:  # on demand (CI's budget)
-                    marks = (pytest.mark.full_grid,)
+                    marks = (pytest.mark.full_grid, _covered_by(layout, variant))
                 yield pytest.param(
                     layout, routing, keys, marks=marks, id=f"{layout}-{routing}{variant}"
                 )

@@ -15,7 +15,7 @@ from tests.conftest import TINY_MOE
 from tests.sharded import on_mesh
 from tests.unit.models.test_decoder import lm_batch
 
-pytestmark = [pytest.mark.distributed, pytest.mark.full_grid]
+pytestmark = [pytest.mark.distributed, pytest.mark.extended]  # no other test counts on a mesh
 
 # F / 2 = 128 per tensor shard: the same 1 x 128 tiles as one device's
 TINY = {**TINY_MOE, "base_moe_mlp_dim": 256, "max_target_length": 16}

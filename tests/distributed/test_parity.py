@@ -128,7 +128,15 @@ def _swap_expert_shards(ep: int):
     return corrupt
 
 
-@pytest.mark.full_grid  # 150 s on 2 cores, on demand: the pipeline parity test has a control
+# 150 s on 2 cores, on demand: the same layout kinds train in the extended matrix sample, mixtral
+# under EP/TP/CP in the context rows, and the default run has a table and a layer-level control
+@pytest.mark.full_grid
+@pytest.mark.covered_by(
+    "tests/distributed/test_parity_matrix.py::test_parity_matrix_sample",
+    "tests/distributed/test_parity_context_mixtral.py::test_context_rows_mixtral_tiny",
+    "tests/distributed/test_parity.py::test_parity_pipeline_with_negative_control",
+    "tests/distributed/test_ep.py::test_negative_control_swapped_expert_shards_fail",
+)
 def test_parity_mixtral_tiny_with_negative_control():
     c = load_config(overrides=["model_name=mixtral-tiny", "base_num_decoder_layers=1", *SMALL])
     names = [
@@ -161,6 +169,7 @@ def _swap_layers(state, trainer):
     return dataclasses.replace(state, params=dataclasses.replace(state.params, moe_layers=layers))
 
 
+@pytest.mark.extended  # a parity table of two pipelines (27 s): CI's second run
 def test_parity_pipeline_with_negative_control():
     """mixtral-tiny's 2 layers over 2 stages with EP x FSDP inside them give the reference's
     losses; the same pipeline with its stages' layers swapped does not."""

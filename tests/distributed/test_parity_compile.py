@@ -1,7 +1,7 @@
 """`expertax parity --compile-only`: layouts compiled, nothing run, for the 8 simulated CPU devices
 and (without the hardware) for a TPU v5p slice and 8 H100s. A few representative layouts per
 target here (a compile takes 5-20 s); every layout of the default matrix:
-test_parity_compile_matrix.py (extended)."""
+test_parity_compile_matrix.py (on demand, -m compile_matrix)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,18 @@ def check_row(row: dict) -> None:
         assert row["padded_exchange"] == 0
 
 
-# on demand (CI's budget: the TPU target's row below runs the compile-only path by default);
+# on demand (CI's budget: the TPU target's row below runs the compile-only path by default; the
+# padded exchange's detection and a compiled CPU program's padded exchange are default tests);
 # the second case adds the dense dispatch's row (its FLOPs above the sparse one's), 45 s more
 @pytest.mark.full_grid
+@pytest.mark.covered_by(
+    "tests/distributed/test_parity_compile.py::test_compile_only_target[tpu:v5p-16-layouts0]",
+    "tests/unit/tools/test_parity_compile.py::"
+    "test_program_summary_counts_collectives_padded_exchange_and_kernels",
+    "tests/unit/tools/test_parity_compile.py::test_expected_exchange_follows_the_platform",
+    "tests/distributed/test_ep.py::"
+    "test_remat_replays_the_dispatch_but_not_the_expert_ffn_and_return",
+)
 @pytest.mark.parametrize("layouts", [["sparse-ep8"], ["sparse-ep8", "dense-ep8"]])
 def test_compile_only_cpu(layouts, tmp_path, capsys):
     """XLA:CPU: the padded exchange (it has no ragged all-to-all) and the dense dispatch."""
@@ -79,15 +88,40 @@ def needs_compiler(target: str) -> str:
     return platform
 
 
+_TPU_DEFAULT = (
+    "tests/distributed/test_parity_compile.py::test_compile_only_target[tpu:v5p-16-layouts0]"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "target,layouts",
-    # the ring and the GPU (100 s for both layouts) on demand; the whole matrix of each target:
-    # -m compile_matrix (test_parity_compile_matrix*.py)
+    # the ring and the GPU (100 s for both layouts) on demand, covered by the TPU's default case
+    # (the ring's program holds no target-specific exchange) and, for the GPU, by the planner's
+    # compile of EP4 x FSDP2 with `auto` (ragged) and its backend choice on a GPU mesh; the whole
+    # matrix of each target: -m compile_matrix (test_parity_compile_matrix*.py)
     [
         ("tpu:v5p-16", ["sparse-ep8"]),
-        pytest.param("tpu:v5p-16", list(REPRESENTATIVE), marks=pytest.mark.full_grid),
-        pytest.param("gpu:h100x8", list(REPRESENTATIVE), marks=pytest.mark.full_grid),
+        pytest.param(
+            "tpu:v5p-16",
+            list(REPRESENTATIVE),
+            marks=[pytest.mark.full_grid, pytest.mark.covered_by(_TPU_DEFAULT)],
+        ),
+        pytest.param(
+            "gpu:h100x8",
+            list(REPRESENTATIVE),
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    _TPU_DEFAULT,
+                    "tests/unit/planner/test_targets.py::"
+                    "test_grouped_matmul_costs_the_routed_rows_not_all_experts"
+                    "[gpu:h100x8-deepseek3-tiny-mesh0]",
+                    "tests/unit/planner/test_targets.py::"
+                    "test_backend_decisions_follow_the_mesh_not_the_default_backend",
+                ),
+            ],
+        ),
     ],
 )
 def test_compile_only_target(target, layouts, tmp_path, capsys):
@@ -107,7 +141,9 @@ def test_compile_only_target(target, layouts, tmp_path, capsys):
     assert f"{target}:" in capsys.readouterr().out
 
 
-@pytest.mark.compile_matrix  # on demand (40-75 s each on 2 cores)
+# 40-75 s each on 2 cores; CI's extended run (no other test compiles a pipeline for an
+# accelerator, nor pipeline.py's GPU-only select)
+@pytest.mark.extended
 @pytest.mark.parametrize("target", ["tpu:v5p-16", "gpu:h100x8"])
 def test_compile_only_pipeline(target, tmp_path, capsys):
     """A pipelined all-to-all layout: the ragged exchange inside the stages. (XLA:GPU refused the

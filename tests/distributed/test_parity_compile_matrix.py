@@ -16,6 +16,15 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.compile_matrix
+@pytest.mark.covered_by(
+    # one layout of each path compiled for the targets: the sparse exchanges (TPU), the
+    # pipelined all-to-all layout (both), the whole step's grouped matmuls (GPU, TPU); each
+    # layout kind of the matrix trained on 8 CPU devices (the extended parity sample)
+    "tests/distributed/test_parity_compile.py::test_compile_only_target[tpu:v5p-16-layouts0]",
+    "tests/distributed/test_parity_compile.py::test_compile_only_pipeline[tpu:v5p-16]",
+    "tests/unit/planner/test_targets.py::test_grouped_matmul_costs_the_routed_rows_not_all_experts[tpu:v5p-16-mixtral-tiny-mesh4]",
+    "tests/distributed/test_parity_matrix.py::test_parity_matrix_sample",
+)
 def test_compile_only_full_matrix_deepseek3_on_tpu(tmp_path):
     check_full_matrix("deepseek3-tiny", "tpu:v5p-16", tmp_path)
 

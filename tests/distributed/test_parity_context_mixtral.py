@@ -15,6 +15,7 @@ pytestmark = pytest.mark.distributed
 DEFAULT_ROWS = ["sparse-ring-cp4-ep2", "dense-cp8", "sparse-padded-cp2-ep2-tp2-nolb"]
 
 
+@pytest.mark.extended  # a parity table in a CLI child (20-70 s): CI's second run
 def test_context_rows_mixtral_tiny(tmp_path):
     rows = _context_table(["model_name=mixtral-tiny"], DEFAULT_ROWS, tmp_path)
     assert [r["load_balance"] for r in rows] == [True, True, False]

@@ -1,6 +1,7 @@
 """Parity of a deeper deepseek3-tiny (5 layers: a dense first layer, group-limited routing):
-routing flips on near-ties and the comparison under the reference's routing (extended). A file of
-its own so that pytest-xdist (a file per worker) runs it beside the other parity tests."""
+routing flips on near-ties (on demand) and the comparison under the reference's routing
+(extended). A file of its own so that pytest-xdist (a file per worker) runs it beside the other
+parity tests."""
 
 from __future__ import annotations
 
@@ -55,7 +56,14 @@ def probe_flips() -> dict:
     }
 
 
-@pytest.mark.full_grid  # on demand: 77 s on 2 loaded cores (two probe compiles of a 5-layer model)
+# on demand: 77 s on 2 loaded cores (two probe compiles of a 5-layer model); it characterizes the
+# host's rounding: the product's part (imposed routing within the bound on EP2) is the CLI test
+# below, imposed routing through router, layer and decoder the default unit tests
+@pytest.mark.full_grid
+@pytest.mark.covered_by(
+    "tests/distributed/test_parity_deep.py::test_parity_cli_deep_model_with_imposed_routing",
+    "tests/unit/nn/moe/test_imposed_routing.py::test_decoder_scans_one_routing_per_layer",
+)
 def test_routing_flips_explain_the_deep_model_difference():
     """deepseek3-tiny with 5 layers (a dense first layer, group-limited top-k), expert-parallel
     over 2 devices: its first-step loss differs from one device's by more than the float32
@@ -84,7 +92,7 @@ def test_routing_flips_explain_the_deep_model_difference():
     assert r["imposed_flips"] > 0
 
 
-@pytest.mark.full_grid  # on demand: 2-3 minutes on 2 cores
+@pytest.mark.extended  # 2-3 minutes on 2 cores: the imposed probe under sharded layouts, end to end
 def test_parity_cli_deep_model_with_imposed_routing(tmp_path):
     """The 5-layer model through `expertax parity --impose-routing` on tensor-parallel layouts
     (GSPMD dense; the all-to-all under expert-as-TP rules) and EP=2, whose flips the table names

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.distributed
 MODEL = ["model_name=gpt-oss-tiny", *SMALL]
 
 
+@pytest.mark.extended  # a parity table in a CLI child (20-70 s): CI's second run
 def test_parity_gpt_oss_tiny_row(tmp_path):
     """3 steps of EP=2 x TP=2 x data=2 (padded all-to-all) equal the one-device run's losses."""
     c = load_config(overrides=MODEL)

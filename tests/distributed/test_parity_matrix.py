@@ -1,8 +1,8 @@
 """`expertax parity` over the layout matrix: a sample of it for deepseek3-tiny in the extended
-run (CI runs it after the default suite), the whole matrix of both tiny models on demand
-(-m full_matrix; 400-450 s each on 2 cores, more than CI's 45 minutes hold beside the rest). A
-file of its own so that pytest-xdist (a file per worker) runs it beside the other parity tests
-rather than after them."""
+run (CI runs it after the default run), the whole matrix of both tiny models on demand
+(-m full_matrix; 400-450 s each on 2 cores), covered in CI by the sample and the tests that
+`COVERED` names. A file of its own so that pytest-xdist (a file per worker) runs it beside the
+other parity tests rather than after them."""
 
 from __future__ import annotations
 
@@ -14,18 +14,28 @@ from tests.distributed.test_parity import _check_rows, parity_child
 
 pytestmark = pytest.mark.distributed
 
+COVERED = pytest.mark.covered_by(
+    # each layout kind trained (the sample), pipelined (ring, all-to-all), with
+    # the paged stash (bitwise), under context parallelism
+    "tests/distributed/test_parity_matrix.py::test_parity_matrix_sample",
+    "tests/distributed/test_parity.py::test_parity_pipeline_with_negative_control",
+    "tests/distributed/test_pipeline.py::test_pipeline_trains_like_no_pipeline[mixtral-pp2-ep2-fsdp2]",
+    "tests/distributed/test_stash.py::test_stash_gradients_bitwise_under_expert_parallelism[mixtral-tiny-a2a-ep4-fsdp2-balanced]",
+    "tests/distributed/test_parity_context_mixtral.py::test_context_rows_mixtral_tiny",
+)
+
 
 @pytest.mark.parametrize(
     "model,extra",
     [
-        pytest.param("deepseek3-tiny", [], marks=pytest.mark.full_matrix),
-        pytest.param("mixtral-tiny", [], marks=pytest.mark.full_matrix),
+        pytest.param("deepseek3-tiny", [], marks=[pytest.mark.full_matrix, COVERED]),
+        pytest.param("mixtral-tiny", [], marks=[pytest.mark.full_matrix, COVERED]),
     ],
 )
 def test_parity_full_matrix(model, extra, tmp_path):
     """3 steps of the whole layout matrix (the deep-model tests, test_parity_deep.py, train
     longer and deeper) (24 layouts on 8 devices, 2 with the paged stash, 4 with
-    expert-as-TP rules, 6 pipelined); CI runs it after the default suite. Both models have 2
+    expert-as-TP rules, 6 pipelined); on demand. Both models have 2
     pipelined (MoE) layers: the 3 two-stage pipelines run, the 4-stage and circular ones are
     skipped (deepseek3-tiny keeps its 3 layers so that its dense layer runs outside the
     pipeline). The CLI runs in a child with the tolerance-only code generation

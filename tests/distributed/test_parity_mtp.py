@@ -1,7 +1,8 @@
 """`expertax parity` with multi-token prediction on (models/mtp.py): one device against expert
 parallelism (all-to-all and ring), FSDP, a pipeline (MTP after the last stage) and the paged
 stash, on the objective's cross-entropy (the main loss + lambda x the MTP loss,
-tools/parity.py). Extended: CI runs it after the default suite."""
+tools/parity.py). On demand (-m full_grid): the default run's deepseek context rows train MTP on
+the all-to-all beside FSDP and on a ring pipeline (MTP after the last stage)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ LAYOUTS = ["sparse-ep4-fsdp2", "sparse-ring-pp2-ep2-fsdp2"]
 
 
 @pytest.mark.full_grid  # on demand: ~90 s on 2 cores
+@pytest.mark.covered_by(
+    "tests/distributed/test_parity_context.py::test_context_rows_deepseek3_tiny_with_mtp",
+    "tests/unit/models/test_mtp.py::test_mtp_loss_and_gradients_equal_the_oracle"
+    "[deepseek3-tiny-2-True-over1]",
+)
 def test_parity_with_mtp(tmp_path):
     """In a child with the tolerance-only code generation (`parity_child`)."""
     path = tmp_path / "parity.json"

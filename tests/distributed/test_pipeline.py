@@ -167,36 +167,60 @@ CASES = {
         ),
     ),
 }
-# The default run has test_parity_pipeline_with_negative_control (mixtral-tiny, pp2 x EP2 x FSDP2
-# against the reference, with a failing control); the extended run has the cases not in
-# ON_DEMAND (run with -m full_grid): mixtral's pp2 x EP2 x FSDP2 (that parity test),
-# remat_policy=none (its gradients test below), the deepseek3 repeats with EP and the dense
-# llama (the same stage loop), both four-stage cases (CI runs no four-stage pipeline: its 45
-# minutes do not hold them beside the rest), the layer kinds (one device in the default run),
-# mixtral's repeats with ppermute and its partial pipeline.
-DEFAULT: tuple[str, ...] = ()
-ON_DEMAND = (
-    "mixtral-pp2-ep2-fsdp2",
-    "mixtral-l4-pp4",
-    "mixtral-l4-pp2-r2-remat-none",
-    "deepseek3-l5-pp2-r2-ep2",  # repeats: mixtral r2-ppermute; EP: deepseek3-pp2-mb4-ring-ep2
-    "llama-pp2",  # a dense model's stages: the same stage loop as mixtral's
-    "deepseek3-l5-pp4-fsdp2",  # four stages (as mixtral-l4-pp4)
-    "mixtral-l8-sliding-full-pp2-r2-ep2",  # kinds: test_layer_pattern.py on one device
-    # CI's budget: repeats in the gradients case below and test_layer_pattern.py, the layers
-    # after a partial pipeline in the 12-layer kinds case (on demand)
-    "mixtral-l4-pp2-r2-ppermute",
-    "mixtral-l4-partial2-pp2",
+# The extended run has test_parity_pipeline_with_negative_control (mixtral-tiny, pp2 x EP2 x FSDP2
+# with the ring of experts against the reference, with a failing control), the default run
+# tests/unit/models/test_layer_pattern.py's pipelined stack (repeats, layer kinds; one device).
+# The extended run has the cases not in ON_DEMAND: deepseek3's ring EP with microbatches,
+# mixtral's pp2 x EP2 x FSDP2 (the default all-to-all inside the stages: the parity test runs the
+# ring), four stages, the ppermute shift with repeats and the partial pipeline. ON_DEMAND (run
+# with -m full_grid) maps each other case to the tests of the default or extended run that cover
+# its code path (covered_by).
+_HERE = "tests/distributed/test_pipeline.py::"
+_TRAINS = _HERE + "test_pipeline_trains_like_no_pipeline"
+_STAGES = (
+    "tests/unit/models/test_layer_pattern.py::"
+    "test_pipelined_stack_gives_the_plain_stacks_loss_and_gradients[pp2-r2]"
 )
+_PARITY = "tests/distributed/test_parity.py::test_parity_pipeline_with_negative_control"
+DEFAULT: tuple[str, ...] = ()
+ON_DEMAND = {
+    # repeats: the stage loop on one device; the all-to-all in stages and repeats on a mesh
+    "deepseek3-l5-pp2-r2-ep2": (
+        _STAGES,
+        f"{_TRAINS}[mixtral-pp2-ep2-fsdp2]",
+        f"{_TRAINS}[mixtral-l4-pp2-r2-ppermute]",
+    ),
+    # four stages (as mixtral-l4-pp4), the dense layer outside the pipeline (deepseek's other
+    # case), FSDP inside the stages (the parity test)
+    "deepseek3-l5-pp4-fsdp2": (
+        f"{_TRAINS}[mixtral-l4-pp4]",
+        f"{_TRAINS}[deepseek3-pp2-mb4-ring-ep2]",
+        _PARITY,
+    ),
+    "llama-pp2": (_STAGES, _PARITY),  # a dense model's stages: the same stage loop
+    # kinds x repeats x pipeline on one device; the mesh as for deepseek3-l5-pp2-r2-ep2
+    "mixtral-l8-sliding-full-pp2-r2-ep2": (
+        _STAGES,
+        f"{_TRAINS}[mixtral-pp2-ep2-fsdp2]",
+        f"{_TRAINS}[mixtral-l4-pp2-r2-ppermute]",
+    ),
+    # plain autodiff of the pipeline scan: its gradients case below
+    "mixtral-l4-pp2-r2-remat-none": (
+        f"{_HERE}test_pipeline_gradients_equal_no_pipeline[mixtral-l4-pp2-r2-remat-none]",
+    ),
+}
 
 
 def _pipeline_cases():
     for n in CASES:
         if n in DEFAULT:
             yield n
+        elif n in ON_DEMAND:
+            yield pytest.param(
+                n, marks=[pytest.mark.full_grid, pytest.mark.covered_by(*ON_DEMAND[n])]
+            )
         else:
-            mark = pytest.mark.full_grid if n in ON_DEMAND else pytest.mark.extended
-            yield pytest.param(n, marks=mark)
+            yield pytest.param(n, marks=pytest.mark.extended)
 
 
 def _reference_overrides(over: dict) -> dict:
@@ -244,9 +268,21 @@ def test_pipeline_trains_like_no_pipeline(name):
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param("deepseek3-l5-pp2-r2-ep2", marks=pytest.mark.full_grid),  # on demand
-        pytest.param("mixtral-l4-pp2-r2-remat-none", marks=pytest.mark.full_grid),  # 62 s
-        pytest.param("mixtral-l8-sliding-full-pp2-r2-ep2", marks=pytest.mark.full_grid),
+        # on demand: the pipeline's own VJP with repeats on one device, EP in the stages
+        pytest.param(
+            "deepseek3-l5-pp2-r2-ep2",
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(_STAGES, f"{_TRAINS}[mixtral-pp2-ep2-fsdp2]"),
+            ],
+        ),
+        # 62 s: plain autodiff of the pipeline scan runs nowhere else
+        pytest.param("mixtral-l4-pp2-r2-remat-none", marks=pytest.mark.extended),
+        # on demand: kinds x repeats x the pipeline's VJP on one device
+        pytest.param(
+            "mixtral-l8-sliding-full-pp2-r2-ep2",
+            marks=[pytest.mark.full_grid, pytest.mark.covered_by(_STAGES)],
+        ),
     ],
 )
 def test_pipeline_gradients_equal_no_pipeline(name):
@@ -261,7 +297,8 @@ def test_pipeline_gradients_equal_no_pipeline(name):
         np.testing.assert_allclose(g, w, rtol=t["rtol"], atol=t["atol"] * 10)
 
 
-@pytest.mark.full_grid  # on demand: the default run's pipeline parity test has a control
+# extended: the only control of this file's comparison (the parity test's control is the table's)
+@pytest.mark.extended
 def test_broken_shift_fails_the_comparison(monkeypatch):
     """Negative control: a shift that leaves every stage its own output trains another model."""
     model, over = CASES["mixtral-pp2-ep2-fsdp2"]
@@ -272,7 +309,9 @@ def test_broken_shift_fails_the_comparison(monkeypatch):
         _assert_same_training(got, want)
 
 
-@pytest.mark.full_grid  # 39-54 s: on demand (CI's budget)
+# 39-54 s: on demand (CI's budget); the default run restores bitwise onto another mesh
+@pytest.mark.full_grid
+@pytest.mark.covered_by("tests/unit/train/test_resume.py::test_checkpoint_restores_on_another_mesh")
 def test_checkpoint_moves_between_pp2_and_pp1_bitwise(tmp_path):
     model, over = CASES["mixtral-pp2-ep2-fsdp2"]
     configs = {"pp2": _config(model, **over), "pp1": _config(model)}

@@ -4,9 +4,11 @@ with layers that overflow, with sliding and full attention layers; a run with th
 bitwise.
 
 The grid covers every pair of (strategy, mesh, routing) values (`CASES`). The default run keeps
-one case; the rest (the grid's other cases, the fused routed FFN under EP, the overflows under
-EP, the resume) runs on demand (`-m full_grid`; tests/unit/nn/moe/test_stash.py overflows
-layers without EP in the default run).
+one case, the extended run some layers overflowing under the all-to-all; the rest (the grid's
+other cases, the fp8 stash, the fused routed FFN and the layer kinds under EP, every layer
+overflowing on the ring, the resume) runs on demand (`-m full_grid`), each naming the default
+or extended tests that cover it (`covered_by`; tests/unit/nn/moe/test_stash.py holds the same
+stash code without EP).
 """
 
 from __future__ import annotations
@@ -92,12 +94,44 @@ def compare(model, strategy, mesh, routing, **extra):
 
 
 # The grid's other cases (deepseek3-tiny's skewed routing among them) run on demand
-# (-m full_grid): CI's 45 minutes do not hold them.
+# (-m full_grid), each naming the CI tests that cover it. The default case covers them (the
+# same stash write and read in the all-to-all's receive buffer); the ring passes the same stash
+# to the same routed FFN (its EP numerics: test_ep_routed.py's default case), deepseek's layers
+# are stashed on one device in the default run.
+_HERE = "tests/distributed/test_stash.py::"
+_GRID_DEFAULT = (
+    f"{_HERE}test_stash_gradients_bitwise_under_expert_parallelism"
+    "[mixtral-tiny-a2a-ep4-fsdp2-balanced]"
+)
+_RING_EP = (
+    "tests/distributed/test_ep_routed.py::"
+    "test_routed_paths_equal_the_argsort_paths[ring-ep8-all-to-experts-0-3]"
+)
+_UNIT = "tests/unit/nn/moe/test_stash.py::"
+_DEEPSEEK_ONE_DEVICE = (
+    f"{_UNIT}test_stash_gradients_are_bitwise_the_plain_stacks[deepseek3-tiny-fused]"
+)
+_FP8_ONE_DEVICE = (
+    f"{_UNIT}test_fp8_stash_holds_e4m3_and_its_gradients_are_bitwise_the_plain_fp8_stack"
+    "[fp8_blockwise]"
+)
+
+
+def _grid_cover(model, strategy):
+    ids = [_GRID_DEFAULT]
+    if strategy == "ring":
+        ids.append(_RING_EP)
+    if model == "deepseek3-tiny":
+        ids.append(_DEEPSEEK_ONE_DEVICE)
+    return pytest.mark.covered_by(*ids)
 
 
 def _cases():
     for case in CASES:
-        marks = () if case in DEFAULT else (pytest.mark.full_grid,)
+        if case in DEFAULT:
+            marks = ()
+        else:
+            marks = (pytest.mark.full_grid, _grid_cover(*case[:2]))
         yield pytest.param(*case, marks=marks, id="-".join(case))
 
 
@@ -109,8 +143,17 @@ def test_stash_gradients_bitwise_under_expert_parallelism(model, strategy, mesh,
     assert factor[-1] > 0
 
 
-@pytest.mark.full_grid  # on demand (about a minute each): test_stash.py has one device's fp8 case
-@pytest.mark.parametrize("strategy", ["a2a", "ring"])
+# on demand (about a minute each): test_stash.py has one device's fp8 case (the same encoding)
+@pytest.mark.full_grid
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("a2a", marks=pytest.mark.covered_by(_FP8_ONE_DEVICE, _GRID_DEFAULT)),
+        pytest.param(
+            "ring", marks=pytest.mark.covered_by(_FP8_ONE_DEVICE, _GRID_DEFAULT, _RING_EP)
+        ),
+    ],
+)
 def test_fp8_stash_gradients_bitwise_under_expert_parallelism(strategy):
     """The e4m3 gate and up with their scales (fp8_blockwise) in each device's buffer, rows of
     the all-to-all's receive buffer or the ring's compacted rows, skewed routing."""
@@ -121,7 +164,14 @@ def test_fp8_stash_gradients_bitwise_under_expert_parallelism(strategy):
     assert over.sum() == 0
 
 
-@pytest.mark.full_grid  # on demand: tests/unit/models/test_layer_pattern.py has it on one device
+# on demand: tests/unit/models/test_layer_pattern.py has it on one device, the overflow under EP
+# is extended
+@pytest.mark.full_grid
+@pytest.mark.covered_by(
+    "tests/unit/models/test_layer_pattern.py::"
+    "test_stashed_stack_gives_the_plain_stacks_loss_and_gradients[ragged_dot]",
+    f"{_HERE}test_overflowing_layers_under_expert_parallelism[a2a-0.6-some]",
+)
 def test_stash_with_sliding_and_full_layers_under_expert_parallelism():
     """Each layer kind's block in the stashed scan and its backward (`attention_layer_pattern`),
     the last layers overflowing."""
@@ -141,9 +191,23 @@ def test_stash_with_sliding_and_full_layers_under_expert_parallelism():
     "strategy, factor, overflowing",
     [
         # each strategy and each factor once (tests/unit/nn/moe/test_stash.py overflows
-        # every layer and some without expert parallelism)
-        pytest.param("a2a", 0.6, "some", marks=pytest.mark.full_grid),
-        pytest.param("ring", 0.01, "all", marks=pytest.mark.full_grid),
+        # every layer and some without expert parallelism); the all-to-all's case is extended
+        # (the decision over every device's `fits` and the recompute under EP run nowhere
+        # else), the ring's on demand
+        pytest.param("a2a", 0.6, "some", marks=pytest.mark.extended),
+        pytest.param(
+            "ring",
+            0.01,
+            "all",
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    f"{_HERE}test_overflowing_layers_under_expert_parallelism[a2a-0.6-some]",
+                    f"{_UNIT}test_layers_that_overflow_are_recomputed_exactly[0.6-some]",
+                    _RING_EP,
+                ),
+            ],
+        ),
     ],
 )
 def test_overflowing_layers_under_expert_parallelism(strategy, factor, overflowing):
@@ -160,7 +224,13 @@ def test_overflowing_layers_under_expert_parallelism(strategy, factor, overflowi
         assert 0 < over.sum() < len(over)
 
 
-@pytest.mark.full_grid  # on demand: ~110 s on 2 cores
+# on demand: ~110 s on 2 cores; the stash adds no train state, and the default run resumes
+# train() bitwise and stashes bitwise under EP
+@pytest.mark.full_grid
+@pytest.mark.covered_by(
+    "tests/unit/train/test_resume.py::test_stop_and_resume_is_bitwise_an_uninterrupted_run",
+    _GRID_DEFAULT,
+)
 def test_a_stash_run_resumes_bitwise_and_trains_like_the_plain_one(tmp_path):
     base = {
         "model_name": "deepseek3-tiny",
@@ -187,9 +257,18 @@ def test_a_stash_run_resumes_bitwise_and_trains_like_the_plain_one(tmp_path):
     )
 
 
-# on demand (CI's budget: the default run's stash-under-EP case above runs the all-to-all)
+# on demand (CI's budget: the default run's stash-under-EP case above runs the all-to-all; the
+# fused FFN with the stash runs on one device in the default run)
 @pytest.mark.full_grid
-@pytest.mark.parametrize("strategy", ["a2a", "ring"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("a2a", marks=pytest.mark.covered_by(_DEEPSEEK_ONE_DEVICE, _GRID_DEFAULT)),
+        pytest.param(
+            "ring", marks=pytest.mark.covered_by(_DEEPSEEK_ONE_DEVICE, _GRID_DEFAULT, _RING_EP)
+        ),
+    ],
+)
 def test_stash_with_the_fused_routed_ffn_under_expert_parallelism(strategy):
     """The fused routed FFN (nn/moe/routed.py) writes its kept gate, up and expert outputs to
     the stash and reads them back: gradients bitwise those of the fused plain stack."""

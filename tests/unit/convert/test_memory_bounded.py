@@ -12,7 +12,7 @@ _BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "convert.py"
 _MIB = 2**20
 
 
-@pytest.mark.full_grid  # 70-97 s: on demand (CI's 45 minutes; BENCHMARKS.md has the figures)
+@pytest.mark.extended  # 70-97 s: CI's extended run (BENCHMARKS.md has the figures)
 def test_peak_anonymous_memory_does_not_grow_with_the_checkpoint(tmp_path):
     spec = importlib.util.spec_from_file_location("convert_bench", _BENCH)
     bench = importlib.util.module_from_spec(spec)

@@ -83,6 +83,10 @@ def test_scan_equals_unrolled():
 
 @pytest.mark.distributed
 @pytest.mark.full_grid  # 46 s: on demand (CI's budget; the parity rows train these layouts)
+@pytest.mark.covered_by(
+    "tests/distributed/test_rules_presets.py::test_preset_trains_the_one_device_model[exp-fsdp]",
+    "tests/distributed/test_parity_qwen3.py::test_parity_qwen3_moe_tiny_row",
+)
 def test_data_fsdp_expert_mesh_equals_one_device():
     overrides = {
         **SMALL,

@@ -107,8 +107,21 @@ PIPELINED = {
     "layers, over",
     [
         (8, PIPELINED),
-        # four layers after the pipelined eight: a second scan's compile, twice the pipeline's
-        pytest.param(12, {**PIPELINED, "pipeline_parallel_layers": 8}, marks=pytest.mark.full_grid),
+        # four layers after the pipelined eight: a second scan's compile, twice the pipeline's;
+        # on demand: the kinds in the pipeline above, a partial pipeline in the extended run
+        pytest.param(
+            12,
+            {**PIPELINED, "pipeline_parallel_layers": 8},
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    "tests/unit/models/test_layer_pattern.py::"
+                    "test_pipelined_stack_gives_the_plain_stacks_loss_and_gradients[pp2-r2]",
+                    "tests/distributed/test_pipeline.py::"
+                    "test_pipeline_trains_like_no_pipeline[mixtral-l4-partial2-pp2]",
+                ),
+            ],
+        ),
     ],
     ids=["pp2-r2", "pp2-r2-rest4"],
 )
@@ -144,8 +157,25 @@ def _assert_differs(wrong, loss):
 
 @pytest.mark.parametrize(
     "gmm",
-    # ragged_dot: a third of the tiled grouped matmul's compile time (the default on CPU)
-    ["ragged_dot", pytest.param("tiled", marks=pytest.mark.full_grid)],
+    # ragged_dot: a third of the tiled grouped matmul's compile time (the default on CPU); the
+    # tiled one on demand: the same stash and kinds, and its given output's gradient by default
+    [
+        "ragged_dot",
+        pytest.param(
+            "tiled",
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    "tests/unit/models/test_layer_pattern.py::"
+                    "test_stashed_stack_gives_the_plain_stacks_loss_and_gradients[ragged_dot]",
+                    "tests/unit/nn/moe/test_stash.py::"
+                    "test_gmm_with_a_given_output_has_the_gmm_gradient[None-tiled]",
+                    "tests/unit/nn/moe/test_stash.py::"
+                    "test_gmm_with_a_given_output_has_the_gmm_gradient[1-tiled]",
+                ),
+            ],
+        ),
+    ],
 )
 def test_stashed_stack_gives_the_plain_stacks_loss_and_gradients(gmm):
     """The paged stash with sliding and full layers: bitwise the plain stack's loss and

@@ -104,15 +104,34 @@ def oracle_loss(p: decoder.Decoder, batch: dict, c):
 # the last case: vocab tiles (the loss and the acceptance), MoE token chunks, unscanned main
 # layers and full recompute
 OTHER_PATHS = dict(num_vocab_tiling=4, num_moe_token_chunks=2, scan_layers=False)
+_HERE = "tests/unit/models/test_mtp.py::test_mtp_loss_and_gradients_equal_the_oracle"
 
 
 @pytest.mark.parametrize(
     "model,depth,packed,over",
     [
         # depth 1 on demand (-m full_grid): depth 2 runs the first depth's code too
-        pytest.param("deepseek3-tiny", 1, False, {}, marks=pytest.mark.full_grid),
+        pytest.param(
+            "deepseek3-tiny",
+            1,
+            False,
+            {},
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(f"{_HERE}[deepseek3-tiny-2-True-over1]"),
+            ],
+        ),
         ("deepseek3-tiny", 2, True, {}),
-        pytest.param("mixtral-tiny", 1, True, {}, marks=pytest.mark.full_grid),
+        pytest.param(
+            "mixtral-tiny",
+            1,
+            True,
+            {},
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(f"{_HERE}[mixtral-tiny-2-False-over3]"),
+            ],
+        ),
         ("mixtral-tiny", 2, False, dict(OTHER_PATHS, remat_policy="full")),
     ],
 )

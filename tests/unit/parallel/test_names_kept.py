@@ -83,12 +83,58 @@ def _assert_stashed(c, name: str) -> None:
     assert sorted(s[1] for s in shapes if len(s) == 2 and s[0] == rows) == sorted(widths.values())
 
 
+# What covers an on-demand cell (covered_by): the same name by default on the most alike path
+# (names are placed at shared sites: attention by type, MLA on deepseek's paths and GQA on
+# llama's and mixtral's; the MoE names by dispatch family; a stash path's by the other stash
+# path), and the same path by default with the neighbouring name.
+_LIKE_ATTENTION = {
+    "dense-mlp": ("moe-einsum", "moe-fused", "moe-separate"),
+    "dense-gqa": ("moe-fused-a2a", "moe-fused-ring", "moe-stash", "moe-stash-separate"),
+    "moe-einsum": ("moe-fused", "moe-separate", "dense-mlp"),
+    "moe-fused": ("moe-separate", "moe-einsum", "dense-mlp"),
+    "moe-separate": ("moe-fused", "moe-einsum", "dense-mlp"),
+    "moe-fused-a2a": ("moe-fused-ring", "dense-gqa", "moe-stash", "moe-stash-separate"),
+    "moe-fused-ring": ("moe-fused-a2a", "dense-gqa", "moe-stash", "moe-stash-separate"),
+    "moe-stash": ("moe-stash-separate", "moe-fused-a2a", "moe-fused-ring", "dense-gqa"),
+    "moe-stash-separate": ("moe-stash", "moe-fused-a2a", "moe-fused-ring", "dense-gqa"),
+}
+_LIKE_DISPATCH = {
+    "dense-mlp": ("moe-fused", "moe-einsum", "moe-separate"),
+    "dense-gqa": (),
+    "moe-einsum": ("moe-separate", "moe-fused"),
+    "moe-fused": ("moe-fused-ring", "moe-fused-a2a", "moe-stash"),
+    "moe-separate": ("moe-stash-separate", "moe-einsum"),
+    "moe-fused-a2a": ("moe-fused-ring", "moe-fused"),
+    "moe-fused-ring": ("moe-fused-a2a", "moe-fused"),
+    "moe-stash": ("moe-stash-separate", "moe-fused"),
+    "moe-stash-separate": ("moe-stash", "moe-separate"),
+}
+_HERE = "tests/unit/parallel/test_names_kept.py::"
+_CELL = _HERE + "test_a_name_placed_on_device_is_saved_or_refused"
+_EXTRA = {  # the fused path's kept names, by default elsewhere too
+    ("moe-fused", "moe_mlpwo"): (f"{_HERE}test_offloaded_names_are_saved_on_the_host[device]",),
+    ("moe-fused", "moe_mlpwi_0"): (
+        "tests/unit/nn/moe/test_chunks.py::test_checkpoint_names_work_inside_the_chunk_loop[fused]",
+    ),
+}
+
+
+def _covered_by(i, path, j, name):
+    paths, names = list(PATHS), remat.ALL_NAMES
+    like = _LIKE_DISPATCH if name in remat.STASHABLE else _LIKE_ATTENTION
+    same_name = [p for p in like[path] if (paths.index(p) + j) % 2 == 0][:1]
+    ids = [f"{_CELL}[{p}-{name}]" for p in same_name]
+    neighbours = [k for k in (j - 1, j + 1) if 0 <= k < len(names)]
+    ids += [f"{_CELL}[{path}-{names[k]}]" for k in neighbours[: 1 if same_name else 2]]
+    return pytest.mark.covered_by(*ids, *_EXTRA.get((path, name), ()))
+
+
 def _case(i, path, j, name):
     """Each path with every other name by default (each name on every other path), the other
     half on demand (-m full_grid): CI's budget."""
     marks = [pytest.mark.distributed] if "a2a" in path or "ring" in path else []
     if (i + j) % 2:
-        marks.append(pytest.mark.full_grid)
+        marks += [pytest.mark.full_grid, _covered_by(i, path, j, name)]
     return pytest.param(path, name, marks=marks, id=f"{path}-{name}")
 
 

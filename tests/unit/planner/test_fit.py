@@ -100,8 +100,9 @@ def test_estimate_ranks_bigger_candidates_above_smaller(cfg):
     assert more.estimate(base, shape) > e()
 
 
-# 80-145 s of compiles: on demand (CI's budget; the default run keeps the refusal tests)
-@pytest.mark.full_grid
+# 80-145 s of compiles: CI's extended run (the default run keeps the refusal tests; the success
+# path with a real compile and memory_report's cross-check runs only here)
+@pytest.mark.extended
 @pytest.mark.usefixtures("persistent_compile_cache")
 def test_fit_picks_a_candidate_that_compiles_under_the_budget():
     cfg = load_config(overrides=FIT)

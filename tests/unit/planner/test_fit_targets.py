@@ -42,9 +42,9 @@ def test_state_the_gpu_program_keeps_on_device_is_not_subtracted():
     assert plan.device_peak(offloaded, None, xla, on="gpu")[0] == 6
 
 
-# two or three compiles per target: on demand (CI's 45 minutes; the targets' search spaces are
-# tested in test_fit_space.py)
-@pytest.mark.full_grid
+# two or three compiles per target: CI's extended run (the targets' search spaces are tested in
+# test_fit_space.py; the search on a target runs only here)
+@pytest.mark.extended
 @pytest.mark.parametrize("spec", TARGETS)
 def test_fit_finds_the_fastest_plan_that_fits(spec):
     t = _target(spec)

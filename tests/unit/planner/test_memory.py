@@ -167,7 +167,7 @@ def test_host_offloaded_state_lives_in_pinned_host_and_trains_the_same():
         np.testing.assert_allclose(a, b, **tol())
 
 
-@pytest.mark.full_grid  # on demand: 50-70 s
+@pytest.mark.extended  # 50-70 s: the only check of the compiled memory under the presets
 def test_temp_bytes_fall_from_none_to_minimal_to_full():
     """On one device, with layers and a length where the saved residuals outweigh the
     temporaries of one layer's recomputation (with 3 layers of 128 tokens they do not: XLA:CPU's

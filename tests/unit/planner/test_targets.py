@@ -127,10 +127,10 @@ def test_backend_decisions_follow_the_mesh_not_the_default_backend():
 @needs_tpu
 @needs_gpu
 @pytest.mark.parametrize(
-    # the GPU one (50 s) on demand: CI's budget; the GPU targets' offload search is in
-    # test_fit_space.py
+    # both in the extended run (whole steps compiled for a target, 30-50 s each); the GPU one's
+    # compile of offloaded names and its "NOT HONOURED" report run nowhere else
     "spec",
-    ["tpu:v5p-16", pytest.param("gpu:h100x8", marks=pytest.mark.full_grid)],
+    [pytest.param(spec, marks=pytest.mark.extended) for spec in ("tpu:v5p-16", "gpu:h100x8")],
 )
 def test_memory_for_a_target_with_host_offloaded_optimizer_state(spec, tmp_path, capsys):
     """The real compilers take the step with optimizer state and two saved names offloaded (the
@@ -184,29 +184,72 @@ def _gmm_flops(spec, model, **overrides):
     return count, _routed_ffn_flops(c, trainer)
 
 
+_GROUPED = (
+    "tests/unit/planner/test_targets.py::test_grouped_matmul_costs_the_routed_rows_not_all_experts"
+)
+
+
+def _grouped_cover(spec):
+    """The default cases (the whole step on each target) and the kernels' own routed rows."""
+    gmm = "tests/unit/nn/moe/test_gmm_kernels.py::"
+    kernels = (
+        (
+            f"{gmm}test_kernels_compile_for_the_target[tpu:v5p-16-megablox-megablox]",
+            f"{gmm}test_auto_kernels_cost_the_routed_rows_at_few_rows_per_expert[tpu:v5p-16-megablox-16]",
+            f"{gmm}test_kernels_compile_inside_expert_parallel_shard_map[tpu:v5p-16-megablox-megablox]",
+        )
+        if spec.startswith("tpu")
+        else (
+            f"{gmm}test_auto_kernels_cost_the_routed_rows_at_few_rows_per_expert"
+            "[gpu:h100x8-tokamax_triton-16]",
+        )
+    )
+    return pytest.mark.covered_by(
+        f"{_GROUPED}[gpu:h100x8-deepseek3-tiny-mesh0]",
+        f"{_GROUPED}[tpu:v5p-16-mixtral-tiny-mesh4]",
+        *kernels,
+    )
+
+
 @needs_tpu
 @needs_gpu
 @pytest.mark.parametrize(
     "spec, model, mesh",
     [
-        # deepseek3-tiny on the GPU by default; on the TPU on demand (the tiled case below holds
-        # the TPU): CI's budget
-        ("gpu:h100x8", "deepseek3-tiny", {"ici_expert_parallelism": 4, "ici_fsdp_parallelism": 2}),
+        # deepseek3-tiny on the GPU in CI's extended run (whole steps compiled for a target,
+        # 20-30 s each); on the TPU on demand (the tiled case below holds the TPU,
+        # test_gmm_kernels.py megablox's routed rows)
+        pytest.param(
+            "gpu:h100x8",
+            "deepseek3-tiny",
+            {"ici_expert_parallelism": 4, "ici_fsdp_parallelism": 2},
+            marks=pytest.mark.extended,
+        ),
         pytest.param(
             "tpu:v5p-16",
             "deepseek3-tiny",
             {"ici_expert_parallelism": 4, "ici_fsdp_parallelism": 2},
-            marks=pytest.mark.full_grid,
+            marks=[pytest.mark.full_grid, _grouped_cover("tpu:v5p-16")],
         ),
     ]
     + [
         # one expert per device: on demand (the tiled case below holds it on TPU)
         pytest.param(
-            spec, "mixtral-tiny", {"ici_expert_parallelism": 8}, marks=pytest.mark.full_grid
+            spec,
+            "mixtral-tiny",
+            {"ici_expert_parallelism": 8},
+            marks=[pytest.mark.full_grid, _grouped_cover(spec)],
         )
         for spec in ("tpu:v5p-16", "gpu:h100x8")
     ]
-    + [("tpu:v5p-16", "mixtral-tiny", {"ici_expert_parallelism": 8, "gmm_impl": "tiled"})],
+    + [
+        pytest.param(
+            "tpu:v5p-16",
+            "mixtral-tiny",
+            {"ici_expert_parallelism": 8, "gmm_impl": "tiled"},
+            marks=pytest.mark.extended,
+        )
+    ],
 )
 def test_grouped_matmul_costs_the_routed_rows_not_all_experts(spec, model, mesh):
     """The compiled grouped matmul does the routed rows' FLOPs, not a dense matmul over every

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHECK = ROOT / "benchmarks" / "device" / "check.py"
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a child runs every section of the device check (28 s): CI's second run
 def test_the_dry_run_measures_every_section(tmp_path):
     # one CPU device, the tolerance-only code generation (a dry run times nothing it compares)
     env = dict(os.environ, XLA_FLAGS=TOLERANCE_ONLY_CODEGEN, JAX_PLATFORMS="cpu")

@@ -120,7 +120,7 @@ def test_the_step_reports_the_counts_only_under_quantization():
 
 
 @pytest.mark.distributed
-@pytest.mark.full_grid
+@pytest.mark.extended  # the only test that runs an fp8 train step and reads its metrics
 def test_a_run_logs_the_quantizers_counts(tmp_path):
     overrides = dict(TINY_MOE, steps=2, base_output_directory=str(tmp_path))
     c = load_config(overrides={**overrides, "quantization": "fp8_tensorwise"})

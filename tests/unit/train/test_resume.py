@@ -145,7 +145,14 @@ def test_run_dir_without_a_checkpoint_restarts_or_refuses(tmp_path):
         prepare_run_dir(tiny(tmp_path, run_name="r"))
 
 
-@pytest.mark.full_grid  # 73 s; test_files_training and tests/smoke/test_cli.py resume too
+# 73 s, on demand: the same restart logic (prepare()), the CLI's restart from step 0 and a
+# bitwise resume run by default; only the real SIGKILL is this test's own
+@pytest.mark.full_grid
+@pytest.mark.covered_by(
+    "tests/unit/train/test_resume.py::test_run_dir_without_a_checkpoint_restarts_or_refuses",
+    "tests/smoke/test_cli.py::test_train_writes_metrics_and_config",
+    "tests/unit/train/test_resume.py::test_stop_and_resume_is_bitwise_an_uninterrupted_run",
+)
 def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_same_command(tmp_path):
     """SIGKILL during the first steps (no checkpoint yet), then the same command: it trains
     from step 0 to the end, with the losses of the killed attempt, and keeps its metrics."""

@@ -209,7 +209,15 @@ def test_model_uses_the_configured_kernel_with_equal_logits(model):
     np.testing.assert_allclose(out["blockwise"], out["dot"], **tol(jnp.float32))
 
 
-@pytest.mark.full_grid  # 50-65 s; the one-device blockwise tests stay in the default run
+# 50-65 s, on demand: blockwise.py has no sharding code of its own (GSPMD partitions it); the
+# one-device blockwise tests and a sharded attention model stay in the default run
+@pytest.mark.full_grid
+@pytest.mark.covered_by(
+    "tests/unit/nn/attention/test_blockwise.py::"
+    "test_model_uses_the_configured_kernel_with_equal_logits[deepseek3-tiny]",
+    "tests/unit/nn/attention/test_blockwise.py::test_matches_dot_kernel[packed_gqa_ragged]",
+    "tests/unit/nn/attention/test_splash.py::test_sharded_call_equals_one_device",
+)
 @pytest.mark.distributed
 def test_sharded_blockwise_model_equals_one_device_dot(monkeypatch):
     """Blockwise under a data x fsdp x tensor mesh (heads sharded), several blocks per sequence:

@@ -212,9 +212,29 @@ def test_config_refuses_what_chunks_cannot_do(overrides, words):
         )
 
 
+# 25-47 s per kernel: on demand (CI's budget); chunks.py has no sharding code (GSPMD only), and
+# the chunks' numerics on one device are default tests
+_CHUNKS = "tests/unit/nn/attention/test_chunks.py::"
+
+
 @pytest.mark.distributed
-@pytest.mark.full_grid  # 25-47 s per kernel: on demand (CI's budget)
-@pytest.mark.parametrize("impl", ["dot", "blockwise"])
+@pytest.mark.full_grid
+@pytest.mark.parametrize(
+    "impl",
+    [
+        pytest.param(
+            impl,
+            marks=pytest.mark.covered_by(
+                f"{_CHUNKS}test_layer_in_chunks_equals_the_whole_layer[mla-dot-full-scan]",
+                f"{_CHUNKS}test_layer_in_chunks_equals_the_whole_layer[mla-dot-full-python]",
+                f"{_CHUNKS}test_kernels_take_a_chunk_of_queries[{impl}-up_to_the_end]",
+                f"{_CHUNKS}test_kernels_take_a_chunk_of_queries[{impl}-all_traced_offset]",
+                "tests/unit/nn/attention/test_splash.py::test_sharded_call_equals_one_device",
+            ),
+        )
+        for impl in ("dot", "blockwise")
+    ],
+)
 def test_chunks_under_a_mesh_match_one_device(impl):
     """Four query chunks (the scan) under a data x fsdp x tensor mesh (heads sharded), packed
     documents: loss and gradients equal the one-device unchunked model's."""

@@ -65,7 +65,22 @@ def _out_and_grads(fn, args, d_out):
 # layout's rows change tiles within a device
 # (the second on demand: CI's budget; the heads split over `tensor` is splash.py's own shard_map
 # rule, and test_context.py splits them under the latent kernels)
-CASES = [(4, True, 1), pytest.param(2, False, 2, marks=pytest.mark.full_grid)]
+CASES = [
+    (4, True, 1),
+    pytest.param(
+        2,
+        False,
+        2,
+        marks=[
+            pytest.mark.full_grid,
+            pytest.mark.covered_by(
+                "tests/unit/nn/attention/test_context_splash.py::"
+                "test_splash_under_context_parallelism_equals_one_device[4-True-1]",
+                "tests/unit/nn/attention/test_splash.py::test_sharded_call_equals_one_device",
+            ),
+        ],
+    ),
+]
 
 
 @pytest.mark.distributed

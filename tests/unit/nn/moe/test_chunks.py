@@ -107,10 +107,22 @@ def _saved_residuals(c, p, x, placements):
     return [line for line in out.getvalue().splitlines() if "from the argument" not in line]
 
 
-# the separate path's case on demand (-m full_grid): CI's budget
-@pytest.mark.parametrize(
-    "fused", [True, pytest.param(False, marks=pytest.mark.full_grid)], ids=["fused", "separate"]
+# the separate path's case on demand (-m full_grid): CI's budget; the chunk scan with names by
+# default in the fused case, the separate path's names in test_names_kept.py
+_SEPARATE = pytest.param(
+    False,
+    marks=[
+        pytest.mark.full_grid,
+        pytest.mark.covered_by(
+            "tests/unit/nn/moe/test_chunks.py::test_checkpoint_names_work_inside_the_chunk_loop[fused]",
+            "tests/unit/parallel/test_names_kept.py::"
+            "test_a_name_placed_on_device_is_saved_or_refused[moe-separate-moe_mlpwo]",
+        ),
+    ],
 )
+
+
+@pytest.mark.parametrize("fused", [True, _SEPARATE], ids=["fused", "separate"])
 def test_checkpoint_names_work_inside_the_chunk_loop(fused):
     """A kept name is saved once per chunk (M = N/chunks * K rows), stacked by the scan: the
     gate [M, F] (moe_mlpwi_0) of the fused routed FFN, the expert output [M, D] (moe_mlpwo, in

@@ -60,14 +60,30 @@ def _assert_close(got, want, rounding=0.0):
     np.testing.assert_array_less(np.abs(got - want), 2e-6 * row + rounding * np.abs(want) + 1e-30)
 
 
-# each tile and case once in the default run, the other pairs on demand (CI's budget)
+# each tile and case once in the default run, the other pairs on demand (CI's budget), each
+# covered by the default runs of its case and of its tile
+_HERE = "tests/unit/nn/moe/test_fp8_hopper.py::"
+_FPROP = _HERE + "test_fprop_in_the_interpreter_matches_the_dequantized_product"
+_FPROP_DEFAULT = pytest.mark.covered_by(
+    f"{_FPROP}[uneven_small_empty_tail-64]", f"{_FPROP}[offset-128]"
+)
+
+
 @pytest.mark.parametrize(
     "sizes, offset, tile_rows",
     [
         pytest.param((100, 0, 30, 90), None, 64, id="uneven_small_empty_tail-64"),
         pytest.param((40, 90, 0, 126), 1, 128, id="offset-128"),
-        pytest.param((100, 0, 30, 90), None, 128, marks=pytest.mark.full_grid, id="uneven-128"),
-        pytest.param((40, 90, 0, 126), 1, 64, marks=pytest.mark.full_grid, id="offset-64"),
+        pytest.param(
+            (100, 0, 30, 90),
+            None,
+            128,
+            marks=[pytest.mark.full_grid, _FPROP_DEFAULT],
+            id="uneven-128",
+        ),
+        pytest.param(
+            (40, 90, 0, 126), 1, 64, marks=[pytest.mark.full_grid, _FPROP_DEFAULT], id="offset-64"
+        ),
     ],
 )
 def test_fprop_in_the_interpreter_matches_the_dequantized_product(sizes, offset, tile_rows):
@@ -86,7 +102,25 @@ def test_fprop_in_the_interpreter_matches_the_dequantized_product(sizes, offset,
 
 
 # 128-row tiles: by default in the narrow-tile test's dgrad case
-@pytest.mark.parametrize("tile_rows", [64, pytest.param(128, marks=pytest.mark.full_grid)])
+_NARROW = _HERE + "test_narrow_tiles_in_the_interpreter_match_the_dequantized_product"
+
+
+@pytest.mark.parametrize(
+    "tile_rows",
+    [
+        64,
+        pytest.param(
+            128,
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    f"{_HERE}test_dgrad_in_the_interpreter_matches_the_dequantized_product[64]",
+                    f"{_NARROW}[dgrad-128]",
+                ),
+            ],
+        ),
+    ],
+)
 def test_dgrad_in_the_interpreter_matches_the_dequantized_product(tile_rows):
     """dy [M, N] in 1 x 128 tiles along N times each expert's weight transposed."""
     sizes = np.array([130, 0, 40])
@@ -104,7 +138,19 @@ def test_dgrad_in_the_interpreter_matches_the_dequantized_product(tile_rows):
 
 @pytest.mark.parametrize(
     "product, tile_rows",
-    [("gmm", 64), ("dgrad", 128), pytest.param("gmm", 128, marks=pytest.mark.full_grid)],
+    [
+        ("gmm", 64),
+        ("dgrad", 128),
+        # on demand: gmm and dgrad share the kernel, and each tile size runs by default
+        pytest.param(
+            "gmm",
+            128,
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(f"{_NARROW}[gmm-64]", f"{_NARROW}[dgrad-128]"),
+            ],
+        ),
+    ],
 )
 def test_narrow_tiles_in_the_interpreter_match_the_dequantized_product(product, tile_rows):
     """K = N = 192, multiples of 64 and not of 128: the kernel's output tiles are 64 columns
@@ -174,17 +220,25 @@ needs_gpu = pytest.mark.skipif(
 )
 
 
+def _on_demand_compile(*ids):
+    name = _HERE + "test_compiles_for_h100_to_e4m3_wgmma"
+    return [pytest.mark.full_grid, pytest.mark.covered_by(*(f"{name}[{i}]" for i in ids))]
+
+
 @needs_gpu
 @pytest.mark.parametrize(
     "product, tile_rows, narrow",
     [
-        # each product and each tile once by default, the other pairs on demand
+        # each product and each tile once by default, the other pairs on demand (gmm and dgrad
+        # are the same Mosaic kernel: the default cases of the same tile and width cover them)
         ("gmm", 128, False),
         ("dgrad", 64, False),
         ("gmm", 64, True),
-        pytest.param("gmm", 64, False, marks=pytest.mark.full_grid),
-        pytest.param("dgrad", 128, False, marks=pytest.mark.full_grid),
-        pytest.param("dgrad", 64, True, marks=pytest.mark.full_grid),
+        pytest.param("gmm", 64, False, marks=_on_demand_compile("dgrad-64-False", "gmm-128-False")),
+        pytest.param(
+            "dgrad", 128, False, marks=_on_demand_compile("gmm-128-False", "dgrad-64-False")
+        ),
+        pytest.param("dgrad", 64, True, marks=_on_demand_compile("gmm-64-True", "dgrad-64-False")),
     ],
 )
 def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, narrow, tmp_path, monkeypatch):
@@ -234,13 +288,26 @@ def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, narrow, tmp_path, m
         assert "0 bytes spill stores" in ptxas, ptxas
 
 
-# 15-35 s each in the interpreter on 2 cores: the blockwise case in the default run
+# 15-35 s each in the interpreter on 2 cores: the blockwise case in the default run, the
+# tensorwise one (scales broadcast to grids; wgrad_counted(tensorwise=True)) in the extended
+# run, tensorwise at N = 192 on demand (its 64-wide tiles: the narrow-tile test by default)
+_ON_KERNEL = _HERE + "test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend"
+
+
 @pytest.mark.parametrize(
     "recipe, n",
     [
         pytest.param("fp8_blockwise", 256, marks=pytest.mark.slow),
-        pytest.param("fp8_tensorwise", 256, marks=pytest.mark.full_grid),
-        pytest.param("fp8_tensorwise", 192, marks=pytest.mark.full_grid, id="tensorwise-F192"),
+        pytest.param("fp8_tensorwise", 256, marks=pytest.mark.extended),
+        pytest.param(
+            "fp8_tensorwise",
+            192,
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(f"{_ON_KERNEL}[fp8_tensorwise-256]", f"{_NARROW}[gmm-64]"),
+            ],
+            id="tensorwise-F192",
+        ),
     ],
 )
 def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe, n):
@@ -274,7 +341,14 @@ def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe, n):
     assert not wgrad_within(out["tiled"][2], want, scale)
 
 
+# on demand: gmm_glu's kernel path calls the same fprop, dgrad and wgrad (the blockwise case
+# above), its own code runs on the dequantized backend by default
 @pytest.mark.full_grid
+@pytest.mark.covered_by(
+    f"{_ON_KERNEL}[fp8_blockwise-256]",
+    "tests/unit/nn/moe/test_fp8_gmm.py::"
+    "test_glu_products_and_activation_gradient_from_fp8_inputs[fp8_blockwise]",
+)
 def test_fp8_gmm_glu_on_the_kernel_matches_the_dequantized_backend():
     sizes = jnp.array([100, 0, 120], jnp.int32)
     x, w = _operands(3, seed=5)

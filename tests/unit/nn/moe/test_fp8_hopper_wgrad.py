@@ -75,6 +75,12 @@ def _within(got, want, scale):
     return np.all(np.abs(np.asarray(got, np.float64) - want) <= 2e-6 * scale + 1e-30)
 
 
+_WGRAD = (
+    "tests/unit/nn/moe/test_fp8_hopper_wgrad.py::"
+    "test_wgrad_in_the_interpreter_matches_the_per_group_tiles"
+)
+
+
 @pytest.mark.parametrize(
     "sizes, offset, num_groups, dtype, k, n",
     [
@@ -90,7 +96,14 @@ def _within(got, want, scale):
             256,
             128,
             id="offset_bfloat16",
-            marks=pytest.mark.full_grid,
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    "tests/unit/nn/moe/test_fp8_hopper.py::"
+                    "test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend[fp8_blockwise-256]",
+                    f"{_WGRAD}[uneven_empty]",
+                ),
+            ],
         ),
     ],
 )
@@ -142,7 +155,23 @@ def test_refusals():
 )
 @pytest.mark.parametrize(
     "k, n",
-    [(384, 256), pytest.param(192, 320, marks=pytest.mark.full_grid, id="narrow")],
+    [
+        (384, 256),
+        # on demand: the same kernel, other tiles (their numerics by default: narrow_tiles)
+        pytest.param(
+            192,
+            320,
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    "tests/unit/nn/moe/test_fp8_hopper_wgrad.py::"
+                    "test_wgrad_compiles_for_h100_to_e4m3_wgmma[384-256]",
+                    f"{_WGRAD}[narrow_tiles]",
+                ),
+            ],
+            id="narrow",
+        ),
+    ],
 )
 def test_wgrad_compiles_for_h100_to_e4m3_wgmma(k, n, tmp_path, monkeypatch):
     """Deviceless compile for an H100 from bfloat16 rows (padding, quantization and the

@@ -99,17 +99,27 @@ SIZES = [
 
 # Every pair of (sizes, gate_up) by default with `weighted` alternating (each pair of values of
 # any two parameters appears); the other half of the product on demand (-m full_grid): CI's budget.
+# An on-demand case is covered by the default case of the same sizes and gate_up (pytest's id
+# numbers the parameter sets: sizes{index}).
+_LOOP = "tests/unit/nn/moe/test_routed.py::test_routed_ffn_equals_a_loop_over_experts"
+
+
+def _loop_case(i, case, w, weighted, g, gate_up):
+    if not (i + g + weighted) % 2:
+        return pytest.param(*case, weighted, gate_up)
+    other = (i * 2 + 1 - w) * len(GATE_UP) + g  # the same sizes and gate_up, `weighted` flipped
+    cover = f"{_LOOP}[sizes{other}-{case[1]}-{not weighted}-{gate_up}]"
+    return pytest.param(
+        *case, weighted, gate_up, marks=[pytest.mark.full_grid, pytest.mark.covered_by(cover)]
+    )
+
+
 @pytest.mark.parametrize(
     "sizes, m, weighted, gate_up",
     [
-        pytest.param(
-            *case,
-            weighted,
-            gate_up,
-            marks=[pytest.mark.full_grid] if (i + g + weighted) % 2 else [],
-        )
+        _loop_case(i, case, w, weighted, g, gate_up)
         for i, case in enumerate(SIZES)
-        for weighted in (True, False)
+        for w, weighted in enumerate((True, False))
         for g, gate_up in enumerate(GATE_UP)
     ],
 )
@@ -134,11 +144,20 @@ def test_routed_ffn_equals_a_loop_over_experts(sizes, m, weighted, gate_up):
         assert not np.any(np.asarray(got[0])) and not np.any(np.asarray(got[1]))
 
 
-# the recomputed case by default, the kept ones on demand (-m full_grid): CI's budget
-@pytest.mark.parametrize(
-    "gate_up",
-    [g if g == "recomputed" else pytest.param(g, marks=pytest.mark.full_grid) for g in GATE_UP],
-)
+# the recomputed case by default, the kept ones on demand (-m full_grid): CI's budget; the combine
+# does not depend on gate_up, and the kept variants run in float32 in the loop test by default
+def _bf16_case(g):
+    if g == "recomputed":
+        return g
+    cover = pytest.mark.covered_by(
+        "tests/unit/nn/moe/test_routed.py::"
+        "test_routed_ffn_bfloat16_accumulates_the_combine_in_float32[recomputed]",
+        f"{_LOOP}[sizes1-24-True-kept]" if g == "kept" else f"{_LOOP}[sizes5-24-False-y-kept]",
+    )
+    return pytest.param(g, marks=[pytest.mark.full_grid, cover])
+
+
+@pytest.mark.parametrize("gate_up", [_bf16_case(g) for g in GATE_UP])
 def test_routed_ffn_bfloat16_accumulates_the_combine_in_float32(gate_up):
     """bfloat16 compute, float32 combine (`float32_weight_sum`) as in the separate path."""
     sizes, m = (6, 3, 9), 20

@@ -58,6 +58,9 @@ def assert_bitwise(a, b) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+_HERE = "tests/unit/nn/moe/test_stash.py::"
+
+
 def configs(model: str, **extra):
     base = {"model_name": model, **SMALL, **SAVE_MOE, **extra}
     return load_config(overrides=base), load_config(overrides={**base, "moe_paged_stash": True})
@@ -68,7 +71,17 @@ def configs(model: str, **extra):
     [
         # on demand (-m full_grid, 42 s): the sorted path runs in mixtral-tiny's case and
         # deepseek3-tiny's layers (MLA, shared experts, sigmoid routing) in the fused one
-        pytest.param("deepseek3-tiny", False, marks=pytest.mark.full_grid),
+        pytest.param(
+            "deepseek3-tiny",
+            False,
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    f"{_HERE}test_stash_gradients_are_bitwise_the_plain_stacks[mixtral-tiny]",
+                    f"{_HERE}test_stash_gradients_are_bitwise_the_plain_stacks[deepseek3-tiny-fused]",
+                ),
+            ],
+        ),
         ("mixtral-tiny", False),
         ("deepseek3-tiny", True),
     ],
@@ -99,7 +112,20 @@ def test_stash_gradients_are_bitwise_the_plain_stacks(model, fused):
 
 @pytest.mark.parametrize(
     "recipe",
-    ["fp8_blockwise", pytest.param("fp8_tensorwise", marks=pytest.mark.full_grid)],
+    [
+        "fp8_blockwise",
+        # on demand: the same stash encoding, one scale column instead of F / 128
+        pytest.param(
+            "fp8_tensorwise",
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    f"{_HERE}test_fp8_stash_holds_e4m3_and_its_gradients_are_bitwise_the_plain_fp8_stack"
+                    "[fp8_blockwise]"
+                ),
+            ],
+        ),
+    ],
 )
 def test_fp8_stash_holds_e4m3_and_its_gradients_are_bitwise_the_plain_fp8_stack(recipe):
     """Under an fp8 recipe the stash holds gate and up as the activation saves them (e4m3 bytes
@@ -137,7 +163,21 @@ def test_fp8_stash_holds_e4m3_and_its_gradients_are_bitwise_the_plain_fp8_stack(
 
 
 @pytest.mark.parametrize(
-    "factor, overflowing", [(0.6, "some"), pytest.param(0.01, "all", marks=pytest.mark.full_grid)]
+    "factor, overflowing",
+    [
+        (0.6, "some"),
+        # on demand: some layers overflowing run the same recompute branch by default
+        pytest.param(
+            0.01,
+            "all",
+            marks=[
+                pytest.mark.full_grid,
+                pytest.mark.covered_by(
+                    f"{_HERE}test_layers_that_overflow_are_recomputed_exactly[0.6-some]"
+                ),
+            ],
+        ),
+    ],
 )
 def test_layers_that_overflow_are_recomputed_exactly(factor, overflowing):
     plain, stashed = configs("deepseek3-tiny", moe_paged_stash_capacity_factor=factor)
