@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+from tests.xla_flags import with_devices
+
 METRIC_KEYS = {
     "step",
     "loss",
@@ -19,7 +21,9 @@ METRIC_KEYS = {
 
 
 def run_cli(*args, cwd):
-    env = dict(os.environ)
+    # the command as a user runs it: XLA's default fusions on 8 devices, whichever code
+    # generation this test's worker has (tests/timing.py)
+    env = dict(os.environ, XLA_FLAGS=with_devices(8))
     return subprocess.run(
         [sys.executable, "-m", "expertax.cli", *args],
         cwd=cwd,
@@ -45,7 +49,8 @@ def test_train_writes_metrics_and_config(tmp_path):
 
     # The same command again resumes from the last checkpoint: here, nothing is left to do.
     again = run_cli("train", "steps=3", "run_name=smoke", cwd=tmp_path)
-    assert again.returncode == 0 and "nothing to do: the run is at step 3" in again.stdout
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to do: the run is at step 3" in again.stdout
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
     # Another model in that folder is refused, nothing touched.
     other = run_cli("train", "steps=3", "run_name=smoke", "base_emb_dim=64", cwd=tmp_path)
@@ -55,7 +60,8 @@ def test_train_writes_metrics_and_config(tmp_path):
     # restarts from step 0 and keeps the earlier metrics aside.
     shutil.rmtree(run_dir / "checkpoints")
     again = run_cli("train", "steps=3", "run_name=smoke", cwd=tmp_path)
-    assert again.returncode == 0 and "restarting from step 0" in again.stdout
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "restarting from step 0" in again.stdout
     assert (run_dir / "metrics.jsonl.1").read_text() == "\n".join(lines) + "\n"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
 
