@@ -27,6 +27,7 @@ everything on the default."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import statistics
@@ -48,7 +49,9 @@ DEFAULT_MARKEXPR = "not extended and not compile_matrix and not full_matrix and 
 SPLIT = "EXPERTAX_TEST_CODEGEN_SPLIT"  # set by the controller for its workers
 
 
+@functools.cache
 def _table() -> dict:
+    """tests/durations.json, read once per process (the scheduler asks at every hand-out)."""
     return json.loads(TABLE.read_text()) if TABLE.exists() else {}
 
 
