@@ -1,6 +1,5 @@
 """Typed configuration: schema, checks and loading (presets, overrides, rules tables)."""
 
-from expertax.config.checks import ConfigError
 from expertax.config.loader import (
     build_config,
     config_rules,
@@ -10,6 +9,7 @@ from expertax.config.loader import (
     load_rules,
 )
 from expertax.config.schema import Config
+from expertax.errors import ConfigError
 
 __all__ = [
     "Config",

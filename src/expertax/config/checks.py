@@ -9,12 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from expertax.config.schema import Config
+from expertax.errors import ConfigError
 from expertax.parallel import remat
 from expertax.parallel.remat import STASHABLE, stashed_names
-
-
-class ConfigError(ValueError):
-    """A user error in the configuration; its message says what to change."""
 
 
 def check_layers(c: Config) -> None:

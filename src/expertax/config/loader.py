@@ -13,8 +13,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from expertax.config.checks import ConfigError, run_checks
+from expertax.config.checks import run_checks
 from expertax.config.schema import MESH_AXES, Config
+from expertax.errors import ConfigError
 
 
 def configs_dir() -> Path:

@@ -29,11 +29,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from expertax.config.checks import ConfigError
 from expertax.config.loader import config_rules
 from expertax.config.schema import Config
 from expertax.decoding import cache as kv
 from expertax.decoding import programs, weights
+from expertax.errors import ConfigError
 from expertax.models import decoder
 from expertax.sharding.mesh import make_mesh
 from expertax.sharding.rules import logical_to_spec

@@ -39,7 +39,8 @@ import contextvars
 import jax
 
 from expertax import platform
-from expertax.config.checks import FP8_KERNEL, ConfigError
+from expertax.config.checks import FP8_KERNEL
+from expertax.errors import ConfigError
 from expertax.nn.moe import fp8_hopper
 
 HOPPER = FP8_KERNEL  # the `gmm_impl` value

@@ -9,8 +9,8 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from expertax.config.checks import ConfigError
 from expertax.config.schema import MESH_AXES, Config
+from expertax.errors import ConfigError
 from expertax.nn.attention.blockwise import DEFAULT_BLOCK
 
 # Auto axis types, chosen deliberately: GSPMD propagates shardings outside the MoE layer (the

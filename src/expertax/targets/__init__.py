@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from expertax import startup
-from expertax.config.checks import ConfigError
+from expertax.errors import ConfigError
 
 GIB = 1024**3
 HERE = Path(__file__).parent

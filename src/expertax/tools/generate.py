@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from expertax.config.checks import ConfigError
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
+from expertax.errors import ConfigError
 from expertax.sharding.mesh import make_mesh
 from expertax.tools.generate_source import SYNTHETIC_TOKENIZER, Source, load_params, open_source
 

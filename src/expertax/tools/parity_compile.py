@@ -34,8 +34,8 @@ import time
 import jax
 
 from expertax import platform, progress
-from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
+from expertax.errors import ConfigError
 from expertax.nn.moe.strategy import resolve_a2a_impl
 from expertax.parallel import remat
 from expertax.planner import hlo, plan

@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 from matplotlib.figure import Figure
 
-from expertax.config.checks import ConfigError
+from expertax.errors import ConfigError
 from expertax.train.metrics import expert_load_summary
 
 METRICS_FILE = "metrics.jsonl"  # the names train/run_dir.py writes (not imported: it needs jax)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from expertax import startup
-from expertax.config.checks import ConfigError
+from expertax.errors import ConfigError
 
 # SLURM (srun): JAX needs all five; the coordinator is the step's first node, its port derived
 # from the job id (or $JAX_COORDINATOR_PORT).

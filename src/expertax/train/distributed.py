@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import jax
 
 from expertax import startup
-from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
+from expertax.errors import ConfigError
 from expertax.train import clusters
 from expertax.train.clusters import Found
 

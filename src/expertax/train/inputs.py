@@ -12,10 +12,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
 from expertax.data import files, tokenizer
 from expertax.data.synthetic import SyntheticData
+from expertax.errors import ConfigError
 from expertax.train.trainer import Trainer
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from expertax.config.checks import ConfigError
 from expertax.config.loader import build_config, read_yaml
 from expertax.config.schema import MODEL, Config, changed_keys
+from expertax.errors import ConfigError
 from expertax.models import decoder
 from expertax.nn.param import is_spec
 from expertax.train import checkpoint, model_dir

@@ -25,9 +25,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from expertax.config.checks import ConfigError
 from expertax.config.loader import config_to_yaml, read_yaml
 from expertax.config.schema import SAME_RUN_KINDS, Config, changed_keys
+from expertax.errors import ConfigError
 from expertax.train import checkpoint, params_io
 from expertax.train.state import TrainState
 from expertax.train.trainer import Trainer

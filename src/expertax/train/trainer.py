@@ -20,8 +20,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from expertax import platform
 from expertax.config import config_rules
-from expertax.config.checks import ConfigError, check_attention_platform, check_moe_chunk_offload
+from expertax.config.checks import check_attention_platform, check_moe_chunk_offload
 from expertax.config.schema import Config
+from expertax.errors import ConfigError
 from expertax.models import decoder, init_params
 from expertax.nn import fp8_gemm, fp8_kernel, param
 from expertax.nn.moe import gmm, strategy

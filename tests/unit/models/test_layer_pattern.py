@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from expertax import init_params, load_config, logits
-from expertax.config.checks import ConfigError
+from expertax.errors import ConfigError
 from expertax.decoding import generate
 from expertax.train import step as step_lib
 from tests.tolerances import tol

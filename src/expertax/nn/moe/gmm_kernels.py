@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from expertax import platform
-from expertax.config.checks import ConfigError
+from expertax.errors import ConfigError
 from expertax.nn.moe.vma import varying_axes, varying_like, varying_over
 
 # backend: (platforms it runs on, the Python package it needs, how to install it)

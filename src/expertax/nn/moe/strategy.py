@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from jax.sharding import PartitionSpec
 
 from expertax import platform
-from expertax.config.checks import ConfigError
 from expertax.config.schema import Config
+from expertax.errors import ConfigError
 from expertax.sharding.rules import Rules
 
 BATCH_AXES = ("data", "fsdp", "expert", "pipeline")
