@@ -23,10 +23,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from expertax.config import load_config  # noqa: E402
 from expertax.nn import rope  # noqa: E402
 from expertax.nn.attention.blockwise import attend_blockwise  # noqa: E402
 from expertax.nn.attention.kernel import attend_dot  # noqa: E402
+from expertax.preflight import load_config  # noqa: E402
 from expertax.tools.bench_gmm import median_seconds  # noqa: E402
 
 

@@ -26,9 +26,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from expertax.config import load_config  # noqa: E402
 from expertax.nn import param  # noqa: E402
 from expertax.nn.attention import chunks, gqa, mla  # noqa: E402
+from expertax.preflight import load_config  # noqa: E402
 
 
 def temp_bytes(model: str, kernel: str, n: int, length: int, remat: str) -> int:

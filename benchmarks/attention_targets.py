@@ -103,9 +103,9 @@ def measure(t, case, impl, mode, args, device) -> dict:
     import jax.numpy as jnp
 
     from expertax import platform
-    from expertax.config import load_config
     from expertax.nn import rope
     from expertax.planner.flops import count_flops
+    from expertax.preflight import load_config
 
     h, g, qd, vd, preset = CASES[case]
     b, n = args.batch, args.length

@@ -58,7 +58,7 @@ SIZES = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "pred": 1}
 
 
 def _config(cp: int, length: int, strategy: str = "all_gather", impl: str = "blockwise"):
-    from expertax.config import load_config
+    from expertax.preflight import load_config
 
     return load_config(
         overrides={

@@ -30,8 +30,8 @@ import re
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from expertax import targets  # noqa: E402
-from expertax.config import load_config  # noqa: E402
 from expertax.planner.flops import count_flops  # noqa: E402
+from expertax.preflight import load_config  # noqa: E402
 from expertax.tools import fp8_kernels  # noqa: E402
 from expertax.train.trainer import build_trainer  # noqa: E402
 

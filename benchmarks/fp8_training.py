@@ -29,8 +29,8 @@ import tempfile
 
 import numpy as np
 
-from expertax.config import load_config
 from expertax.data.synthetic import loss_floor
+from expertax.preflight import load_config
 
 RECIPES = ("", "fp8_tensorwise", "fp8_blockwise")
 # the same model in float32 (no quantization) against bfloat16: how far two runs drift apart when

@@ -53,11 +53,11 @@ import ml_dtypes
 import numpy as np
 
 from expertax import hostmem
-from expertax.config import load_config
 from expertax.convert import write_hf
 from expertax.decoding import bytes_per_token, generate, prepare, rowdot
 from expertax.models import decoder
 from expertax.nn.param import is_spec
+from expertax.preflight import load_config
 
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 

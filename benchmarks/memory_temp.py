@@ -22,8 +22,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from expertax.config import load_config  # noqa: E402
 from expertax.nn import embed, norm  # noqa: E402
+from expertax.preflight import load_config  # noqa: E402
 from expertax.sharding import rules  # noqa: E402
 from expertax.train.trainer import build_trainer  # noqa: E402
 

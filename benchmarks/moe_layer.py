@@ -79,13 +79,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from expertax import hostmem  # noqa: E402
-from expertax.config import (
-    config_rules,  # noqa: E402
-    load_config,  # noqa: E402
-)
+from expertax.config import config_rules  # noqa: E402
 from expertax.nn import param  # noqa: E402
 from expertax.nn.moe import ep, layer, router  # noqa: E402
 from expertax.parallel import remat  # noqa: E402
+from expertax.preflight import load_config  # noqa: E402
 from expertax.sharding import make_mesh, use_rules  # noqa: E402
 
 SHAPE = dict(batch=8, length=128, d=128, f=256, e=16, k=4)

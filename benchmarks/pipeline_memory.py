@@ -28,8 +28,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import jax  # noqa: E402
 
-from expertax.config import load_config  # noqa: E402
 from expertax.data.synthetic import SyntheticData  # noqa: E402
+from expertax.preflight import load_config  # noqa: E402
 from expertax.train.trainer import build_trainer  # noqa: E402
 
 # A mid-size Mixtral-style model: 8 MoE layers, so that pp=4 holds 2 layers per stage.

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax import hostmem
-from expertax.config import load_config
+from expertax.preflight import load_config
 from expertax.train.trainer import build_trainer
 
 DIMS = {

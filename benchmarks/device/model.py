@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertax.config import load_config
 from expertax.data.synthetic import SyntheticData
 from expertax.planner import plan as planner
+from expertax.preflight import load_config
 from expertax.train.metrics import train_flops_per_token
 from expertax.train.trainer import build_trainer
 

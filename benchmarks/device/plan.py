@@ -25,8 +25,8 @@ startup.prepare()
 
 import model  # noqa: E402
 
-from expertax.config import load_config  # noqa: E402
 from expertax.planner.fit import fit_search  # noqa: E402
+from expertax.preflight import load_config  # noqa: E402
 from expertax.targets import parse_target, prepare_process  # noqa: E402
 
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 _MODULE_OF = {
     "Config": "expertax.config",
-    "ConfigError": "expertax.config",
-    "load_config": "expertax.config",
+    "ConfigError": "expertax.errors",
+    "load_config": "expertax.preflight",
     "Generation": "expertax.decoding",
     "generate": "expertax.decoding",
     "load_hf": "expertax.convert",
@@ -41,10 +41,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from expertax.config import Config, ConfigError, load_config
+    from expertax.config import Config, ConfigError
     from expertax.convert import load_hf
     from expertax.decoding import Generation, generate
     from expertax.models import abstract_params, init_params, logits
+    from expertax.preflight import load_config
 
 
 def __getattr__(name: str):

@@ -35,7 +35,7 @@ def split_args(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def config_from_args(items: list[str]):
-    from expertax.config import load_config
+    from expertax.preflight import load_config
 
     files, overrides = split_args(items)
     return load_config(*files, overrides=overrides)

@@ -17,9 +17,10 @@ import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from expertax.config import ConfigError, config_rules, load_config
+from expertax.config import ConfigError, config_rules
 from expertax.nn import param
 from expertax.nn.moe import ep, exchange, layer, router
+from expertax.preflight import load_config
 from expertax.sharding import make_mesh, use_rules
 from tests.tolerances import tol
 from tests.unit.nn.moe.test_moe import with_random_biases

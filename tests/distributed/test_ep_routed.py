@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax.config import config_rules, load_config
+from expertax.config import config_rules
 from expertax.nn import param
 from expertax.nn.activation import swiglu
 from expertax.nn.moe import dispatch, ep, exchange, gmm, layer, router, rows
+from expertax.preflight import load_config
 from expertax.sharding import make_mesh, use_rules
 
 pytestmark = pytest.mark.distributed

@@ -19,7 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
+from expertax.preflight import load_config
 from expertax.train import checkpoint, distributed
 from expertax.train.loop import train
 from expertax.train.trainer import build_trainer

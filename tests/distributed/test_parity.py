@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import pytest
 
 from expertax import cli
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.parallel import remat
+from expertax.preflight import load_config
 from expertax.tools import parity
 from expertax.train.trainer import build_trainer
 from tests.xla_flags import TOLERANCE_ONLY_CODEGEN, with_devices

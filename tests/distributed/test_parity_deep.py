@@ -13,8 +13,8 @@ import sys
 import jax
 import pytest
 
-from expertax.config import load_config
 from expertax.data.synthetic import SyntheticData
+from expertax.preflight import load_config
 from expertax.tools import parity, parity_routing
 from tests.distributed.test_parity import parity_child
 from tests.xla_flags import with_devices

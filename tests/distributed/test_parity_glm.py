@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from expertax.config import load_config
+from expertax.preflight import load_config
 from tests.distributed.test_parity import SMALL, layouts_with_control, one_row, with_moe_attn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.full_grid]

@@ -15,9 +15,10 @@ import jax
 import numpy as np
 import pytest
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.data.synthetic import SyntheticData
 from expertax.models import pipeline
+from expertax.preflight import load_config
 from expertax.train import step as step_mod
 from expertax.train.checkpoint import Checkpointer
 from expertax.train.trainer import build_trainer

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from expertax import init_params
-from expertax.config import configs_dir, load_config
+from expertax.config import configs_dir
+from expertax.preflight import load_config
 from tests.sharded import assert_model_on_mesh_matches_one_device, two_document_batch
 
 PRESETS = sorted(p.stem for p in (configs_dir() / "parallel").glob("*.yml"))

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from expertax import init_params
-from expertax.config import load_config
+from expertax.preflight import load_config
 from expertax.train.loop import train
 from tests.sharded import on_mesh
 from tests.unit.models.test_decoder import lm_batch

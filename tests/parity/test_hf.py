@@ -468,8 +468,8 @@ def test_router_matches_hf_group_limited_routing():
     from hf_models import deepseek_config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from expertax.config import build_config
     from expertax.nn.moe import router as ours
+    from expertax.preflight import build_config
 
     hf_cfg = deepseek_config(q_lora_rank=None)
     hf_router = DeepseekV3TopkRouter(hf_cfg)

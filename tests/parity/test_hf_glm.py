@@ -138,7 +138,7 @@ def test_converted_glm_mtp_loss_equals_the_oracle(hf_dirs):
     import jax.numpy as jnp
     from tests.unit.models.test_mtp import B, T, oracle_loss
 
-    from expertax.config import build_config
+    from expertax.preflight import build_config
     from expertax.train import step as step_lib
 
     c, params = expertax.load_hf(hf_dirs["glm"][0])

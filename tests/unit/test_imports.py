@@ -1,4 +1,5 @@
-"""Imports point one way (config -> sharding -> nn -> models -> parallel -> train -> tools/cli).
+"""Imports point one way (config -> sharding -> nn -> models -> parallel -> train -> tools/cli),
+with no circle anywhere.
 
 Read from the source (static imports, deferred ones included), so a cycle hidden by an import
 inside a function is found too.
@@ -36,6 +37,86 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
         for name in sorted(names)
         if name.startswith(forbidden)
     ]
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every expertax module (dotted name) -> the expertax modules it imports, deferred imports
+    included (`from expertax.a import b` counts as `expertax.a.b` when that is a module, else as
+    `expertax.a`)."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        modules[".".join(parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    found.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_deferred_imports_included():
+    """A package's `__init__` importing its own modules is not a circle unless a module imports
+    the package back; any other circle is, however deep inside a function the import sits."""
+    graph = module_graph()
+    for name in graph:  # a package's __init__ re-exporting its own modules: the modules' side
+        graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
+    assert circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    """Negative control: a two-module circle and a three-module one are found."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
+    assert sorted(circles(graph)) == [["a", "b"], ["c", "d", "e"]]
+
+
+def test_config_knows_fields_only():
+    """The config package imports none of the layers that read it: the kernels' facts and the
+    checks that need them live in nn, parallel and sharding, collected by `expertax.preflight`."""
+    lower = ("expertax.nn", "expertax.models", "expertax.sharding", "expertax.parallel")
+    assert offenders("config", lower + ("expertax.preflight", "expertax.fp8")) == []
 
 
 def test_nn_and_sharding_do_not_load_yaml_presets():

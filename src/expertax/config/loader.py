@@ -163,8 +163,9 @@ def _validation_message(err: ValidationError) -> str:
     return f"{key}={value!r}: {msg[0].lower() + msg[1:]}"
 
 
-def build_config(values: Mapping[str, Any]) -> Config:
-    """Validate a flat mapping into a Config and run the cross-field checks."""
+def build_fields(values: Mapping[str, Any]) -> Config:
+    """Validate a flat mapping into a Config and run the field-against-field checks (the
+    subsystems' own: `expertax.preflight.build_config`)."""
     _check_known_keys(values, "config")
     try:
         cfg = Config(**values)
@@ -173,8 +174,9 @@ def build_config(values: Mapping[str, Any]) -> Config:
     return run_checks(cfg)
 
 
-def load_config(*files: str | Path, overrides: Iterable[str] | Mapping[str, Any] = ()) -> Config:
-    """Compose defaults, the `model_name` preset, YAML `files` and overrides into a Config.
+def load_fields(*files: str | Path, overrides: Iterable[str] | Mapping[str, Any] = ()) -> Config:
+    """Compose defaults, the `model_name` preset, YAML `files` and overrides into a Config, its
+    fields checked against each other (the subsystems' checks: `expertax.preflight.load_config`).
 
     `overrides` is either `key=value` strings (the command line) or a mapping.
     """
@@ -192,7 +194,7 @@ def load_config(*files: str | Path, overrides: Iterable[str] | Mapping[str, Any]
     merged.update(_model_preset(str(model_name)))
     for _, values in layers:
         merged.update(values)
-    return build_config(merged)
+    return build_fields(merged)
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from expertax.config import Config, build_config
+from expertax.config import Config
 from expertax.convert import hf_deepseek, hf_glm, hf_gpt_oss, hf_qwen3, mxfp4
 from expertax.convert.errors import ConversionError, require
+from expertax.preflight import build_config
 
 SUPPORTED = (
     *hf_deepseek.MODEL_TYPES,

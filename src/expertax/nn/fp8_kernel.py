@@ -39,7 +39,7 @@ import contextvars
 import jax
 
 from expertax import platform
-from expertax.config.checks import FP8_KERNEL
+from expertax.config.checks.model import FP8_KERNEL
 from expertax.errors import ConfigError
 from expertax.nn.moe import fp8_hopper
 

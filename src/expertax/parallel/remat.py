@@ -28,7 +28,7 @@ Which names each stack of a config can keep is `names_kept` (`unkept` says why n
 never (it feeds only the residual add), qkv_proj never, MLA names only under MLA, moe_* only
 in MoE layers, mlpwi_* in MoE layers only with shared experts, nothing but the layer input in
 a stack the pipeline runs whole or (but the stashed names) in a stashed MoE stack. A custom
-placement of a name no stack keeps is refused (config/checks.py); docs/design/remat.md has the
+placement of a name no stack keeps is refused (parallel/checks.py); docs/design/remat.md has the
 table by path.
 
 Two more names belong to the pipeline (models/pipeline.py) and are not user placements:

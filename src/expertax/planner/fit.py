@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from expertax import platform, progress
-from expertax.config import ConfigError, build_config, load_config
+from expertax.config import ConfigError
 from expertax.config.schema import Config
 from expertax.parallel import remat
 from expertax.planner import plan, steptime
@@ -32,6 +32,7 @@ from expertax.planner.calibrate import Calibration, Measured
 from expertax.planner.costs import format_costs, step_costs
 from expertax.planner.estimate import ATT_CHUNKS_KEY, CHUNKS_KEY
 from expertax.planner.space import Candidate, candidates, check_inputs, ring_context
+from expertax.preflight import build_config, load_config
 from expertax.sharding.mesh import buildable
 from expertax.train.trainer import build_trainer
 

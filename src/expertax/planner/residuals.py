@@ -21,10 +21,10 @@ import jax.extend
 import jax.numpy as jnp
 
 from expertax import platform
-from expertax.config.checks import ATTENTION_PLATFORMS
 from expertax.config.schema import Config
 from expertax.models import decoder, pipeline
 from expertax.nn import param
+from expertax.nn.attention.kernel import ATTENTION_PLATFORMS
 from expertax.parallel import remat
 from expertax.planner import pipeline as memory_pipeline
 from expertax.sharding.rules import current_rules

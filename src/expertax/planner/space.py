@@ -1,5 +1,5 @@
 """The fit search's candidate space, for N devices: splits of N over (context, expert, fsdp,
-tensor) with data = 1 that pass the mesh checks (`sharding.mesh.check_mesh_fit`) and shard
+tensor) with data = 1 that pass the layout checks (`preflight.check_layout`) and shard
 something (fsdp divides the model width D; context only where a batch shard holds one sequence:
 `context_sizes`); every `sharding_rules` preset in configs/parallel/; MoE token chunks
 (`num_moe_token_chunks`); attention query chunks (`num_attention_token_chunks`) with the `dot`
@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from expertax.config import ConfigError, configs_dir
-from expertax.config.checks import OFFLOAD_PLATFORMS
 from expertax.config.schema import Config
 from expertax.parallel import remat
+from expertax.parallel.checks import OFFLOAD_PLATFORMS
 from expertax.planner import placements, steptime
 from expertax.planner.estimate import (
     ATT_CHUNKS_KEY,
@@ -32,7 +32,7 @@ from expertax.planner.estimate import (
     Terms,
     _resolve_attention,
 )
-from expertax.sharding.mesh import check_mesh_fit
+from expertax.preflight import check_layout
 
 TILES = (1, 4, 16)  # num_vocab_tiling values tried (those dividing max_target_length)
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
@@ -157,7 +157,7 @@ def layouts(c: Config, n: int) -> list[dict[str, int]]:
                     "tensor": t,
                 }
                 try:
-                    check_mesh_fit(c, shape)
+                    check_layout(c, shape)
                 except ConfigError:
                     continue
                 if cp > 1 and c.per_device_batch_size * n != f * e:
@@ -330,7 +330,7 @@ def candidates(
                 # the context split already bounds each device's queries to T / context
                 continue
             if n_chunks > 1 and est.on in OFFLOAD_PLATFORMS and ch.offloads_any(remat.STASHABLE):
-                continue  # does not compile there (checks.check_moe_chunk_offload)
+                continue  # does not compile there (parallel.checks.check_moe_chunk_offload)
             o: dict[str, Any] = {
                 "ici_data_parallelism": 1,
                 "ici_fsdp_parallelism": shape["fsdp"],

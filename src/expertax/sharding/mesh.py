@@ -11,7 +11,6 @@ from jax.sharding import AxisType, Mesh
 
 from expertax.config.schema import MESH_AXES, Config
 from expertax.errors import ConfigError
-from expertax.nn.attention.blockwise import DEFAULT_BLOCK
 
 # Auto axis types, chosen deliberately: GSPMD propagates shardings outside the MoE layer (the
 # rules table places parameters and block-boundary activations), and the MoE dispatch is an
@@ -86,42 +85,27 @@ def check_mesh_fit(c: Config, shape: dict[str, int]) -> None:
         )
 
 
+def context_pieces(c: Config, shape: dict[str, int]) -> tuple[int, int, str]:
+    """The context axis's size, the chunks each sequence is cut into over it (2 per device with
+    context_parallel_load_balance), and how (for messages)."""
+    cp = shape.get("context", 1)
+    if c.context_parallel_load_balance:
+        return cp, 2 * cp, "2 x context"
+    return cp, cp, "context"
+
+
 def check_context_fit(c: Config, shape: dict[str, int]) -> None:
     """The sequence must split evenly over the context axis: into cp chunks, or 2cp with
-    context_parallel_load_balance (nn/attention/context.py); with the blockwise kernel, each
-    device's query chunk into whole blocks (`blockwise.DEFAULT_BLOCK`, or the chunk itself when
-    shorter), so no block is padded."""
-    cp = shape.get("context", 1)
-    if cp == 1:
-        return
-    pieces = 2 * cp if c.context_parallel_load_balance else cp
+    context_parallel_load_balance (nn/attention/context.py). Whole kernel blocks per chunk are the
+    kernel's check (`nn.attention.context_checks.check_layout`)."""
+    cp, pieces, how = context_pieces(c, shape)
     t = c.max_target_length
-    how = "2 x context" if c.context_parallel_load_balance else "context"
-    if t % pieces:
+    if cp > 1 and t % pieces:
         raise ConfigError(
             f"max_target_length={t} does not split into {pieces} equal chunks "
             f"({how}, from ici_context_parallelism={c.ici_context_parallelism}); use a multiple "
             f"of {pieces}"
         )
-    chunk = t // pieces
-    block = min(DEFAULT_BLOCK, chunk)
-    if _context_kernel(c) == "blockwise" and chunk % block:
-        step = pieces * block
-        valid = [step * k for k in range(max(1, t // step), t // step + 3)]
-        raise ConfigError(
-            f"max_target_length={t} with context={cp} ({how} = {pieces} chunks of {chunk} "
-            f"tokens) and attention_impl={c.attention_impl} (blockwise): a chunk is not a whole "
-            f"number of {block}-token blocks; use a max_target_length that is a multiple of "
-            f"{step} (such as {valid}), or another ici_context_parallelism"
-        )
-
-
-def _context_kernel(c: Config) -> str:
-    """The kernel attention runs under context parallelism."""
-    # imported here: nn.attention imports this package (splash's specs)
-    from expertax.nn.attention import context  # noqa: PLC0415
-
-    return context.kernel_impl(c, c.max_target_length)
 
 
 def check_context_rules(c: Config, shape: dict[str, int], rules) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import tokenizers
 from jax.sharding import Mesh
 
-from expertax.config.loader import build_config, config_rules, parse_overrides, read_yaml
+from expertax.config.loader import config_rules, parse_overrides, read_yaml
 from expertax.config.schema import LAYOUT, MODEL, Config, key_kind
 from expertax.data.synthetic import number_tokenizer
 from expertax.data.tokenizer import DocumentEncoder, load_tokenizer
@@ -31,6 +31,7 @@ from expertax.decoding.loop import DECODING_KEYS, decoding_config
 from expertax.errors import ConfigError
 from expertax.models import decoder
 from expertax.nn import param
+from expertax.preflight import build_config
 from expertax.train import checkpoint, model_dir, params_io
 
 RUN, MODEL_DIR = "run folder", "model directory"

@@ -45,11 +45,11 @@ import jax
 import numpy as np
 
 from expertax import platform, progress
-from expertax.config.loader import build_config
 from expertax.config.schema import Config
 from expertax.data.synthetic import SyntheticData
 from expertax.errors import ConfigError
 from expertax.parallel import remat
+from expertax.preflight import build_config
 from expertax.tools import parity_routing
 from expertax.train.trainer import build_trainer
 

@@ -34,10 +34,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from expertax.config import Config, build_config, config_to_yaml
+from expertax.config import Config, config_to_yaml
 from expertax.config.loader import read_yaml
 from expertax.models import decoder
 from expertax.nn.param import is_spec
+from expertax.preflight import build_config
 
 FORMAT = "expertax-model"
 FORMAT_VERSION = 2

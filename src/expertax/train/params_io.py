@@ -17,11 +17,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from expertax.config.loader import build_config, read_yaml
+from expertax.config.loader import read_yaml
 from expertax.config.schema import MODEL, Config, changed_keys
 from expertax.errors import ConfigError
 from expertax.models import decoder
 from expertax.nn.param import is_spec
+from expertax.preflight import build_config
 from expertax.train import checkpoint, model_dir
 
 # The run folder <base_output_directory>/<run_name> holds config.yml and this checkpoint folder.

@@ -18,14 +18,13 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from expertax import platform
+from expertax import platform, preflight
 from expertax.config import config_rules
-from expertax.config.checks import check_attention_platform, check_moe_chunk_offload
 from expertax.config.schema import Config
 from expertax.errors import ConfigError
 from expertax.models import decoder, init_params
 from expertax.nn import fp8_gemm, fp8_kernel, param
-from expertax.nn.moe import gmm, strategy
+from expertax.nn.moe import strategy
 from expertax.parallel import remat
 from expertax.sharding import logical_to_spec, make_mesh, use_rules
 from expertax.sharding.mesh import check_context_rules
@@ -148,14 +147,12 @@ def _mesh_and_rules(mesh, rules):
 def build_trainer(c: Config, devices=None) -> Trainer:
     """Mesh, rules, optimizer and shardings for `c`; raises ConfigError before any compilation."""
     mesh = make_mesh(c, devices)
-    check_attention_platform(c, platform.of_mesh(mesh))
-    check_moe_chunk_offload(c, platform.of_mesh(mesh))
+    preflight.check(c, mesh)  # the platform's kernels, the remat names, the layout
     rules = config_rules(c)
     check_context_rules(c, dict(mesh.shape), rules)
     fp8_experts = ""
     if c.is_moe and c.sparse_matmul:
         specs = strategy.moe_specs(rules)  # a rules table the MoE layer cannot compute: ConfigError
-        gmm.check_backend(c.gmm_impl, platform.of_mesh(mesh))  # kernels the mesh can run
         if c.quantization:  # gmm_impl=fp8_hopper where its kernel cannot run: ConfigError
             f_local = c.base_moe_mlp_dim // math.prod(mesh.shape[a] for a in specs.mlp)
             on, device = platform.of_mesh(mesh), mesh.devices.flat[0]

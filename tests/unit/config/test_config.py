@@ -4,8 +4,9 @@ import time
 
 import pytest
 
-from expertax.config import Config, ConfigError, configs_dir, load_config
+from expertax.config import Config, ConfigError, configs_dir
 from expertax.config.loader import available_models, parse_overrides
+from expertax.preflight import load_config
 from expertax.sharding import check_mesh_fit, mesh_shape
 
 PRESETS = [

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import expertax
-from expertax.config import build_config
 from expertax.convert import (
     ConversionError,
     config_from_hf,
@@ -25,6 +24,7 @@ from expertax.convert import (
     write_hf,
 )
 from expertax.convert.safetensors_io import Reader, iter_tensors
+from expertax.preflight import build_config
 from expertax.train import model_dir
 from expertax.train import step as step_lib
 from tests.tolerances import tol

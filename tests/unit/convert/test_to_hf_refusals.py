@@ -2,8 +2,8 @@
 
 import pytest
 
-from expertax.config import load_config
 from expertax.convert.hf_config import ConversionError, config_to_hf
+from expertax.preflight import load_config
 
 
 @pytest.mark.parametrize(

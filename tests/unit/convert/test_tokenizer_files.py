@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from expertax.config import load_config
 from expertax.convert import convert_from_hf, convert_to_hf, write_hf
 from expertax.convert.safetensors_io import iter_tensors
 from expertax.models import decoder
 from expertax.nn.param import is_spec
+from expertax.preflight import load_config
 from expertax.train import model_dir
 
 TINY = dict(

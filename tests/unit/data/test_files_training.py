@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from tests.conftest import TINY_MOE
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.models import abstract_params, decoder
+from expertax.preflight import load_config
 from expertax.train import loop
 from expertax.train.inputs import make_data
 from expertax.train.trainer import build_trainer

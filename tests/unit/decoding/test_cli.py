@@ -22,11 +22,12 @@ import tokenizers
 from tokenizers import models, pre_tokenizers, trainers
 
 from expertax.cli import main
-from expertax.config import ConfigError, config_to_yaml, load_config
+from expertax.config import ConfigError, config_to_yaml
 from expertax.convert import write_hf
 from expertax.decoding import generate
 from expertax.models import decoder
 from expertax.nn.param import is_spec
+from expertax.preflight import load_config
 from expertax.tools import generate as gen_cli
 from expertax.tools import generate_source as source
 from expertax.train import checkpoint, model_dir

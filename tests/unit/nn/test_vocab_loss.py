@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.models import init_params
+from expertax.preflight import load_config
 from expertax.train.step import loss_fn
 from tests.tolerances import tol
 

@@ -1,6 +1,6 @@
 """Every checkpoint name keeps its contract on every path: placed alone on `device` (or
 `offload`), it is among the residuals a layer saves, or the config is refused before compiling
-with the reason (parallel/remat.py `unkept`, config/checks.py `check_placements`)."""
+with the reason (parallel/remat.py `unkept`, parallel/checks.py `check_placements`)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from tests.unit.models.test_decoder import lm_batch
 from tests.unit.nn.moe.test_moe import case as moe_case
 
 from expertax import init_params
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.nn.moe import layer
 from expertax.nn.moe import stash as stash_mod
 from expertax.parallel import remat
 from expertax.planner.residuals import layer_residuals, names_not_saved, residual_sources
+from expertax.preflight import load_config
 from expertax.train import step as step_lib
 from expertax.train.trainer import build_trainer
 

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.config.schema import RematSection
 from expertax.models import decoder, init_params
 from expertax.nn import param
 from expertax.parallel import remat
 from expertax.planner import residuals
 from expertax.planner.residuals import layer_residuals
+from expertax.preflight import load_config
 from expertax.train.step import loss_fn
 
 DLI, Q, K, V = remat.DECODER_LAYER_INPUT, remat.QUERY_PROJ, remat.KEY_PROJ, remat.VALUE_PROJ

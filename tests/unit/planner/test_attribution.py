@@ -17,9 +17,9 @@ import jax
 import pytest
 
 from expertax import cli
-from expertax.config import load_config
 from expertax.parallel import remat
 from expertax.planner import attribute, hlo
+from expertax.preflight import load_config
 from expertax.train.trainer import build_trainer
 
 PACKAGE = os.path.dirname(os.path.abspath(attribute.__file__)).rsplit(os.sep, 1)[0]

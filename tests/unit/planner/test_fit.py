@@ -9,10 +9,11 @@ import time
 import pytest
 
 from expertax import cli
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.parallel import remat
 from expertax.planner import estimate, fit, space
 from expertax.planner.plan import GIB, memory_report
+from expertax.preflight import load_config
 
 # One MoE layer of a shrunk Mixtral: compiles in seconds on 8 simulated CPU devices.
 TINY = [

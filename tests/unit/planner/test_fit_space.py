@@ -6,10 +6,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from expertax.config import load_config
 from expertax.parallel import remat
 from expertax.planner import calibrate, placements, space, steptime
 from expertax.planner.estimate import EXPANDED_COPIES, Estimator, Terms, context_gather
+from expertax.preflight import load_config
 from expertax.targets import CHIPS
 
 SHAPE = {"pipeline": 1, "data": 1, "fsdp": 4, "expert": 2, "tensor": 1}
@@ -190,7 +190,8 @@ def test_grouped_padding_follows_the_kernels_row_tiles():
 
 def test_accelerators_search_no_moe_offload_inside_moe_chunks():
     """A MoE name offloaded inside MoE token chunks does not compile on GPU or TPU
-    (checks.check_moe_chunk_offload): those candidates are left out there, kept on a CPU."""
+    (parallel.checks.check_moe_chunk_offload): those candidates are left out there, kept on a
+    CPU."""
     c = load_config(overrides={"model_name": "mixtral-tiny", "max_target_length": 64})
 
     def bad(x):

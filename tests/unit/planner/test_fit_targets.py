@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from expertax.config import load_config
 from expertax.planner import fit, plan
+from expertax.preflight import load_config
 from expertax.targets import compiler_available, parse_target, prepare_process
 
 SMALL = dict(

@@ -11,9 +11,9 @@ import pytest
 from tests.tolerances import tol
 
 from expertax import cli
-from expertax.config import load_config
 from expertax.parallel import remat
 from expertax.planner.plan import memory_report
+from expertax.preflight import load_config
 from expertax.train.trainer import build_trainer
 
 SMALL = [

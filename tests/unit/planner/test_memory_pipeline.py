@@ -11,12 +11,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from expertax import cli
-from expertax.config import load_config
 from expertax.models import pipeline
 from expertax.planner import pipeline as memory_pipeline
 from expertax.planner.format import _fmt, format_report
 from expertax.planner.plan import memory_report
 from expertax.planner.residuals import iteration_residual_bytes, layer_residuals, stack_residuals
+from expertax.preflight import load_config
 from expertax.train.state import TrainState
 
 MIXTRAL = ["model_name=mixtral-tiny", "max_target_length=16", "per_device_batch_size=1"]

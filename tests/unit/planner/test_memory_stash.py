@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from expertax.config import load_config
 from expertax.nn.moe import exchange
 from expertax.parallel import remat
 from expertax.planner.format import format_report
 from expertax.planner.plan import memory_report
 from expertax.planner.residuals import layer_residuals
 from expertax.planner.stash import STASH_PREFIX, worst_case_stash_rows
+from expertax.preflight import load_config
 from expertax.train.trainer import build_trainer
 
 # deepseek3-tiny with 8 MoE layers (1 dense + 8), EP=4 x FSDP=2 on the 8 simulated devices,

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import pytest
 
 from expertax import cli, platform, targets
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.nn.moe import strategy
 from expertax.planner import plan
+from expertax.preflight import load_config
 from expertax.sharding.mesh import buildable
 from expertax.train.trainer import build_trainer
 

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from expertax.config import load_config
 from expertax.config.schema import MESH_AXES
 from expertax.nn import embed, norm, param
 from expertax.nn.attention.kernel import attend
@@ -28,6 +27,7 @@ from expertax.nn.moe import dispatch, router
 from expertax.nn.moe.layer import spec as moe_spec
 from expertax.planner.format import format_report
 from expertax.planner.plan import _weight_sum_cost
+from expertax.preflight import load_config
 from expertax.sharding import constrain, logical_to_spec, use_rules
 
 

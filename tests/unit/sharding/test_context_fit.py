@@ -1,13 +1,22 @@
-"""`check_context_fit`: the sequence must split into whole chunks over the context axis, and with
-the blockwise kernel each chunk into whole blocks, refused before anything compiles."""
+"""The sequence must split into whole chunks over the context axis (`sharding.mesh.
+check_context_fit`), and with the blockwise kernel each chunk into whole blocks (`nn.attention.
+context_checks.check_layout`), refused before anything compiles."""
 
 from __future__ import annotations
 
 import pytest
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
+from expertax.nn.attention import context_checks
 from expertax.nn.attention.blockwise import DEFAULT_BLOCK
-from expertax.sharding.mesh import check_context_fit
+from expertax.preflight import load_config
+from expertax.sharding import mesh
+
+
+def check_context_fit(c, shape: dict[str, int]) -> None:
+    """Both checks, in the order `preflight.check_layout` runs them."""
+    mesh.check_context_fit(c, shape)
+    context_checks.check_layout(c, shape)
 
 
 def cfg(length: int, impl: str = "blockwise", balanced: bool = True):

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from expertax.config import ConfigError, load_config, load_rules
+from expertax.config import ConfigError, load_rules
 from expertax.config.schema import MESH_AXES
 from expertax.models import mtp
 from expertax.nn.attention import context
 from expertax.nn.moe import strategy
+from expertax.preflight import load_config
 from expertax.sharding import check_mesh_fit, use_rules
 from expertax.sharding.mesh import check_context_rules
 

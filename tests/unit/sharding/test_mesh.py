@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from expertax.config import load_config
 from expertax.config.schema import MESH_AXES
+from expertax.preflight import load_config
 from expertax.sharding import make_mesh
 
 pytestmark = pytest.mark.distributed

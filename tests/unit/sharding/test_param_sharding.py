@@ -13,11 +13,12 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh
 
-from expertax.config import config_rules, load_config, load_rules
+from expertax.config import config_rules, load_rules
 from expertax.config.loader import available_models
 from expertax.models import decoder
 from expertax.nn import param
 from expertax.nn.moe import strategy
+from expertax.preflight import load_config
 from expertax.sharding import MESH_AXES, check_mesh_fit, logical_to_spec, mesh_shape
 
 SLACK = 1.05

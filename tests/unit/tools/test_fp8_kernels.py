@@ -5,7 +5,7 @@ dense fprops and dgrads are the Hopper kernel's Mosaic GPU calls."""
 import pytest
 
 from expertax import targets
-from expertax.config import load_config
+from expertax.preflight import load_config
 from expertax.tools import fp8_kernels
 from expertax.train.trainer import build_trainer
 

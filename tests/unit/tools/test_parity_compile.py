@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from expertax import cli
-from expertax.config import load_config
+from expertax.preflight import load_config
 from expertax.tools import parity, parity_compile
 
 # A hand-written optimized-HLO text: the padded exchange's all-to-all (frame 2: exchange.py's

@@ -13,7 +13,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from expertax.config import load_config  # noqa: E402
+from expertax.preflight import load_config  # noqa: E402
 from expertax.train import distributed  # noqa: E402
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
+from expertax.preflight import load_config
 from expertax.train import clusters, distributed
 from expertax.train.distributed import ProcessLayout
 

@@ -12,7 +12,8 @@ import pytest
 from tests.conftest import TINY_MOE
 from tests.unit.data.tiny_corpus import Corpus
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
+from expertax.preflight import load_config
 from expertax.train import model_dir
 from expertax.train.loop import prepare, train
 

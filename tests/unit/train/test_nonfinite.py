@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_resume import TINY, leaves
 
-from expertax.config import load_config
+from expertax.preflight import load_config
 from expertax.train import checkpoint
 from expertax.train.loop import train
 from expertax.train.step import NonFiniteError

@@ -16,8 +16,9 @@ from tests.conftest import TINY_MOE
 from tests.tolerances import tol
 from tests.unit.train.test_resume import assert_bitwise_equal, read_metrics
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.data.synthetic import SyntheticData
+from expertax.preflight import load_config
 from expertax.train import inputs
 from expertax.train.loop import train
 from expertax.train.step import loss_fn

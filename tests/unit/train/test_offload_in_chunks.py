@@ -1,12 +1,13 @@
 """A MoE name offloaded inside MoE token chunks is refused on GPU and TPU before anything is
-traced (checks.check_moe_chunk_offload: neither compiler lays out the chunks' host buffer),
+traced (parallel.checks.check_moe_chunk_offload: neither compiler lays out the chunks' host buffer),
 and built on a CPU, where the offload is a placement only."""
 
 import jax
 import pytest
 
 from expertax import targets
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
+from expertax.preflight import load_config
 from expertax.train.trainer import build_trainer
 
 OVER = {

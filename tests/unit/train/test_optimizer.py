@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from tests.tolerances import tol
 
-from expertax.config import load_config
 from expertax.models import decoder
 from expertax.nn import norm, param
 from expertax.nn.moe import router
+from expertax.preflight import load_config
 from expertax.train import optimizer
 
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[3] / "configs" / "models").glob("*.yml"))

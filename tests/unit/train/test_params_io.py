@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.convert import params_from_hf, to_hf
 from expertax.models import decoder
 from expertax.nn.param import is_spec
+from expertax.preflight import load_config
 from expertax.train import checkpoint, params_io
 from expertax.train import model_dir as store
 from expertax.train.loop import prepare

@@ -20,7 +20,8 @@ import pytest
 from tests.conftest import TINY_MOE
 from tests.xla_flags import with_devices
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
+from expertax.preflight import load_config
 from expertax.train import checkpoint
 from expertax.train.loop import prepare, train
 from expertax.train.trainer import build_trainer

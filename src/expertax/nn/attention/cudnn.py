@@ -38,11 +38,50 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from expertax.config.checks import CUDNN_MAX_HEAD_DIM as MAX_HEAD_DIM
-from expertax.config.checks import cudnn_padded_head_dim as padded_head_dim
+from expertax.config.schema import Config
+from expertax.errors import ConfigError
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+# cuDNN flash attention's head dims (Hopper and later): one dim for q, k and v, a multiple of 8 up
+# to 256 (128 before Hopper); `padded_head_dim` pads to it.
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
 PRE_HOPPER_MAX_HEAD_DIM = 128
+
+
+def padded_head_dim(qk_dim: int, v_dim: int) -> int:
+    """The one head dim q, k and v are zero-padded to for cuDNN: the larger, up to a multiple
+    of 8."""
+    return -(-max(qk_dim, v_dim) // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+
+
+def check(c: Config) -> None:
+    """What cuDNN flash attention (through jax.nn.dot_product_attention) cannot take, once the
+    head dims are padded to one multiple of 8 (MLA's v to the q/k dim); the platform is checked
+    against the mesh's devices (`kernel.check_platform`)."""
+    if c.attention_impl != "cudnn":
+        return
+    qk, v = c.qk_head_dim, c.attn_v_head_dim
+    padded = padded_head_dim(qk, v)
+    if padded > MAX_HEAD_DIM:
+        raise ConfigError(
+            f"attention_impl=cudnn takes head dims up to {MAX_HEAD_DIM}; attention_type="
+            f"{c.attention_type} has q/k {qk} and v {v} (padded: {padded}): use "
+            "attention_impl=blockwise, dot or auto"
+        )
+    if c.dtype not in ("bfloat16", "float16"):
+        raise ConfigError(
+            f"attention_impl=cudnn needs dtype=bfloat16 or float16 (got dtype={c.dtype}): "
+            "change dtype or use attention_impl=blockwise, dot or auto"
+        )
+    n = c.num_attention_token_chunks
+    if n != 1:
+        raise ConfigError(
+            f"num_attention_token_chunks={n} with attention_impl=cudnn: cuDNN's causal mask "
+            "(through jax.nn.dot_product_attention) is aligned to the first key, and a chunk's "
+            "queries sit after earlier keys; use num_attention_token_chunks=1, or "
+            "attention_impl=auto or blockwise"
+        )
 
 
 def head_dim_limit() -> int:

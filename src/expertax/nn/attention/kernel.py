@@ -28,13 +28,16 @@ import jax
 import jax.numpy as jnp
 
 from expertax import platform
-from expertax.config.checks import ATTENTION_PLATFORMS
+from expertax.config.schema import Config
+from expertax.errors import ConfigError
 from expertax.nn.attention import cudnn, evidence, mask
 from expertax.nn.attention.blockwise import MASKED_SCORE, attend_blockwise
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
 from expertax.nn.attention.splash import attend_splash
 
 IMPLEMENTATIONS = ("auto", "dot", "blockwise", "cudnn", "splash")
+# Kernels that run on one platform only (the planner reads it too)
+ATTENTION_PLATFORMS = {"cudnn": "gpu", "splash": "tpu"}
 # Kernels whose causal mask takes a query offset known only at run time (chunks.py scans them)
 SCANNED = ("dot", "blockwise")
 
@@ -226,3 +229,17 @@ def attend(
         "splash": attend_splash,
     }
     return kernels[impl](q_BTHQ, k_BSGQ, v_BSGO, **kw)
+
+
+def check_platform(c: Config, platform_name: str) -> None:
+    """A kernel for one platform, asked for on another, is refused before anything is traced
+    (`platform_name`: the mesh's devices', `expertax.platform.of_mesh`)."""
+    needs = ATTENTION_PLATFORMS.get(c.attention_impl)
+    if needs is not None and platform_name != needs:
+        valid = ["auto", "dot", "blockwise"] + [
+            k for k, p in ATTENTION_PLATFORMS.items() if p == platform_name
+        ]
+        raise ConfigError(
+            f"attention_impl={c.attention_impl} runs on {needs.upper()} only; this run's devices "
+            f"are {platform_name}: valid here: {', '.join(valid)}"
+        )

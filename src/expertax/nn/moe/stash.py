@@ -50,7 +50,7 @@ SCALE = "/scale"  # the buffer of an fp8-held name's row scales: name + SCALE
 # expert), its experts (expert) and its slice of F (tensor). The buffers are replicated over
 # any other axis.
 # every mesh axis the MoE tokens or experts may vary over (`pipeline` is a batch axis outside a
-# pipeline; the stash itself is refused with pipeline stages, config/checks.py)
+# pipeline; the stash itself is refused with pipeline stages, config/checks/parallel.py)
 AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 

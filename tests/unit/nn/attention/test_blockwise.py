@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from expertax.config import load_config
 from expertax.nn.attention import blockwise, kernel
 from expertax.nn.attention.blockwise import attend_blockwise
 from expertax.nn.attention.kernel import attend, attend_dot
+from expertax.preflight import load_config
 from tests.sharded import assert_model_on_mesh_matches_one_device, two_document_batch
 from tests.tolerances import tol
 

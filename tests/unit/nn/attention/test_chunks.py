@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.nn import param
 from expertax.nn.attention import blockwise, chunks, cudnn, gqa, mla, splash
 from expertax.nn.attention.kernel import attend, attend_dot
+from expertax.preflight import load_config
 from tests.tolerances import tol
 
 

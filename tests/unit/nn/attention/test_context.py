@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from expertax.config import load_config
 from expertax.config.loader import config_rules
 from expertax.config.schema import MESH_AXES
 from expertax.nn.attention import context, latent_blockwise, latent_ring, mla
 from expertax.nn.attention.blockwise import attend_blockwise
 from expertax.nn.attention.kernel import attend_dot
+from expertax.preflight import load_config
 from expertax.sharding import use_rules
 from tests.tolerances import tol
 

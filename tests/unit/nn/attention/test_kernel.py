@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 from expertax import platform, targets
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.nn.attention import cudnn, evidence, kernel
 from expertax.nn.attention.kernel import attend, resolve
+from expertax.preflight import load_config
 from expertax.train.trainer import build_trainer
 from tests.unit.nn.attention.targets import needs_tpu
 

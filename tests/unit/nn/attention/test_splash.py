@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from expertax import targets
-from expertax.config import config_rules, load_config
+from expertax.config import config_rules
 from expertax.nn.attention import kernel, splash
 from expertax.nn.attention.kernel import attend, attend_dot
+from expertax.preflight import load_config
 from expertax.sharding import make_mesh, use_rules
 from expertax.train.trainer import build_trainer
 from tests.tolerances import tol

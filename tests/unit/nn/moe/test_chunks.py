@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.nn.moe import layer, router
 from expertax.parallel import remat
+from expertax.preflight import load_config
 from tests.tolerances import tol
 from tests.unit.nn.moe.test_moe import case as moe_case
 

@@ -218,7 +218,7 @@ def test_the_private_tokamax_name_is_where_expertax_reads_it():
 
 def test_train_config_refused_before_compiling():
     """A mesh of CPU devices cannot run megablox: build_trainer refuses it (no compile)."""
-    from expertax.config import load_config
+    from expertax.preflight import load_config
     from expertax.train.trainer import build_trainer
 
     c = load_config(overrides={"model_name": "mixtral-tiny", "gmm_impl": "megablox"})

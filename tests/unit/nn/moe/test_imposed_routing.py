@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from expertax import init_params
-from expertax.config import load_config
 from expertax.models import decoder
 from expertax.nn.moe import layer, router
 from expertax.nn.moe.side import Side
+from expertax.preflight import load_config
 from tests.unit.nn.moe.test_moe import setup
 
 

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax.config import load_config
 from expertax.nn import param
 from expertax.nn.moe import layer, router
 from expertax.nn.moe.reference import moe_reference
+from expertax.preflight import load_config
 from tests.tolerances import tol
 
 ROUTINGS = {

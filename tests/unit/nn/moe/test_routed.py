@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax.config import load_config
 from expertax.nn.activation import swiglu as glu
 from expertax.nn.moe import routed
+from expertax.preflight import load_config
 from tests.tolerances import tol
 
 N, D, F, X = 11, 6, 10, 3

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from expertax import init_params
-from expertax.config import ConfigError, load_config
+from expertax.config import ConfigError
 from expertax.models import stashed_stack
 from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.gmm import gmm
 from expertax.parallel import remat
 from expertax.planner.residuals import residual_sources
+from expertax.preflight import load_config
 from expertax.train import step as step_lib
 from tests.unit.models.test_decoder import lm_batch
 

@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from expertax.config import ConfigError, config_rules, load_config
+from expertax.config import ConfigError, config_rules
 from expertax.nn import param
 from expertax.nn.moe import dispatch, ep, layer, strategy
+from expertax.preflight import load_config
 from expertax.sharding import make_mesh, use_rules
 
 
