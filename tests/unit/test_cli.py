@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from expertax.cli import help_keys, parse_args
+from expertax.cli.parser import parse_args
+from expertax.cli.train import help_keys
 from expertax.config.schema import KINDS, Config
 
 

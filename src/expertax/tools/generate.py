@@ -1,5 +1,5 @@
 """`expertax generate SOURCE --prompt TEXT ...`: the command's work (its parser is in
-expertax/cli.py). See docs/design/generate.md.
+expertax/cli/generate.py). See docs/design/generate.md.
 
 Everything the user gave is checked before the parameters are read or anything compiles: the
 source (tools/generate_source.py), the overrides, the prompts (a text prompt needs a tokenizer), the
@@ -218,7 +218,8 @@ def print_results(source: Source, doc: dict, out=None) -> None:
 
 
 def run(args) -> int:
-    """`expertax generate` with parsed `args` (expertax/cli.py); a user error is a ConfigError."""
+    """`expertax generate` with parsed `args` (expertax/cli/generate.py); a user error is a
+    ConfigError."""
     check_json_path(args.json)
     source = open_source(args.source, args.config, args.tokenizer)
     entries = list(args.prompts or [])

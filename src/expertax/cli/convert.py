@@ -1,0 +1,65 @@
+"""`expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR`: HuggingFace checkpoints
+(expertax/convert)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from expertax import startup
+
+HELP = (
+    "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR "
+    "(CKPT_DIR: a from-hf OUT_DIR or a training run folder)"
+)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    convert = sub.add_parser("convert", help=HELP)
+    convert.add_argument("direction", choices=("from-hf", "to-hf"))
+    convert.add_argument(
+        "src",
+        help="HF_DIR (from-hf); to-hf: an expertax model directory or a training run folder "
+        "(<base_output_directory>/<run_name>; its latest complete checkpoint is exported)",
+    )
+    convert.add_argument(
+        "dst", help="OUT_DIR, new or empty (or an interrupted conversion's: it resumes)"
+    )
+    convert.add_argument(
+        "--fp8",
+        action="store_true",
+        help="to-hf: linear weights in DeepSeek-V3's fp8 format (e4m3, 128 x 128 block scales)",
+    )
+    convert.add_argument("--workers", type=int, default=2, help="threads converting (default 2)")
+    convert.add_argument(
+        "--max-shard-bytes", type=int, default=5 * 2**30, help="to-hf: shard size (default 5 GiB)"
+    )
+    return convert
+
+
+def run(args) -> int:
+    from expertax.config import ConfigError
+    from expertax.convert import convert_from_hf, convert_to_hf
+
+    startup.start_backends()
+    try:  # user errors (bad paths, unsupported configs) print one line, like config errors
+        if args.direction == "from-hf":
+            if args.fp8:
+                raise ValueError("--fp8 is an option of to-hf (from-hf reads fp8 as it finds it)")
+            summary = convert_from_hf(args.src, args.dst, workers=args.workers)
+            for note in summary.notes:
+                print(f"expertax: {note}", file=sys.stderr)
+            print(f"expertax: wrote a {summary.config.decoder_block} model to {args.dst}")
+        else:
+            summary = convert_to_hf(
+                args.src,
+                args.dst,
+                use_fp8=args.fp8,
+                workers=args.workers,
+                max_shard_bytes=args.max_shard_bytes,
+            )
+            print(f"expertax: wrote {', '.join(summary.files)} to {args.dst}")
+        print(f"expertax: {summary.line()}")
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+    return 0

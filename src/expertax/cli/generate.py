@@ -1,0 +1,103 @@
+"""`expertax generate SOURCE --prompt TEXT ...`: the flags; the command is tools/generate.py."""
+
+from __future__ import annotations
+
+import argparse
+
+from expertax import startup
+
+HELP = (
+    "continue prompts: expertax generate SOURCE --prompt TEXT | --prompt-ids 1,15,27 ... "
+    "(SOURCE: a training run folder or a from-hf model directory)"
+)
+
+
+def _text_prompt(text: str) -> tuple[str, str]:
+    return ("text", text)
+
+
+def _ids_prompt(ids: str) -> tuple[str, str]:
+    return ("ids", ids)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    gen = sub.add_parser(
+        "generate",
+        help=HELP,
+        description="Continue each prompt with the model of SOURCE (greedy at temperature 0) on "
+        "all the devices JAX sees; print the continuations and a summary. Checked before "
+        "compiling. docs/design/generate.md.",
+    )
+    gen.add_argument(
+        "source",
+        help="a training run folder (<base_output_directory>/<run_name>: its latest complete "
+        "checkpoint) or an expertax model directory (expertax convert from-hf)",
+    )
+    gen.add_argument(
+        "config",
+        nargs="*",
+        help="key=value overrides of keys that leave the model as it is: layout keys (mesh "
+        "ici_*_parallelism, sharding_rules, attention_impl, ...), dtype, sparse_matmul, "
+        "max_target_length",
+    )
+    gen.add_argument(
+        "--prompt",
+        dest="prompts",
+        action="append",
+        type=_text_prompt,
+        metavar="TEXT",
+        help="a text prompt (repeatable; encoded with the tokenizer, BOS first when it has one)",
+    )
+    gen.add_argument(
+        "--prompt-ids",
+        dest="prompts",
+        action="append",
+        type=_ids_prompt,
+        metavar="IDS",
+        help="a prompt as token ids, e.g. 1,15,27 (repeatable)",
+    )
+    gen.add_argument(
+        "--prompts-file",
+        help='JSON lines, each {"prompt": "text"} or {"ids": [1, 15, 27]} (after the flags\' ones)',
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=32, help="per prompt (default 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--json", help="also write prompts, ids, text, log-probs and settings here")
+    gen.add_argument(
+        "--mla-cache",
+        choices=("compressed", "plain"),
+        default="compressed",
+        help="MLA models: cache the latent (compressed, default) or per-head keys and values",
+    )
+    gen.add_argument(
+        "--speculative",
+        action="store_true",
+        help="greedy speculative decoding with the model's MTP module drafting one token a step",
+    )
+    gen.add_argument(
+        "--fp8-weights",
+        action="store_true",
+        help="hold the layers' matrices in fp8 with block scales (half of bfloat16's memory)",
+    )
+    gen.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt positions per prefill step (default 512); smaller holds less memory",
+    )
+    gen.add_argument(
+        "--tokenizer",
+        help="a tokenizer.json (or its folder), instead of the run's tokenizer_path or the model "
+        "directory's tokenizer.json",
+    )
+    return gen
+
+
+def run(args) -> int:
+    from expertax.tools import generate
+
+    startup.start_backends()
+    return generate.run(args)

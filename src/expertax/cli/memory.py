@@ -1,0 +1,122 @@
+"""`expertax memory`: the per-device memory plan of the train step, compiled abstractly
+(planner/plan.py), or with `--fit` the search for a step that fits (planner/fit.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from expertax import startup
+from expertax.cli.args import CONFIG_HELP, config_from_args
+from expertax.cli.devices import target, use_simulated_devices
+
+HELP = "per-device memory plan of the train step, compiled abstractly"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    memory = sub.add_parser("memory", help=HELP)
+    memory.add_argument("config", nargs="*", help=CONFIG_HELP)
+    memory.add_argument(
+        "--target",
+        default="cpu",
+        help="the hardware to compile for: cpu (default; --devices N simulates N), "
+        "tpu:<slice> (tpu:v5p-16, tpu:v5p-1024, tpu:v6e-256, tpu:v5e-256; needs expertax[tpu]) "
+        "or gpu:<chip>x<count> (gpu:h100x8, gpu:h200x128; needs expertax[gpu]); the chip's "
+        "memory is the default --hbm",
+    )
+    memory.add_argument("--devices", type=int, help="compile for N simulated CPU devices")
+    memory.add_argument("--json", help="also write the report as JSON to this path")
+    memory.add_argument(
+        "--hbm", type=float, help="device memory budget in GiB (default: the target chip's)"
+    )
+    memory.add_argument(
+        "--top",
+        type=int,
+        default=15,
+        help="list the N largest buffers alive at XLA's peak, with their source (0: none)",
+    )
+    memory.add_argument(
+        "--fit",
+        action="store_true",
+        help="search layouts, token chunks, remat, rules and offload for a step that fits --hbm "
+        "on --devices (ranked table, the best as a train line; exit 1 when none fits)",
+    )
+    memory.add_argument(
+        "--headroom", type=float, default=10.0, help="--fit: percent of --hbm to keep free"
+    )
+    memory.add_argument(
+        "--allow-drops",
+        action="store_true",
+        help="--fit: also consider candidates that may drop tokens (a capped EP buffer)",
+    )
+    memory.add_argument(
+        "--max-compiles", type=int, default=12, help="--fit: compile at most this many candidates"
+    )
+    memory.add_argument(
+        "--fit-minutes",
+        type=float,
+        default=30.0,
+        help="--fit: start no compile that would end past this many minutes of search",
+    )
+    return memory
+
+
+def run(args) -> int:
+    import json
+
+    from expertax.config import ConfigError
+
+    hardware = target(args.target, args.devices)
+    cfg = config_from_args(args.config)
+    if args.devices is not None:
+        if args.devices < 1:
+            raise ConfigError(f"--devices={args.devices}: use a positive number of devices")
+        use_simulated_devices(args.devices, args.argv)
+    startup.start_backends()
+    if args.fit:
+        return _fit(cfg, args, hardware)
+    import time
+
+    from expertax.planner import plan
+    from expertax.planner.format import format_report, to_json_ready
+
+    t0 = time.perf_counter()
+    devices = None if hardware.is_cpu else hardware.devices()
+    hbm = args.hbm if args.hbm is not None else hardware.hbm_gib
+    try:
+        report = plan.compile_report(cfg, devices, hbm_gib=hbm, top=args.top, target=hardware)
+    except ValueError as e:  # e.g. an offload request the backend cannot honour
+        raise ConfigError(str(e)) from None
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    print(format_report(report))
+    print(f"(built and compiled abstractly in {report['seconds']} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json_ready(report), f, indent=1)
+    return 0
+
+
+def _fit(cfg, args, hardware) -> int:
+    """`expertax memory --fit`: the search of planner/fit.py; exit 1 when no candidate fits."""
+    import json
+
+    import jax
+
+    from expertax.planner import fit
+
+    devices = args.devices if args.devices is not None else len(jax.devices())
+    hbm = args.hbm if args.hbm is not None else hardware.hbm_gib
+    result = fit.fit_search(
+        cfg,
+        hardware.count or devices,
+        hbm,
+        headroom=args.headroom,
+        allow_drops=args.allow_drops,
+        max_compiles=args.max_compiles,
+        minutes=args.fit_minutes,
+        hardware=None if hardware.is_cpu else hardware,
+    )
+    print(fit.format_fit(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"fit": result}, f, indent=1)
+    return 0 if result["fits"] else 1

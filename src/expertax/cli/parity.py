@@ -1,0 +1,142 @@
+"""`expertax parity`: every layout against one device (tools/parity.py), or with `--compile-only`
+every layout compiled for `--target` (tools/parity_compile.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from expertax import startup
+from expertax.cli.args import CONFIG_HELP, config_from_args
+from expertax.cli.devices import target, use_simulated_devices
+
+HELP = "every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    par = sub.add_parser(
+        "parity",
+        help=HELP,
+        description="Train every layout of the matrix (or --layouts) from the same weights and "
+        "data and compare its losses with the one-device run's; exit 1 when a layout fails. "
+        "The matrix is for 8 devices: on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8"
+        " simulates them. --compile-only compiles them for --target and runs nothing. The columns "
+        "and the pass rule: README.md, Parity.",
+    )
+    par.add_argument("config", nargs="*", help=CONFIG_HELP)
+    par.add_argument("--steps", type=int, default=None, help="train steps per layout (default 10)")
+    par.add_argument("--json", default=None, help="also write the table as JSON to this path")
+    par.add_argument(
+        "--layouts",
+        default=None,
+        help="comma-separated subset, e.g. sparse-ring-ep8,dense-ep2-tp2-data2,"
+        "sparse-ring-pp2-ep2-fsdp2 (ppN stages, mbM microbatches, rR repeats)",
+    )
+    par.add_argument(
+        "--skip-refused",
+        action="store_true",
+        help="list layouts the config checks refuse as skipped instead of failing the table",
+    )
+    par.add_argument(
+        "--packed",
+        action="store_true",
+        help="train on packed data: each sequence cut into up to three documents (segment ids, "
+        "positions from 0 per document)",
+    )
+    par.add_argument(
+        "--impose-routing",
+        action="store_true",
+        help="also compare each layout's first-step loss with the reference's routing imposed "
+        "(its expert choices per token and slot, per layer): the numerics without routing flips",
+    )
+    par.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile every layout for --target and run nothing: per layout whether it "
+        "compiles, its peak memory per device, compiled/model FLOPs, the MoE exchange found "
+        "(ragged or padded all-to-all) and the program's collectives and kernels",
+    )
+    par.add_argument(
+        "--target",
+        default=None,
+        help="--compile-only: the hardware to compile for, as expertax memory's --target "
+        "(cpu: 8 simulated devices, the default; tpu:v5p-16; gpu:h100x8)",
+    )
+    return par
+
+
+def run(args) -> int:
+    from expertax.config import ConfigError
+
+    if args.compile_only:
+        return _compile_only(args)
+    if args.target is not None:
+        raise ConfigError(
+            f"--target={args.target} names the hardware a program is compiled for; parity "
+            "trains on this machine's devices: add --compile-only to compile for the target"
+        )
+    cfg = config_from_args(args.config)
+    startup.start_backends()
+    from expertax.tools import parity
+
+    chosen = [parity.parse_layout(n) for n in args.layouts.split(",")] if args.layouts else None
+    result = parity.parity_table(
+        cfg,
+        steps=10 if args.steps is None else args.steps,
+        layout_list=chosen,
+        skip_refused=args.skip_refused,
+        impose_routing=args.impose_routing,
+        packed=args.packed,
+    )
+    print(parity.format_table(result))
+    if args.json:
+        parity.write_json(result, args.json)
+    if not result["ok"]:
+        refused = "" if args.skip_refused else f", {len(result.get('refused', []))} refused"
+        print(
+            f"expertax: parity FAILED ({len(result['rows'])} layouts compared{refused}, relative "
+            f"tolerance {result['tolerance']})",
+            file=sys.stderr,
+        )
+    return 0 if result["ok"] else 1
+
+
+def _compile_only(args) -> int:
+    """`expertax parity --compile-only`: compile every layout for `--target` (default: 8
+    simulated CPU devices), run nothing (tools/parity_compile.py); exit 1 when one fails."""
+    from expertax.config import ConfigError
+
+    given = {"--steps": args.steps is not None, "--impose-routing": args.impose_routing}
+    cannot = [flag for flag, on in given.items() if on]
+    if cannot:
+        raise ConfigError(
+            f"{' and '.join(cannot)} cannot be honoured with --compile-only, which runs no step "
+            "(nothing trains, no loss to compare); drop them, or drop --compile-only"
+        )
+    hardware = target(args.target or "cpu")
+    if hardware.is_cpu:
+        use_simulated_devices(8, args.argv)
+    startup.start_backends()
+    cfg = config_from_args(args.config)
+    from expertax.tools import parity, parity_compile
+
+    on = "cpu" if hardware.is_cpu else hardware.platform
+    names = args.layouts.split(",") if args.layouts else []
+    chosen = [parity.parse_layout(n, backend=on) for n in names] or None
+    result = parity_compile.compile_table(
+        cfg, target=hardware, layout_list=chosen, skip_refused=args.skip_refused
+    )
+    print(parity_compile.format_table(result))
+    if args.json:
+        parity_compile.write_json(result, args.json)
+    if not result["ok"]:
+        failed = [r["layout"] for r in result["rows"] if not r["ok"]]
+        refused = "" if args.skip_refused else f", {len(result['refused'])} refused"
+        print(
+            f"expertax: parity --compile-only FAILED for {result['target']} "
+            f"({len(result['rows'])} layouts compiled or tried, {len(failed)} failed{refused}"
+            + (f": {', '.join(failed)}" if failed else "")
+            + ")",
+            file=sys.stderr,
+        )
+    return 0 if result["ok"] else 1

@@ -1,0 +1,27 @@
+"""`expertax report RUN_DIR`: plots and an index.html of a run folder (tools/report.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "plots and an index.html of a run folder: expertax report RUN_DIR [--layer I] [--out DIR]"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    report = sub.add_parser("report", help=HELP)
+    report.add_argument(
+        "run_dir", help="a training run folder (<base_output_directory>/<run_name>)"
+    )
+    report.add_argument(
+        "--layer", type=int, default=0, help="MoE layer whose expert loads are drawn over steps"
+    )
+    report.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+    return report
+
+
+def run(args) -> int:
+    from expertax.tools.report import make_report
+
+    result = make_report(args.run_dir, out_dir=args.out, layer=args.layer)
+    print(f"expertax: wrote {len(result['plots'])} plots and index.html to {result['out_dir']}")
+    return 0
