@@ -79,7 +79,7 @@ def render() -> str:
         "Generated from the config schema (`src/expertax/config/`): do not edit by hand; run",
         f"`{REGENERATE}` from the repository root after changing a key.",
         "`expertax train --help-keys` prints the same keys. Set any of them in a YAML preset or",
-        "as `key=value` on the command line (README.md, Training).",
+        "as `key=value` on the command line (docs/usage.md, Training).",
         "",
         "A key's kind says what changing it changes. A resumed run must keep its `model`,",
         "`training` and `data` keys; `layout` and `run` keys may change.",
