@@ -89,3 +89,21 @@ def test_the_readme_links_resolve():
     assert "docs/keys.md" in targets
     missing = [t for t in targets if t and not t.startswith("http") and not (ROOT / t).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def test_benchmarks_open_with_a_summary_whose_links_resolve():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    headings = re.findall(r"^#{2,3} (.+)$", text, re.M)
+    assert headings[0] == "Summary", headings[:2]
+    anchors = {github_anchor(h) for h in headings}
+    summary = text.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    links = re.findall(r"\]\(#([^)]+)\)", summary)
+    assert len(links) >= 20, links
+    assert github_anchor("One train step against torch + transformers") in anchors
+    missing = [a for a in links if a not in anchors]
+    assert not missing, f"BENCHMARKS.md's summary links to no section: {missing}"
