@@ -13,13 +13,21 @@ DType = Literal["float32", "bfloat16", "float16"]
 MESH_AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 # What a key changes, declared with the key (`_key(KIND, default, ...)`); one classification used
-# by the resume check, the `load_parameters_path` check and `--help-keys`:
-MODEL = "model"  # the parameters' shapes and what they compute: saved weights need the same values
-TRAINING = "training"  # the numbers of later steps (optimizer, precision, drops), not the weights
-DATA = "data"  # the data stream (its files, order and sequence length)
-LAYOUT = "layout"  # how the same numbers are computed: mesh, kernels, remat, batch per device
-RUN = "run"  # where the run goes, how long, logging, checkpoints, processes
+# by the resume check, the `load_parameters_path` check, `--help-keys` and docs/keys.md. What
+# each kind means is KIND_MEANINGS below.
+MODEL = "model"
+TRAINING = "training"
+DATA = "data"
+LAYOUT = "layout"
+RUN = "run"
 KINDS = (MODEL, TRAINING, DATA, LAYOUT, RUN)
+KIND_MEANINGS = {
+    MODEL: "the parameters' shapes and what they compute: saved weights need the same values",
+    TRAINING: "the numbers of later steps (optimizer, precision, drops), not the weights",
+    DATA: "the data stream (its files, order and sequence length)",
+    LAYOUT: "how the same numbers are computed: mesh, kernels, remat, batch per device",
+    RUN: "where the run goes, how long, logging, checkpoints, processes",
+}
 # A resumed run (or a restart before its first checkpoint) must agree on these kinds.
 SAME_RUN_KINDS = (MODEL, TRAINING, DATA)
 
