@@ -31,7 +31,8 @@ import json
 import math
 import re
 
-_ROWS_RE = re.compile(r"rows~(\d+)")
+from expertax import scopes
+
 _MEGABLOX_RE = re.compile(r"jit\((t?gmm)\)")
 _TOKAMAX_KINDS = {
     "PallasTritonRaggedDot": "triton",
@@ -88,7 +89,7 @@ class GroupedKernel:
 def grouped_kernel(name: str, target: str, op_name: str, shape, operand_shapes):
     """The GroupedKernel a custom call is, or None. `shape`: its output dims; `operand_shapes`:
     its operands' dims (as planner/flops.py reads them)."""
-    rows = _ROWS_RE.findall(op_name)
+    rows = scopes.ROWS.pattern.findall(op_name)
     expected = int(rows[-1]) if rows else None
     at = op_name.find("tokamax:{")
     if at >= 0 and re.search(r"triton|mosaic|tpu_custom_call", target):

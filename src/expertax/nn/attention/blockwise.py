@@ -34,6 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from expertax import scopes
 from expertax.nn.attention import mask
 from expertax.nn.attention.mask import CAUSAL, MaskSpec
 from expertax.nn.moe.vma import varying_like
@@ -88,7 +89,7 @@ def _trips(total: float, loops: int) -> str:
     """The `trips~N` scope of a causal inner loop: its mean trip count over the `loops` runs of
     its enclosing scan (`total` trips in all), so that the compiled program's FLOP count
     (planner/flops.py) multiplies its body by the trips it really makes."""
-    return f"trips~{total / loops:.6g}"
+    return scopes.TRIPS.label(f"{total / loops:.6g}")
 
 
 def _first_query_block(j, bq: int, bk: int, offset: int):

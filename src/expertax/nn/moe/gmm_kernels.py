@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from expertax import platform
+from expertax import platform, scopes
 from expertax.errors import ConfigError
 from expertax.nn.moe.vma import varying_axes, varying_like, varying_over
 
@@ -131,7 +131,7 @@ def gmm(backend, lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, expect
     start = jnp.sum(jnp.where(jnp.arange(sizes_E.shape[0]) < offset, sizes_E, 0))
     local_X = jax.lax.dynamic_slice_in_dim(sizes_E, offset, e_local)
     rows = expected_rows if expected_rows is not None else m / max(e_local, 1)
-    named = jax.named_scope(f"rows~{round(rows)}") if expected_rows is not None else None
+    named = jax.named_scope(scopes.ROWS.label(round(rows))) if expected_rows is not None else None
     with named or contextlib.nullcontext():
         if backend == "megablox":
             blox = Megablox(megablox_row_tile(m, rows), _interpret_mode())

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from expertax import scopes
 from expertax.nn.moe.vma import varying_like
 
 
@@ -191,7 +192,9 @@ def for_items(items, n: int, step, carry):
             return step(item["g"][i], start, mask, tile, carry)
 
         expected = item.get("expected")
-        scope = jax.named_scope(f"trips~{expected}") if expected is not None else _no_scope()
+        scope = (
+            jax.named_scope(scopes.TRIPS.label(expected)) if expected is not None else _no_scope()
+        )
         with scope:
             carry = jax.lax.fori_loop(0, item["count"], body, carry)
     return carry
