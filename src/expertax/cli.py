@@ -268,7 +268,7 @@ def _memory_fit(cfg, args, target) -> int:
 
     import jax
 
-    from expertax.planner import fit
+    from expertax.planner import fit, fit_table
 
     devices = args.devices if args.devices is not None else len(jax.devices())
     hbm = args.hbm if args.hbm is not None else target.hbm_gib
@@ -282,7 +282,7 @@ def _memory_fit(cfg, args, target) -> int:
         minutes=args.fit_minutes,
         hardware=None if target.is_cpu else target,
     )
-    print(fit.format_fit(result))
+    print(fit_table.format_fit(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"fit": result}, f, indent=1)
