@@ -4,20 +4,17 @@ For EP = 1, 2, 4, 8 (the rest of the 8 devices on `data`), both sparse strategie
 with the backend's implementation, ring of experts), balanced and skewed routing: time per routed
 token (fwd+bwd), and bytes each device sends in the dispatch collectives per layer, counted from
 the compiled HLO (result shapes and group sizes of all-to-all / all-gather / reduce-scatter, see
-`collective_bytes`; all-reduces, the gradient reductions over `data` and the stats, are reported
-apart), against the ideal:
+`hlo_profile.collective_bytes`; all-reduces, the gradient reductions over `data` and the stats,
+are reported apart), against the ideal:
 all-to-all 2*k*D*bytes per token each way (forward; twice that with the backward), ring
 (EP-1)*N*D*bytes per all-gather and per reduce-scatter (forward; twice with the backward).
 Baseline in the same run: the single-device sparse path without a mesh.
 
 Time shares (`--profile`, on by default): for balanced routing at EP = 1 and EP = 8, both
-strategies, a few more steps run under `jax.profiler` (the XLA:CPU runtime records one event per
-executed HLO instruction, loop bodies' instructions included, on every device's thread). Each
-event is attributed to its instruction in the compiled HLO: `sort` (a sort, or a fusion whose
-computation sorts), `gather` (a gather or scatter, or a fusion holding one: the permutes, the
-row gathers and the scatter-back), or other; control flow (while, conditional, call) is left
-out, its body's instructions are counted instead. Shares are of the summed event time of all
-devices; collectives (`collective`, their own share) include their waiting time.
+strategies, a few more steps run under `jax.profiler`, and the time of the executed HLO
+instructions is summed by category: `sort`, `gather` (gathers and scatters: the permutes, the
+row gathers and the scatter-back), `collective` (with its waiting time) and other
+(benchmarks/hlo_profile.py).
 
 The script re-executes itself with glibc's malloc on transparent huge pages, as the `expertax`
 command runs (`expertax.hostmem`; `--hugepages off` for the C library's default). At length 512
@@ -64,10 +61,8 @@ import argparse
 import itertools
 import json
 import os
-import re
 import sys
 import time
-from collections import Counter
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -78,6 +73,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
 from expertax import hostmem  # noqa: E402
 from expertax.config import config_rules  # noqa: E402
 from expertax.nn import param  # noqa: E402
@@ -85,6 +81,7 @@ from expertax.nn.moe import ep, layer, router  # noqa: E402
 from expertax.parallel import remat  # noqa: E402
 from expertax.preflight import load_config  # noqa: E402
 from expertax.sharding import make_mesh, use_rules  # noqa: E402
+from hlo_profile import DISPATCH_OPS, collective_bytes, profile_shares  # noqa: E402
 
 SHAPE = dict(batch=8, length=128, d=128, f=256, e=16, k=4)
 # --ffn variant -> config overrides (the layer runs alone, without jax.checkpoint; the remat
@@ -94,123 +91,6 @@ FFN = {
     "fused-kept": {"moe_fused_routed_ffn": True, "remat_policy": "none"},
     "separate": {"moe_fused_routed_ffn": False},
 }
-DISPATCH_OPS = ("all-to-all", "all-gather", "reduce-scatter", "collective-permute")
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
-
-
-def _group_size(line: str) -> int:
-    """Devices per replica group, from any of XLA's three printed forms."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        names = re.findall(r"'([^']+)'", m.group(2))
-        return int(np.prod([int(sizes[n]) for n in names])) if names else 1
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
-    return len(m.group(1).split(",")) if m else 1
-
-
-def collective_bytes(hlo: str) -> dict[str, int]:
-    """Bytes each device sends, per collective kind, in a compiled (per-device) HLO module.
-
-    From result shapes and the group size S: all-gather and all-to-all send (S-1)/S of the
-    result, reduce-scatter (S-1) x the result, all-reduce 2(S-1)/S of it (ring algorithm).
-    """
-    out: dict[str, int] = {}
-    for line in hlo.splitlines():
-        m = re.search(
-            r"=\s*(.*?)\s(all-to-all|all-gather|reduce-scatter|all-reduce|"
-            r"collective-permute)(-start)?\(",
-            line,
-        )
-        if not m:
-            continue
-        total = 0
-        for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-            n = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
-            total += n * _BYTES.get(dt, 4)
-        s = _group_size(line)
-        factor = {
-            "all-gather": (s - 1) / s,
-            "all-to-all": (s - 1) / s,
-            "reduce-scatter": s - 1,
-            "all-reduce": 2 * (s - 1) / s,
-        }.get(m.group(2), 1)
-        out[m.group(2)] = out.get(m.group(2), 0) + int(total * factor)
-    return out
-
-
-CONTROL_FLOW = ("while", "conditional", "call")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\s([a-z][\w\-]*)\((.*)$")
-
-
-def hlo_categories(hlo: str) -> dict[str, str]:
-    """Instruction name -> `sort` | `gather` | `other` | `control` in compiled HLO text; a
-    fusion takes the category of what its computation (and the ones it calls) contains."""
-    comps: dict[str, list[tuple[str, str, list[str]]]] = {}
-    current = None
-    for line in hlo.splitlines():
-        if line.rstrip().endswith("{") and " = " not in line:
-            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            comps[current] = []
-            continue
-        m = _INSTR.match(line)
-        if m and current is not None:
-            called = re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", m.group(3))
-            comps[current].append((m.group(1), m.group(2), called))
-
-    def contains(comp: str, seen=()) -> str:
-        kinds = set()
-        for _, op, called in comps.get(comp, []):
-            kinds.add(_kind(op))
-            for c in called:
-                if c not in seen:
-                    kinds.add(contains(c, (*seen, comp)))
-        return "sort" if "sort" in kinds else "gather" if "gather" in kinds else "other"
-
-    out = {}
-    for instrs in comps.values():
-        for name, op, called in instrs:
-            if op in CONTROL_FLOW:
-                out[name] = "control"
-            elif op == "fusion":
-                out[name] = contains(called[0]) if called else "other"
-            else:
-                out[name] = _kind(op)
-    return out
-
-
-COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-
-
-def _kind(op: str) -> str:
-    if op == "sort":
-        return "sort"
-    if op.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
-        return "collective"
-    return "gather" if op in ("gather", "scatter") else "other"
-
-
-def profile_shares(compiled, args, iters: int) -> dict[str, float]:
-    """Shares of the profiled instruction time per category (see the module docstring)."""
-    from jax._src.lib import _profiler
-
-    cats = hlo_categories(compiled.as_text())
-    session = _profiler.ProfilerSession()
-    for _ in range(iters):
-        jax.block_until_ready(compiled(*args))
-    data = session.stop_and_get_profile_data()
-    time_ns: Counter[str] = Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            for ev in line.events:
-                cat = cats.get(ev.name)
-                if cat is not None and cat != "control":
-                    time_ns[cat] += ev.duration_ns
-    total = sum(time_ns.values()) or 1.0
-    return {f"{k}_share": time_ns[k] / total for k in ("sort", "gather", "collective")}
 
 
 def make_case(skewed: bool):

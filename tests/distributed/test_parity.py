@@ -20,7 +20,16 @@ from expertax import cli
 from expertax.config import ConfigError
 from expertax.parallel import remat
 from expertax.preflight import load_config
-from expertax.tools import parity
+from expertax.tools.parity import run as parity_run
+from expertax.tools.parity.layouts import (
+    Layout,
+    default_layouts,
+    layout_config,
+    parse_layout,
+    pipeline_misfit,
+)
+from expertax.tools.parity.run import make_row, parity_table
+from expertax.tools.parity.table import format_row
 from expertax.train.trainer import build_trainer
 from tests.xla_flags import TOLERANCE_ONLY_CODEGEN, with_devices
 
@@ -92,8 +101,8 @@ def one_row(model: list[str], layout: str, tmp_path) -> dict:
 def layouts_with_control(c, good: list[str], bad: str, corrupt) -> None:
     """The `good` layouts equal the one-device run of `c`; `bad` with its state changed by
     `corrupt(state, trainer)` does not (100 x the tolerance off: the negative control)."""
-    layouts = [parity.parse_layout(n) for n in (*good, bad)]
-    result = parity.parity_table(
+    layouts = [parse_layout(n) for n in (*good, bad)]
+    result = parity_table(
         c, steps=3, layout_list=layouts, corrupt={layouts[-1]: corrupt}, echo=lambda *_: None
     )
     scale = max(abs(x) for x in result["reference_losses"])
@@ -147,9 +156,9 @@ def test_parity_mixtral_tiny_with_negative_control():
         "dense-ep4-fsdp2",
         "sparse-ring-ep4-fsdp2-stash",
     ]
-    good = [parity.parse_layout(n) for n in names]
-    bad = parity.parse_layout("sparse-padded-ep4-fsdp2")
-    result = parity.parity_table(
+    good = [parse_layout(n) for n in names]
+    bad = parse_layout("sparse-padded-ep4-fsdp2")
+    result = parity_table(
         c,
         steps=3,
         layout_list=[*good, bad],
@@ -175,13 +184,13 @@ def test_parity_pipeline_with_negative_control():
     """mixtral-tiny's 2 layers over 2 stages with EP x FSDP inside them give the reference's
     losses; the same pipeline with its stages' layers swapped does not."""
     c = load_config(overrides=["model_name=mixtral-tiny", *SMALL])
-    good = parity.parse_layout("sparse-ring-pp2-ep2-fsdp2")
-    bad = parity.parse_layout("dense-pp2-fsdp4")
+    good = parse_layout("sparse-ring-pp2-ep2-fsdp2")
+    bad = parse_layout("dense-pp2-fsdp4")
     # The layouts really pipeline: the stack's layer axis is split over the stages.
-    trainer = build_trainer(parity.layout_config(c, good, 8))
+    trainer = build_trainer(layout_config(c, good, 8))
     layer_shardings = jax.tree.leaves(trainer.state_shardings.params.moe_layers)
     assert all(sh.spec[0] == "pipeline" for sh in layer_shardings)
-    result = parity.parity_table(
+    result = parity_table(
         c, steps=3, layout_list=[good, bad], corrupt={bad: _swap_layers}, echo=lambda *_: None
     )
     assert result["refused"] == []
@@ -208,15 +217,15 @@ def test_parity_cli_exit_status_on_failure(monkeypatch, capsys):
         "max_abs_loss_diff": 1.0,
     }
     fake = {"rows": [row], "tolerance": 1e-5, "reference_losses": [1.0], "ok": False}
-    monkeypatch.setattr(parity, "parity_table", lambda *a, **k: fake)
+    monkeypatch.setattr(parity_run, "parity_table", lambda *a, **k: fake)
     assert cli.main(["parity", "model_name=mixtral-tiny", "--layouts", "sparse-padded-ep8"]) == 1
     assert "| NO |" in capsys.readouterr().out
 
 
 def test_layout_matrix_and_parsing():
-    rows = parity.layouts(8, "cpu")
+    rows = default_layouts(8, "cpu")
     assert len(rows) == 30 and all(r.a2a_impl != "ragged" for r in rows)
-    assert len(parity.layouts(8, "gpu")) == 39
+    assert len(default_layouts(8, "gpu")) == 39
     assert [r.name for r in rows if r.cp > 1] == [
         "sparse-padded-cp2-ep2-fsdp2",
         "sparse-ring-cp4-ep2",
@@ -226,14 +235,12 @@ def test_layout_matrix_and_parsing():
         "sparse-ring-cp4-ep2-nolb",
     ]
     assert (
-        parity.parse_layout("sparse-ring-cp4-ep2-nolb").overrides(8)[
-            "context_parallel_load_balance"
-        ]
+        parse_layout("sparse-ring-cp4-ep2-nolb").overrides(8)["context_parallel_load_balance"]
         is False
     )
     stashed = [r.name for r in rows if r.stash]
     assert stashed == ["sparse-padded-ep4-fsdp2-stash", "sparse-ring-ep4-fsdp2-stash"]
-    assert [r.name for r in parity.layouts(4, "cpu") if r.stash] == [
+    assert [r.name for r in default_layouts(4, "cpu") if r.stash] == [
         "sparse-padded-ep2-fsdp2-stash",
         "sparse-ring-ep2-fsdp2-stash",
     ]
@@ -251,42 +258,37 @@ def test_layout_matrix_and_parsing():
         "sparse-padded-ep2-tp2-data2-eptp",
         "sparse-ring-ep2-tp2-data2-eptp",
     ]
-    assert (
-        parity.parse_layout("sparse-ring-ep2-tp2-data2-eptp").overrides(8)["sharding_rules"]
-        == "ep-tp"
-    )
-    assert parity.parse_layout("sparse-ring-ep2-tp2-data2").overrides(8)["sharding_rules"] == (
-        "default"
-    )
-    assert parity.parse_layout("sparse-ring-ep2-tp2-data2") == parity.Layout(
+    assert parse_layout("sparse-ring-ep2-tp2-data2-eptp").overrides(8)["sharding_rules"] == "ep-tp"
+    assert parse_layout("sparse-ring-ep2-tp2-data2").overrides(8)["sharding_rules"] == ("default")
+    assert parse_layout("sparse-ring-ep2-tp2-data2") == Layout(
         "sparse", True, "-", ep=2, tp=2, data=2
     )
     with pytest.raises(ConfigError, match="unknown part 'xp2'.*ppN"):
-        parity.parse_layout("sparse-ep4-xp2")
+        parse_layout("sparse-ep4-xp2")
     with pytest.raises(ConfigError, match="dense"):
-        parity.parse_layout("dense-ring-ep8")
-    assert parity.parse_layout("sparse-ring-ep4-fsdp2-stash") == parity.Layout(
+        parse_layout("dense-ring-ep8")
+    assert parse_layout("sparse-ring-ep4-fsdp2-stash") == Layout(
         "sparse", True, "-", ep=4, fsdp=2, stash=True
     )
     with pytest.raises(ConfigError, match="paged stash needs sparse"):
-        parity.parse_layout("dense-ep4-stash")
+        parse_layout("dense-ep4-stash")
 
 
 def test_stash_layout_config_keeps_moe_names():
     """A stash layout turns the stash on and, when the base keeps no MoE name, keeps them all;
     a base that already keeps one keeps its own policy. Other layouts leave both alone."""
-    stash = parity.parse_layout("sparse-padded-ep4-fsdp2-stash")
-    plain = parity.parse_layout("sparse-padded-ep4-fsdp2")
+    stash = parse_layout("sparse-padded-ep4-fsdp2-stash")
+    plain = parse_layout("sparse-padded-ep4-fsdp2")
     base = load_config(overrides=["model_name=mixtral-tiny", "remat_policy=full", *SMALL])
-    c = parity.layout_config(base, stash, 8)
+    c = layout_config(base, stash, 8)
     assert c.moe_paged_stash and c.remat_policy == "custom"
     assert remat.stashed_names(c) == remat.STASHABLE
-    c = parity.layout_config(base, plain, 8)
+    c = layout_config(base, plain, 8)
     assert not c.moe_paged_stash and c.remat_policy == "full"
     own = load_config(
         overrides=["model_name=mixtral-tiny", "remat_policy=custom", "moe_mlpwo=device", *SMALL]
     )
-    c = parity.layout_config(own, stash, 8)
+    c = layout_config(own, stash, 8)
     assert c.moe_paged_stash and remat.stashed_names(c) == (remat.MOE_MLPWO,)
 
 
@@ -301,7 +303,7 @@ MIXTRAL = ["model_name=mixtral-tiny", "base_num_decoder_layers=1", *SMALL, "--st
 def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, capsys):
     """ep3 does not divide mixtral-tiny's 8 experts: the config checks refuse it. The real
     refusal check runs; training is faked so that only the verdict logic is under test."""
-    monkeypatch.setattr(parity, "run_layout", _fake_run)
+    monkeypatch.setattr(parity_run, "run_layout", _fake_run)
     path = tmp_path / "parity.json"
     argv = ["parity", *MIXTRAL, "--layouts", "sparse-padded-ep2,sparse-padded-ep3"]
     assert cli.main([*argv, "--json", str(path)]) == 1
@@ -326,7 +328,7 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     # Negative control: a row out of tolerance still fails with --skip-refused.
     bad = lambda *a, **k: {**_fake_run(*a, **k), "losses": [2.0, 1.6]}  # noqa: E731
     calls = iter([_fake_run, bad])
-    monkeypatch.setattr(parity, "run_layout", lambda *a, **k: next(calls)(*a, **k))
+    monkeypatch.setattr(parity_run, "run_layout", lambda *a, **k: next(calls)(*a, **k))
     assert cli.main([*argv, "--skip-refused"]) == 1
 
 
@@ -334,7 +336,7 @@ def test_every_layout_refused_fails_even_when_skipped(monkeypatch, capsys):
     def no_training(*a, **k):
         raise AssertionError("nothing should train when every layout is refused")
 
-    monkeypatch.setattr(parity, "run_layout", no_training)
+    monkeypatch.setattr(parity_run, "run_layout", no_training)
     layouts = "sparse-padded-ep3,dense-tp3,sparse-padded-ep16"
     assert cli.main(["parity", *MIXTRAL, "--layouts", layouts]) == 1
     out, err = capsys.readouterr()
@@ -345,20 +347,20 @@ def test_every_layout_refused_fails_even_when_skipped(monkeypatch, capsys):
 
 
 def test_layout_names_round_trip():
-    for layout in [*parity.layouts(8, "cpu"), *parity.layouts(8, "gpu")]:
-        assert parity.parse_layout(layout.name) == layout, layout.name
-    ring = parity.parse_layout("sparse-ring-cp4-ep2-nolb-cpring")
+    for layout in [*default_layouts(8, "cpu"), *default_layouts(8, "gpu")]:
+        assert parse_layout(layout.name) == layout, layout.name
+    ring = parse_layout("sparse-ring-cp4-ep2-nolb-cpring")
     assert ring.cp_ring and not ring.balance and ring.name == "sparse-ring-cp4-ep2-nolb-cpring"
     assert ring.overrides(8)["context_parallel_strategy"] == "ring"
     with pytest.raises(ConfigError, match="add cpN"):
-        parity.parse_layout("sparse-ring-ep2-cpring")
+        parse_layout("sparse-ring-ep2-cpring")
 
 
 def test_pipeline_layouts_in_the_matrix():
     """The pipelined rows: 2 stages with EP x FSDP inside (every sparse dispatch), 4 stages with EP,
     the dense dispatch over 2 stages x FSDP, a circular ring; scaled down, a mesh left with one
     stage is not a pipeline row, and no scaled mesh appears twice."""
-    staged = [r.name for r in parity.layouts(8, "cpu") if r.pp > 1 and r.cp == 1]
+    staged = [r.name for r in default_layouts(8, "cpu") if r.pp > 1 and r.cp == 1]
     assert staged == [
         "sparse-padded-pp2-ep2-fsdp2",
         "sparse-ring-pp2-ep2-fsdp2",
@@ -367,8 +369,8 @@ def test_pipeline_layouts_in_the_matrix():
         "dense-pp2-fsdp4",
         "sparse-ring-pp2-r2-ep2-fsdp2",
     ]
-    assert all(r.num_devices == 8 for r in parity.layouts(8, "cpu"))
-    assert [r.name for r in parity.layouts(4, "gpu") if r.pp > 1 and r.cp == 1] == [
+    assert all(r.num_devices == 8 for r in default_layouts(8, "cpu"))
+    assert [r.name for r in default_layouts(4, "gpu") if r.pp > 1 and r.cp == 1] == [
         "sparse-ragged-pp2-fsdp2",  # the pipeline is halved last among equal axes
         "sparse-padded-pp2-fsdp2",
         "sparse-ring-pp2-fsdp2",
@@ -378,7 +380,7 @@ def test_pipeline_layouts_in_the_matrix():
         "dense-pp2-fsdp2",
         "sparse-ring-pp2-r2-fsdp2",
     ]
-    two = [r.name for r in parity.layouts(2, "cpu")]
+    two = [r.name for r in default_layouts(2, "cpu")]
     assert len(two) == len(set(two))
     assert [n for n in two if "pp" in n and "cp" not in n] == [
         "sparse-padded-pp2",
@@ -386,34 +388,34 @@ def test_pipeline_layouts_in_the_matrix():
         "dense-pp2",
         "sparse-ring-pp2-r2",
     ]
-    assert not [r for r in parity.layouts(1, "cpu") if r.pp > 1]
+    assert not [r for r in default_layouts(1, "cpu") if r.pp > 1]
 
 
 def test_pipeline_layout_names():
-    layout = parity.parse_layout("sparse-ring-pp2-ep2-fsdp2")
-    assert layout == parity.Layout("sparse", True, "-", pp=2, ep=2, fsdp=2)
+    layout = parse_layout("sparse-ring-pp2-ep2-fsdp2")
+    assert layout == Layout("sparse", True, "-", pp=2, ep=2, fsdp=2)
     assert layout.num_devices == 8 and layout.pipeline_microbatches == 2
     o = layout.overrides(8)
     assert (o["ici_pipeline_parallelism"], o["num_pipeline_microbatches"]) == (2, -1)
     assert (o["num_pipeline_repeats"], o["per_device_batch_size"]) == (1, 1.0)
     # Parts in any order; the name puts the schedule after the dispatch.
-    layout = parity.parse_layout("dense-fsdp2-r2-mb4-pp2")
-    assert layout == parity.Layout("dense", False, "-", pp=2, fsdp=2, microbatches=4, repeats=2)
+    layout = parse_layout("dense-fsdp2-r2-mb4-pp2")
+    assert layout == Layout("dense", False, "-", pp=2, fsdp=2, microbatches=4, repeats=2)
     assert layout.name == "dense-pp2-mb4-r2-fsdp2"
     assert layout.pipeline_microbatches == 4 and layout.num_devices == 4
     o = layout.overrides(8)
     assert (o["num_pipeline_microbatches"], o["num_pipeline_repeats"]) == (4, 2)
-    assert parity.parse_layout("sparse-padded-ep8").overrides(8)["ici_pipeline_parallelism"] == 1
+    assert parse_layout("sparse-padded-ep8").overrides(8)["ici_pipeline_parallelism"] == 1
     for name in ("sparse-ring-pp2-mb4-ep2", "dense-pp4-r2", "sparse-padded-pp2-ep2-fsdp2"):
-        assert parity.parse_layout(name).name == name
+        assert parse_layout(name).name == name
     with pytest.raises(ConfigError, match="'sparse-ring-mb4-ep2': mbM .*add ppN"):
-        parity.parse_layout("sparse-ring-mb4-ep2")
+        parse_layout("sparse-ring-mb4-ep2")
     with pytest.raises(ConfigError, match="rR .*add ppN"):
-        parity.parse_layout("sparse-ring-pp1-r2-ep2")
+        parse_layout("sparse-ring-pp1-r2-ep2")
     with pytest.raises(ConfigError, match="'pp0' must be a positive pp size"):
-        parity.parse_layout("sparse-ring-pp0-ep2")
+        parse_layout("sparse-ring-pp0-ep2")
     with pytest.raises(ConfigError, match="unknown part 'ppx'"):
-        parity.parse_layout("sparse-ring-ppx")
+        parse_layout("sparse-ring-ppx")
 
 
 def test_pipeline_misfit_per_model():
@@ -423,28 +425,28 @@ def test_pipeline_misfit_per_model():
     deepseek = load_config(overrides=["model_name=deepseek3-tiny", *SMALL])
     one_moe = load_config(overrides=["model_name=deepseek3-tiny", "base_num_decoder_layers=2"])
     four = load_config(overrides=["model_name=mixtral-tiny", "base_num_decoder_layers=4"])
-    pp2, pp4 = parity.parse_layout("sparse-ring-pp2-ep2"), parity.parse_layout("sparse-ring-pp4")
-    circular = parity.parse_layout("sparse-ring-pp2-r2-ep2")
+    pp2, pp4 = parse_layout("sparse-ring-pp2-ep2"), parse_layout("sparse-ring-pp4")
+    circular = parse_layout("sparse-ring-pp2-r2-ep2")
     for c in (mixtral, deepseek):
-        assert parity.pipeline_misfit(c, pp2) is None
-        assert parity.pipeline_misfit(c, parity.parse_layout("sparse-ring-ep8")) is None
+        assert pipeline_misfit(c, pp2) is None
+        assert pipeline_misfit(c, parse_layout("sparse-ring-ep8")) is None
         assert "2 pipelined MoE layers do not divide into 4 stages x 1" in str(
-            parity.pipeline_misfit(c, pp4)
+            pipeline_misfit(c, pp4)
         )
-        assert "into 2 stages x 2 repeats" in str(parity.pipeline_misfit(c, circular))
-    assert "1 pipelined MoE layers" in str(parity.pipeline_misfit(one_moe, pp2))
-    assert [parity.pipeline_misfit(four, x) for x in (pp2, pp4, circular)] == [None] * 3
+        assert "into 2 stages x 2 repeats" in str(pipeline_misfit(c, circular))
+    assert "1 pipelined MoE layers" in str(pipeline_misfit(one_moe, pp2))
+    assert [pipeline_misfit(four, x) for x in (pp2, pp4, circular)] == [None] * 3
     llama = load_config(overrides=["model_name=llama-tiny", "base_num_decoder_layers=3"])
-    assert "3 pipelined dense layers" in str(parity.pipeline_misfit(llama, pp2))
+    assert "3 pipelined dense layers" in str(pipeline_misfit(llama, pp2))
 
 
 def test_default_matrix_skips_pipelines_the_model_cannot_take(monkeypatch, tmp_path, capsys):
     """The default matrix lists a pipeline layout whose stages do not divide the model's layers
     as skipped, without failing the table or building it; named in --layouts, the same layout is
     refused by the config checks (training is faked: only the bookkeeping is under test)."""
-    monkeypatch.setattr(parity, "run_layout", _fake_run)
-    matrix = [parity.parse_layout(n) for n in ("sparse-padded-ep2", "sparse-ring-pp4-ep2")]
-    monkeypatch.setattr(parity, "layouts", lambda n, backend: matrix)
+    monkeypatch.setattr(parity_run, "run_layout", _fake_run)
+    matrix = [parse_layout(n) for n in ("sparse-padded-ep2", "sparse-ring-pp4-ep2")]
+    monkeypatch.setattr(parity_run, "default_layouts", lambda n, backend: matrix)
     path = tmp_path / "parity.json"
     assert cli.main(["parity", *MIXTRAL, "--json", str(path)]) == 0
     out = capsys.readouterr().out
@@ -464,15 +466,15 @@ def test_default_matrix_skips_pipelines_the_model_cannot_take(monkeypatch, tmp_p
 
 
 def test_pipeline_row_fields_and_pp_column():
-    layout = parity.parse_layout("sparse-ring-pp2-mb4-r2-ep2-fsdp2")
-    row = parity.make_row(layout, {"losses": [2.0, 1.5], "tokens_per_s_per_device": 3.0}, [2, 2])
+    layout = parse_layout("sparse-ring-pp2-mb4-r2-ep2-fsdp2")
+    row = make_row(layout, {"losses": [2.0, 1.5], "tokens_per_s_per_device": 3.0}, [2, 2])
     assert (row["pp"], row["microbatches"], row["repeats"]) == (2, 4, 2)
-    assert parity.format_row(row, 1e-5, [2.0, 1.5]).startswith(
+    assert format_row(row, 1e-5, [2.0, 1.5]).startswith(
         "| sparse | True | - | 2 mb4 r2 | 1 | 2 | 2 | 1 | 1 | no | default | 1.500000 |"
     )
     run = {"losses": [2.0, 1.5], "tokens_per_s_per_device": 3.0}
-    plain = parity.make_row(parity.parse_layout("dense-pp2-fsdp4"), run, [2.0, 1.5])
+    plain = make_row(parse_layout("dense-pp2-fsdp4"), run, [2.0, 1.5])
     assert (plain["pp"], plain["microbatches"], plain["repeats"]) == (2, 2, 1)
-    assert "| dense | False | - | 2 | 1 | 1 | 4 |" in parity.format_row(plain, 1e-5, [2.0, 1.5])
+    assert "| dense | False | - | 2 | 1 | 1 | 4 |" in format_row(plain, 1e-5, [2.0, 1.5])
     old = {k: v for k, v in row.items() if k not in ("pp", "microbatches", "repeats")}
-    assert parity.format_row(old, 1e-5, [2.0, 1.5]).startswith("| sparse | True | - | 1 | 1 | 2 |")
+    assert format_row(old, 1e-5, [2.0, 1.5]).startswith("| sparse | True | - | 1 | 1 | 2 |")

@@ -8,7 +8,7 @@ demand, -m full_grid).
 Data seed 1: with seed 0 the second batch holds a token whose top-k experts are a near tie that
 the cp2-ep2-fsdp2 layout's float32 rounding flips (the layer outputs differ at that one token
 only, and the same layout matches one device on seed 1); the routing probe of the table covers
-the first step only (tools/parity_routing.py)."""
+the first step only (tools/parity/routing.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import json
 
 import pytest
 
-from expertax.tools import parity
+from expertax.tools.parity.layouts import context_layouts, parse_layout
 from tests.distributed.test_parity import _check_rows, parity_child
 
 pytestmark = pytest.mark.distributed
 
-ROWS = [r.name for r in parity.context_layouts(8)]
+ROWS = [r.name for r in context_layouts(8)]
 COMMON = ["per_device_batch_size=1", "max_target_length=32", "data_shuffle_seed=1"]
 
 
@@ -36,7 +36,7 @@ def _context_table(model: list[str], layouts: list[str], tmp_path) -> list[dict]
     _check_rows(report["rows"], report["tolerance"], 10.0, len(layouts))
     for r in report["rows"]:
         print(f"\ncp{r['cp']} lb={r['load_balance']}: max |dloss| {r['max_abs_loss_diff']:.3g}")
-    assert [r["cp"] for r in report["rows"]] == [parity.parse_layout(n).cp for n in layouts]
+    assert [r["cp"] for r in report["rows"]] == [parse_layout(n).cp for n in layouts]
     # the routing probe reorders like the train step: no expert choice differs at step 0
     # (a pipelined layout is not probed)
     for r in report["rows"]:

@@ -15,7 +15,9 @@ import pytest
 
 from expertax.data.synthetic import SyntheticData
 from expertax.preflight import load_config
-from expertax.tools import parity, parity_routing
+from expertax.tools.parity import routing as parity_routing
+from expertax.tools.parity.layouts import layout_config, parse_layout, reference_layout
+from expertax.tools.parity.run import TOLERANCE
 from tests.distributed.test_parity import parity_child
 from tests.xla_flags import with_devices
 
@@ -42,13 +44,13 @@ def probe_flips() -> dict:
         seed=c.data_shuffle_seed,
     )
     batch = data.batch_at(0)
-    ref_c = parity.layout_config(c, parity.reference_layout(), gb)
+    ref_c = layout_config(c, reference_layout(), gb)
     (ref,) = parity_routing.probe(ref_c, jax.devices()[:1], batch, [None])
-    layout = parity.parse_layout("sparse-padded-ep2")
-    lc = parity.layout_config(c, layout, gb)
+    layout = parse_layout("sparse-padded-ep2")
+    lc = layout_config(c, layout, gb)
     free, imposed = parity_routing.probe(lc, jax.devices()[:2], batch, [None, ref["chosen"]])
     return {
-        "bound": parity.TOLERANCE["float32"] * abs(ref["loss"]),
+        "bound": TOLERANCE["float32"] * abs(ref["loss"]),
         "flips": parity_routing.count_flips(ref["chosen"], free["chosen"]),
         "free_diff": abs(free["loss"] - ref["loss"]),
         "imposed_diff": abs(imposed["loss"] - ref["loss"]),

@@ -1,7 +1,7 @@
 """`expertax parity` with multi-token prediction on (models/mtp.py): one device against expert
 parallelism (all-to-all and ring), FSDP, a pipeline (MTP after the last stage) and the paged
 stash, on the objective's cross-entropy (the main loss + lambda x the MTP loss,
-tools/parity.py). On demand (-m full_grid): the default run's deepseek context rows train MTP on
+tools/parity/run.py). On demand (-m full_grid): the default run's deepseek context rows train MTP on
 the all-to-all beside FSDP and on a ring pipeline (MTP after the last stage)."""
 
 from __future__ import annotations

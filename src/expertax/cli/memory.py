@@ -101,7 +101,7 @@ def _fit(cfg, args, hardware) -> int:
 
     import jax
 
-    from expertax.planner import fit
+    from expertax.planner import fit, fit_table
 
     devices = args.devices if args.devices is not None else len(jax.devices())
     hbm = args.hbm if args.hbm is not None else hardware.hbm_gib
@@ -115,7 +115,7 @@ def _fit(cfg, args, hardware) -> int:
         minutes=args.fit_minutes,
         hardware=None if hardware.is_cpu else hardware,
     )
-    print(fit.format_fit(result))
+    print(fit_table.format_fit(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"fit": result}, f, indent=1)

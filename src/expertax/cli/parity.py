@@ -1,5 +1,5 @@
-"""`expertax parity`: every layout against one device (tools/parity.py), or with `--compile-only`
-every layout compiled for `--target` (tools/parity_compile.py)."""
+"""`expertax parity`: every layout against one device (tools/parity/), or with `--compile-only`
+every layout compiled for `--target` (tools/parity/compile_only.py)."""
 
 from __future__ import annotations
 
@@ -77,10 +77,12 @@ def run(args) -> int:
         )
     cfg = config_from_args(args.config)
     startup.start_backends()
-    from expertax.tools import parity
+    from expertax.tools.parity.layouts import parse_layout
+    from expertax.tools.parity.run import parity_table
+    from expertax.tools.parity.table import format_table, write_json
 
-    chosen = [parity.parse_layout(n) for n in args.layouts.split(",")] if args.layouts else None
-    result = parity.parity_table(
+    chosen = [parse_layout(n) for n in args.layouts.split(",")] if args.layouts else None
+    result = parity_table(
         cfg,
         steps=10 if args.steps is None else args.steps,
         layout_list=chosen,
@@ -88,9 +90,9 @@ def run(args) -> int:
         impose_routing=args.impose_routing,
         packed=args.packed,
     )
-    print(parity.format_table(result))
+    print(format_table(result))
     if args.json:
-        parity.write_json(result, args.json)
+        write_json(result, args.json)
     if not result["ok"]:
         refused = "" if args.skip_refused else f", {len(result.get('refused', []))} refused"
         print(
@@ -103,7 +105,7 @@ def run(args) -> int:
 
 def _compile_only(args) -> int:
     """`expertax parity --compile-only`: compile every layout for `--target` (default: 8
-    simulated CPU devices), run nothing (tools/parity_compile.py); exit 1 when one fails."""
+    simulated CPU devices), run nothing (tools/parity/compile_only.py); exit 1 when one fails."""
     from expertax.config import ConfigError
 
     given = {"--steps": args.steps is not None, "--impose-routing": args.impose_routing}
@@ -118,11 +120,12 @@ def _compile_only(args) -> int:
         use_simulated_devices(8, args.argv)
     startup.start_backends()
     cfg = config_from_args(args.config)
-    from expertax.tools import parity, parity_compile
+    from expertax.tools.parity import compile_only as parity_compile
+    from expertax.tools.parity.layouts import parse_layout
 
     on = "cpu" if hardware.is_cpu else hardware.platform
     names = args.layouts.split(",") if args.layouts else []
-    chosen = [parity.parse_layout(n, backend=on) for n in names] or None
+    chosen = [parse_layout(n, backend=on) for n in names] or None
     result = parity_compile.compile_table(
         cfg, target=hardware, layout_list=chosen, skip_refused=args.skip_refused
     )

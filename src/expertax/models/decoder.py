@@ -6,7 +6,7 @@ policy. The DeepSeek layout has both stacks; Mixtral only the MoE one; Llama onl
 
 `forward(..., imposed_LBTK=...)` imposes a routing on the MoE layers (one selection [B, T, K] per
 layer, scanned with the layer weights; `router.route`) and returns the routers' own choices in the
-stats (`MoEStats.chosen_BTK`): the parity tool's probe (tools/parity.py). Without it the
+stats (`MoEStats.chosen_BTK`): the parity tool's probe (tools/parity/routing.py). Without it the
 program is unchanged.
 """
 

@@ -16,10 +16,8 @@ iteration t, stage s works on k = t - s (microbatch k mod M, repeat k // M) when
 the other (bubble) slots compute on stale data and are masked out of the outputs and statistics.
 Bubble fraction: (S - 1) / (M * R + S - 1).
 
-Layer kinds (`attention_layer_pattern`, models/layer_pattern.py): the caller passes one layer
-function per kind of the n-layer cycle. Lps is a multiple of n (checks.check_layer_pattern), so
-layer l's kind l mod n is j mod n on every stage and in every visit, and a stage's layer scan
-runs one cycle per step (`layer_pattern.scan`), each layer's attention mask static.
+Layer kinds (`attention_layer_pattern`): one layer function per kind of the cycle, a stage's
+layer scan one cycle per step (models/pipeline_stages.py, which runs an iteration's stages).
 
 Stage-to-stage shift (`pipeline_shift`): `roll` moves stage s's output to stage s + 1 with a
 slice + concatenate on the stage axis, which the SPMD partitioner lowers to one
@@ -52,30 +50,28 @@ their stage once per step (weights and gradients), not per microbatch.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from expertax import platform
 from expertax.config.schema import Config
-from expertax.models import layer_pattern
+from expertax.models.pipeline_stages import (
+    PIPELINE,
+    LayerFn,
+    Stages,
+    spmd_axis,
+    without_pipeline,
+)
 from expertax.nn.moe import router
 from expertax.nn.moe.router import MoEStats
 from expertax.parallel import remat
 from expertax.sharding import constrain, logical_to_spec
-from expertax.sharding.rules import current_rules, use_rules
+from expertax.sharding.rules import current_rules
 
-PIPELINE = "pipeline"
-ITERATION_INPUT = remat.PIPELINE_ITERATION_INPUT
-PIPELINE_STAGE_WEIGHTS = remat.PIPELINE_STAGE_WEIGHTS
 STATE_AXES = ("stage", "batch", "length", "act_embed")
 SAVED_AXES = (None, *STATE_AXES)
-
-# layer(x [b, T, D], one layer's params, positions [b, T], segment_ids [b, T] | None)
-#   -> (x, MoEStats or None): one decoder layer, without remat (the pipeline places it)
-LayerFn = Callable[..., tuple[jax.Array, MoEStats | None]]
 
 
 def run(
@@ -123,12 +119,15 @@ def run(
     pos_MBT = microbatches(positions_BT)
     seg_MBT = None if segment_ids_BT is None else microbatches(segment_ids_BT)
     sched = _Schedule(s_n, r_n, m_n)
-    stages = _Stages(tuple(layers), sched, _without_pipeline(current_rules()), probes is not None)
+    inner = without_pipeline(current_rules())
+    stages = Stages(tuple(layers), s_n, r_n, inner, probes is not None)
     acc0 = stages.zero_stats(w, x_MBTD, pos_MBT, seg_MBT)
 
     if c.remat_policy == "none":
         # autodiff: every activation kept, except the stage weights indexed per iteration
-        policy = jax.checkpoint_policies.save_anything_except_these_names(PIPELINE_STAGE_WEIGHTS)
+        policy = jax.checkpoint_policies.save_anything_except_these_names(
+            remat.PIPELINE_STAGE_WEIGHTS
+        )
         fwd = jax.checkpoint(stages.forward, policy=policy)
         out_MBTD, acc = _scan(sched, c, fwd, w, x_MBTD, pos_MBT, seg_MBT, acc0)[0]
     else:
@@ -169,146 +168,6 @@ class _Schedule:
         """(ok, m): whether the last stage finishes a real item at `it`, and its microbatch."""
         k = it - (self.s_n - 1)
         return (k >= 0) & (k < self.m_n * self.r_n), jnp.mod(k, self.m_n)
-
-
-class _Stages:
-    """All stages of one iteration at once: a `vmap` over the stage axis (spmd_axis_name
-    `pipeline`, so each device computes its own stage) of a scan over the stage's layers, one
-    cycle of the layer kinds per step (`layers`: one function per kind; layer j of a visit is of
-    kind j mod n, the visit's length a multiple of n)."""
-
-    def __init__(
-        self, layers: tuple[LayerFn, ...], sched: _Schedule, inner_rules, probed: bool = False
-    ):
-        self.layers, self.sched, self.inner_rules = layers, sched, inner_rules
-        self.probed = probed  # the weights are (params, fp8 probes): `run`
-
-    def _rules(self):
-        # Inside a stage `pipeline` is the vmapped stage axis: no constraint or shard_map spec
-        # in the layers may name it (outside the pipeline it is one more batch/FSDP axis).
-        if self.inner_rules is None:
-            return contextlib.nullcontext()
-        return use_rules(self.inner_rules)
-
-    def _visit(self, r):
-        """The repeat index to use: a constant 0 without repeats (no gather under the vmap)."""
-        return 0 if self.sched.r_n == 1 else r
-
-    def _layer_params(self, w_s, r, j):
-        """Layer j of a stage's visit r, [R, Lps, ...] -> [...]: one layer's slice per step, never
-        a copy of the visit's [Lps, ...] weights."""
-
-        def index(a):
-            a = jax.lax.dynamic_index_in_dim(a, self._visit(r), 0, False)
-            return remat.tag(jax.lax.dynamic_index_in_dim(a, j, 0, False), PIPELINE_STAGE_WEIGHTS)
-
-        return jax.tree.map(index, w_s)
-
-    def _masked(self, p, valid):
-        """A layer's params with its fp8 probe times `valid` (the stage's slot is real work, not
-        a bubble), inside what is differentiated: the probe's cotangent is then masked too."""
-        if not self.probed:
-            return p
-        params, probe = p
-        return params, jax.tree.map(lambda a: a * valid.astype(a.dtype), probe)
-
-    def _layers(self, w_s):
-        return jnp.arange(jax.tree.leaves(w_s)[0].shape[1], dtype=jnp.int32)
-
-    def _vmap(self, fn, in_axes, out_axes=0):
-        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, spmd_axis_name=_spmd_axis())
-
-    def forward(self, w, r_S, x_SBTD, pos_SBT, seg_SBT, valid_S):
-        """(y [S, mb, T, D], per-layer stats [S, Lps, ...] or None)."""
-
-        def stage(w_s, r, x, pos, seg, valid):
-            def body(layer):
-                return lambda x, j: layer(
-                    x, self._masked(self._layer_params(w_s, r, j), valid), pos, seg
-                )
-
-            with self._rules():
-                bodies = [body(layer) for layer in self.layers]
-                return layer_pattern.scan(bodies, x, self._layers(w_s))
-
-        x_SBTD = remat.tag(x_SBTD, ITERATION_INPUT)
-        in_axes = (1, 0, 0, 0, None if seg_SBT is None else 0, 0)
-        return self._vmap(stage, in_axes)(w, r_S, x_SBTD, pos_SBT, seg_SBT, valid_S)
-
-    def backward(self, w, dw, r_S, x_SBTD, pos_SBT, seg_SBT, dy_SBTD, dsums_S, valid_S):
-        """The VJP of `forward` at x: (dx [S, mb, T, D], dw + the weights' gradient).
-
-        Each stage runs its layers forward again keeping their inputs, then backward layer by
-        layer (each layer's forward once more, all of its residuals alive only for its own
-        backward), adding layer j's weight gradient into `dw[r, s, j]` in place: the stage's
-        weight gradient exists once (the caller's accumulator), not once more per iteration.
-        `dsums_S`: the cotangents of the stats sums (load_E, prob_sum_E) [S, Lps, E] or None.
-        """
-
-        def stage(w_s, dw_s, r, x, pos, seg, dy, dsums, valid):
-            def sums(stats):
-                return None if stats is None else (stats.load_E, stats.prob_sum_E)
-
-            def kind(fn):
-                def layer(p, x):
-                    y, stats = fn(x, self._masked(p, valid), pos, seg)
-                    return y, sums(stats)
-
-                return layer
-
-            def again(layer):
-                return lambda x, j: (layer(self._layer_params(w_s, r, j), x)[0], x)
-
-            def back(layer, xs):
-                def body(carry, j):
-                    dx, dw_s = carry
-                    x_j = jax.lax.dynamic_index_in_dim(xs, j, 0, False)
-                    ds = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), dsums)
-                    _, vjp = jax.vjp(layer, self._layer_params(w_s, r, j), x_j)
-                    dp, dx = vjp((dx, ds))
-                    dw_s = jax.tree.map(lambda a, g: _add_at(a, g, self._visit(r), j), dw_s, dp)
-                    return (dx, dw_s), None
-
-                return body
-
-            with self._rules():
-                layers = self._layers(w_s)
-                kinds = [kind(fn) for fn in self.layers]
-                _, xs = layer_pattern.scan([again(k) for k in kinds], x, layers)
-                backs = [back(k, xs) for k in kinds]
-                (dx, dw_s), _ = layer_pattern.scan(backs, (dy, dw_s), layers, reverse=True)
-            return dx, dw_s
-
-        seg_axis = None if seg_SBT is None else 0
-        sums_axis = None if dsums_S is None else 0
-        in_axes = (1, 1, 0, 0, 0, seg_axis, 0, sums_axis, 0)
-        fn = self._vmap(stage, in_axes, out_axes=(0, 1))
-        return fn(w, dw, r_S, x_SBTD, pos_SBT, seg_SBT, dy_SBTD, dsums_S, valid_S)
-
-    def zero_stats(self, w, x_MBTD, pos_MBT, seg_MBT):
-        """Zero sums `(load [R, S, Lps, E], prob_sum [R, S, Lps, E], dropped [R, S, Lps])`, or
-        None for a stack without MoE layers (found from the shapes of the stages' statistics)."""
-        seg = None if seg_MBT is None else seg_MBT[:1]
-        r0 = jnp.zeros((self.sched.s_n,), jnp.int32)
-        x = jnp.broadcast_to(x_MBTD[:1], (self.sched.s_n, *x_MBTD.shape[1:]))
-        pos = jnp.broadcast_to(pos_MBT[:1], (self.sched.s_n, *pos_MBT.shape[1:]))
-        seg = None if seg is None else jnp.broadcast_to(seg, pos.shape)
-        _, stats = jax.eval_shape(self.forward, w, r0, x, pos, seg, r0 == 0)
-        if stats is None:
-            return None
-        lead = (self.sched.r_n,)
-        return (
-            jnp.zeros(lead + stats.load_E.shape, jnp.float32),
-            jnp.zeros(lead + stats.prob_sum_E.shape, jnp.float32),
-            jnp.zeros(lead + stats.dropped.shape, jnp.int32),
-        )
-
-
-def _add_at(acc, g, r, j):
-    """acc[r, j] += g, in place (acc [R, Lps, ...] of one stage)."""
-    idx = (r, j) + (0,) * g.ndim
-    old = jax.lax.dynamic_slice(acc, idx, (1, 1, *g.shape))
-    return jax.lax.dynamic_update_slice(acc, old + g[None, None].astype(acc.dtype), idx)
 
 
 def _feed(sched: _Schedule, it, state_SBTD, x_MBTD, out_MBTD):
@@ -361,7 +220,7 @@ def _scan(sched: _Schedule, c: Config, forward, w, x_MBTD, pos_MBT, seg_MBT, acc
 def _per_stage(fn, buf_KS, *args_S, out_axes=1):
     """`fn(buf_K, *args)` for each stage (buf's axis 1 and the args' axis 0), on its device."""
     in_axes = (1,) + (0,) * len(args_S)
-    fn = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, spmd_axis_name=_spmd_axis())
+    fn = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, spmd_axis_name=spmd_axis())
     return fn(buf_KS, *args_S)
 
 
@@ -382,11 +241,11 @@ def _get(buf_K, k):
 
 
 def _pipeline_vjp(
-    sched: _Schedule, c: Config, stages: _Stages, on_stages, w, x_MBTD, pos_MBT, seg_MBT, acc0
+    sched: _Schedule, c: Config, stages: Stages, on_stages, w, x_MBTD, pos_MBT, seg_MBT, acc0
 ):
     """`_scan` with its own VJP: the residuals are the stage inputs of every iteration; the
     backward is a reverse scan over the iterations whose carry holds the weight gradient,
-    added into in place layer by layer (`_Stages.backward`)."""
+    added into in place layer by layer (`pipeline_stages.Stages.backward`)."""
     s_n, m_n = sched.s_n, sched.m_n
 
     @jax.custom_vjp
@@ -456,19 +315,6 @@ def _add_index(a, v, i):
     return jax.lax.dynamic_update_index_in_dim(a, old + v, i, 0)
 
 
-def _without_pipeline(rules):
-    """`rules` with the `pipeline` mesh axis removed from every entry (None stays None)."""
-    if rules is None:
-        return None
-    return {k: tuple(a for a in v if a != PIPELINE) for k, v in rules.items()}
-
-
-def _spmd_axis():
-    """`pipeline` when running under a mesh that has it, else None (a plain vmap)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return PIPELINE if PIPELINE in getattr(mesh, "axis_names", ()) else None
-
-
 def _accumulate(acc, stats: MoEStats, valid_S, r_S, r_n: int):
     """acc[r_S[s], s] += stats[s] for the stages doing real work (`valid_S`)."""
     hit_RS = (jnp.arange(r_n)[:, None] == r_S[None, :]) & valid_S[None, :]
@@ -485,7 +331,7 @@ def _shift(y_SBTD, c: Config, *, back: bool = False):
     """Stage s's output becomes stage s + 1's input (the last stage's wraps to stage 0, where it
     is overwritten by the next microbatch or used as its next repeat's input). `back`: the
     opposite direction (the shift's transpose, for the backward pass)."""
-    if c.pipeline_shift == "ppermute" and _spmd_axis() is not None:
+    if c.pipeline_shift == "ppermute" and spmd_axis() is not None:
         return _ppermute_shift(y_SBTD, back)
     return constrain(_roll(y_SBTD, back), STATE_AXES)
 

@@ -300,13 +300,14 @@ def call_stack(module: Module, frame: int) -> list[Frame]:
 _PASS_THROUGH = ("copy", "bitcast", "reshape", "copy-start", "copy-done", "transpose", "convert")
 
 
-_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
+# A fusion's (or call's) computation: `calls=%name`.
+CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
 def _moves_operand(module: Module, fusion: Instruction) -> bool:
     """Whether a fusion only moves its one operand (XLA's `wrapped_copy`, a layout change: its
     computation's root is a copy, bitcast, transpose, ...)."""
-    m = _CALLS_RE.search(fusion.attrs)
+    m = CALLS_RE.search(fusion.attrs)
     root = module.instructions.get(module.roots.get(m.group(1), "")) if m else None
     return root is not None and root.opcode in _PASS_THROUGH
 

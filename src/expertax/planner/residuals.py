@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from expertax import platform
 from expertax.config.schema import Config
-from expertax.models import decoder, pipeline
+from expertax.models import decoder
 from expertax.nn import param
 from expertax.nn.attention.kernel import ATTENTION_PLATFORMS
 from expertax.parallel import remat
@@ -261,7 +261,9 @@ def stack_residuals(
     stack = "moe" if moe else "dense"
     dtype_name = str(jnp.dtype(c.dtype))
     items = memory_pipeline.work_items(c)
-    it = Residual(pipeline.ITERATION_INPUT, shape, dtype_name, "device", stack, items, context)
+    it = Residual(
+        remat.PIPELINE_ITERATION_INPUT, shape, dtype_name, "device", stack, items, context
+    )
     return [*out, it]
 
 

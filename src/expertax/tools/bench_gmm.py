@@ -31,6 +31,7 @@ import numpy as np
 from expertax import progress
 from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
+from expertax.tools.flags import choices, positive_ints
 
 GROUPINGS = ("balanced", "zipf", "one")
 PASSES = ("fwd", "fwd_bwd")
@@ -124,29 +125,11 @@ def _predicted_s(backend: str, experts: int, flops: float, dense_gflops: float) 
     return None
 
 
-def positive_ints(flag: str, text: str, sep: str = ",") -> list[int]:
-    try:
-        values = [int(v) for v in text.split(sep)]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ConfigError(f"{flag}={text!r}: use positive integers separated by {sep!r}")
-    return values
-
-
-def _choices(flag: str, text: str, valid: tuple[str, ...]) -> list[str]:
-    values = text.split(",")
-    for v in values:
-        if v not in valid:
-            raise ConfigError(f"{flag}={text!r}: {v!r} is not one of {', '.join(valid)}")
-    return values
-
-
 def check_args(args) -> None:
     """Every grid flag parsed before anything is measured; ConfigError names the bad flag."""
-    _choices("--backends", args.backends, gmm_lib.BACKENDS[1:])
-    _choices("--groups", args.groups, GROUPINGS)
-    _choices("--passes", args.passes, PASSES)
+    choices("--backends", args.backends, gmm_lib.BACKENDS[1:])
+    choices("--groups", args.groups, GROUPINGS)
+    choices("--passes", args.passes, PASSES)
     positive_ints("--experts", args.experts)
     positive_ints("--rows", args.rows)
     for shape in args.shapes.split(","):

@@ -31,7 +31,7 @@ import platform as host
 import time
 
 from expertax.config import ConfigError
-from expertax.tools.bench_gmm import positive_ints
+from expertax.tools.flags import positive_ints
 
 PASSES = ("fwd", "fwd_bwd")
 DEFAULT_BACKENDS = {

@@ -11,7 +11,7 @@ import pytest
 from expertax import cli
 from expertax.config import ConfigError
 from expertax.parallel import remat
-from expertax.planner import estimate, fit, space
+from expertax.planner import estimate, fit, fit_table, space
 from expertax.planner.plan import GIB, memory_report
 from expertax.preflight import load_config
 
@@ -135,7 +135,7 @@ def test_fit_picks_a_candidate_that_compiles_under_the_budget():
     assert r["train_line"].startswith("expertax train model_name=mixtral-tiny ")
     for k, v in best["overrides"].items():
         assert f"{k}={str(v).lower() if isinstance(v, bool) else v}" in r["train_line"]
-    assert "FITS" in fit.format_fit(r)
+    assert "FITS" in fit_table.format_fit(r)
 
 
 @pytest.mark.usefixtures("persistent_compile_cache")

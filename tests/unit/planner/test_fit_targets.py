@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from expertax.planner import fit, plan
+from expertax.planner import fit, fit_table, plan
 from expertax.preflight import load_config
 from expertax.targets import compiler_available, parse_target, prepare_process
 
@@ -51,7 +51,7 @@ def test_fit_finds_the_fastest_plan_that_fits(spec):
     c = load_config(overrides={**SMALL, "per_device_batch_size": 8})
     hbm = 0.25
     r = fit.fit_search(c, t.count, hbm, hardware=t, max_compiles=3, minutes=5, log=lambda s: None)
-    assert r["fits"], fit.format_fit(r)
+    assert r["fits"], fit_table.format_fit(r)
     best = r["best"]
     assert best["peak_device_bytes"] <= r["target_bytes"]
     compiled = [x for x in r["candidates"] if x["peak_device_bytes"] is not None]
@@ -65,5 +65,5 @@ def test_fit_finds_the_fastest_plan_that_fits(spec):
             if x["peak_device_bytes"] is None and x["step"]["seconds"] < best["step"]["seconds"]
         ]
         assert faster == []
-    text = fit.format_fit(r)
+    text = fit_table.format_fit(r)
     assert "FITS:" in text and "est err" in text and r["train_line"] in text

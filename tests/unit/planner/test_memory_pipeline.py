@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from expertax import cli
-from expertax.models import pipeline
+from expertax.parallel import remat
 from expertax.planner import pipeline as memory_pipeline
 from expertax.planner.format import _fmt, format_report
 from expertax.planner.plan import memory_report
@@ -135,7 +135,7 @@ def test_memory_report_with_stages(pp_report):
     # full remat: the pipeline's VJP keeps the stage input of each of its M R = 2 work items,
     # [1 row, 16, 128] per device (not the bubble iteration's)
     assert [(x["name"], x["shape"], x["layers"]) for x in r["residuals"]] == [
-        (pipeline.ITERATION_INPUT, [1, 16, 128], 2)
+        (remat.PIPELINE_ITERATION_INPUT, [1, 16, 128], 2)
     ]
     # an iteration's backward: its one layer's input, and that layer's residuals without remat
     plain = c.model_copy(update={"remat_policy": "none"})
@@ -163,14 +163,14 @@ def test_stack_residuals_by_policy_and_partial_pipeline():
     plain = layer_residuals(c, moe=True, batch_local=4, layers=1)
     assert [(x.name, x.shape, x.layers) for x in res] == [
         *((x.name, x.shape, 1) for x in plain),
-        (pipeline.ITERATION_INPUT, (2, 16, 128), 2),  # M R = 2 work items
+        (remat.PIPELINE_ITERATION_INPUT, (2, 16, 128), 2),  # M R = 2 work items
     ]
     c = _cfg("ici_pipeline_parallelism=2", "remat_policy=none", "num_pipeline_microbatches=4")
     res = stack_residuals(c, moe=True, batch_local=4, microbatch_rows=1)
     per_layer = layer_residuals(c, moe=True, batch_local=1)
     # 5 iterations x 1 layer per stage
     assert [(x.name, x.shape, x.layers) for x in res] == [(x.name, x.shape, 5) for x in per_layer]
-    assert pipeline.ITERATION_INPUT not in {x.name for x in res}
+    assert remat.PIPELINE_ITERATION_INPUT not in {x.name for x in res}
     assert iteration_residual_bytes(c, 1) is None
     unstaged = stack_residuals(_cfg(), moe=True, batch_local=4, microbatch_rows=4)
     assert unstaged and {x.layers for x in unstaged} == {2}  # both layers, as before stages

@@ -7,7 +7,8 @@ import pytest
 
 from expertax import cli
 from expertax.preflight import load_config
-from expertax.tools import parity, parity_compile
+from expertax.tools.parity import compile_only as parity_compile
+from expertax.tools.parity.layouts import parse_layout
 
 # A hand-written optimized-HLO text: the padded exchange's all-to-all (frame 2: exchange.py's
 # padded_all_to_all), the ragged exchange's offsets all-to-all (frame 3: exchange.py's
@@ -74,10 +75,10 @@ def test_expected_exchange_follows_the_platform():
 
 
 def test_parse_layout_takes_the_target_platforms_exchange():
-    assert parity.parse_layout("sparse-ep8", backend="tpu").a2a_impl == "ragged"
-    assert parity.parse_layout("sparse-ep8", backend="gpu").a2a_impl == "ragged"
-    assert parity.parse_layout("sparse-ep8", backend="cpu").a2a_impl == "padded"
-    assert parity.parse_layout("sparse-ep8").a2a_impl == "padded"  # this process: XLA:CPU
+    assert parse_layout("sparse-ep8", backend="tpu").a2a_impl == "ragged"
+    assert parse_layout("sparse-ep8", backend="gpu").a2a_impl == "ragged"
+    assert parse_layout("sparse-ep8", backend="cpu").a2a_impl == "padded"
+    assert parse_layout("sparse-ep8").a2a_impl == "padded"  # this process: XLA:CPU
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 
-from expertax.tools import parity, parity_routing
+from expertax.tools.parity import routing as parity_routing
+from expertax.tools.parity.layouts import parse_layout
+from expertax.tools.parity.run import make_row
+from expertax.tools.parity.table import format_row
 
 
 def test_flips_count_changed_experts_per_layer_not_their_order():
@@ -52,16 +55,16 @@ def test_verdict(r, ok, cell):
 def test_row_and_cells_from_probes():
     """make_row counts the flips against the reference's probe and the imposed |dloss|; rows
     without probes (pipelines, fakes) show `-`."""
-    layout = parity.parse_layout("sparse-padded-ep2")
+    layout = parse_layout("sparse-padded-ep2")
     ref_chosen = np.zeros((2, 1, 1, 2), np.int32) + np.array([0, 1])
     got = ref_chosen.copy()
     got[1, 0, 0] = [0, 5]
     probes = [{"loss": 2.001, "chosen": got}, {"loss": 2.0000001, "chosen": got}]
     run = {"losses": [2.001], "tokens_per_s_per_device": 1.0, "probes": probes}
-    r = parity.make_row(layout, run, [2.0], {"loss": 2.0, "chosen": ref_chosen})
+    r = make_row(layout, run, [2.0], {"loss": 2.0, "chosen": ref_chosen})
     assert r["routing_flips"] == [0, 1] and r["imposed_loss_diff"] == pytest.approx(1e-7, abs=1e-9)
-    cells = parity.format_row(r, 1e-5, [2.0])
+    cells = format_row(r, 1e-5, [2.0])
     assert "| 1 (0/1) | 1.00e-07 | yes (1 routing flips; within tolerance under the" in cells
-    plain = parity.make_row(layout, {"losses": [2.0], "tokens_per_s_per_device": 1.0}, [2.0])
+    plain = make_row(layout, {"losses": [2.0], "tokens_per_s_per_device": 1.0}, [2.0])
     assert plain["routing_flips"] is None
-    assert parity.format_row(plain, 1e-5, [2.0]).endswith("| 0.00e+00 | - | - | yes |")
+    assert format_row(plain, 1e-5, [2.0]).endswith("| 0.00e+00 | - | - | yes |")

@@ -57,7 +57,7 @@ class MoEStats:
     stash_overflow: Leaf = None
     stash_factor: Leaf = None
     # int32 [B, T, K]: the router's own top-k choice per token, only where a selection was imposed
-    # (`route(..., imposed_NK)`; tools/parity.py's routing probe), else None
+    # (`route(..., imposed_NK)`; tools/parity/routing.py), else None
     chosen_BTK: Leaf = None
 
 

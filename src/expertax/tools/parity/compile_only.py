@@ -1,9 +1,9 @@
 """`expertax parity --compile-only [--target T]`: every layout of the parity matrix compiled for a
 target, nothing run.
 
-The layouts are the parity table's (`parity.layouts` for the target's platform: the sparse
+The layouts are the parity table's (`layouts.default_layouts` for the target's platform: the sparse
 dispatches, ring and dense on each mesh, the paged stash, expert-as-TP rules, the pipelines; or
-`--layouts`), each built with `parity.layout_config` and compiled by `build_trainer(c,
+`--layouts`), each built with `layouts.layout_config` and compiled by `build_trainer(c,
 devices).compile()` for the target's devices: `cpu` (this machine's CPU devices; the command
 simulates 8), a TPU slice or GPUs (`expertax.targets`, compile-only devices). A row per layout:
 - compiles: yes, the compiler's first line of error, or "does not fit" (the compiler refused
@@ -40,7 +40,7 @@ from expertax.nn.moe.strategy import resolve_a2a_impl
 from expertax.parallel import remat
 from expertax.planner import hlo, plan
 from expertax.planner.costs import step_costs
-from expertax.tools import parity
+from expertax.tools.parity import layouts
 from expertax.train.trainer import build_trainer
 
 # Collective opcodes (an async `-start` counts as its op, the `-done` not) and their short names.
@@ -181,11 +181,11 @@ def first_line(error: Exception) -> str:
 
 
 def compile_layout(
-    base: Config, layout: parity.Layout, devices: list, *, global_batch: int, target=None
+    base: Config, layout: layouts.Layout, devices: list, *, global_batch: int, target=None
 ) -> dict:
     """Compile `base` under `layout` for the first `layout.num_devices` of `devices`; its row.
     Raises ConfigError when the config checks refuse the layout (nothing compiled)."""
-    c = parity.layout_config(base, layout, global_batch)
+    c = layouts.layout_config(base, layout, global_batch)
     trainer = build_trainer(c, devices=list(devices)[: layout.num_devices])
     on = platform.of_mesh(trainer.mesh)
     expected = expected_exchange(c, on, int(trainer.mesh.shape.get("expert", 1)))
@@ -226,7 +226,7 @@ def compile_table(
     base: Config,
     *,
     target=None,
-    layout_list: list[parity.Layout] | None = None,
+    layout_list: list[layouts.Layout] | None = None,
     skip_refused: bool = False,
     echo=print,
 ) -> dict:
@@ -234,7 +234,7 @@ def compile_table(
 
     Returns {"target", "platform", "devices", "rows", "refused", "skipped", "skip_refused",
     "ok"}: `rows` for the layouts compiled (or that the compiler refused), `refused` and
-    `skipped` as `parity.parity_table`'s. The global batch is per_device_batch_size x the
+    `skipped` as `run.parity_table`'s. The global batch is per_device_batch_size x the
     devices of the largest layout (the default matrix's 8), as `parity` sets it on 8 devices.
     """
     devices = target_devices(target)
@@ -242,8 +242,8 @@ def compile_table(
     skipped = []
     if layout_list is None:
         layout_list = []
-        for layout in parity.layouts(len(devices), on):
-            misfit = parity.pipeline_misfit(base, layout)
+        for layout in layouts.default_layouts(len(devices), on):
+            misfit = layouts.pipeline_misfit(base, layout)
             if misfit is None:
                 layout_list.append(layout)
             else:
