@@ -41,7 +41,16 @@ TRIPS = Valued("trips", r"\d+(?:\.\d+)?")
 ROWS = Valued("rows")
 # the Hopper fp8 kernel's row tile (its kernel module; planner/flops.py)
 FP8_TILE = Valued("fp8_tile")
-# the dense fp8 GEMM's products: forward, input gradient, weight gradient (tools/fp8_kernels.py)
-FP8_DENSE = ("fp8_fprop", "fp8_dgrad", "fp8_wgrad")
-# the routed experts' fp8 grouped GEMM's products, in the same order
-FP8_GROUPED = ("fp8_gmm_fprop", "fp8_gmm_dgrad", "fp8_gmm_wgrad")
+# the fp8 GEMMs' three products: forward, input gradient, weight gradient
+PRODUCTS = ("fprop", "dgrad", "wgrad")
+# the dense fp8 GEMM's scopes (tools/fp8_kernels.py, planner/flops.py), one per product
+FP8_DENSE = tuple(f"fp8_{p}" for p in PRODUCTS)
+# the routed experts' fp8 grouped GEMM's, in the same order
+FP8_GROUPED = tuple(f"fp8_gmm_{p}" for p in PRODUCTS)
+_FP8_PRODUCT = re.compile("|".join(rf"\b{s}\b" for s in FP8_DENSE + FP8_GROUPED))
+
+
+def fp8_product(op_name: str) -> str | None:
+    """Which product ("fprop", "dgrad" or "wgrad") of an fp8 GEMM `op_name` lies under, if any."""
+    found = _FP8_PRODUCT.search(op_name)
+    return found.group(0).rsplit("_", 1)[1] if found else None

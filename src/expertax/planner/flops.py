@@ -39,11 +39,10 @@ import math
 import re
 from collections import Counter, defaultdict
 
+from expertax import scopes
 from expertax.planner.hlo import Instruction, Module, parse_hlo
 from expertax.planner.kernels import GroupedKernel, grouped_kernel
 from expertax.planner.trips import fusion_callers, trip_count
-
-_EXPECTED_RE = re.compile(r"trips~(\d+(?:\.\d+)?)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +273,7 @@ class _Counter:
             if ins.opcode == "while":
                 n: float | None = trip_count(self.m, ins, self.fused_by)
                 self.trips[ins.name] = n
-                if n is None and (hint := _EXPECTED_RE.findall(ins.op_name)):
+                if n is None and (hint := scopes.TRIPS.pattern.findall(ins.op_name)):
                     n = float(hint[-1])  # the program's own count: balanced routing, a mean
                     self.expected[ins.name] = n
                 parts = [(self.cost(c), 1 if n is None else n) for _, c in called]
@@ -300,11 +299,8 @@ _SPLASH_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
 
 
 # The fp8 Hopper kernels (nn/moe/fp8_hopper.py) by the named scope of their product
-# (nn/fp8_gemm.SCOPES, nn/moe/fp8_gmm.SCOPES), and their row tile by the kernel call's own
+# (`scopes.FP8_DENSE`, `scopes.FP8_GROUPED`), and their row tile by the kernel call's own
 # (fp8_hopper.tile_scope; 128 where it is absent)
-_FP8_SCOPE_RE = re.compile(r"fp8_(?:gmm_)?(fprop|dgrad|wgrad)")
-_FP8_TILE_RE = re.compile(r"fp8_tile~(\d+)")
-_ROWS_RE = re.compile(r"rows~(\d+)")  # the balanced rows per group (planner/kernels.py)
 _F8_OPERAND_RE = re.compile(r"f8e4m3fn\[(\d+,\d+)\]")
 _F8_WEIGHT_RE = re.compile(r"f8e4m3fn\[(\d+),\d+,\d+\]")
 
@@ -321,23 +317,23 @@ def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
     bfloat16 kernels are counted, planner/kernels.py: G ceil(R / T) tiles), or else at
     several groups' on average (half a tile of padding each: Mp - T / 2 G). None for other
     calls."""
-    scope = _FP8_SCOPE_RE.search(ins.op_name)
+    scope = scopes.fp8_product(ins.op_name)
     if not target.startswith("mosaic_gpu") or scope is None:
         return None
-    named = _FP8_TILE_RE.search(ins.op_name)
+    named = scopes.FP8_TILE.pattern.search(ins.op_name)
     tile = int(named.group(1)) if named else 128
     found = _F8_OPERAND_RE.findall(ins.attrs)
     if not found:
         return None
     out = _dims(ins.shape)
     (rows,) = [tuple(int(d) for d in f.split(",")) for f in found[:1]]
-    if scope.group(1) == "wgrad":  # [G, K, N] <- x^T [K, Mp], dy^T [N, Mp]
+    if scope == "wgrad":  # [G, K, N] <- x^T [K, Mp], dy^T [N, Mp]
         g, mp, width = out[0], rows[1], math.prod(out[1:])
     else:  # [Mp, N] <- [Mp, C] x [G, ., .]
         weight = _F8_WEIGHT_RE.search(ins.attrs)
         g = int(weight.group(1)) if weight else 1
         mp, width = out[0], rows[1] * math.prod(out[1:])
-    balanced = _ROWS_RE.search(ins.op_name)
+    balanced = scopes.ROWS.pattern.search(ins.op_name)
     if g == 1:
         computed = mp - tile
     elif balanced:
