@@ -40,4 +40,7 @@ def _key(kind: str, default: Any, **kwargs: Any) -> Any:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    # every float key finite (inf and nan refused with the key named: loader._validation_message)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=True, allow_inf_nan=False
+    )
