@@ -9,7 +9,7 @@ compiled FLOPs (planner/flops.py: loop bodies times their trip counts) and the t
 (`memory_analysis`). COMPILED ONLY: no time.
 
 `--hopper`: deepseek3-tiny with its dims in whole 128-tiles (tools/fp8_kernels.HOPPER_DIMS),
-where the Hopper kernel (nn/fp8_kernel.py) takes the products `gmm_impl=auto` and the
+where the Hopper kernel (fp8/kernel.py) takes the products `gmm_impl=auto` and the
 blockwise recipe give it; the table then says which kernel runs each product (routed
 experts, shared experts, dense linears: fprop, dgrad, wgrad; tools/fp8_kernels.py), against
 the bfloat16 step.

@@ -303,9 +303,9 @@ class _Counter:
 _SPLASH_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
 
 
-# The fp8 Hopper kernels (nn/moe/fp8_hopper.py) by the named scope of their product
-# (nn/fp8_gemm.SCOPES, nn/moe/fp8_gmm.SCOPES), and their row tile by the kernel call's own
-# (fp8_hopper.tile_scope; 128 where it is absent)
+# The fp8 Hopper kernels (fp8/hopper/) by the named scope of their product
+# (fp8/dense.SCOPES, fp8/grouped.SCOPES), and their row tile by the kernel call's own
+# (hopper/layout.tile_scope; 128 where it is absent)
 _FP8_SCOPE_RE = re.compile(r"fp8_(?:gmm_)?(fprop|dgrad|wgrad)")
 _FP8_TILE_RE = re.compile(r"fp8_tile~(\d+)")
 _ROWS_RE = re.compile(r"rows~(\d+)")  # the balanced rows per group (planner/kernels.py)
@@ -318,7 +318,7 @@ def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
     scope) from its shapes: the fprop and dgrad multiply [Mp, C] e4m3 rows by each group's
     [C, N] weight into [Mp, N], the wgrad [G, K, N] from x^T [K, Mp] and dy^T [N, Mp]. The
     wrapper lays out Mp = the rows plus up to a row tile per group (each group starts at a row
-    tile, fp8_hopper.padded_rows; the tile T is 64 or 128 rows for the fprop and dgrad, 128 for
+    tile, hopper/layout.padded_rows; the tile T is 64 or 128 rows for the fprop and dgrad, 128 for
     the wgrad, named in the op_name as `fp8_tile~T`), and the kernel skips the tiles past the
     last group: it computes the rows rounded up per group, counted here at one group's rows
     exactly (Mp - T), at the balanced rows per group the program names (`rows~R`, as the

@@ -1,11 +1,11 @@
 """Which kernel multiplies each fp8 product of a compiled program (docs/design/fp8.md).
 
-The fp8 GEMMs trace their products under named scopes (`nn/fp8_gemm.SCOPES` for the dense
-linears, `nn/moe/fp8_gmm.SCOPES` for the routed experts), which XLA keeps in each instruction's
+The fp8 GEMMs trace their products under named scopes (`fp8/dense.SCOPES` for the dense
+linears, `fp8/grouped.SCOPES` for the routed experts), which XLA keeps in each instruction's
 `op_name`. `by_product(hlo_text)` counts the GEMM custom calls of an optimized program (its
 `as_text()`) by (product, kernel): the product one of `PRODUCTS` (a dense linear inside the
 MoE layer's scope is a shared expert's), the kernel one of
-- `mosaic_gpu_fp8`: a Pallas Mosaic GPU call (`moe/fp8_hopper.py`'s e4m3 `wgmma` kernel: the
+- `mosaic_gpu_fp8`: a Pallas Mosaic GPU call (`fp8/hopper/`'s e4m3 `wgmma` kernel: the
   only Mosaic GPU kernel under these scopes);
 - `cublaslt_fp8`: cuBLASLt's fp8 GEMM (`__cublas$lt$matmul$f8`);
 - `cublas_bf16`, `triton`: a dequantized product (cuBLAS, or XLA's or tokamax's Triton).
@@ -17,8 +17,8 @@ from __future__ import annotations
 import collections
 import re
 
-from expertax.nn import fp8_gemm
-from expertax.nn.moe import fp8_gmm
+from expertax.fp8 import dense as fp8_gemm
+from expertax.fp8 import grouped as fp8_gmm
 
 _CALL = re.compile(r'custom_call_target="([^"]+)"')
 _OP = re.compile(r'op_name="([^"]+)"')

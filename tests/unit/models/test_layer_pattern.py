@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from expertax import init_params, load_config, logits
-from expertax.errors import ConfigError
 from expertax.decoding import generate
+from expertax.errors import ConfigError
 from expertax.train import step as step_lib
 from tests.tolerances import tol
 from tests.unit.decoding.test_generate import oracle

@@ -1,6 +1,6 @@
 """fp8 training (`quantization`): which products of a model the recipe takes, the model's loss
 and gradients near the unquantized ones, refusals, decoding left in dtype, and the quantizers'
-counts as train metrics (nn/fp8_stats.py)."""
+counts as train metrics (fp8/stats.py)."""
 
 import re
 
@@ -13,6 +13,7 @@ from tests.unit.train.test_resume import read_metrics
 
 from expertax import init_params, load_config, logits
 from expertax.config import ConfigError
+from expertax.fp8 import kernel as fp8_kernel
 from expertax.train.loop import train
 from expertax.train.trainer import build_trainer
 
@@ -86,7 +87,6 @@ def test_the_hopper_kernel_is_refused_off_hopper_and_taken_where_it_runs():
     inside `fp8_kernel.interpret()` (the CPU standing in for a Hopper GPU) it is taken, so is
     `auto`'s choice with the tiny model's F=64 (64-wide tiles), and `auto` with F=96 (not a
     multiple of 64) keeps the dequantized products, saying why."""
-    from expertax.nn import fp8_kernel
 
     c = _config("deepseek3-tiny", "fp8_blockwise", gmm_impl="fp8_hopper", **WHOLE_TILES)
     with pytest.raises(ConfigError, match="gmm_impl=fp8_hopper: .*not on the cpu devices"):

@@ -17,8 +17,8 @@ Backends (`backend=`, the `gmm_impl` config key):
   matmul, forward, input and weight gradients (`gmm_kernels.py`); refused elsewhere.
 - `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
   (see docs/design/gmm.md).
-- `fp8_hopper` (`gmm_impl` under an fp8 `quantization` only): `moe/fp8_gmm.py` runs the fp8
-  fprop and dgrad on Hopper's kernel (nn/fp8_kernel.py); what runs in the operands' dtype
+- `fp8_hopper` (`gmm_impl` under an fp8 `quantization` only): `fp8/grouped.py` runs the fp8
+  fprop and dgrad on Hopper's kernel (fp8/kernel.py); what runs in the operands' dtype
   here (the fp8 wgrad, decoding's unquantized experts) is `auto`'s.
 
 `gmm_glu(gate, up, wo, sizes)` = `gmm(act(gate, up), wo, sizes)`, the expert FFN's second matmul
@@ -38,13 +38,13 @@ import jax
 import jax.numpy as jnp
 
 from expertax import platform
-from expertax.nn import fp8_kernel
+from expertax.fp8 import kernel as fp8_kernel
 from expertax.nn.activation import GatedActivation, swiglu
 from expertax.nn.moe import gmm_kernels, tiles
 from expertax.nn.moe.vma import varying_like
 
 BACKENDS = ("auto", "ragged_dot", "tiled", *gmm_kernels.KERNELS)
-# the values of `gmm_impl`: these and the fp8 kernel of the routed experts (moe/fp8_gmm.py)
+# the values of `gmm_impl`: these and the fp8 kernel of the routed experts (fp8/grouped.py)
 CONFIG_VALUES = (*BACKENDS, fp8_kernel.HOPPER)
 
 # Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, docs/design/gmm.md).

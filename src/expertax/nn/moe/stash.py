@@ -21,7 +21,7 @@ Per device, a buffer is `[capacity + page, W]` (W = F/tensor for the gate and up
 output); outside the `shard_map` the devices' buffers are stacked on the leading axis, sharded
 over the mesh axes of `AXES`, and `offset`, `fits`, `rows` have one entry per such device.
 
-Under an fp8 `quantization` (nn/moe/fp8_gmm.py) the gate and up are held as what the backward
+Under an fp8 `quantization` (fp8/grouped.py) the gate and up are held as what the backward
 reads: the activation's inputs in 1 x 128 e4m3 tiles, one byte per value in `name` and the
 float32 scales of each row in `name + SCALE` (F/128 per row; `fp8_tensorwise`: the one scale,
 repeated per row), DeepSeek-V3's cached SwiGLU inputs (`buffers`). The read mode hands them to
@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
+from expertax.fp8.quant import BLOCK as TILE
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
-from expertax.quant import BLOCK as TILE
 
 WRITE, READ = "write", "read"
 SCALE = "/scale"  # the buffer of an fp8-held name's row scales: name + SCALE

@@ -1,4 +1,4 @@
-"""The routed experts' fp8 grouped GEMM (nn/moe/fp8_gmm.py): fprop, dgrad and wgrad equal a
+"""The routed experts' fp8 grouped GEMM (fp8/grouped.py): fprop, dgrad and wgrad equal a
 loop over experts of float32 products of the recipe's quantized operands (re-derived here from
 the tiles), padding rows and EP's foreign groups kept out of the wgrad's row tiles, the paged
 stash's `given` value with the same backward, and e4m3 residuals; the second GEMM with its
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals  # (public: print_saved_residuals only)
 
-from expertax import quant
-from expertax.nn import fp8_gemm
+from expertax.fp8 import grouped as fp8_gmm
+from expertax.fp8 import quant
+from expertax.fp8 import recipes as fp8_recipes
 from expertax.nn.activation import swiglu
-from expertax.nn.moe import fp8_gmm, tiles
+from expertax.nn.moe import tiles
 from tests.tolerances import tol
 
 E, M, K, N = 4, 300, 256, 160
@@ -64,7 +65,7 @@ def _products_case(i, recipe, j, name, local):
     if not (i + j) % 2:
         return pytest.param(recipe, local, id=f"{name}-{recipe}")
     other_range = _RANGES[1 - j][0]
-    other_recipe = fp8_gemm.RECIPES[1 - i]
+    other_recipe = fp8_recipes.RECIPES[1 - i]
     cover = pytest.mark.covered_by(
         f"{_HERE}[{other_range}-{recipe}]", f"{_HERE}[{name}-{other_recipe}]"
     )
@@ -75,7 +76,7 @@ def _products_case(i, recipe, j, name, local):
     "recipe, local",
     [
         _products_case(i, recipe, j, name, local)
-        for i, recipe in enumerate(fp8_gemm.RECIPES)
+        for i, recipe in enumerate(fp8_recipes.RECIPES)
         for j, (name, local) in enumerate(_RANGES)
     ],
 )
@@ -140,7 +141,7 @@ def test_residuals_are_fp8():
     assert qx[1].shape == (M, K // 128) and qw[1].shape == (E, K // 128, N // 128 + 1)
 
 
-@pytest.mark.parametrize("recipe", fp8_gemm.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_recipes.RECIPES)
 def test_glu_products_and_activation_gradient_from_fp8_inputs(recipe):
     """gmm_glu: the forward multiplies the tiles of act(gate, up) from the exact inputs; the
     backward recomputes the hidden rows and the activation's gradient from gate and up in

@@ -1,7 +1,7 @@
 """The routed experts' grouped GEMM under an fp8 recipe (config key `quantization`).
 
 `gmm(lhs_MK, rhs_EKN, sizes_E, recipe)` is `moe/gmm.py`'s grouped matmul whose three products
-take e4m3 operands quantized the way `nn/fp8_gemm.py` quantizes a linear's:
+take e4m3 operands quantized the way `fp8/dense.py` quantizes a linear's:
 - fprop: the rows in 1 x 128 tiles along K (per row, per 128 channels), each expert's weight
   in 128 x 128 blocks (`fp8_blockwise`; `fp8_tensorwise`: one scale for the rows, one per
   expert's weight);
@@ -16,8 +16,8 @@ not the rows in their own dtype. Each product then runs on the configured backen
 with the backend's own kernels for all three products (its VJP gives the dgrad and the
 wgrad), but no fp8 tensor-core time: no such backend multiplies e4m3 in its grouped GEMM
 (docs/design/fp8.md, "Grouped GEMM"). `backend=HOPPER` instead runs the fprop and the dgrad on
-the quantized operands in `fp8_hopper.py`'s kernel (e4m3 `wgmma` on Hopper; Pallas's interpreter
-when traced for a CPU), and the wgrad on `fp8_hopper.wgrad`.
+the quantized operands in `fp8/hopper/`'s kernel (e4m3 `wgmma` on Hopper; Pallas's interpreter
+when traced for a CPU), and the wgrad on `hopper/wgrad.py`.
 
 `given=` (the paged stash): the output is known; the value is `given`, the backward is this
 one's.
@@ -39,23 +39,23 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from expertax.nn import fp8_gemm, fp8_kernel, fp8_stats
-from expertax.nn.moe import fp8_hopper, tiles
+from expertax.fp8 import kernel, recipes, stats
 from expertax.nn.moe import gmm as gmm_mod
+from expertax.nn.moe import tiles
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
 
-TILE = fp8_gemm.TILE
-# `backend=HOPPER` (`gmm_impl=fp8_hopper`, or `auto` on a Hopper mesh: nn/fp8_kernel.py): the
-# fprop and the dgrad multiply the e4m3 operands in fp8_hopper.py's kernel (Hopper's fp8 tensor
+TILE = recipes.TILE
+# `backend=HOPPER` (`gmm_impl=fp8_hopper`, or `auto` on a Hopper mesh: fp8/kernel.py): the
+# fprop and the dgrad multiply the e4m3 operands in fp8/hopper/'s kernel (Hopper's fp8 tensor
 # cores; on CPU its interpreter), the wgrad on its wgrad kernel
-HOPPER = fp8_kernel.HOPPER
+HOPPER = kernel.HOPPER
 
 
 def gmm(lhs_MK, rhs_EKN, sizes_E, recipe: str, *, group_offset=None, given=None, probes=None, **kw):
     """`gmm_mod.gmm(lhs_MK, rhs_EKN, sizes_E, group_offset=..., **kw)` with fp8 operands under
     `recipe` (`fp8_gemm.RECIPES`); `kw`: `backend`, `tile_rows`, `tile_rows_min`. The output
-    is in lhs_MK's dtype. `probes` (optional, nn/fp8_stats.py): two probes whose cotangents are
+    is in lhs_MK's dtype. `probes` (optional, nn/stats.py): two probes whose cotangents are
     the quantizer counts of the operands indexed by K (the rows) and by N (the output
     gradient)."""
     opts, args, probes = _prepare(recipe, group_offset, kw, probes, lhs_MK, rhs_EKN, sizes_E)
@@ -85,7 +85,7 @@ def gmm_glu(
     `names` (gate's, up's) for the backward (the module docstring); `act` hashable.
 
     `held` (the paged stash's read mode): (gate's, up's) quantized tiles as the forward saved
-    them (`fp8_gemm.quantize(.., 1, TILE)`), or None each: those are the residuals, and the
+    them (`recipes.quantize(.., 1, TILE)`), or None each: those are the residuals, and the
     values of `gate_MF`/`up_MF` they stand for are not read (the forward's output, when not
     `given`, and the counts come from their dequantized values)."""
     arrays = (gate_MF, up_MF, rhs_EFN, sizes_E)
@@ -105,7 +105,7 @@ def _prepare(recipe, group_offset, kw, probes, *arrays):
     appended, all with the same varying mesh axes as `gmm._gmm_tiled` gives its operands, and
     the probes with those axes: their cotangents vary where the counts do, and the transpose
     of that widening sums them over the shards)."""
-    fp8_gemm.check_recipe(recipe)
+    recipes.check_recipe(recipe)
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
     # the balanced-routing rows the tile loops are named with (tiles.py), also in the backward
     # products, which are traced later, outside the MoE layer's scope
@@ -139,7 +139,7 @@ HOPPER_TILE_128_FROM_ROWS = 1024
 
 
 def _hopper_tile_rows(opts) -> int:
-    """The kernel's row tile (fp8_hopper.TILE_ROWS) for the balanced rows per group `opts[3]`
+    """The kernel's row tile (hopper/layout.TILE_ROWS) for the balanced rows per group `opts[3]`
     (`tiles.current_expected_rows()` where the products were traced)."""
     expected = opts[3]
     return 64 if expected is None or expected < HOPPER_TILE_128_FROM_ROWS else 128
@@ -181,13 +181,15 @@ def _fprop(qx, qw, sizes_E, offset, opts, dtype, w_dtype):
     """rows @ w per group from the quantized operands (rows in 1 x 128 tiles along K), in
     `dtype` (the rows'; `w_dtype`: the weight's)."""
     if not _hopper(opts):
-        x = fp8_gemm.dequantize(qx, dtype, 1, TILE)
+        x = recipes.dequantize(qx, dtype, 1, TILE)
         return _backend(x, _dequantize_weights(qw, w_dtype), sizes_E, offset, opts)
+    from expertax.fp8.hopper import gmm as hopper_gmm
+
     (x, xs), (w, ws) = qx, qw
     g, k, n = w.shape
-    blocks = fp8_hopper.blocks  # a 64-wide last block where a dim is not a multiple of 128
+    blocks = hopper_gmm.blocks  # a 64-wide last block where a dim is not a multiple of 128
     with _rows_scope(opts):
-        return fp8_hopper.gmm(
+        return hopper_gmm.gmm(
             x, _grid(xs, (x.shape[0], blocks(k))), w, _grid(ws, (g, blocks(k), blocks(n))),
             sizes_E, group_offset=offset if opts[1] else None, out_dtype=dtype,
             tile_rows=_hopper_tile_rows(opts), interpret=_interpret(),
@@ -201,12 +203,14 @@ def _dgrad(q_dy, qw, x, w, sizes_E, offset, opts):
     dtype = x.dtype
     if not _hopper(opts):
         _, pull = jax.vjp(lambda a: _backend(a, w, sizes_E, offset, opts), x)
-        return pull(fp8_gemm.dequantize(q_dy, dtype, 1, TILE))[0]
+        return pull(recipes.dequantize(q_dy, dtype, 1, TILE))[0]
+    from expertax.fp8.hopper import gmm as hopper_gmm
+
     (dy, dys), (wq, ws) = q_dy, qw
     g, k, n = wq.shape
-    blocks = fp8_hopper.blocks
+    blocks = hopper_gmm.blocks
     with _rows_scope(opts):
-        return fp8_hopper.dgrad(
+        return hopper_gmm.dgrad(
             dy, _grid(dys, (dy.shape[0], blocks(n))), wq, _grid(ws, (g, blocks(k), blocks(n))),
             sizes_E, group_offset=offset if opts[1] else None, out_dtype=dtype,
             tile_rows=_hopper_tile_rows(opts), interpret=_interpret(),
@@ -215,21 +219,23 @@ def _dgrad(q_dy, qw, x, w, sizes_E, offset, opts):
 
 def _interpret() -> bool:
     """The kernel in Pallas's interpreter when the program is traced for a CPU."""
-    return fp8_kernel.interpreting()
+    return kernel.interpreting()
 
 
 @_scoped(2)
 def _wgrad(x_local, dy_local, w, sizes_E, offset, opts):
     """dw[g] = x^T dy over group g's rows (foreign rows already zeroed): both operands re-tiled
     along the rows (128 rows per scale, per channel), dequantized, on `_backend`'s VJP; under
-    `_hopper(opts)` the Hopper kernel's wgrad (`fp8_hopper.wgrad`: e4m3 `wgmma`; blockwise:
+    `_hopper(opts)` the Hopper kernel's wgrad (`hopper/wgrad.py`: e4m3 `wgmma`; blockwise:
     each group's rows padded to whole 128-row tiles, so a tile's scale is one expert's;
     tensorwise: one scale per operand, as here). Returns (dw float32-accumulated in w's dtype,
     the re-tiled operands' e4m3 values, for the counts)."""
     recipe = opts[0]
     if _hopper(opts):
+        from expertax.fp8.hopper import wgrad as hopper_wgrad
+
         with _rows_scope(opts):
-            dw, q_x_m, q_dy_m = fp8_hopper.wgrad_counted(
+            dw, q_x_m, q_dy_m = hopper_wgrad.wgrad_counted(
                 x_local, dy_local, sizes_E, group_offset=offset if opts[1] else None,
                 num_groups=w.shape[0], interpret=_interpret(),
                 tensorwise=recipe == "fp8_tensorwise",
@@ -244,11 +250,11 @@ def _wgrad(x_local, dy_local, w, sizes_E, offset, opts):
 
 
 def _quantize_weights(w_EKN, recipe):
-    return fp8_gemm.quantize(w_EKN, recipe, TILE, TILE)  # each expert's matrix on its own
+    return recipes.quantize(w_EKN, recipe, TILE, TILE)  # each expert's matrix on its own
 
 
 def _dequantize_weights(qw, dtype):
-    return fp8_gemm.dequantize(qw, dtype, TILE, TILE)
+    return recipes.dequantize(qw, dtype, TILE, TILE)
 
 
 def _tiles(x_RC, recipe, rows, cols):
@@ -258,15 +264,15 @@ def _tiles(x_RC, recipe, rows, cols):
 
 def _tiles_q(x_RC, recipe, rows, cols):
     """(`_tiles(x_RC, ...)`, the e4m3 values)."""
-    q = fp8_gemm.quantize(x_RC, recipe, rows, cols)
-    return fp8_gemm.dequantize(q, x_RC.dtype, rows, cols), q[0]
+    q = recipes.quantize(x_RC, recipe, rows, cols)
+    return recipes.dequantize(q, x_RC.dtype, rows, cols), q[0]
 
 
 def _cotangents(fwd_k, bwd_k, bwd_n):
     """The probes' cotangents: the K-indexed operands' forward and backward counts, the
-    N-indexed operands' backward counts (nn/fp8_stats.py)."""
+    N-indexed operands' backward counts (nn/stats.py)."""
     none = jnp.zeros_like(bwd_n)
-    return (fp8_stats.encode(fwd_k, bwd_k), fp8_stats.encode(none, bwd_n))
+    return (stats.encode(fwd_k, bwd_k), stats.encode(none, bwd_n))
 
 
 def _local_rows(sizes_E, offset, e_local: int, m: int):
@@ -280,14 +286,14 @@ def _local_rows(sizes_E, offset, e_local: int, m: int):
 
 def _forward(lhs_MK, rhs_EKN, sizes_E, offset, opts, given, probes):
     recipe = opts[0]
-    qx = fp8_gemm.quantize(lhs_MK, recipe, 1, TILE)
+    qx = recipes.quantize(lhs_MK, recipe, 1, TILE)
     qw = _quantize_weights(rhs_EKN, recipe)
     if given is None:
         given = _fprop(qx, qw, sizes_E, offset, opts, lhs_MK.dtype, rhs_EKN.dtype)
     fwd = None
     if probes is not None:
         local = _local_rows(sizes_E, offset, rhs_EKN.shape[0], lhs_MK.shape[0])
-        fwd = fp8_stats.counts(lhs_MK, qx[0], local)
+        fwd = stats.counts(lhs_MK, qx[0], local)
     tags = (jnp.zeros((0,), lhs_MK.dtype), jnp.zeros((0,), rhs_EKN.dtype))
     return given, (qx, qw, sizes_E, offset, tags, fwd)
 
@@ -296,10 +302,10 @@ def _backward(opts, res, dy_MN):
     recipe = opts[0]
     qx, qw, sizes_E, offset, (x_tag, w_tag), fwd = res
     w = _dequantize_weights(qw, w_tag.dtype)
-    x = fp8_gemm.dequantize(qx, x_tag.dtype, 1, TILE)
+    x = recipes.dequantize(qx, x_tag.dtype, 1, TILE)
     dy_MN = dy_MN.astype(x.dtype)
     # dgrad: the output gradient in 1 x 128 tiles along N (the contraction), the weights as held
-    q_dy = fp8_gemm.quantize(dy_MN, recipe, 1, TILE)
+    q_dy = recipes.quantize(dy_MN, recipe, 1, TILE)
     dx, q_dy_n = _dgrad(q_dy, qw, x, w, sizes_E, offset, opts), q_dy[0]
     # wgrad: both operands re-tiled along the rows (its contraction), foreign rows zeroed
     local = _local_rows(sizes_E, offset, w.shape[0], x.shape[0])
@@ -307,8 +313,8 @@ def _backward(opts, res, dy_MN):
     dw, q_x_m, q_dy_m = _wgrad(x_local, dy_local, w, sizes_E, offset, opts)
     cts = None
     if fwd is not None:
-        bwd_k = fp8_stats.counts(x_local, q_x_m)
-        bwd_n = fp8_stats.total((dy_MN, q_dy_n), rows=local) + fp8_stats.counts(dy_local, q_dy_m)
+        bwd_k = stats.counts(x_local, q_x_m)
+        bwd_n = stats.total((dy_MN, q_dy_n), rows=local) + stats.counts(dy_local, q_dy_m)
         cts = _cotangents(fwd, bwd_k, bwd_n)
     return dx, dw.astype(w_tag.dtype), None, None, cts
 
@@ -347,22 +353,22 @@ def _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, held, probes, 
     qw = _quantize_weights(rhs_EFN, recipe)
     # the activation's inputs in 1 x 128 tiles (or as the paged stash held them)
     qg, qu = (
-        fp8_gemm.quantize(a, recipe, 1, TILE) if q is None else q
+        recipes.quantize(a, recipe, 1, TILE) if q is None else q
         for a, q in zip((gate_MF, up_MF), held)
     )
     fwd = None
     if given is None or probes is not None:
         # (with a given output and probes: the hidden rows only for their counts)
         gate_MF, up_MF = (
-            a if h is None else fp8_gemm.dequantize(q, a.dtype, 1, TILE)
+            a if h is None else recipes.dequantize(q, a.dtype, 1, TILE)
             for a, h, q in zip((gate_MF, up_MF), held, (qg, qu))
         )
         h_exact = act(gate_MF, up_MF)
-        qh = fp8_gemm.quantize(h_exact, recipe, 1, TILE)
+        qh = recipes.quantize(h_exact, recipe, 1, TILE)
         q_h = qh[0]
         if probes is not None:
             local = _local_rows(sizes_E, offset, rhs_EFN.shape[0], h_exact.shape[0])
-            fwd = fp8_stats.counts(h_exact, q_h, local)
+            fwd = stats.counts(h_exact, q_h, local)
     if given is None:
         given = _fprop(qh, qw, sizes_E, offset, opts, h_exact.dtype, rhs_EFN.dtype)
     # the activation's inputs under their checkpoint names (remat keeps or recomputes these fp8
@@ -375,11 +381,11 @@ def _glu_forward(gate_MF, up_MF, rhs_EFN, sizes_E, offset, given, held, probes, 
 def _glu_backward(opts, act, names, res, dy_MN):
     recipe = opts[0]
     qg, qu, qw, sizes_E, offset, (x_tag, w_tag), fwd = res
-    gate, up = (fp8_gemm.dequantize(q, x_tag.dtype, 1, TILE) for q in (qg, qu))
+    gate, up = (recipes.dequantize(q, x_tag.dtype, 1, TILE) for q in (qg, qu))
     h, act_vjp = jax.vjp(act, gate, up)
     w = _dequantize_weights(qw, w_tag.dtype)
     dy_MN = dy_MN.astype(h.dtype)
-    q_dy = fp8_gemm.quantize(dy_MN, recipe, 1, TILE)
+    q_dy = recipes.quantize(dy_MN, recipe, 1, TILE)
     dh, q_dy_n = _dgrad(q_dy, qw, h, w, sizes_E, offset, opts), q_dy[0]
     dgate, dup = act_vjp(dh)
     local = _local_rows(sizes_E, offset, w.shape[0], h.shape[0])
@@ -387,8 +393,8 @@ def _glu_backward(opts, act, names, res, dy_MN):
     dw, q_h_m, q_dy_m = _wgrad(h_local, dy_local, w, sizes_E, offset, opts)
     cts = None
     if fwd is not None:
-        bwd_k = fp8_stats.counts(h_local, q_h_m)
-        bwd_n = fp8_stats.total((dy_MN, q_dy_n), rows=local) + fp8_stats.counts(dy_local, q_dy_m)
+        bwd_k = stats.counts(h_local, q_h_m)
+        bwd_n = stats.total((dy_MN, q_dy_n), rows=local) + stats.counts(dy_local, q_dy_m)
         cts = _cotangents(fwd, bwd_k, bwd_n)
     return dgate, dup, dw.astype(w_tag.dtype), None, None, None, None, cts
 

@@ -1,0 +1,14 @@
+"""fp8 training and weights, one package.
+
+- `quant`: the format: e4m3, the scale rule, the block quantizer shared with the checkpoint
+  converter (convert/fp8.py) and decoding's fp8 weights (decoding/quantized.py), and the device
+  layout of an fp8 weight (`Fp8`);
+- `recipes`: the training recipes (`fp8_tensorwise`, `fp8_blockwise`): how a GEMM's operand is
+  quantized;
+- `dense`, `grouped`: the quantized matmuls' custom VJPs (a dense linear, the routed experts'
+  grouped GEMM);
+- `stats`: what the quantizers lose in a step, carried out of the VJPs by a probe;
+- `kernel`: where each product runs (Hopper's tensor cores or dequantized), and the checks of
+  `gmm_impl=fp8_hopper`;
+- `hopper/`: the Pallas Mosaic GPU kernels, imported only where `kernel` assigns them a product.
+"""
