@@ -5,8 +5,8 @@
   layout of an fp8 weight (`Fp8`);
 - `recipes`: the training recipes (`fp8_tensorwise`, `fp8_blockwise`): how a GEMM's operand is
   quantized;
-- `dense`, `grouped`: the quantized matmuls' custom VJPs (a dense linear, the routed experts'
-  grouped GEMM);
+- `matmul`: the one custom VJP of the quantized GEMMs, a dense linear being the routed experts'
+  grouped GEMM with one group; `products`: where each of its three products runs;
 - `stats`: what the quantizers lose in a step, carried out of the VJPs by a probe;
 - `kernel`: where each product runs (Hopper's tensor cores or dequantized), and the checks of
   `gmm_impl=fp8_hopper`;

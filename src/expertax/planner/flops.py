@@ -304,8 +304,8 @@ _SPLASH_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
 
 
 # The fp8 Hopper kernels (fp8/hopper/) by the named scope of their product
-# (fp8/dense.SCOPES, fp8/grouped.SCOPES), and their row tile by the kernel call's own
-# (hopper/layout.tile_scope; 128 where it is absent)
+# (fp8/products.DENSE_SCOPES, .GROUPED_SCOPES), and their row tile by the kernel call's own
+# (fp8/hopper/layout.tile_scope; 128 where it is absent)
 _FP8_SCOPE_RE = re.compile(r"fp8_(?:gmm_)?(fprop|dgrad|wgrad)")
 _FP8_TILE_RE = re.compile(r"fp8_tile~(\d+)")
 _ROWS_RE = re.compile(r"rows~(\d+)")  # the balanced rows per group (planner/kernels.py)

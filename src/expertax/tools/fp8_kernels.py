@@ -1,7 +1,7 @@
 """Which kernel multiplies each fp8 product of a compiled program (docs/design/fp8.md).
 
-The fp8 GEMMs trace their products under named scopes (`fp8/dense.SCOPES` for the dense
-linears, `fp8/grouped.SCOPES` for the routed experts), which XLA keeps in each instruction's
+The fp8 GEMMs trace their products under named scopes (`fp8/products.DENSE_SCOPES` for the
+dense linears, `.GROUPED_SCOPES` for the routed experts), which XLA keeps in each instruction's
 `op_name`. `by_product(hlo_text)` counts the GEMM custom calls of an optimized program (its
 `as_text()`) by (product, kernel): the product one of `PRODUCTS` (a dense linear inside the
 MoE layer's scope is a shared expert's), the kernel one of
@@ -17,8 +17,7 @@ from __future__ import annotations
 import collections
 import re
 
-from expertax.fp8 import dense as fp8_gemm
-from expertax.fp8 import grouped as fp8_gmm
+from expertax.fp8 import products as fp8_products
 
 _CALL = re.compile(r'custom_call_target="([^"]+)"')
 _OP = re.compile(r'op_name="([^"]+)"')
@@ -59,10 +58,10 @@ def kernel_of(target: str) -> str | None:
 def product_of(op_name: str) -> str:
     """The fp8 product a call's op_name lies in (`PRODUCTS`), or `other`."""
     what = ("fprop", "dgrad", "wgrad")
-    for scope, kind in zip(fp8_gmm.SCOPES, what, strict=True):
+    for scope, kind in zip(fp8_products.GROUPED_SCOPES, what, strict=True):
         if f"/{scope}/" in op_name or op_name.endswith(f"/{scope}"):
             return f"routed experts {kind}"
-    for scope, kind in zip(fp8_gemm.SCOPES, what, strict=True):
+    for scope, kind in zip(fp8_products.DENSE_SCOPES, what, strict=True):
         if f"/{scope}/" in op_name or op_name.endswith(f"/{scope}"):
             who = "shared experts" if "/moe/" in op_name else "dense linears"
             return f"{who} {kind}"

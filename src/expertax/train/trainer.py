@@ -123,7 +123,7 @@ class Trainer:
 
     def compiler_options(self) -> dict | None:
         """XLA options of the step: a GPU program of fp8 GEMMs with XLA's Triton GEMMs off,
-        so that cuBLASLt's fp8 rewrite sees the dots (fp8/dense.py)."""
+        so that cuBLASLt's fp8 rewrite sees the dots (fp8/matmul.py)."""
         if self.c.quantization and platform.of_mesh(self.mesh) == "gpu":
             return dict(fp8_kernel.GPU_COMPILER_OPTIONS)
         return None

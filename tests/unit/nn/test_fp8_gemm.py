@@ -1,4 +1,4 @@
-"""fp8 training GEMMs (fp8/dense.py): the quantizers (tiles, blocks, the hub's weight format bit
+"""fp8 training GEMMs (fp8/matmul.py): the quantizers (tiles, blocks, the hub's weight format bit
 for bit), each recipe's products against an exact emulation and against float32, the tiles'
 worth with token magnitudes spread over 1e-3..1e3, the fp8 residuals, and, compile-only for an
 H100, the three cuBLASLt fp8 GEMMs of a tensorwise linear."""
@@ -13,8 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from expertax import platform, targets
 from expertax.convert import fp8 as hub_fp8
-from expertax.fp8 import dense as fp8_dense
 from expertax.fp8 import kernel as fp8_kernel
+from expertax.fp8 import matmul as fp8_matmul
+from expertax.fp8 import products as fp8_products
 from expertax.fp8 import quant
 from expertax.fp8 import recipes as fp8_recipes
 from expertax.fp8.hopper import gmm as hopper_gmm
@@ -39,7 +40,7 @@ def _rel(a, b, axis=None):
 
 
 def _fp8_and_exact(recipe, x, w, dy):
-    (y, vjp) = jax.vjp(lambda x, w: fp8_dense.matmul(x, w, recipe), x, w)
+    (y, vjp) = jax.vjp(lambda x, w: fp8_matmul.dense(x, w, recipe), x, w)
     y0, vjp0 = jax.vjp(jnp.matmul, x, w)
     return (y, *vjp(dy)), (y0, *vjp0(dy))
 
@@ -93,7 +94,7 @@ def test_error_against_float32_within_the_recipe_bound(recipe):
 def test_tiles_keep_small_tokens_that_one_scale_flushes():
     x, w, _ = _operands(spread=True)
     want = np.asarray(x @ w)
-    worst = {r: _rel(fp8_dense.matmul(x, w, r), want, axis=1).max() for r in fp8_recipes.RECIPES}
+    worst = {r: _rel(fp8_matmul.dense(x, w, r), want, axis=1).max() for r in fp8_recipes.RECIPES}
     assert worst["fp8_blockwise"] <= 0.06
     assert worst["fp8_tensorwise"] > 0.5  # the smallest tokens round to zero
 
@@ -101,8 +102,9 @@ def test_tiles_keep_small_tokens_that_one_scale_flushes():
 def test_residuals_are_fp8():
     x, w, _ = _operands()
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    _, res = fp8_dense._gemm_fwd(xb, wb, None, "fp8_blockwise", False)
-    (qx, sx), (qw, sw), _, counts = res
+    spec = fp8_products.Spec("fp8_blockwise", grouped=False, hopper=False)
+    _, res = fp8_matmul._matmul_fwd((xb,), wb, None, None, (None,), None, spec)
+    ((qx, sx),), (qw, sw), *_, counts = res
     assert counts is None  # (no probe: nothing counted)
     assert qx.dtype == qw.dtype == quant.E4M3 and qx.shape == (M, K) and qw.shape == (K, N)
     assert sx.dtype == sw.dtype == jnp.float32 and sx.shape == (M, K // 128)
@@ -163,7 +165,7 @@ def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one(
     monkeypatch.setattr(hopper_wgrad, "_wgrad_kernel", wgrad_spy)
 
     def run():
-        y, vjp = jax.vjp(lambda x, w: fp8_dense.matmul(x, w, "fp8_blockwise"), x, w)
+        y, vjp = jax.vjp(lambda x, w: fp8_matmul.dense(x, w, "fp8_blockwise"), x, w)
         return tuple(np.asarray(a) for a in (y, *vjp(dy)))
 
     want = run()
@@ -181,7 +183,7 @@ def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one(
 def test_refuses_an_unknown_recipe():
     x, w, _ = _operands()
     with pytest.raises(ValueError, match="quantization='fp8'"):
-        fp8_dense.matmul(x, w, "fp8")
+        fp8_matmul.dense(x, w, "fp8")
 
 
 needs_gpu = pytest.mark.skipif(
@@ -201,7 +203,7 @@ def test_tensorwise_linear_is_three_cublaslt_fp8_gemms_on_h100():
 
     def text(recipe):
         def step(x, w, dy):
-            y, vjp = jax.vjp(lambda x, w: fp8_dense.matmul(x, w, recipe), x, w)
+            y, vjp = jax.vjp(lambda x, w: fp8_matmul.dense(x, w, recipe), x, w)
             return y, vjp(dy)
 
         with platform.use("gpu"):
@@ -230,7 +232,7 @@ def test_blockwise_linear_is_the_hopper_kernel_on_h100():
         args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=one) for s in shapes]
 
         def step(x, w, dy):
-            y, vjp = jax.vjp(lambda x, w: fp8_dense.matmul(x, w, "fp8_blockwise"), x, w)
+            y, vjp = jax.vjp(lambda x, w: fp8_matmul.dense(x, w, "fp8_blockwise"), x, w)
             return y, vjp(dy)
 
         with platform.use("gpu", dev):

@@ -9,8 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from expertax.fp8 import dense as fp8_dense
-from expertax.fp8 import grouped as fp8_gmm
+from expertax.fp8 import matmul as fp8_matmul
 from expertax.fp8 import recipes as fp8_recipes
 from expertax.fp8 import stats as fp8_stats
 
@@ -91,14 +90,14 @@ def test_a_linear_counts_its_input_and_its_output_gradient():
     x = jnp.asarray(_spread(2)).at[:, :3].set(0)  # some zeros: not counted as nonzero
     w = jax.random.normal(jax.random.key(0), (K, N)) * 0.05
     recipe = "fp8_blockwise"
-    lanes = _probe_grad(lambda p, x, w: fp8_dense.matmul(x, w, recipe, p), x, w)
+    lanes = _probe_grad(lambda p, x, w: fp8_matmul.dense(x, w, recipe, p), x, w)
     fwd, bwd = np.asarray(fp8_stats.decode(lanes))
     np.testing.assert_array_equal(fwd, _oracle(np.asarray(x), recipe))
     # backward: dy (ones) twice, the dequantized input re-tiled along the tokens once
     x_deq = fp8_recipes.dequantize(fp8_recipes.quantize(x, recipe, 1, 128), jnp.float32, 1, 128)
     assert bwd[0] == 2 * M * N + int(jnp.sum(x_deq != 0))
     # no probe: the same products and gradients, bit for bit
-    y = lambda x, w, p=None: jnp.sum(fp8_dense.matmul(x, w, recipe, p) ** 2)  # noqa: E731
+    y = lambda x, w, p=None: jnp.sum(fp8_matmul.dense(x, w, recipe, p) ** 2)  # noqa: E731
     g0 = jax.jit(jax.grad(y, argnums=(0, 1)))(x, w)
     g1 = jax.jit(jax.grad(y, argnums=(0, 1)))(x, w, fp8_stats.zeros())
     for a, b in zip(g0, g1, strict=True):
@@ -113,7 +112,7 @@ def test_a_grouped_gemm_counts_only_its_groups_rows():
     sizes = jnp.array([30, 10], jnp.int32)
 
     def f(probes, rows, w):
-        return fp8_gmm.gmm(rows, w, sizes, "fp8_blockwise", probes=probes)
+        return fp8_matmul.grouped(rows, w, sizes, "fp8_blockwise", probes=probes)
 
     kp, np_ = jax.jit(jax.grad(lambda ps: jnp.sum(f(ps, rows, w))))((fp8_stats.zeros(),) * 2)
     fwd_k, bwd_k = np.asarray(fp8_stats.decode(kp))

@@ -9,7 +9,7 @@ output in `out_dtype`) and at most one tile of wasted rows per group, half a til
 the same work a megablox-like schedule of (tile, group) items would spend on a tile that two
 groups share. Hopper's `wgmma` multiplies 64 rows per instruction (m64nNk32), so a 64-row tile
 (one instruction high) halves that waste, which matters where groups hold few rows; a 128-row
-tile reuses each 128 x 128 weight tile it loads for twice the rows (`fp8/grouped.py` picks by the
+tile reuses each 128 x 128 weight tile it loads for twice the rows (`fp8/matmul.py` picks by the
 balanced rows per group; the dense linears, one group, keep 128). Along K and N the tiles are
 the recipe's 128 (the weight's blocks, the per-128-K promotion) wherever the dim is a multiple
 of 128, whatever the row tile. A dim that is a multiple of 64 and not of 128 (DeepSeek-V3's MLA

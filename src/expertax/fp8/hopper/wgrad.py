@@ -66,10 +66,10 @@ def wgrad(
     the padded layout: each group's rows from a row tile on, zero-filled to the next, and one
     scale per 128-row tile per channel (`scale = amax / 448`, `quantize_blocks`). That is
     DeepSeek-V3's per-expert tiling: a tile never mixes two groups, as the per-128-row promotion
-    needs (one scale per row of x^T and per column of dy over a contraction step).
-    `fp8/grouped.py`'s dequantized wgrad tiles the rows globally instead (a tile may straddle two
-    groups and share their amax): the same recipe, other scales where a group does not start on
-    a multiple of 128."""
+    needs (one scale per row of x^T and per column of dy over a contraction step). The
+    dequantized grouped wgrad (fp8/products.py) tiles the rows globally instead (a tile may
+    straddle two groups and share their amax): the same recipe, other scales where a group does
+    not start on a multiple of 128."""
     operands = wgrad_operands(x, dy, sizes, group_offset=group_offset, num_groups=num_groups)
     return wgrad_quantized(*operands, out_dtype=out_dtype, interpret=interpret)
 

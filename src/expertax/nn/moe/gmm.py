@@ -17,7 +17,7 @@ Backends (`backend=`, the `gmm_impl` config key):
   matmul, forward, input and weight gradients (`gmm_kernels.py`); refused elsewhere.
 - `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
   (see docs/design/gmm.md).
-- `fp8_hopper` (`gmm_impl` under an fp8 `quantization` only): `fp8/grouped.py` runs the fp8
+- `fp8_hopper` (`gmm_impl` under an fp8 `quantization` only): `fp8/matmul.py` runs the fp8
   fprop and dgrad on Hopper's kernel (fp8/kernel.py); what runs in the operands' dtype
   here (the fp8 wgrad, decoding's unquantized experts) is `auto`'s.
 
@@ -44,7 +44,7 @@ from expertax.nn.moe import gmm_kernels, tiles
 from expertax.nn.moe.vma import varying_like
 
 BACKENDS = ("auto", "ragged_dot", "tiled", *gmm_kernels.KERNELS)
-# the values of `gmm_impl`: these and the fp8 kernel of the routed experts (fp8/grouped.py)
+# the values of `gmm_impl`: these and the fp8 kernel of the routed experts (fp8/matmul.py)
 CONFIG_VALUES = (*BACKENDS, fp8_kernel.HOPPER)
 
 # Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, docs/design/gmm.md).
@@ -348,3 +348,24 @@ def _given_bwd(fn, res, dout_MF):
 
 
 _given.defvjp(_given_fwd, _given_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def known(residuals, backward, given, args):
+    """`given`, the output of a function of `args` that is already known (the paged stash
+    restored it), with that function's VJP: `residuals(*args)` the residuals its forward saves
+    (any value of the output it computes on the way is dead code to XLA), `backward(res, dy)`
+    the cotangents of `args` (a tuple). `given` takes no cotangent. Every grouped matmul whose
+    output may be given (the backends here, the fp8 ones: fp8/matmul.py) goes through this."""
+    return given
+
+
+def _known_fwd(residuals, backward, given, args):
+    return given, residuals(*args)
+
+
+def _known_bwd(residuals, backward, res, dout):
+    return None, backward(res, dout)
+
+
+known.defvjp(_known_fwd, _known_bwd)

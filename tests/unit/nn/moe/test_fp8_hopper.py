@@ -20,7 +20,8 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from expertax import platform, targets
-from expertax.fp8 import grouped as fp8_gmm
+from expertax.fp8 import kernel as fp8_kernel
+from expertax.fp8 import matmul as fp8_matmul
 from expertax.fp8 import quant
 from expertax.fp8 import recipes as fp8_recipes
 from expertax.fp8.hopper import gmm as hopper_gmm
@@ -314,32 +315,32 @@ _ON_KERNEL = _HERE + "test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend
     ],
 )
 def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe, n):
-    """`fp8_gmm.gmm(..., backend="fp8_hopper")` (here in the interpreter): the fprop and dgrad
-    from the kernel equal the dequantized `tiled` products, the wgrad is the same code; with EP's
-    group offset (the local groups 1 and 2 of four). Tensorwise scales go in broadcast to grids
-    (of cdiv(N, 128) blocks at N = 192, the kernel's 64-wide tiles)."""
+    """`fp8_matmul.grouped(..., backend="fp8_hopper")` (here in the interpreter): the fprop and
+    dgrad from the kernel equal the dequantized `tiled` products, the wgrad is the same code;
+    with EP's group offset (the local groups 1 and 2 of four). Tensorwise scales go in broadcast
+    to grids (of cdiv(N, 128) blocks at N = 192, the kernel's 64-wide tiles)."""
     sizes = jnp.array([40, 100, 0, 90], jnp.int32)
     x, w = _operands(2, n=n, seed=3)
     dy = jnp.asarray(np.random.default_rng(4).standard_normal((M, n)), jnp.float32)
     out = {}
-    for backend in ("tiled", fp8_gmm.HOPPER):
+    for backend in ("tiled", fp8_kernel.HOPPER):
 
         def f(x, w, b=backend):
-            return fp8_gmm.gmm(x, w, sizes, recipe, group_offset=1, backend=b)
+            return fp8_matmul.grouped(x, w, sizes, recipe, group_offset=1, backend=b)
 
         y, vjp = jax.vjp(f, x, w)
         out[backend] = (y, *vjp(dy))
     for i in range(2):  # fprop, dgrad
-        _assert_close(out[fp8_gmm.HOPPER][i], np.asarray(out["tiled"][i]))
-    assert not np.any(np.asarray(out[fp8_gmm.HOPPER][0])[:40])  # the foreign group's rows
+        _assert_close(out[fp8_kernel.HOPPER][i], np.asarray(out["tiled"][i]))
+    assert not np.any(np.asarray(out[fp8_kernel.HOPPER][0])[:40])  # the foreign group's rows
     if recipe == "fp8_tensorwise":  # the kernel's wgrad with one scale per operand: the same
-        _assert_close(out[fp8_gmm.HOPPER][2], np.asarray(out["tiled"][2]))  # quantization
+        _assert_close(out[fp8_kernel.HOPPER][2], np.asarray(out["tiled"][2]))  # quantization
         return
     # blockwise: hopper_wgrad.wgrad on the rows the forward saved (its 1 x 128 tiles dequantized),
     # each group's rows in 128-row tiles of their own (the global tiling differs: the control)
     saved = fp8_recipes.dequantize(fp8_recipes.quantize(x, recipe, 1, 128), jnp.float32, 1, 128)
     want, scale = wgrad_reference(saved, dy, [40, 100, 0, 90], 1, 2, rows=M)
-    got = out[fp8_gmm.HOPPER][2]
+    got = out[fp8_kernel.HOPPER][2]
     assert wgrad_within(got, want, scale)
     assert not wgrad_within(out["tiled"][2], want, scale)
 
@@ -360,16 +361,18 @@ def test_fp8_gmm_glu_on_the_kernel_matches_the_dequantized_backend():
     dy = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
     names = ("gate", "up")
     out = {}
-    for backend in ("tiled", fp8_gmm.HOPPER):
+    for backend in ("tiled", fp8_kernel.HOPPER):
 
         def f(gate, up, w, b=backend):
-            return fp8_gmm.gmm_glu(gate, up, w, sizes, "fp8_blockwise", swiglu, names, backend=b)
+            return fp8_matmul.grouped_glu(
+                gate, up, w, sizes, "fp8_blockwise", swiglu, names, backend=b
+            )
 
         y, vjp = jax.vjp(f, x, up, w)
         out[backend] = (y, *vjp(dy))
-    for got, want in zip(out[fp8_gmm.HOPPER][:3], out["tiled"][:3], strict=True):
+    for got, want in zip(out[fp8_kernel.HOPPER][:3], out["tiled"][:3], strict=True):
         _assert_close(got, np.asarray(want))
     # the weight gradient: hopper_wgrad.wgrad's per-group row tiles against the dequantized
     # backend's global ones: the same product up to that quantization's difference
-    got, want = (np.asarray(out[b][3], np.float64) for b in (fp8_gmm.HOPPER, "tiled"))
+    got, want = (np.asarray(out[b][3], np.float64) for b in (fp8_kernel.HOPPER, "tiled"))
     assert np.linalg.norm(got - want) < 0.05 * np.linalg.norm(want)

@@ -5,7 +5,7 @@
   quantized per tile and channel, dequantized and multiplied `x^T dy` (uneven groups, groups of
   one to three tiles, an empty one, rows outside the groups holding large values, a group
   offset, bfloat16 rows); the negative control: the rows tiled globally (a tile straddling two
-  groups shares their amax, `fp8/grouped.py`'s tiling) is far outside the tolerance;
+  groups shares their amax, `fp8/matmul.py`'s tiling) is far outside the tolerance;
 - compiled for `gpu:h100x8` without a GPU: e4m3 x e4m3 `wgmma` with float32 accumulators.
 """
 
