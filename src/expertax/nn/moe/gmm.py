@@ -27,7 +27,8 @@ its VJP is one loop for both gradients, so the `[M, F]` hidden activation is nev
 
 `given=` (the paged stash, `moe/stash.py`): the output is already known (restored from the
 stash); `gmm` returns it as its value and its VJP is the grouped matmul's own, so the backward
-pass is exact without running the matmul again.
+pass is exact without running the matmul again (`known`: the one place an output is given,
+for these backends and the fp8 matmuls alike).
 """
 
 from __future__ import annotations
@@ -162,10 +163,10 @@ def gmm(
         )
     lhs_MD = xs[0] if prologue is None else prologue(*xs)
     if given is not None:
-        fn = functools.partial(
-            gmm, group_offset=group_offset, backend=backend, preferred_element_type=out_dtype
-        )
-        return _given(fn, lhs_MD, rhs_EDF, group_sizes_E, given.astype(out_dtype))
+        fn = functools.partial(gmm, backend=backend, preferred_element_type=out_dtype)
+        inputs = (lhs_MD, rhs_EDF, group_sizes_E, group_offset)
+        backward = functools.partial(_backend_vjp, fn)
+        return known(_inputs, backward, given.astype(out_dtype), inputs)
     if backend in gmm_kernels.KERNELS:
         expected = tiles.current_expected_rows()
         args = (lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, expected)
@@ -204,9 +205,9 @@ def _gmm_tiled(xs, prologue, rhs, sizes, group_offset, out_dtype, tile_rows, til
     args = (*xs, rhs, sizes, offset)
     *xs, rhs, sizes, offset = (varying_like(a, *args) for a in args)
     if given is not None:
-        return _tiled_given(
-            tuple(xs), rhs, sizes, offset, given.astype(out_dtype), ladder, out_dtype, prologue
-        )
+        backward = functools.partial(_tiled_bwd, ladder, out_dtype, prologue)
+        args = (tuple(xs), rhs, sizes, offset)
+        return known(_inputs, backward, given.astype(out_dtype), args)
     return _tiled(tuple(xs), rhs, sizes, offset, ladder, out_dtype, prologue)
 
 
@@ -313,41 +314,17 @@ def _tiled_bwd(ladder, out_dtype, prologue, res, dout_MF):
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _tiled_given(xs, rhs_EDF, group_sizes_E, offset, given_MF, ladder, out_dtype, prologue):
-    """`_tiled` whose output `given_MF` is known: the value is `given_MF`, the VJP `_tiled`'s."""
-    return given_MF
+def _inputs(*args):
+    """The residuals of a matmul whose backward needs only its inputs."""
+    return args
 
 
-def _tiled_given_fwd(xs, rhs_EDF, group_sizes_E, offset, given_MF, ladder, out_dtype, prologue):
-    return given_MF, (xs, rhs_EDF, group_sizes_E, offset)
-
-
-def _tiled_given_bwd(ladder, out_dtype, prologue, res, dout_MF):
-    return (*_tiled_bwd(ladder, out_dtype, prologue, res, dout_MF), None)
-
-
-_tiled_given.defvjp(_tiled_given_fwd, _tiled_given_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _given(fn, lhs_MD, rhs_EDF, group_sizes_E, given_MF):
-    """`fn(lhs, rhs, sizes)` (a non-tiled gmm) whose output is known: value `given_MF`, VJP
-    `fn`'s (its unused forward value is dead code to XLA)."""
-    return given_MF
-
-
-def _given_fwd(fn, lhs_MD, rhs_EDF, group_sizes_E, given_MF):
-    return given_MF, (lhs_MD, rhs_EDF, group_sizes_E)
-
-
-def _given_bwd(fn, res, dout_MF):
-    lhs_MD, rhs_EDF, group_sizes_E = res
-    _, vjp = jax.vjp(lambda a, b: fn(a, b, group_sizes_E), lhs_MD, rhs_EDF)
+def _backend_vjp(fn, res, dout_MF):
+    """The cotangents of (lhs, rhs, sizes, offset) from `fn(lhs, rhs, sizes, group_offset=...)`'s
+    VJP (its forward value there is dead code to XLA)."""
+    lhs_MD, rhs_EDF, group_sizes_E, offset = res
+    _, vjp = jax.vjp(lambda a, b: fn(a, b, group_sizes_E, group_offset=offset), lhs_MD, rhs_EDF)
     return (*vjp(dout_MF), None, None)
-
-
-_given.defvjp(_given_fwd, _given_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
