@@ -10,5 +10,6 @@
 - `stats`: what the quantizers lose in a step, carried out of the VJPs by a probe;
 - `kernel`: where each product runs (Hopper's tensor cores or dequantized), and the checks of
   `gmm_impl=fp8_hopper`;
+- `compiled`: which kernel runs each fp8 product of a compiled program (the scopes read back);
 - `hopper/`: the Pallas Mosaic GPU kernels, imported only where `kernel` assigns them a product.
 """

@@ -13,7 +13,7 @@ A product takes the recipe's quantized operands (fp8/recipes.py) and runs on one
   64 where they are not (`kernel.padded`).
 
 Each product runs under a named scope (in the compiled program's op names: which kernel
-multiplies what, tools/fp8_kernels.py): `DENSE_SCOPES` for a dense linear's, `GROUPED_SCOPES`
+multiplies what, fp8/compiled.py): `DENSE_SCOPES` for a dense linear's, `GROUPED_SCOPES`
 for the routed experts'.
 """
 

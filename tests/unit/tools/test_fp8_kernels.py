@@ -1,4 +1,4 @@
-"""Which kernel runs each fp8 product of a compiled step (tools/fp8_kernels.py): the op-name
+"""Which kernel runs each fp8 product of a compiled step (fp8/compiled.py): the op-name
 scopes read back, and a whole deepseek3-tiny step compiled for `gpu:h100x8` whose routed and
 dense fprops and dgrads are the Hopper kernel's Mosaic GPU calls."""
 
@@ -6,7 +6,7 @@ import pytest
 
 from expertax import targets
 from expertax.config import load_config
-from expertax.tools import fp8_kernels
+from expertax.fp8 import compiled as fp8_kernels
 from expertax.train.trainer import build_trainer
 
 
