@@ -1,4 +1,4 @@
-"""Error of the fp8 training GEMMs (nn/fp8_gemm.py) against float32, per product of one linear.
+"""Error of the fp8 training GEMMs (fp8/matmul.py) against float32, per product of one linear.
 
 For x [M, K] (normal, or with token magnitudes spread over 1e-3..1e3 along M), w [K, N] (normal
 x 0.02) and an output gradient dy [M, N] (normal): the relative Frobenius error of fprop (y),
@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertax.nn import fp8_gemm
+from expertax.fp8 import matmul as fp8_matmul
+from expertax.fp8 import recipes as fp8_recipes
 
 
 def _rel(a, b, axis=None):
@@ -48,7 +49,7 @@ def measure(m: int, k: int, n: int, spread: bool) -> list[dict]:
         exact = _products(jnp.matmul, x, w, dy)
         rows = []
         cases = [("bfloat16", _bf16)] + [
-            (r, lambda x, w, r=r: fp8_gemm.matmul(x, w, r)) for r in fp8_gemm.RECIPES
+            (r, lambda x, w, r=r: fp8_matmul.dense(x, w, r)) for r in fp8_recipes.RECIPES
         ]
         for name, fn in cases:
             got = _products(fn, x, w, dy)

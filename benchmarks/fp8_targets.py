@@ -8,10 +8,10 @@ XLA's Triton fusions, Pallas kernels), each with the scope of its first call sit
 compiled FLOPs (planner/flops.py: loop bodies times their trip counts) and the temporaries
 (`memory_analysis`). COMPILED ONLY: no time.
 
-`--hopper`: deepseek3-tiny with its dims in whole 128-tiles (tools/fp8_kernels.HOPPER_DIMS),
-where the Hopper kernel (nn/fp8_kernel.py) takes the products `gmm_impl=auto` and the
+`--hopper`: deepseek3-tiny with its dims in whole 128-tiles (fp8/compiled.HOPPER_DIMS),
+where the Hopper kernel (fp8/kernel.py) takes the products `gmm_impl=auto` and the
 blockwise recipe give it; the table then says which kernel runs each product (routed
-experts, shared experts, dense linears: fprop, dgrad, wgrad; tools/fp8_kernels.py), against
+experts, shared experts, dense linears: fprop, dgrad, wgrad; fp8/compiled.py), against
 the bfloat16 step.
 
 Run: python benchmarks/fp8_targets.py [--target gpu:h100x8] [--models mixtral-tiny deepseek3-tiny]
@@ -30,9 +30,9 @@ import re
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from expertax import targets  # noqa: E402
+from expertax.fp8 import compiled as fp8_kernels  # noqa: E402
 from expertax.planner.flops import count_flops  # noqa: E402
 from expertax.preflight import load_config  # noqa: E402
-from expertax.tools import fp8_kernels  # noqa: E402
 from expertax.train.trainer import build_trainer  # noqa: E402
 
 RECIPES = ("", "fp8_tensorwise", "fp8_blockwise")

@@ -2,7 +2,7 @@
 
 For each target and layout, the greedy decoding program (`expertax.decoding.programs.
 compile_for`: a batched prefill, then the jitted decode loop over the compressed MLA cache) is
-compiled with the model's weights in bfloat16 or in fp8 (quant.py), and the compiler's
+compiled with the model's weights in bfloat16 or in fp8 (decoding/quantized.py), and the compiler's
 memory analysis per device is printed: arguments (the weights and inputs), temporaries
 (activations, one layer's dequantized weights, the KV cache, which lives inside the program), and
 the total against the chip's memory. A TPU compile that does not fit is refused by the compiler

@@ -50,10 +50,10 @@ import pytest  # noqa: E402
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
-from expertax.nn.moe import fp8_hopper  # noqa: E402
+from expertax.fp8 import kernel as fp8_kernel  # noqa: E402
 from tests import timing  # noqa: E402  (its schedule and durations report)
 
-fp8_hopper.INTERPRETER = InterpretGPUParams()
+fp8_kernel.INTERPRETER = InterpretGPUParams()
 
 # A shrunk Mixtral with DeepSeek's sigmoid routing and balancing bias (a parameter updated outside
 # the optimizer), shared by the trainer-level tests so they reuse one compiled step.

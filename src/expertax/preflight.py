@@ -3,7 +3,7 @@
 
 Who checks what: the config package knows fields only; a kernel's abilities are checked by the
 nn module that owns the kernel (`nn/attention/cudnn.py`, `context_checks.py`, `kernel.py`,
-`nn/moe/gmm.py`, the fp8 kernel choice); the remat names' by `parallel/checks.py`; the mesh's
+`nn/moe/gmm.py`, `fp8/kernel.py`); the remat names' by `parallel/checks.py`; the mesh's
 divisibility by `sharding/mesh.py`. Without a mesh, `check` runs what needs the config alone
 (`load_config` and `build_config` do, so a refused config never reaches a command); with one,
 also what needs the platform of its devices and its shape (`train.trainer.build_trainer`, the
@@ -18,6 +18,7 @@ from typing import Any
 
 from expertax import platform
 from expertax.config import Config, build_fields, load_fields
+from expertax.fp8 import kernel as fp8_kernel
 from expertax.nn.attention import context_checks, cudnn, kernel
 from expertax.nn.moe import gmm
 from expertax.parallel import checks as remat_checks
@@ -29,6 +30,7 @@ def check(c: Config, mesh=None) -> Config:
     those that need its devices' platform and its axis sizes. Returns `c`."""
     cudnn.check(c)
     context_checks.check(c)
+    fp8_kernel.check(c)
     for each in remat_checks.CHECKS:
         each(c)
     if mesh is None:

@@ -1,4 +1,4 @@
-"""The fp8 quantizers' counts (nn/fp8_stats.py) under a layout with expert, tensor (the experts'
+"""The fp8 quantizers' counts (fp8/stats.py) under a layout with expert, tensor (the experts'
 F split) and FSDP parallelism against one device: every operand element counted once (the
 nonzero counts equal in both directions) and the blockwise forward's counts equal bit for bit.
 The backward's underflow counts of the routed experts follow the layout as their wgrad tiles do
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from expertax import init_params, load_config
-from expertax.nn import fp8_stats
+from expertax.fp8 import stats as fp8_stats
 from expertax.train import step as step_lib
 from tests.conftest import TINY_MOE
 from tests.sharded import on_mesh

@@ -13,8 +13,8 @@ import expertax
 from expertax import scopes
 
 SRC = Path(expertax.__file__).parent
-SCOPES = [n for n in dir(scopes) if n.isupper()]
-READERS = ("planner/", "tools/")
+SCOPES = [n for n in dir(scopes) if n.isupper() and not n.startswith("_") and n != "PRODUCTS"]
+READERS = ("planner/", "tools/", "fp8/compiled.py")
 
 
 def uses() -> dict[str, set[str]]:

@@ -122,7 +122,7 @@ class TrainSection(_Section):
     quantization: Literal["", "fp8_tensorwise", "fp8_blockwise"] = _key(
         TRAINING,
         "",
-        description="fp8 training GEMMs (nn/fp8_gemm.py, docs/design/fp8.md): the decoder layers' "
+        description="fp8 training GEMMs (fp8/matmul.py, docs/design/fp8.md): the decoder layers' "
         "linears (attention projections, dense and shared-expert MLPs) and the routed experts' "
         "grouped GEMMs multiply e4m3 operands in fprop, dgrad and wgrad, scaled per tensor "
         "(fp8_tensorwise) or in DeepSeek-V3's 1x128 / 128x128 tiles (fp8_blockwise); embedding, "

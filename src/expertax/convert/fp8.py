@@ -4,7 +4,7 @@ The hub checkpoint stores each quantized `[out, in]` weight `W` as `W_q` (float8
 `W_scale_inv` (float32, `[ceil(out / 128), ceil(in / 128)]`, blocks at the edges partial);
 the weight is `W_q * W_scale_inv` broadcast over each block (DeepSeek's `weight_dequant`).
 Everything else (embeddings, norms, the router, `e_score_correction_bias`) stays bfloat16/float32.
-The e4m3 type, its range and the block scale rule are quant.py's, shared with decoding and
+The e4m3 type, its range and the block scale rule are fp8/quant.py's, shared with decoding and
 training; this module holds the hub's format: its config, names, 128 x 128 grids, and the
 streaming (numpy) conversion of checkpoints larger than memory.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from expertax import quant
 from expertax.convert.errors import ConversionError
+from expertax.fp8 import quant
 
 FP8 = np.dtype(quant.E4M3)
 BLOCK = quant.BLOCK

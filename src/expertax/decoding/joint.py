@@ -30,7 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from expertax import quant
+from expertax.fp8 import quant
 from expertax.nn.linear import Joint, is_joint, join
 from expertax.nn.moe.layer import MoE
 

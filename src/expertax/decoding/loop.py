@@ -187,7 +187,7 @@ def generate(
     `devices` (default: all JAX sees) form the model's mesh (its ici_*/dcn_* keys and sharding
     rules), so a model too large for one device is sharded as in training. `max_length`: the
     positions the model takes (default: `position_limit`). `fp8_weights`: hold the layers'
-    matrices in fp8 with block scales (quant.py), half the memory of bfloat16.
+    matrices in fp8 with block scales (decoding/quantized.py), half the memory of bfloat16.
     `prefill_chunk`: prompt positions per prefill step (default `programs.PREFILL_CHUNK`);
     longer prompts are padded to whole chunks. Smaller chunks hold smaller prefill activations.
 

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from expertax import quant
 from expertax.config.schema import Config
 from expertax.decoding.cache import Cache
+from expertax.fp8 import quant
 from expertax.models import decoder, layer_pattern, mtp
 from expertax.nn import norm
 from expertax.nn.attention.cache import LayerCache

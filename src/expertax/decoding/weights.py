@@ -10,9 +10,9 @@ unrolled with one cache buffer per layer (decoding/model.py), updated in place.
 
 `layered` is the same Decoder dataclass with `dense_layers` and `moe_layers` as lists of Block
 trees and `mtp` as MTP module 1 alone (the one that drafts); with `fp8_weights`, the layers'
-matrices are quantized on the way (quant.py). Each layer is cut from the stacked array by
-one small jitted program per stack into that layer's own sharding (the stacked one less the
-layer axis). More layouts for the decode step, made on the way:
+matrices are quantized on the way (decoding/quantized.py). Each layer is cut from the stacked
+array by one small jitted program per stack into that layer's own sharding (the stacked one less
+the layer axis). More layouts for the decode step, made on the way:
 - MLA's `wkv_b` as its absorbed halves (`mla.Absorbed`: [H, Qn, Rkv] and [H, Rkv, O]),
   with fp8 blocks along those halves' second to last axes;
 - the output head `lm_head` over its vocabulary axis (`model.head_spec`);
@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from expertax import quant
 from expertax.config.schema import Config
-from expertax.decoding import joint, model
+from expertax.decoding import joint, model, quantized
+from expertax.fp8 import quant
 from expertax.models import decoder
 from expertax.nn import param
 from expertax.nn.attention import mla
@@ -45,8 +45,8 @@ def layer_specs(c: Config, *, fp8_weights: bool):
     mtp = decoder.mtp_spec(c) if c.mtp_num_layers else None
     dense, moe, mtp = (_absorbed(t, c, mla.absorb_spec) for t in (dense, moe, mtp))
     if fp8_weights:
-        dense, moe = quant.spec(dense), quant.spec(moe)
-        mtp = quant.spec(mtp, prefix=("mtp",))
+        dense, moe = quantized.spec(dense), quantized.spec(moe)
+        mtp = quantized.spec(mtp, prefix=("mtp",))
     return dense, moe, mtp
 
 
@@ -133,7 +133,7 @@ def _cutter(spec, c: Config, mesh, rules, fp8_weights: bool, prefix):
 
         def one(tree, i):
             layer = _absorbed(jax.tree.map(lambda a: a[i], tree), c, mla.absorb)
-            return quant.quantize(layer, prefix=prefix) if fp8_weights else layer
+            return quantized.quantize(layer, prefix=prefix) if fp8_weights else layer
 
         _CUTTERS[key] = jax.jit(one, out_shardings=param.shardings(spec, mesh, rules))
     return _CUTTERS[key]
@@ -149,7 +149,7 @@ def abstract_layered(c: Config, mesh, rules, *, fp8_weights: bool = False):
         shardings = param.shardings(spec, mesh, rules)
         return jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-            quant.abstract(spec, c.weight_dtype),
+            quantized.abstract(spec, c.weight_dtype),
             shardings,
             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
         )

@@ -17,10 +17,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from expertax import quant
 from expertax.config.schema import Config
+from expertax.fp8 import quant
+from expertax.fp8 import stats as fp8_stats
 from expertax.models import layer_pattern, pipeline, stashed_stack
-from expertax.nn import activation, embed, fp8_stats, linear, mlp, norm
+from expertax.nn import activation, embed, linear, mlp, norm
 from expertax.nn.attention import gqa, mla
 from expertax.nn.linear import project
 from expertax.nn.moe import layer as moe_layer
@@ -124,10 +125,10 @@ def block_apply(
     `side` (nn/moe/side.py): the MoE layer's paged stash and imposed routing, or None.
     `cache`: the attention layer's (nn/attention/cache.py; decoding), written and read by
     position, or None. `window`: the layer's sliding attention window (None: full attention;
-    models/layer_pattern.py). fp8 weights (quant.py) are dequantized here, and a MoE layer whose
+    models/layer_pattern.py). fp8 weights (fp8/quant.py) are dequantized here, and a MoE layer whose
     experts are held apart runs nn/moe/unstacked.py (decoding on one device: only the chosen
     experts' fp8 weights are dequantized). `probe`: the layer's fp8 probe (float32 zeros,
-    nn/fp8_stats.py), into which its fp8 GEMMs count, or None."""
+    fp8/stats.py), into which its fp8 GEMMs count, or None."""
     experts = p.moe if unstacked.is_unstacked(p.moe) else None
     if experts is not None:
         p = dataclasses.replace(p, moe=None)
@@ -164,7 +165,7 @@ def run_stack(
     (models/pipeline.py), the rest after it. The MoE stack with `moe_paged_stash` runs as
     models/stashed_stack.py (always scanned). `imposed_LBTK` (an MoE stack's routing, one
     selection per layer) is taken by the plain stack only (not pipelined, not stashed), and so
-    (one fp8 probe per layer, nn/fp8_stats.py: [L, ...]) by the plain and the pipelined stacks."""
+    (one fp8 probe per layer, fp8/stats.py: [L, ...]) by the plain and the pipelined stacks."""
     moe = stacked.moe is not None
     pipelined = c.pipelined_layers if c.pipelined_stack == ("moe" if moe else "dense") else 0
     if imposed_LBTK is not None and (pipelined or c.moe_paged_stash):
@@ -329,7 +330,7 @@ def hidden_states(
 ) -> tuple[jax.Array, MoEStats | None]:
     """Embedded inputs [B, T, D] -> the final-normed hidden states before the output head (in
     `dtype`), and the MoE layers' stats (`forward` for `imposed_LBTK`). `probes`: fp8 probes
-    of the stacks' layers ("dense", "moe": [L, ...] each; nn/fp8_stats.py), or None."""
+    of the stacks' layers ("dense", "moe": [L, ...] each; fp8/stats.py), or None."""
     dtype = jnp.dtype(c.dtype)
     b, t, _ = x_BTD.shape
     if positions_BT is None:

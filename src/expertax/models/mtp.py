@@ -81,7 +81,7 @@ def forward(
 ) -> tuple[list[Depth], MoEStats | None]:
     """Every depth's head input and targets from the main model's final-normed hidden states
     `h_BTD`, and the modules' MoE stats ([D, ...] leaves; None for a dense model). `probes`:
-    each depth's fp8 probe ([D, ...], nn/fp8_stats.py), or None."""
+    each depth's fp8 probe ([D, ...], fp8/stats.py), or None."""
     assert params.mtp is not None, "forward needs a model with mtp_num_layers > 0"
     dtype = jnp.dtype(c.dtype)
     eps = c.normalization_layer_epsilon

@@ -82,7 +82,7 @@ def run(
 
     `layers`: the layer function of each kind of the stack's cycle (models/layer_pattern.py),
     layer l running `layers[l % len(layers)]`. `layer_axes`: the logical axes of one layer's
-    parameters (the leaves without the layer axis). `probes` ([L, ...], nn/fp8_stats.py): the
+    parameters (the leaves without the layer axis). `probes` ([L, ...], fp8/stats.py): the
     layers' fp8 probes; the layer functions then take `(params, probe)` where they take params,
     carried like the weights (their cotangents, the quantizer counts, summed like the weight
     gradients), and zero in the bubbles: a bubble slot computes on stale data, and a probe's

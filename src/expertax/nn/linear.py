@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from expertax.nn import fp8_gemm, fp8_stats
+from expertax.fp8 import matmul as fp8_matmul
+from expertax.fp8 import stats as fp8_stats
 
 
 class RowKernel(NamedTuple):
@@ -58,16 +59,16 @@ def current_fp8() -> str:
 
 
 def current_fp8_probe() -> fp8_stats.Probe | None:
-    """The probe the fp8 GEMMs traced now count into (nn/fp8_stats.py), or None."""
+    """The probe the fp8 GEMMs traced now count into (fp8/stats.py), or None."""
     return _FP8.get()[1]
 
 
 @contextlib.contextmanager
 def fp8(recipe: str, probe: fp8_stats.Probe | None = None):
     """`project`s traced inside (without `dot_kwargs`: not the float32 heads) multiply fp8
-    operands under `recipe` (nn/fp8_gemm.py; '' for none): the decoder layers' linears
+    operands under `recipe` (fp8/matmul.py; '' for none): the decoder layers' linears
     (`decoder.block_apply`, training's config key `quantization`). `probe`: the layer's, which
-    its fp8 GEMMs count their quantizers into (nn/fp8_stats.py)."""
+    its fp8 GEMMs count their quantizers into (fp8/stats.py)."""
     token = _FP8.set((recipe, probe if recipe else None))
     try:
         yield
@@ -121,7 +122,7 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1, **dot_kwargs) -> jax.Arra
     recipe, probe = _FP8.get()
     if recipe and not dot_kwargs:
         lanes = None if probe is None else probe.lanes
-        return fp8_gemm.matmul(x_NK, w_KM, recipe, lanes).reshape(*lead, *out)
+        return fp8_matmul.dense(x_NK, w_KM, recipe, lanes).reshape(*lead, *out)
     return jnp.matmul(x_NK, w_KM, **dot_kwargs).reshape(*lead, *out)
 
 

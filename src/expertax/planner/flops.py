@@ -298,9 +298,9 @@ class _Counter:
 _SPLASH_RE = re.compile(r"splash_mha_(fwd|dq|dkv)")
 
 
-# The fp8 Hopper kernels (nn/moe/fp8_hopper.py) by the named scope of their product
+# The fp8 Hopper kernels (fp8/hopper/) by the named scope of their product
 # (`scopes.FP8_DENSE`, `scopes.FP8_GROUPED`), and their row tile by the kernel call's own
-# (fp8_hopper.tile_scope; 128 where it is absent)
+# (fp8/hopper/layout.tile_scope; 128 where it is absent)
 _F8_OPERAND_RE = re.compile(r"f8e4m3fn\[(\d+,\d+)\]")
 _F8_WEIGHT_RE = re.compile(r"f8e4m3fn\[(\d+),\d+,\d+\]")
 
@@ -310,7 +310,7 @@ def _fp8_hopper_flops(ins: Instruction, target: str) -> int | None:
     scope) from its shapes: the fprop and dgrad multiply [Mp, C] e4m3 rows by each group's
     [C, N] weight into [Mp, N], the wgrad [G, K, N] from x^T [K, Mp] and dy^T [N, Mp]. The
     wrapper lays out Mp = the rows plus up to a row tile per group (each group starts at a row
-    tile, fp8_hopper.padded_rows; the tile T is 64 or 128 rows for the fprop and dgrad, 128 for
+    tile, hopper/layout.padded_rows; the tile T is 64 or 128 rows for the fprop and dgrad, 128 for
     the wgrad, named in the op_name as `fp8_tile~T`), and the kernel skips the tiles past the
     last group: it computes the rows rounded up per group, counted here at one group's rows
     exactly (Mp - T), at the balanced rows per group the program names (`rows~R`, as the

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import optax
 
 from expertax.config.schema import Config
+from expertax.fp8 import stats as fp8_stats
 from expertax.models import decoder, mtp
-from expertax.nn import fp8_stats, vocab_loss
+from expertax.nn import vocab_loss
 from expertax.nn.attention import context
 from expertax.nn.moe.router import MoEStats, updated_bias
 from expertax.train import optimizer
@@ -44,7 +45,7 @@ def loss_fn(params, batch: dict, c: Config, *, acceptance: bool = False, fp8_pro
     multi-token-prediction loss lambda / D x sum_k CE_k with `mtp_num_layers` = D > 0
     (models/mtp.py). Returns (total, LossParts); `acceptance` (evaluation) also counts the
     depth-1 head's top-1 hits. `fp8_probes` (`fp8_probes(c)`): the layers' fp8 probes, whose
-    gradient is the step's quantizer counts (nn/fp8_stats.py).
+    gradient is the step's quantizer counts (fp8/stats.py).
 
     With `num_vocab_tiling` > 1 the cross-entropy is computed a sequence tile at a time from the
     hidden states (`nn.vocab_loss`), so the float32 [B, T, V] logits never exist at once.
@@ -117,7 +118,7 @@ class NonFiniteError(RuntimeError):
 
 
 def fp8_probes(c: Config) -> dict | None:
-    """One fp8 probe per decoder layer and MTP module (float32 zeros, nn/fp8_stats.py) by stack:
+    """One fp8 probe per decoder layer and MTP module (float32 zeros, fp8/stats.py) by stack:
     "dense", "moe", "mtp"; None without `quantization`."""
     if not c.quantization:
         return None
@@ -175,7 +176,7 @@ def train_step(
         "dropped_tokens": jnp.int32(0),
         "max_expert_load_ratio": jnp.float32(1),
     }
-    if probes is not None:  # the quantizers' counts (nn/fp8_stats.py)
+    if probes is not None:  # the quantizers' counts (fp8/stats.py)
         metrics.update(fp8_stats.metrics(counts))
     if stats is not None:
         load = stats.load_E

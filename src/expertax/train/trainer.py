@@ -22,8 +22,9 @@ from expertax import platform, preflight
 from expertax.config import config_rules
 from expertax.config.schema import Config
 from expertax.errors import ConfigError
+from expertax.fp8 import kernel as fp8_kernel
 from expertax.models import decoder, init_params
-from expertax.nn import fp8_gemm, fp8_kernel, param
+from expertax.nn import param
 from expertax.nn.moe import strategy
 from expertax.parallel import remat
 from expertax.sharding import logical_to_spec, make_mesh, use_rules
@@ -49,7 +50,7 @@ class Trainer:
     # With parameter/optimizer host offload: the same shardings in device memory, where the
     # step moves the offloaded state before computing (None when nothing is offloaded).
     device_state_shardings: TrainState | None = None
-    # Under an fp8 `quantization`: the routed experts' fp8 backend and why (nn/fp8_kernel.py)
+    # Under an fp8 `quantization`: the routed experts' fp8 backend and why (fp8/kernel.py)
     fp8_experts: str = ""
 
     @property
@@ -121,9 +122,9 @@ class Trainer:
 
     def compiler_options(self) -> dict | None:
         """XLA options of the step: a GPU program of fp8 GEMMs with XLA's Triton GEMMs off,
-        so that cuBLASLt's fp8 rewrite sees the dots (nn/fp8_gemm.py)."""
+        so that cuBLASLt's fp8 rewrite sees the dots (fp8/matmul.py)."""
         if self.c.quantization and platform.of_mesh(self.mesh) == "gpu":
-            return dict(fp8_gemm.GPU_COMPILER_OPTIONS)
+            return dict(fp8_kernel.GPU_COMPILER_OPTIONS)
         return None
 
     def compile(self):

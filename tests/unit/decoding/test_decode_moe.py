@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax import init_params, load_config, quant
-from expertax.decoding import joint
+from expertax import init_params, load_config
+from expertax.decoding import joint, quantized
+from expertax.fp8 import quant
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe import unstacked as decode_moe
 from tests.tolerances import tol
@@ -55,7 +56,7 @@ def test_unstacked_layer_equals_training_layer(model_name, tokens, monkeypatch):
 
 def test_fp8_experts_dequantized_per_branch():
     c, p = _layer("deepseek3-tiny")
-    q = quant.quantize(p, prefix=("moe_layers", "moe"))
+    q = quantized.quantize(p, prefix=("moe_layers", "moe"))
     assert quant.is_fp8(q.wi_0) and quant.is_fp8(q.shared.wo) and not quant.is_fp8(q.router.w)
     deq = quant.dequantize(q, jnp.float32, None)[0]
     x = jax.random.normal(jax.random.key(2), (3, 1, c.base_emb_dim), jnp.float32)

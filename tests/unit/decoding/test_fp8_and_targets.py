@@ -1,4 +1,4 @@
-"""fp8 decoding weights (quant.py) and the decoding program compiled for a TPU target.
+"""fp8 decoding weights (decoding/quantized.py) and the decoding program compiled for a TPU target.
 
 The fp8 path must compute exactly what the same model computes with the dequantized weights
 (the quantization is the only difference), its rounding must stay within e4m3's 3 mantissa bits
@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertax import generate, init_params, load_config, quant
-from expertax.decoding import programs
+from expertax import generate, init_params, load_config
+from expertax.decoding import programs, quantized
 from expertax.decoding.loop import decoding_config
+from expertax.fp8 import quant
 from expertax.models import decoder
 from expertax.nn.attention import mla
 from expertax.nn.param import is_spec
@@ -52,7 +53,7 @@ def test_rounding_within_e4m3_precision():
 
 def test_only_layer_matrices_are_quantized(deepseek):
     c, _ = deepseek
-    tree = quant.spec(decoder.spec(c))
+    tree = quantized.spec(decoder.spec(c))
     held = jax.tree_util.tree_leaves_with_path(
         tree, is_leaf=lambda x: quant.is_fp8(x) or is_spec(x)
     )
@@ -81,7 +82,7 @@ def _round_trip_absorbed(wkv_b_LRHZ, nope):
 
 def test_fp8_decoding_equals_the_dequantized_model(deepseek):
     c, params = deepseek
-    ref, _ = quant.dequantize(quant.quantize(params), jnp.float32, None)
+    ref, _ = quant.dequantize(quantized.quantize(params), jnp.float32, None)
     nope = c.qk_nope_head_dim
     for stack in ("dense_layers", "moe_layers"):
         layers = getattr(params, stack)

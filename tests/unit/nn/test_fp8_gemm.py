@@ -1,4 +1,4 @@
-"""fp8 training GEMMs (nn/fp8_gemm.py): the quantizers (tiles, blocks, the hub's weight format bit
+"""fp8 training GEMMs (fp8/matmul.py): the quantizers (tiles, blocks, the hub's weight format bit
 for bit), each recipe's products against an exact emulation and against float32, the tiles'
 worth with token magnitudes spread over 1e-3..1e3, the fp8 residuals, and, compile-only for an
 H100, the three cuBLASLt fp8 GEMMs of a tensorwise linear."""
@@ -11,10 +11,16 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from expertax import platform, quant, targets
+from expertax import platform, targets
 from expertax.convert import fp8 as hub_fp8
-from expertax.nn import fp8_gemm, fp8_kernel
-from expertax.nn.moe import fp8_hopper
+from expertax.fp8 import kernel as fp8_kernel
+from expertax.fp8 import matmul as fp8_matmul
+from expertax.fp8 import products as fp8_products
+from expertax.fp8 import quant
+from expertax.fp8 import recipes as fp8_recipes
+from expertax.fp8.hopper import gmm as hopper_gmm
+from expertax.fp8.hopper import layout as hopper_layout
+from expertax.fp8.hopper import wgrad as hopper_wgrad
 from expertax.planner.flops import count_flops
 from tests.tolerances import tol
 
@@ -34,7 +40,7 @@ def _rel(a, b, axis=None):
 
 
 def _fp8_and_exact(recipe, x, w, dy):
-    (y, vjp) = jax.vjp(lambda x, w: fp8_gemm.matmul(x, w, recipe), x, w)
+    (y, vjp) = jax.vjp(lambda x, w: fp8_matmul.dense(x, w, recipe), x, w)
     y0, vjp0 = jax.vjp(jnp.matmul, x, w)
     return (y, *vjp(dy)), (y0, *vjp0(dy))
 
@@ -57,7 +63,7 @@ def test_activation_tiles_fill_e4m3_per_token_and_128_channels():
     np.testing.assert_array_equal(amax, np.full_like(amax, quant.E4M3_MAX))
 
 
-@pytest.mark.parametrize("recipe", fp8_gemm.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_recipes.RECIPES)
 def test_products_are_the_dequantized_operands_products(recipe):
     """fprop, dgrad and wgrad equal float32 products of the quantized operands (each re-derived
     here from the recipe's tiles), i.e. what an fp8 GEMM with float32 accumulation computes."""
@@ -77,7 +83,7 @@ def test_products_are_the_dequantized_operands_products(recipe):
     np.testing.assert_allclose(dw, deq(x_seen, 128, 1).T @ deq(dy, 128, 1), **tol(jnp.float32))
 
 
-@pytest.mark.parametrize("recipe", fp8_gemm.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_recipes.RECIPES)
 def test_error_against_float32_within_the_recipe_bound(recipe):
     x, w, dy = _operands()
     got, want = _fp8_and_exact(recipe, x, w, dy)
@@ -88,7 +94,7 @@ def test_error_against_float32_within_the_recipe_bound(recipe):
 def test_tiles_keep_small_tokens_that_one_scale_flushes():
     x, w, _ = _operands(spread=True)
     want = np.asarray(x @ w)
-    worst = {r: _rel(fp8_gemm.matmul(x, w, r), want, axis=1).max() for r in fp8_gemm.RECIPES}
+    worst = {r: _rel(fp8_matmul.dense(x, w, r), want, axis=1).max() for r in fp8_recipes.RECIPES}
     assert worst["fp8_blockwise"] <= 0.06
     assert worst["fp8_tensorwise"] > 0.5  # the smallest tokens round to zero
 
@@ -96,8 +102,9 @@ def test_tiles_keep_small_tokens_that_one_scale_flushes():
 def test_residuals_are_fp8():
     x, w, _ = _operands()
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    _, res = fp8_gemm._gemm_fwd(xb, wb, None, "fp8_blockwise", False)
-    (qx, sx), (qw, sw), _, counts = res
+    spec = fp8_products.Spec("fp8_blockwise", grouped=False, hopper=False)
+    _, res = fp8_matmul._matmul_fwd((xb,), wb, None, None, (None,), None, spec)
+    ((qx, sx),), (qw, sw), *_, counts = res
     assert counts is None  # (no probe: nothing counted)
     assert qx.dtype == qw.dtype == quant.E4M3 and qx.shape == (M, K) and qw.shape == (K, N)
     assert sx.dtype == sw.dtype == jnp.float32 and sx.shape == (M, K // 128)
@@ -144,7 +151,7 @@ def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one(
     x = jax.random.normal(ks[0], (m, k)) * jnp.logspace(-2, 2, m)[:, None]
     w, dy = jax.random.normal(ks[1], (k, n)) * 0.05, jax.random.normal(ks[2], (m, n))
     seen = []  # (contraction, output width, column tile, K step) of each fprop / dgrad call
-    kernel, wgrad_kernel = fp8_hopper._kernel, fp8_hopper._wgrad_kernel
+    kernel, wgrad_kernel = hopper_gmm._kernel, hopper_wgrad._wgrad_kernel
 
     def spy(x_pad, xs_t, w, w_scale, tile_group, n, *args, **tiles):
         seen.append((x_pad.shape[1], n, tiles["tile_cols"], tiles["k_step"]))
@@ -154,18 +161,18 @@ def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one(
         seen.append((xt.shape[0], dys.shape[1]))
         return wgrad_kernel(xt, xs, dy_kernel, dys, *args)
 
-    monkeypatch.setattr(fp8_hopper, "_kernel", spy)
-    monkeypatch.setattr(fp8_hopper, "_wgrad_kernel", wgrad_spy)
+    monkeypatch.setattr(hopper_gmm, "_kernel", spy)
+    monkeypatch.setattr(hopper_wgrad, "_wgrad_kernel", wgrad_spy)
 
     def run():
-        y, vjp = jax.vjp(lambda x, w: fp8_gemm.matmul(x, w, "fp8_blockwise"), x, w)
+        y, vjp = jax.vjp(lambda x, w: fp8_matmul.dense(x, w, "fp8_blockwise"), x, w)
         return tuple(np.asarray(a) for a in (y, *vjp(dy)))
 
     want = run()
     assert not seen
     with fp8_kernel.interpret():
         got = run()
-    narrow = fp8_hopper.tile_for(n_kernel)
+    narrow = hopper_layout.tile_for(n_kernel)
     assert seen == [(k, n_kernel, narrow, 128), (n_kernel, k, 128, narrow), (k, n_kernel)]
     for g, r in zip(got, want, strict=True):  # fprop, dgrad, wgrad
         row = np.abs(r).max(axis=1, keepdims=True)
@@ -176,7 +183,7 @@ def test_blockwise_linear_on_the_hopper_kernel_matches_the_dequantized_one(
 def test_refuses_an_unknown_recipe():
     x, w, _ = _operands()
     with pytest.raises(ValueError, match="quantization='fp8'"):
-        fp8_gemm.matmul(x, w, "fp8")
+        fp8_matmul.dense(x, w, "fp8")
 
 
 needs_gpu = pytest.mark.skipif(
@@ -196,12 +203,12 @@ def test_tensorwise_linear_is_three_cublaslt_fp8_gemms_on_h100():
 
     def text(recipe):
         def step(x, w, dy):
-            y, vjp = jax.vjp(lambda x, w: fp8_gemm.matmul(x, w, recipe), x, w)
+            y, vjp = jax.vjp(lambda x, w: fp8_matmul.dense(x, w, recipe), x, w)
             return y, vjp(dy)
 
         with platform.use("gpu"):
             lowered = jax.jit(step).lower(*args)
-            return lowered.compile(compiler_options=fp8_gemm.GPU_COMPILER_OPTIONS).as_text()
+            return lowered.compile(compiler_options=fp8_kernel.GPU_COMPILER_OPTIONS).as_text()
 
     calls = re.findall(r'custom_call_target="([^"]+)"', text("fp8_tensorwise"))
     assert calls.count("__cublas$lt$matmul$f8") == 3 and "__cublas$lt$matmul" not in calls
@@ -211,7 +218,7 @@ def test_tensorwise_linear_is_three_cublaslt_fp8_gemms_on_h100():
 @needs_gpu
 def test_blockwise_linear_is_the_hopper_kernel_on_h100():
     """[512 x 256] x [256 x 384] on one H100 (its device named, as a trainer's context names
-    it): the blockwise fprop, dgrad and wgrad are Pallas Mosaic GPU calls (moe/fp8_hopper.py's
+    it): the blockwise fprop, dgrad and wgrad are Pallas Mosaic GPU calls (fp8/hopper/'s
     e4m3 wgmma kernels, one group), no cuBLAS GEMM; so are they at N = 576 (MLA's wkv_a width,
     4.5 x 128: unpadded, in 64-wide tiles along N); a linear of N = 200 (padded to 256 it would
     be 28 % more work) stays dequantized (the control). The planner counts the three calls'
@@ -225,12 +232,12 @@ def test_blockwise_linear_is_the_hopper_kernel_on_h100():
         args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=one) for s in shapes]
 
         def step(x, w, dy):
-            y, vjp = jax.vjp(lambda x, w: fp8_gemm.matmul(x, w, "fp8_blockwise"), x, w)
+            y, vjp = jax.vjp(lambda x, w: fp8_matmul.dense(x, w, "fp8_blockwise"), x, w)
             return y, vjp(dy)
 
         with platform.use("gpu", dev):
             lowered = jax.jit(step).lower(*args)
-            text = lowered.compile(compiler_options=fp8_gemm.GPU_COMPILER_OPTIONS).as_text()
+            text = lowered.compile(compiler_options=fp8_kernel.GPU_COMPILER_OPTIONS).as_text()
         return re.findall(r'custom_call_target="([^"]+)"', text), text
 
     for n in (384, 576):

@@ -1,4 +1,4 @@
-"""Where the fp8 products run (nn/fp8_kernel.py): Hopper's kernel on Hopper GPUs for the recipes
+"""Where the fp8 products run (fp8/kernel.py): Hopper's kernel on Hopper GPUs for the recipes
 and shapes it takes, the dequantized products elsewhere; `gmm_impl=fp8_hopper` refused before
 any compilation where it cannot run, naming the devices or the dims."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from expertax import platform, targets
 from expertax.config import ConfigError
-from expertax.nn import fp8_kernel
+from expertax.fp8 import kernel as fp8_kernel
 
 HOPPER = fp8_kernel.HOPPER
 H100 = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")

@@ -1,4 +1,4 @@
-"""fp8 quantizer statistics (nn/fp8_stats.py): the counts against a NumPy oracle (ml_dtypes'
+"""fp8 quantizer statistics (fp8/stats.py): the counts against a NumPy oracle (ml_dtypes'
 e4m3) for both recipes on tokens spread over 1e-12..1e3, the exact sum of the probe's binary
 lanes, and a linear's and a grouped GEMM's probe gradients (their operands' counts; the
 unused rows of a grouped GEMM's buffer not counted)."""
@@ -9,8 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from expertax.nn import fp8_gemm, fp8_stats
-from expertax.nn.moe import fp8_gmm
+from expertax.fp8 import matmul as fp8_matmul
+from expertax.fp8 import recipes as fp8_recipes
+from expertax.fp8 import stats as fp8_stats
 
 M, K, N = 64, 256, 128
 
@@ -37,10 +38,10 @@ def _oracle(x, recipe):
     return np.array([nonzero.sum(), (nonzero & (q == 0)).sum(), subnormal.sum()])
 
 
-@pytest.mark.parametrize("recipe", fp8_gemm.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_recipes.RECIPES)
 def test_counts_equal_a_numpy_oracle(recipe):
     x = _spread()
-    q, _ = fp8_gemm.quantize(jnp.asarray(x), recipe, 1, fp8_gemm.TILE)
+    q, _ = fp8_recipes.quantize(jnp.asarray(x), recipe, 1, fp8_recipes.TILE)
     got = np.asarray(fp8_stats.decode(fp8_stats.counts(jnp.asarray(x), q)))
     want = _oracle(x, recipe)
     np.testing.assert_array_equal(got, want)
@@ -52,7 +53,7 @@ def test_counts_in_groups_equal_the_oracle(monkeypatch):
     two rows of K, the last one partial, give the oracle's counts."""
     monkeypatch.setattr(fp8_stats, "GROUP", 2 * K + 1)
     x = _spread()[: 2 * 7 + 1]
-    q, _ = fp8_gemm.quantize(jnp.asarray(x), "fp8_blockwise", 1, fp8_gemm.TILE)
+    q, _ = fp8_recipes.quantize(jnp.asarray(x), "fp8_blockwise", 1, fp8_recipes.TILE)
     got = np.asarray(fp8_stats.decode(fp8_stats.counts(jnp.asarray(x), q)))
     np.testing.assert_array_equal(got, _oracle(x, "fp8_blockwise"))
 
@@ -61,10 +62,10 @@ def test_one_scale_flushes_the_small_tokens_that_tiles_keep():
     x = jnp.asarray(_spread(1))
 
     def underflows(recipe):
-        q = fp8_gemm.quantize(x, recipe, 1, fp8_gemm.TILE)[0]
+        q = fp8_recipes.quantize(x, recipe, 1, fp8_recipes.TILE)[0]
         return int(fp8_stats.decode(fp8_stats.counts(x, q))[1])
 
-    under = {r: underflows(r) for r in fp8_gemm.RECIPES}
+    under = {r: underflows(r) for r in fp8_recipes.RECIPES}
     # one scale for the tensor: every token below about 1e3 * 2^-10 / 448 flushes (~3/4 of them)
     assert under["fp8_tensorwise"] > M * K // 2
     assert under["fp8_tensorwise"] > 50 * under["fp8_blockwise"]
@@ -89,14 +90,14 @@ def test_a_linear_counts_its_input_and_its_output_gradient():
     x = jnp.asarray(_spread(2)).at[:, :3].set(0)  # some zeros: not counted as nonzero
     w = jax.random.normal(jax.random.key(0), (K, N)) * 0.05
     recipe = "fp8_blockwise"
-    lanes = _probe_grad(lambda p, x, w: fp8_gemm.matmul(x, w, recipe, p), x, w)
+    lanes = _probe_grad(lambda p, x, w: fp8_matmul.dense(x, w, recipe, p), x, w)
     fwd, bwd = np.asarray(fp8_stats.decode(lanes))
     np.testing.assert_array_equal(fwd, _oracle(np.asarray(x), recipe))
     # backward: dy (ones) twice, the dequantized input re-tiled along the tokens once
-    x_deq = fp8_gemm.dequantize(fp8_gemm.quantize(x, recipe, 1, 128), jnp.float32, 1, 128)
+    x_deq = fp8_recipes.dequantize(fp8_recipes.quantize(x, recipe, 1, 128), jnp.float32, 1, 128)
     assert bwd[0] == 2 * M * N + int(jnp.sum(x_deq != 0))
     # no probe: the same products and gradients, bit for bit
-    y = lambda x, w, p=None: jnp.sum(fp8_gemm.matmul(x, w, recipe, p) ** 2)  # noqa: E731
+    y = lambda x, w, p=None: jnp.sum(fp8_matmul.dense(x, w, recipe, p) ** 2)  # noqa: E731
     g0 = jax.jit(jax.grad(y, argnums=(0, 1)))(x, w)
     g1 = jax.jit(jax.grad(y, argnums=(0, 1)))(x, w, fp8_stats.zeros())
     for a, b in zip(g0, g1, strict=True):
@@ -111,7 +112,7 @@ def test_a_grouped_gemm_counts_only_its_groups_rows():
     sizes = jnp.array([30, 10], jnp.int32)
 
     def f(probes, rows, w):
-        return fp8_gmm.gmm(rows, w, sizes, "fp8_blockwise", probes=probes)
+        return fp8_matmul.grouped(rows, w, sizes, "fp8_blockwise", probes=probes)
 
     kp, np_ = jax.jit(jax.grad(lambda ps: jnp.sum(f(ps, rows, w))))((fp8_stats.zeros(),) * 2)
     fwd_k, bwd_k = np.asarray(fp8_stats.decode(kp))

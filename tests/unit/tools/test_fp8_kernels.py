@@ -1,12 +1,12 @@
-"""Which kernel runs each fp8 product of a compiled step (tools/fp8_kernels.py): the op-name
+"""Which kernel runs each fp8 product of a compiled step (fp8/compiled.py): the op-name
 scopes read back, and a whole deepseek3-tiny step compiled for `gpu:h100x8` whose routed and
 dense fprops and dgrads are the Hopper kernel's Mosaic GPU calls."""
 
 import pytest
 
 from expertax import targets
+from expertax.fp8 import compiled as fp8_kernels
 from expertax.preflight import load_config
-from expertax.tools import fp8_kernels
 from expertax.train.trainer import build_trainer
 
 

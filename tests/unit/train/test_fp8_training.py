@@ -1,6 +1,6 @@
 """fp8 training (`quantization`): which products of a model the recipe takes, the model's loss
 and gradients near the unquantized ones, refusals, decoding left in dtype, and the quantizers'
-counts as train metrics (nn/fp8_stats.py)."""
+counts as train metrics (fp8/stats.py)."""
 
 import re
 
@@ -13,6 +13,7 @@ from tests.unit.train.test_resume import read_metrics
 
 from expertax import init_params, load_config, logits
 from expertax.config import ConfigError
+from expertax.fp8 import kernel as fp8_kernel
 from expertax.train.loop import train
 from expertax.train.trainer import build_trainer
 
@@ -28,11 +29,11 @@ def _calls(c, p, toks):
     return re.findall(r"custom_vjp_call\[[^\]]*?name=(\w+)", text)
 
 
-# per scanned layer kind, once each (a scan's body is one jaxpr): the dense linears (`_gemm`) and
-# the routed experts' grouped GEMMs (`_gmm`: gate and up; `_glu`: wo with the activation)
-# mixtral-tiny: q, k, v, o; deepseek3-tiny: MLA's wq_a, wq_b, wkv_a, wkv_b, wo in its dense and
-# its MoE layer, the dense layer's MLP (3) and the shared expert (3)
-EXPECTED = {"mixtral-tiny": (4, 3), "deepseek3-tiny": (16, 3)}
+# per scanned layer kind, once each (a scan's body is one jaxpr), fp8/matmul.py's one VJP
+# (`_matmul`): the dense linears and the routed experts' grouped GEMMs (gate, up, and wo with the
+# activation). mixtral-tiny: q, k, v, o + 3; deepseek3-tiny: MLA's wq_a, wq_b, wkv_a, wkv_b, wo in
+# its dense and its MoE layer, the dense layer's MLP (3) and the shared expert (3) + 3
+EXPECTED = {"mixtral-tiny": 4 + 3, "deepseek3-tiny": 16 + 3}
 
 
 @pytest.mark.parametrize("model", sorted(EXPECTED))
@@ -41,10 +42,9 @@ def test_the_recipe_takes_every_layer_linear_and_expert_gemm(model):
     c = _config(model, "fp8_blockwise")
     p = init_params(c)
     calls = _calls(c, p, toks)
-    assert (calls.count("_gemm"), calls.count("_gmm") + calls.count("_glu")) == EXPECTED[model]
-    assert calls.count("_glu") == 1
+    assert calls.count("_matmul") == EXPECTED[model]
     plain = _calls(_config(model), p, toks)
-    assert not {"_gemm", "_gmm", "_glu"} & set(plain)
+    assert "_matmul" not in plain
 
 
 def test_loss_and_gradients_near_the_unquantized_model():
@@ -60,7 +60,7 @@ def test_loss_and_gradients_near_the_unquantized_model():
         return float(jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g))))
 
     l0, g0 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(p, c0)
-    for recipe in ("fp8_blockwise",):  # (tensorwise's products: the fp8_gemm and fp8_gmm tests)
+    for recipe in ("fp8_blockwise",):  # (tensorwise's: test_fp8_gemm, test_fp8_gmm)
         c8 = _config("mixtral-tiny", recipe)
         l8, g8 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(p, c8)
         assert 0 < abs(float(l8 - l0)) / float(l0) < 0.01, recipe
@@ -86,7 +86,6 @@ def test_the_hopper_kernel_is_refused_off_hopper_and_taken_where_it_runs():
     inside `fp8_kernel.interpret()` (the CPU standing in for a Hopper GPU) it is taken, so is
     `auto`'s choice with the tiny model's F=64 (64-wide tiles), and `auto` with F=96 (not a
     multiple of 64) keeps the dequantized products, saying why."""
-    from expertax.nn import fp8_kernel
 
     c = _config("deepseek3-tiny", "fp8_blockwise", gmm_impl="fp8_hopper", **WHOLE_TILES)
     with pytest.raises(ConfigError, match="gmm_impl=fp8_hopper: .*not on the cpu devices"):

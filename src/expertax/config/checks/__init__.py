@@ -26,7 +26,6 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     model.check_rope,
     model.check_capacity,
     model.check_quantization,
-    model.check_fp8_kernel,
     model.check_routing_bias,
     parallel.check_pipeline,
     parallel.check_parallelism_values,

@@ -204,29 +204,3 @@ def check_quantization(c: Config) -> None:
             "(sparse_matmul=true); the dense capacity path (sparse_matmul=false) has no fp8 "
             "GEMM: set sparse_matmul=true or quantization=''"
         )
-
-
-# `gmm_impl=fp8_hopper` (nn/fp8_kernel.py): its kernel's narrowest tile along K and N (128
-# where a dim allows, 64 otherwise: nn/moe/fp8_hopper.tile_for)
-FP8_KERNEL, FP8_KERNEL_TILE = "fp8_hopper", 64
-
-
-def check_fp8_kernel(c: Config) -> None:
-    """`gmm_impl=fp8_hopper` multiplies fp8 operands in tiles of 128 or 64 along K and N: it
-    needs a recipe and dims of whole 64-tiles (the devices and the split of F:
-    nn/fp8_kernel.routed_choice)."""
-    if c.gmm_impl != FP8_KERNEL:
-        return
-    if not c.quantization:
-        raise ConfigError(
-            f"gmm_impl={FP8_KERNEL} multiplies e4m3 operands: it needs quantization="
-            "fp8_blockwise or fp8_tensorwise (got quantization=''); without quantization use "
-            "auto, tiled, ragged_dot, tokamax_triton, tokamax_mosaic_gpu or megablox"
-        )
-    d, f, t = c.base_emb_dim, c.base_moe_mlp_dim, FP8_KERNEL_TILE
-    if c.is_moe and (d % t or f % t):
-        raise ConfigError(
-            f"gmm_impl={FP8_KERNEL}: its kernel takes tiles of 128 or {t}; base_emb_dim={d} and "
-            f"base_moe_mlp_dim={f} must be multiples of {t}; use gmm_impl=auto (dequantized "
-            "products for these dims)"
-        )

@@ -17,9 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.nn import activation, fp8_gemm, fp8_kernel, linear
+from expertax.fp8 import kernel as fp8_kernel
+from expertax.fp8 import matmul as fp8_matmul
+from expertax.fp8 import recipes as fp8_recipes
+from expertax.nn import activation, linear
 from expertax.nn.moe import bias as bias_mod
-from expertax.nn.moe import fp8_gmm, routed
+from expertax.nn.moe import routed
 from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.bias import ExpertBias
 from expertax.nn.moe.gmm import gmm, gmm_glu
@@ -47,9 +50,9 @@ def expert_ffn_sorted(
     Returns (y [M, D], stash): with a paged stash (moe/stash.py) the stashed names' values are
     written to it, or, in its read mode, taken from it instead of computed.
     """
-    # fp8 (`quantization`, decoder.block_apply): fp8 grouped GEMMs (moe/fp8_gmm.py), the gated
+    # fp8 (`quantization`, decoder.block_apply): fp8 grouped GEMMs (fp8/matmul.py), the gated
     # activation inside the second (its fp8 inputs are what it saves), on Hopper's kernel where
-    # nn/fp8_kernel.py says (D and the local F)
+    # fp8/kernel.py says (D and the local F)
     recipe, probe = linear.current_fp8(), linear.current_fp8_probe()
     backend: str = c.gmm_impl
     if recipe:
@@ -74,9 +77,11 @@ def expert_ffn_sorted(
             if recipe:  # untagged: the names go on gmm_glu's fp8 copies of gate and up
                 if (q := held.get(name)) is not None:
                     # the matmul's value is read by nothing but the gated activation, which
-                    # takes `held` instead (fp8_gmm.gmm_glu): no fprop, its backward as ever
-                    g = fp8_gemm.dequantize(q, dtype, 1, fp8_gmm.TILE)
-                return fp8_gmm.gmm(lhs, w, group_sizes_E, recipe, given=g, probes=in_probes, **kw)
+                    # takes `held` instead (fp8_matmul.grouped_glu): no fprop, its backward as ever
+                    g = fp8_recipes.dequantize(q, dtype, 1, fp8_recipes.TILE)
+                return fp8_matmul.grouped(
+                    lhs, w, group_sizes_E, recipe, given=g, probes=in_probes, **kw
+                )
             return remat.tag(gmm(lhs, w, group_sizes_E, given=g, **kw), name)
 
         gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
@@ -88,7 +93,7 @@ def expert_ffn_sorted(
             up = up + bias_mod.rows(bias.up_EF, ids_M, dtype)
         if recipe:  # the activation's inputs kept in fp8 under gate's and up's names
             names = stash_mod.FP8_HELD
-            y = fp8_gmm.gmm_glu(
+            y = fp8_matmul.grouped_glu(
                 gate, up, wo_EFD.astype(dtype), group_sizes_E, recipe, activation.of(c), names,
                 given=given.get(remat.MOE_MLPWO), held=tuple(held.values()), probes=out_probes,
                 **kw,
@@ -96,7 +101,7 @@ def expert_ffn_sorted(
             y = remat.tag(y, remat.MOE_MLPWO)
             # what a paged stash writes of them: the same quantized tiles the activation saves
             for name, a in zip(names, (gate, up)):
-                q = fp8_gemm.quantize(a, recipe, 1, fp8_gmm.TILE)
+                q = fp8_recipes.quantize(a, recipe, 1, fp8_recipes.TILE)
                 values.update(stash_mod.fp8_values(name, q))
         else:
             # The SwiGLU runs inside the second matmul, on each work item's rows (gmm_glu): no

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
-from expertax.nn import fp8_stats, linear
+from expertax.fp8 import stats as fp8_stats
+from expertax.nn import linear
 from expertax.nn.moe import bias as bias_mod
 from expertax.nn.moe import chunks, dispatch, routed, router, rows
 from expertax.nn.moe import stash as stash_mod
@@ -433,7 +434,7 @@ def apply(
     writes = side.stash is not None and side.stash.mode == stash_mod.WRITE
 
     # the fp8 probe goes in whole; the GEMMs inside count into the shard's copy, whose
-    # cotangents the shard_map's transpose sums over the shards (nn/fp8_stats.py)
+    # cotangents the shard_map's transpose sums over the shards (fp8/stats.py)
     recipe, probe = linear.current_fp8(), linear.current_fp8_probe()
     lanes = None if probe is None else probe.lanes
 

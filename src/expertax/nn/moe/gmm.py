@@ -17,8 +17,8 @@ Backends (`backend=`, the `gmm_impl` config key):
   matmul, forward, input and weight gradients (`gmm_kernels.py`); refused elsewhere.
 - `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
   (see docs/design/gmm.md).
-- `fp8_hopper` (`gmm_impl` under an fp8 `quantization` only): `moe/fp8_gmm.py` runs the fp8
-  fprop and dgrad on Hopper's kernel (nn/fp8_kernel.py); what runs in the operands' dtype
+- `fp8_hopper` (`gmm_impl` under an fp8 `quantization` only): `fp8/matmul.py` runs the fp8
+  fprop and dgrad on Hopper's kernel (fp8/kernel.py); what runs in the operands' dtype
   here (the fp8 wgrad, decoding's unquantized experts) is `auto`'s.
 
 `gmm_glu(gate, up, wo, sizes)` = `gmm(act(gate, up), wo, sizes)`, the expert FFN's second matmul
@@ -27,7 +27,8 @@ its VJP is one loop for both gradients, so the `[M, F]` hidden activation is nev
 
 `given=` (the paged stash, `moe/stash.py`): the output is already known (restored from the
 stash); `gmm` returns it as its value and its VJP is the grouped matmul's own, so the backward
-pass is exact without running the matmul again.
+pass is exact without running the matmul again (`known`: the one place an output is given,
+for these backends and the fp8 matmuls alike).
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ import jax
 import jax.numpy as jnp
 
 from expertax import platform
-from expertax.nn import fp8_kernel
+from expertax.fp8 import kernel as fp8_kernel
 from expertax.nn.activation import GatedActivation, swiglu
 from expertax.nn.moe import gmm_kernels, tiles
 from expertax.nn.moe.vma import varying_like
 
 BACKENDS = ("auto", "ragged_dot", "tiled", *gmm_kernels.KERNELS)
-# the values of `gmm_impl`: these and the fp8 kernel of the routed experts (moe/fp8_gmm.py)
+# the values of `gmm_impl`: these and the fp8 kernel of the routed experts (fp8/matmul.py)
 CONFIG_VALUES = (*BACKENDS, fp8_kernel.HOPPER)
 
 # Backend chosen by `auto`, from `expertax bench gmm` (BENCHMARKS.md, docs/design/gmm.md).
@@ -162,10 +163,10 @@ def gmm(
         )
     lhs_MD = xs[0] if prologue is None else prologue(*xs)
     if given is not None:
-        fn = functools.partial(
-            gmm, group_offset=group_offset, backend=backend, preferred_element_type=out_dtype
-        )
-        return _given(fn, lhs_MD, rhs_EDF, group_sizes_E, given.astype(out_dtype))
+        fn = functools.partial(gmm, backend=backend, preferred_element_type=out_dtype)
+        inputs = (lhs_MD, rhs_EDF, group_sizes_E, group_offset)
+        backward = functools.partial(_backend_vjp, fn)
+        return known(_inputs, backward, given.astype(out_dtype), inputs)
     if backend in gmm_kernels.KERNELS:
         expected = tiles.current_expected_rows()
         args = (lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, expected)
@@ -204,9 +205,9 @@ def _gmm_tiled(xs, prologue, rhs, sizes, group_offset, out_dtype, tile_rows, til
     args = (*xs, rhs, sizes, offset)
     *xs, rhs, sizes, offset = (varying_like(a, *args) for a in args)
     if given is not None:
-        return _tiled_given(
-            tuple(xs), rhs, sizes, offset, given.astype(out_dtype), ladder, out_dtype, prologue
-        )
+        backward = functools.partial(_tiled_bwd, ladder, out_dtype, prologue)
+        args = (tuple(xs), rhs, sizes, offset)
+        return known(_inputs, backward, given.astype(out_dtype), args)
     return _tiled(tuple(xs), rhs, sizes, offset, ladder, out_dtype, prologue)
 
 
@@ -313,38 +314,35 @@ def _tiled_bwd(ladder, out_dtype, prologue, res, dout_MF):
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _tiled_given(xs, rhs_EDF, group_sizes_E, offset, given_MF, ladder, out_dtype, prologue):
-    """`_tiled` whose output `given_MF` is known: the value is `given_MF`, the VJP `_tiled`'s."""
-    return given_MF
+def _inputs(*args):
+    """The residuals of a matmul whose backward needs only its inputs."""
+    return args
 
 
-def _tiled_given_fwd(xs, rhs_EDF, group_sizes_E, offset, given_MF, ladder, out_dtype, prologue):
-    return given_MF, (xs, rhs_EDF, group_sizes_E, offset)
-
-
-def _tiled_given_bwd(ladder, out_dtype, prologue, res, dout_MF):
-    return (*_tiled_bwd(ladder, out_dtype, prologue, res, dout_MF), None)
-
-
-_tiled_given.defvjp(_tiled_given_fwd, _tiled_given_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _given(fn, lhs_MD, rhs_EDF, group_sizes_E, given_MF):
-    """`fn(lhs, rhs, sizes)` (a non-tiled gmm) whose output is known: value `given_MF`, VJP
-    `fn`'s (its unused forward value is dead code to XLA)."""
-    return given_MF
-
-
-def _given_fwd(fn, lhs_MD, rhs_EDF, group_sizes_E, given_MF):
-    return given_MF, (lhs_MD, rhs_EDF, group_sizes_E)
-
-
-def _given_bwd(fn, res, dout_MF):
-    lhs_MD, rhs_EDF, group_sizes_E = res
-    _, vjp = jax.vjp(lambda a, b: fn(a, b, group_sizes_E), lhs_MD, rhs_EDF)
+def _backend_vjp(fn, res, dout_MF):
+    """The cotangents of (lhs, rhs, sizes, offset) from `fn(lhs, rhs, sizes, group_offset=...)`'s
+    VJP (its forward value there is dead code to XLA)."""
+    lhs_MD, rhs_EDF, group_sizes_E, offset = res
+    _, vjp = jax.vjp(lambda a, b: fn(a, b, group_sizes_E, group_offset=offset), lhs_MD, rhs_EDF)
     return (*vjp(dout_MF), None, None)
 
 
-_given.defvjp(_given_fwd, _given_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def known(residuals, backward, given, args):
+    """`given`, the output of a function of `args` that is already known (the paged stash
+    restored it), with that function's VJP: `residuals(*args)` the residuals its forward saves
+    (any value of the output it computes on the way is dead code to XLA), `backward(res, dy)`
+    the cotangents of `args` (a tuple). `given` takes no cotangent. Every grouped matmul whose
+    output may be given (the backends here, the fp8 ones: fp8/matmul.py) goes through this."""
+    return given
+
+
+def _known_fwd(residuals, backward, given, args):
+    return given, residuals(*args)
+
+
+def _known_bwd(residuals, backward, res, dout):
+    return None, backward(res, dout)
+
+
+known.defvjp(_known_fwd, _known_bwd)

@@ -66,7 +66,7 @@ from expertax.parallel import remat
 def use_fused(c: Config) -> bool:
     """Whether the sparse path runs `routed_ffn` (`moe_fused_routed_ffn` and the tiled gmm;
     experts without biases, not under an fp8 `quantization`: bias.py adds the biases between
-    the separate grouped matmuls, moe/fp8_gmm.py quantizes them)."""
+    the separate grouped matmuls, fp8/matmul.py quantizes them)."""
     tiled = gmm_mod.resolve_backend(c.gmm_impl) == "tiled"
     return c.moe_fused_routed_ffn and tiled and not c.moe_expert_bias and not c.quantization
 

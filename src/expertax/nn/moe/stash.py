@@ -21,7 +21,7 @@ Per device, a buffer is `[capacity + page, W]` (W = F/tensor for the gate and up
 output); outside the `shard_map` the devices' buffers are stacked on the leading axis, sharded
 over the mesh axes of `AXES`, and `offset`, `fits`, `rows` have one entry per such device.
 
-Under an fp8 `quantization` (nn/moe/fp8_gmm.py) the gate and up are held as what the backward
+Under an fp8 `quantization` (fp8/matmul.py) the gate and up are held as what the backward
 reads: the activation's inputs in 1 x 128 e4m3 tiles, one byte per value in `name` and the
 float32 scales of each row in `name + SCALE` (F/128 per row; `fp8_tensorwise`: the one scale,
 repeated per row), DeepSeek-V3's cached SwiGLU inputs (`buffers`). The read mode hands them to
@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
+from expertax.fp8.quant import BLOCK as TILE
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
-from expertax.quant import BLOCK as TILE
 
 WRITE, READ = "write", "read"
 SCALE = "/scale"  # the buffer of an fp8-held name's row scales: name + SCALE
@@ -215,7 +215,7 @@ def row_bytes(c: Config, axis_sizes: dict[str, int], dtype) -> int:
 
 def scale_columns(recipe: str, width: int) -> int:
     """The float32 scales an fp8-held row of `width` values carries: one per 1 x 128 tile
-    (fp8_gemm.quantize: a shorter row is one tile), or the tensorwise scale once."""
+    (fp8.recipes.quantize: a shorter row is one tile), or the tensorwise scale once."""
     if recipe == "fp8_tensorwise":
         return 1
     return -(-width // min(TILE, width))
@@ -232,7 +232,7 @@ def fp8_values(name: str, q) -> dict[str, jax.Array]:
 
 def held(given: dict[str, jax.Array], name: str, recipe: str):
     """The quantized rows (e4m3, scales) of an fp8-held `name` read back from `given` (the read
-    mode's values), in `fp8_gemm.quantize`'s form (tensorwise: the scalar, the largest of the
+    mode's values), in `fp8.recipes.quantize`'s form (tensorwise: the scalar, the largest of the
     rows' copies: the rows outside the layer's are zero), or None when the stash holds none."""
     if name not in given or name + SCALE not in given:
         return None

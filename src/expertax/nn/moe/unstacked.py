@@ -38,8 +38,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from expertax import quant
 from expertax.config.schema import Config
+from expertax.fp8 import quant
 from expertax.nn import activation, linear, mlp
 from expertax.nn.activation import joined, swiglu
 from expertax.nn.linear import is_joint, project

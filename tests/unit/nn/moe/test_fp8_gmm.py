@@ -1,4 +1,4 @@
-"""The routed experts' fp8 grouped GEMM (nn/moe/fp8_gmm.py): fprop, dgrad and wgrad equal a
+"""The routed experts' fp8 grouped GEMM (fp8/matmul.py): fprop, dgrad and wgrad equal a
 loop over experts of float32 products of the recipe's quantized operands (re-derived here from
 the tiles), padding rows and EP's foreign groups kept out of the wgrad's row tiles, the paged
 stash's `given` value with the same backward, and e4m3 residuals; the second GEMM with its
@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals  # (public: print_saved_residuals only)
 
-from expertax import quant
-from expertax.nn import fp8_gemm
+from expertax.fp8 import matmul as fp8_matmul
+from expertax.fp8 import products as fp8_products
+from expertax.fp8 import quant
+from expertax.fp8 import recipes as fp8_recipes
 from expertax.nn.activation import swiglu
-from expertax.nn.moe import fp8_gmm, tiles
+from expertax.nn.moe import tiles
 from tests.tolerances import tol
 
 E, M, K, N = 4, 300, 256, 160
@@ -64,7 +66,7 @@ def _products_case(i, recipe, j, name, local):
     if not (i + j) % 2:
         return pytest.param(recipe, local, id=f"{name}-{recipe}")
     other_range = _RANGES[1 - j][0]
-    other_recipe = fp8_gemm.RECIPES[1 - i]
+    other_recipe = fp8_recipes.RECIPES[1 - i]
     cover = pytest.mark.covered_by(
         f"{_HERE}[{other_range}-{recipe}]", f"{_HERE}[{name}-{other_recipe}]"
     )
@@ -75,7 +77,7 @@ def _products_case(i, recipe, j, name, local):
     "recipe, local",
     [
         _products_case(i, recipe, j, name, local)
-        for i, recipe in enumerate(fp8_gemm.RECIPES)
+        for i, recipe in enumerate(fp8_recipes.RECIPES)
         for j, (name, local) in enumerate(_RANGES)
     ],
 )
@@ -85,7 +87,9 @@ def test_products_are_the_quantized_operands_products(recipe, local):
     offset = None if len(local) == E else local[0]
 
     def f(x, w):
-        return fp8_gmm.gmm(x, w, jnp.array(SIZES), recipe, group_offset=offset, backend="tiled")
+        return fp8_matmul.grouped(
+            x, w, jnp.array(SIZES), recipe, group_offset=offset, backend="tiled"
+        )
 
     y, vjp = jax.vjp(f, x, w)
     dx, dw = vjp(dy)
@@ -102,7 +106,9 @@ def test_backends_agree():
     x, w, dy = _operands()
     out = {}
     for backend in ("tiled", "ragged_dot"):
-        f = lambda x, w, b=backend: fp8_gmm.gmm(x, w, jnp.array(SIZES), "fp8_blockwise", backend=b)
+        f = lambda x, w, b=backend: fp8_matmul.grouped(
+            x, w, jnp.array(SIZES), "fp8_blockwise", backend=b
+        )
         y, vjp = jax.vjp(f, x, w)
         out[backend] = (y[: sum(SIZES)], vjp(dy)[0][: sum(SIZES)], vjp(dy)[1])
     for a, b in zip(out["tiled"], out["ragged_dot"], strict=True):
@@ -116,14 +122,16 @@ def test_hopper_row_tile_from_the_expected_rows():
     args = (jnp.ones((8, K)), jnp.ones((E, K, N)), jnp.asarray(SIZES))
     for expected, want in ((None, 64), (512.0, 64), (1023.0, 64), (1024.0, 128), (4096.0, 128)):
         with tiles.expected_group_rows(expected):
-            opts = fp8_gmm._prepare("fp8_blockwise", None, {}, None, *args)[0]
-        assert fp8_gmm._hopper_tile_rows(opts) == want, expected
+            spec = fp8_matmul._prepare("fp8_blockwise", None, {}, None, None, (), *args)[0]
+        assert fp8_products.hopper_tile_rows(spec) == want, expected
 
 
 def test_given_value_keeps_the_backward():
     x, w, dy = _operands()
     sizes, given = jnp.array(SIZES), jnp.full((M, N), 3.0)
-    f = lambda x, w, g=None: fp8_gmm.gmm(x, w, sizes, "fp8_blockwise", given=g, backend="tiled")
+    f = lambda x, w, g=None: fp8_matmul.grouped(
+        x, w, sizes, "fp8_blockwise", given=g, backend="tiled"
+    )
     y, vjp = jax.vjp(lambda x, w: f(x, w, given), x, w)
     _, vjp0 = jax.vjp(f, x, w)
     np.testing.assert_array_equal(y, given)
@@ -133,14 +141,15 @@ def test_given_value_keeps_the_backward():
 
 def test_residuals_are_fp8():
     x, w, _ = _operands()
-    opts = ("fp8_blockwise", False, (("backend", "tiled"),), None)
+    spec = fp8_products.Spec("fp8_blockwise", True, False, backend=(("backend", "tiled"),))
     sizes, zero = jnp.array(SIZES, jnp.int32), jnp.int32(0)
-    _, (qx, qw, *_) = fp8_gmm._gmm_fwd(x.astype(jnp.bfloat16), w, sizes, zero, None, opts)
+    args = ((x.astype(jnp.bfloat16),), w, sizes, zero, (None,), None, spec)
+    _, ((qx,), qw, *_) = fp8_matmul._matmul_fwd(*args)
     assert qx[0].dtype == qw[0].dtype == quant.E4M3
     assert qx[1].shape == (M, K // 128) and qw[1].shape == (E, K // 128, N // 128 + 1)
 
 
-@pytest.mark.parametrize("recipe", fp8_gemm.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_recipes.RECIPES)
 def test_glu_products_and_activation_gradient_from_fp8_inputs(recipe):
     """gmm_glu: the forward multiplies the tiles of act(gate, up) from the exact inputs; the
     backward recomputes the hidden rows and the activation's gradient from gate and up in
@@ -150,7 +159,9 @@ def test_glu_products_and_activation_gradient_from_fp8_inputs(recipe):
     w, dy = _operands()[1], jax.random.normal(ks[2], (M, N))
     sizes = jnp.array(SIZES)
     names = ("moe_mlpwi_0", "moe_mlpwi_1")
-    f = lambda g, u, w: fp8_gmm.gmm_glu(g, u, w, sizes, recipe, swiglu, names, backend="tiled")
+    f = lambda g, u, w: fp8_matmul.grouped_glu(
+        g, u, w, sizes, recipe, swiglu, names, backend="tiled"
+    )
     y, vjp = jax.vjp(f, gate, up, w)
     dg, du, dw = vjp(dy)
     h_exact = swiglu(gate, up)
@@ -181,7 +192,7 @@ def test_glu_keeps_gate_and_up_as_fp8_under_their_names():
     names = ("moe_mlpwi_0", "moe_mlpwi_1")
 
     def f(g, u, w):
-        y = fp8_gmm.gmm_glu(jnp.sin(g), jnp.sin(u), w, jnp.array(SIZES), "fp8_blockwise",
+        y = fp8_matmul.grouped_glu(jnp.sin(g), jnp.sin(u), w, jnp.array(SIZES), "fp8_blockwise",
                             swiglu, names, backend="tiled")  # fmt: skip
         return jnp.sum(jnp.sin(y))
 

@@ -1,4 +1,4 @@
-"""The Hopper fp8 grouped GEMM (nn/moe/fp8_hopper.py).
+"""The Hopper fp8 grouped GEMM (fp8/hopper/).
 
 - numerics on CPU in Pallas's Mosaic GPU interpreter: the fprop and the dgrad against the
   recipe's dequantized operands multiplied per group in float32 (uneven groups, one smaller than
@@ -19,14 +19,18 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from expertax import platform, quant, targets
-from expertax.nn import fp8_gemm
+from expertax import platform, targets
+from expertax.fp8 import kernel as fp8_kernel
+from expertax.fp8 import matmul as fp8_matmul
+from expertax.fp8 import quant
+from expertax.fp8 import recipes as fp8_recipes
+from expertax.fp8.hopper import gmm as hopper_gmm
+from expertax.fp8.hopper import layout as hopper_layout
 from expertax.nn.activation import swiglu
-from expertax.nn.moe import fp8_gmm, fp8_hopper
 from tests.unit.nn.moe.test_fp8_hopper_wgrad import _reference as wgrad_reference
 from tests.unit.nn.moe.test_fp8_hopper_wgrad import _within as wgrad_within
 
-TILE = fp8_hopper.TILE
+TILE = hopper_layout.TILE
 M, K, N = 256, 256, 128
 
 
@@ -41,8 +45,8 @@ def _operands(g, k=K, n=N, seed=0, width=None):
 
 def _reference(x_q, w_q, sizes, offset=0):
     """Per group in float32 on the dequantized operands (rows outside the groups: zero)."""
-    x = np.asarray(fp8_gemm.dequantize(x_q, jnp.float32, 1, TILE))
-    w = np.asarray(fp8_gemm.dequantize(w_q, jnp.float32, TILE, TILE))
+    x = np.asarray(fp8_recipes.dequantize(x_q, jnp.float32, 1, TILE))
+    w = np.asarray(fp8_recipes.dequantize(w_q, jnp.float32, TILE, TILE))
     out = np.zeros((x.shape[0], w.shape[2]), np.float32)
     start = int(np.sum(sizes[:offset]))
     for g in range(w.shape[0]):
@@ -89,10 +93,10 @@ _FPROP_DEFAULT = pytest.mark.covered_by(
 def test_fprop_in_the_interpreter_matches_the_dequantized_product(sizes, offset, tile_rows):
     g = len(sizes) - (offset or 0)
     x, w = _operands(g)
-    x_q = fp8_gemm.quantize(x, "fp8_blockwise", 1, TILE)
-    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
+    x_q = fp8_recipes.quantize(x, "fp8_blockwise", 1, TILE)
+    w_q = fp8_recipes.quantize(w, "fp8_blockwise", TILE, TILE)
     sizes_arr = jnp.asarray(sizes, jnp.int32)
-    got = fp8_hopper.gmm(
+    got = hopper_gmm.gmm(
         *x_q, *w_q, sizes_arr, group_offset=offset, out_dtype=jnp.float32, tile_rows=tile_rows,
         interpret=True,
     )  # fmt: skip
@@ -125,9 +129,9 @@ def test_dgrad_in_the_interpreter_matches_the_dequantized_product(tile_rows):
     """dy [M, N] in 1 x 128 tiles along N times each expert's weight transposed."""
     sizes = np.array([130, 0, 40])
     dy, w = _operands(3, k=128, n=256, seed=1, width=256)
-    dy_q = fp8_gemm.quantize(dy, "fp8_blockwise", 1, TILE)
-    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
-    got = fp8_hopper.dgrad(
+    dy_q = fp8_recipes.quantize(dy, "fp8_blockwise", 1, TILE)
+    w_q = fp8_recipes.quantize(w, "fp8_blockwise", TILE, TILE)
+    got = hopper_gmm.dgrad(
         *dy_q, *w_q, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, tile_rows=tile_rows,
         interpret=True,
     )  # fmt: skip
@@ -157,15 +161,15 @@ def test_narrow_tiles_in_the_interpreter_match_the_dequantized_product(product, 
     wide and its K steps 64 (`tile_for`), each promoted by the scale of the 128-block it lies
     in (the scale grids' last column a 64-wide block). Within float32 accumulation of the
     dequantized product per group, as for whole 128-tiles."""
-    assert fp8_hopper.tile_for(192) == fp8_hopper.tile_for(576) == 64
-    assert fp8_hopper.tile_for(256) == TILE
+    assert hopper_layout.tile_for(192) == hopper_layout.tile_for(576) == 64
+    assert hopper_layout.tile_for(256) == TILE
     sizes = np.array([100, 0, 30, 90])
     k = n = 192
     x, w = _operands(len(sizes), k=k, n=n, seed=7)
-    x_q = fp8_gemm.quantize(x, "fp8_blockwise", 1, TILE)
-    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
+    x_q = fp8_recipes.quantize(x, "fp8_blockwise", 1, TILE)
+    w_q = fp8_recipes.quantize(w, "fp8_blockwise", TILE, TILE)
     assert x_q[1].shape == (M, 2) and w_q[1].shape == (len(sizes), 2, 2)  # last blocks: 64
-    got = getattr(fp8_hopper, product)(
+    got = getattr(hopper_gmm, product)(
         *x_q, *w_q, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, tile_rows=tile_rows,
         interpret=True,
     )  # fmt: skip
@@ -188,31 +192,31 @@ def test_bfloat16_output_and_the_padded_schedule(tile_rows, groups):
     to `tile_rows` rows costs one row tile (`groups`: each row tile's group)."""
     sizes = np.array([1, 127, 128])
     x, w = _operands(3, seed=2)
-    x_q = fp8_gemm.quantize(x, "fp8_blockwise", 1, TILE)
-    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
+    x_q = fp8_recipes.quantize(x, "fp8_blockwise", 1, TILE)
+    w_q = fp8_recipes.quantize(w, "fp8_blockwise", TILE, TILE)
     sizes_arr = jnp.asarray(sizes, jnp.int32)
-    got = fp8_hopper.gmm(*x_q, *w_q, sizes_arr, tile_rows=tile_rows, interpret=True)
+    got = hopper_gmm.gmm(*x_q, *w_q, sizes_arr, tile_rows=tile_rows, interpret=True)
     assert got.dtype == jnp.bfloat16
     want = _reference(x_q, w_q, sizes)
     _assert_close(got, want, rounding=2**-8)
-    tiles = fp8_hopper._pad_groups(x_q[0], x_q[1], sizes_arr, 0, tile_rows)[2]
-    assert len(tiles) == fp8_hopper.padded_rows(M, 3, tile_rows) // tile_rows
+    tiles = hopper_layout.pad_groups(x_q[0], x_q[1], sizes_arr, 0, tile_rows)[2]
+    assert len(tiles) == hopper_layout.padded_rows(M, 3, tile_rows) // tile_rows
     assert list(np.asarray(tiles)) == groups + [-1] * (len(tiles) - len(groups))
 
 
 def test_refusals():
-    x_q = fp8_gemm.quantize(jnp.ones((M, K)), "fp8_blockwise", 1, TILE)
+    x_q = fp8_recipes.quantize(jnp.ones((M, K)), "fp8_blockwise", 1, TILE)
     w = jnp.ones((2, K, N))
-    w_q = fp8_gemm.quantize(w, "fp8_blockwise", TILE, TILE)
+    w_q = fp8_recipes.quantize(w, "fp8_blockwise", TILE, TILE)
     sizes = jnp.array([1, 2], jnp.int32)
     with pytest.raises(ValueError, match="e4m3"):
-        fp8_hopper.gmm(x_q[0].astype(jnp.bfloat16), x_q[1], *w_q, sizes)
+        hopper_gmm.gmm(x_q[0].astype(jnp.bfloat16), x_q[1], *w_q, sizes)
     with pytest.raises(ValueError, match="weight scales"):
-        fp8_hopper.gmm(*x_q, w_q[0], w_q[1][:, :1], sizes)
+        hopper_gmm.gmm(*x_q, w_q[0], w_q[1][:, :1], sizes)
     with pytest.raises(ValueError, match="rows"):
-        fp8_hopper.dgrad(*x_q, *w_q, sizes)  # dgrad contracts over N = 128, not K = 256
+        hopper_gmm.dgrad(*x_q, *w_q, sizes)  # dgrad contracts over N = 128, not K = 256
     with pytest.raises(ValueError, match="tile_rows"):
-        fp8_hopper.gmm(*x_q, *w_q, sizes, tile_rows=32)
+        hopper_gmm.gmm(*x_q, *w_q, sizes, tile_rows=32)
 
 
 needs_gpu = pytest.mark.skipif(
@@ -262,7 +266,7 @@ def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, narrow, tmp_path, m
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     c = k if product == "gmm" else n
-    blocks = fp8_hopper.blocks
+    blocks = hopper_layout.blocks
     args = (
         arg((m, c), quant.E4M3),
         arg((m, blocks(c)), jnp.float32),
@@ -271,7 +275,7 @@ def test_compiles_for_h100_to_e4m3_wgmma(product, tile_rows, narrow, tmp_path, m
         arg((g,), jnp.int32),
     )
     with platform.use("gpu", dev):
-        fn = functools.partial(getattr(fp8_hopper, product), tile_rows=tile_rows)
+        fn = functools.partial(getattr(hopper_gmm, product), tile_rows=tile_rows)
         lowered = jax.jit(fn).lower(*args)
     assert "mosaic_gpu_v2" in lowered.as_text()
     lowered.compile()
@@ -311,32 +315,32 @@ _ON_KERNEL = _HERE + "test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend
     ],
 )
 def test_fp8_gmm_on_the_kernel_matches_the_dequantized_backend(recipe, n):
-    """`fp8_gmm.gmm(..., backend="fp8_hopper")` (here in the interpreter): the fprop and dgrad
-    from the kernel equal the dequantized `tiled` products, the wgrad is the same code; with EP's
-    group offset (the local groups 1 and 2 of four). Tensorwise scales go in broadcast to grids
-    (of cdiv(N, 128) blocks at N = 192, the kernel's 64-wide tiles)."""
+    """`fp8_matmul.grouped(..., backend="fp8_hopper")` (here in the interpreter): the fprop and
+    dgrad from the kernel equal the dequantized `tiled` products, the wgrad is the same code;
+    with EP's group offset (the local groups 1 and 2 of four). Tensorwise scales go in broadcast
+    to grids (of cdiv(N, 128) blocks at N = 192, the kernel's 64-wide tiles)."""
     sizes = jnp.array([40, 100, 0, 90], jnp.int32)
     x, w = _operands(2, n=n, seed=3)
     dy = jnp.asarray(np.random.default_rng(4).standard_normal((M, n)), jnp.float32)
     out = {}
-    for backend in ("tiled", fp8_gmm.HOPPER):
+    for backend in ("tiled", fp8_kernel.HOPPER):
 
         def f(x, w, b=backend):
-            return fp8_gmm.gmm(x, w, sizes, recipe, group_offset=1, backend=b)
+            return fp8_matmul.grouped(x, w, sizes, recipe, group_offset=1, backend=b)
 
         y, vjp = jax.vjp(f, x, w)
         out[backend] = (y, *vjp(dy))
     for i in range(2):  # fprop, dgrad
-        _assert_close(out[fp8_gmm.HOPPER][i], np.asarray(out["tiled"][i]))
-    assert not np.any(np.asarray(out[fp8_gmm.HOPPER][0])[:40])  # the foreign group's rows
+        _assert_close(out[fp8_kernel.HOPPER][i], np.asarray(out["tiled"][i]))
+    assert not np.any(np.asarray(out[fp8_kernel.HOPPER][0])[:40])  # the foreign group's rows
     if recipe == "fp8_tensorwise":  # the kernel's wgrad with one scale per operand: the same
-        _assert_close(out[fp8_gmm.HOPPER][2], np.asarray(out["tiled"][2]))  # quantization
+        _assert_close(out[fp8_kernel.HOPPER][2], np.asarray(out["tiled"][2]))  # quantization
         return
-    # blockwise: fp8_hopper.wgrad on the rows the forward saved (its 1 x 128 tiles dequantized),
+    # blockwise: hopper_wgrad.wgrad on the rows the forward saved (its 1 x 128 tiles dequantized),
     # each group's rows in 128-row tiles of their own (the global tiling differs: the control)
-    saved = fp8_gemm.dequantize(fp8_gemm.quantize(x, recipe, 1, 128), jnp.float32, 1, 128)
+    saved = fp8_recipes.dequantize(fp8_recipes.quantize(x, recipe, 1, 128), jnp.float32, 1, 128)
     want, scale = wgrad_reference(saved, dy, [40, 100, 0, 90], 1, 2, rows=M)
-    got = out[fp8_gmm.HOPPER][2]
+    got = out[fp8_kernel.HOPPER][2]
     assert wgrad_within(got, want, scale)
     assert not wgrad_within(out["tiled"][2], want, scale)
 
@@ -357,16 +361,18 @@ def test_fp8_gmm_glu_on_the_kernel_matches_the_dequantized_backend():
     dy = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
     names = ("gate", "up")
     out = {}
-    for backend in ("tiled", fp8_gmm.HOPPER):
+    for backend in ("tiled", fp8_kernel.HOPPER):
 
         def f(gate, up, w, b=backend):
-            return fp8_gmm.gmm_glu(gate, up, w, sizes, "fp8_blockwise", swiglu, names, backend=b)
+            return fp8_matmul.grouped_glu(
+                gate, up, w, sizes, "fp8_blockwise", swiglu, names, backend=b
+            )
 
         y, vjp = jax.vjp(f, x, up, w)
         out[backend] = (y, *vjp(dy))
-    for got, want in zip(out[fp8_gmm.HOPPER][:3], out["tiled"][:3], strict=True):
+    for got, want in zip(out[fp8_kernel.HOPPER][:3], out["tiled"][:3], strict=True):
         _assert_close(got, np.asarray(want))
-    # the weight gradient: fp8_hopper.wgrad's per-group row tiles against the dequantized
+    # the weight gradient: hopper_wgrad.wgrad's per-group row tiles against the dequantized
     # backend's global ones: the same product up to that quantization's difference
-    got, want = (np.asarray(out[b][3], np.float64) for b in (fp8_gmm.HOPPER, "tiled"))
+    got, want = (np.asarray(out[b][3], np.float64) for b in (fp8_kernel.HOPPER, "tiled"))
     assert np.linalg.norm(got - want) < 0.05 * np.linalg.norm(want)

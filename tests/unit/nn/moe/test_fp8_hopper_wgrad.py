@@ -1,11 +1,11 @@
-"""The Hopper fp8 grouped GEMM's weight gradient (`fp8_hopper.wgrad`).
+"""The Hopper fp8 grouped GEMM's weight gradient (`hopper_wgrad.wgrad`).
 
 - numerics on CPU in Pallas's Mosaic GPU interpreter against a float64 reference built here in
   NumPy from the same quantization: each group's rows padded to 128-row tiles on their own,
   quantized per tile and channel, dequantized and multiplied `x^T dy` (uneven groups, groups of
   one to three tiles, an empty one, rows outside the groups holding large values, a group
   offset, bfloat16 rows); the negative control: the rows tiled globally (a tile straddling two
-  groups shares their amax, `fp8_gmm.py`'s tiling) is far outside the tolerance;
+  groups shares their amax, `fp8/matmul.py`'s tiling) is far outside the tolerance;
 - compiled for `gpu:h100x8` without a GPU: e4m3 x e4m3 `wgmma` with float32 accumulators.
 """
 
@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from expertax import platform, quant, targets
-from expertax.nn.moe import fp8_hopper
+from expertax import platform, targets
+from expertax.fp8 import quant
+from expertax.fp8.hopper import layout as hopper_layout
+from expertax.fp8.hopper import wgrad as hopper_wgrad
 
-TILE = fp8_hopper.TILE
+TILE = hopper_layout.TILE
 M = 384
 
 
@@ -117,7 +119,7 @@ def test_wgrad_in_the_interpreter_matches_the_per_group_tiles(
     x = _rows(k, sizes, offset, 0, dtype)
     dy = _rows(n, sizes, offset, 1, dtype)
     sizes_arr = jnp.asarray(sizes, jnp.int32)
-    got = fp8_hopper.wgrad(
+    got = hopper_wgrad.wgrad(
         x, dy, sizes_arr, group_offset=offset, num_groups=num_groups, interpret=True
     )
     assert got.shape == (num_groups, k, n) and got.dtype == jnp.float32
@@ -128,7 +130,7 @@ def test_wgrad_in_the_interpreter_matches_the_per_group_tiles(
     global_tiles = _reference(x, dy, sizes, offset, num_groups, per_group=False)[0]
     assert not _within(global_tiles, want, scale)
     # the schedule: each group from its own first tile, ceil(size / 128) tiles
-    ops = fp8_hopper.wgrad_operands(x, dy, sizes_arr, group_offset=offset, num_groups=num_groups)
+    ops = hopper_wgrad.wgrad_operands(x, dy, sizes_arr, group_offset=offset, num_groups=num_groups)
     tiles = -(-np.asarray(sizes[offset : offset + num_groups]) // TILE)
     np.testing.assert_array_equal(ops.tiles, tiles)
     np.testing.assert_array_equal(ops.first_tile, np.cumsum(tiles) - tiles)
@@ -138,16 +140,16 @@ def test_refusals():
     x, dy = jnp.ones((M, 160)), jnp.ones((M, 128))  # K = 160: not a multiple of 64
     sizes = jnp.array([10, 20], jnp.int32)
     with pytest.raises(ValueError, match=r"x \(384, 160\) and dy \(384, 128\)"):
-        fp8_hopper.wgrad(x, dy, sizes, num_groups=2)
+        hopper_wgrad.wgrad(x, dy, sizes, num_groups=2)
     with pytest.raises(ValueError, match=r"x \(384, 256\) and dy \(383, 128\)"):
-        fp8_hopper.wgrad(jnp.ones((M, 256)), dy[1:], sizes, num_groups=2)
-    mp = fp8_hopper.padded_rows(M, 2)
+        hopper_wgrad.wgrad(jnp.ones((M, 256)), dy[1:], sizes, num_groups=2)
+    mp = hopper_layout.padded_rows(M, 2)
     xq, dyq = jnp.zeros((mp, 256), quant.E4M3), jnp.zeros((mp, 128), quant.E4M3)
     xs, dys = jnp.ones((mp // TILE, 256)), jnp.ones((mp // TILE, 128))
     with pytest.raises(ValueError, match="e4m3"):
-        fp8_hopper.wgrad_quantized(xq.astype(jnp.bfloat16), xs, dyq, dys, sizes, sizes)
+        hopper_wgrad.wgrad_quantized(xq.astype(jnp.bfloat16), xs, dyq, dys, sizes, sizes)
     with pytest.raises(ValueError, match="x scales"):
-        fp8_hopper.wgrad_quantized(xq, xs[:, :128], dyq, dys, sizes, sizes)
+        hopper_wgrad.wgrad_quantized(xq, xs[:, :128], dyq, dys, sizes, sizes)
 
 
 @pytest.mark.skipif(
@@ -190,7 +192,7 @@ def test_wgrad_compiles_for_h100_to_e4m3_wgmma(k, n, tmp_path, monkeypatch):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def f(x, dy, sizes):
-        return fp8_hopper.wgrad(x, dy, sizes, num_groups=g)
+        return hopper_wgrad.wgrad(x, dy, sizes, num_groups=g)
 
     args = (arg((m, k), jnp.bfloat16), arg((m, n), jnp.bfloat16), arg((g,), jnp.int32))
     with platform.use("gpu", dev):
@@ -200,6 +202,6 @@ def test_wgrad_compiles_for_h100_to_e4m3_wgmma(k, n, tmp_path, monkeypatch):
     ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     assert ".target sm_90a" in ptx
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.(\w+)\.(\w+)", ptx)
-    tk, tn = fp8_hopper.tile_for(k), fp8_hopper.tile_for(n)
+    tk, tn = hopper_layout.tile_for(k), hopper_layout.tile_for(n)
     assert len(mmas) == tk // 64 * 4 and set(mmas) == {(str(tn), "e4m3", "e4m3")}, mmas
     assert "sm_90a" in "\n".join(p.read_text() for p in tmp_path.glob("*.ptxas"))

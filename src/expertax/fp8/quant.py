@@ -1,28 +1,20 @@
-"""fp8 quantization: e4m3 values with float32 block scales, the one module that checkpoint
-conversion (convert/fp8.py: the hub's 128 x 128 blocks), decoding (fp8 weights on the devices) and
-training use.
+"""The fp8 format: e4m3 values with float32 block scales, what checkpoint conversion
+(convert/fp8.py: the hub's 128 x 128 blocks), decoding (fp8 weights on the devices) and
+training (fp8/recipes.py) share.
 
-Shared by every format: the e4m3 type and its largest value (448), and the scale rule: a block's
+Shared by every use: the e4m3 type and its largest value (448), and the scale rule: a block's
 scale is its largest magnitude over 448 (1 for a block of zeros), so that the block's values fill
-e4m3's range; a weight is `q * scale`, broadcast over each block (`scale_for`).
+e4m3's range; a weight is `q * scale`, broadcast over each block (`scale_for`); the block
+quantizer (`quantize_blocks`), in NumPy (the converter's streaming) and in JAX alike.
 
-The device layout (`Fp8`, `quantize_array`, `dequantize_array`): a weight [..., K, N] held as
-e4m3 with one float32 scale per 128 values along its input axis K, the second to last (the whole
-axis when it is not a multiple of 128): finer blocks than the hub's 128 x 128, so the rounding
-error is at most the hub format's. Its scales [..., K / 128, N] keep the weight's minor axis:
-blocks along N would give the scales a minor axis of N / 128 (16 for a routed expert of
-DeepSeek-V3), which a TPU pads to 128 in every buffer that holds them.
-
-Decoding's fp8 weights (`fp8_weights=True`): DeepSeek-V3's 671B parameters take 1.34 TB in
-bfloat16, more than 8 H200s (1.13 TB) or a v5p-16 slice (8 chips, 760 GiB) hold; in fp8 they
-take half. Every matrix of the decoder layers and the MTP modules (attention projections, dense
-and shared MLPs, routed experts, `eh_proj`) is held in the device layout (`quantized`, `spec`,
-`quantize`); embeddings, the output head, norms and the router (and its bias) stay in their own
-dtype, as in the hub checkpoint. Each layer's weights are dequantized to `dtype` where the layer
-runs (`dequantize`, decoding/model.py). The quantization runs on the devices after the
-parameters are loaded in their own dtype: a model whose bfloat16 weights do not fit the devices
-cannot be loaded this way yet (the compiled figures of such a model, benchmarks/generate_671b.py,
-take the fp8 tree as given).
+The device layout of an fp8 weight (`Fp8`, `quantize_array`, `dequantize_array`): a weight
+[..., K, N] held as e4m3 with one float32 scale per 128 values along its input axis K, the
+second to last (the whole axis when it is not a multiple of 128): finer blocks than the hub's
+128 x 128, so the rounding error is at most the hub format's. Its scales [..., K / 128, N] keep
+the weight's minor axis: blocks along N would give the scales a minor axis of N / 128 (16 for a
+routed expert of DeepSeek-V3), which a TPU pads to 128 in every buffer that holds them. Which
+parameters decoding holds this way: decoding/quantized.py. A layer that finds Fp8 leaves in its
+parameters dequantizes them where it runs (`dequantize`).
 """
 
 from __future__ import annotations
@@ -32,13 +24,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from expertax.nn.param import ParamSpec, is_spec
-
 E4M3 = jnp.float8_e4m3fn  # ml_dtypes' type: numpy arrays (convert/) and jax arrays alike
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 BLOCK = 128
-# Parameter containers whose matrices are quantized (norm scales and the router never are).
-QUANTIZED_PARENTS = ("attn", "mlp", "moe", "shared", "mtp")
 
 
 def _exactly(divisor, xp):
@@ -106,49 +94,6 @@ def block(rows: int) -> int:
     return BLOCK if rows % BLOCK == 0 else rows
 
 
-def _names(path) -> list[str]:
-    return [str(getattr(k, "name", getattr(k, "key", ""))) for k in path]
-
-
-def quantized(path, shape: tuple[int, ...], prefix: tuple[str, ...] = ()) -> bool:
-    """Whether the parameter at `path` (a key path into the Decoder tree, or into a layer's tree
-    that sits at `prefix` in it, e.g. ("mtp",) for an MTP module) is held in fp8."""
-    names = [*prefix, *_names(path)]
-    if not names or names[-1].endswith("norm") or "router" in names:
-        return False
-    return len(shape) >= 2 and any(n in QUANTIZED_PARENTS for n in names[:-1])
-
-
-def spec(tree, prefix: tuple[str, ...] = ()):
-    """The parameter declaration tree with each quantized ParamSpec replaced by an Fp8 of two
-    ParamSpecs (values, scales; the scales keep the weight's logical axes)."""
-    if tree is None:
-        return None
-
-    def one(path, s: ParamSpec):
-        if not quantized(path, s.shape, prefix):
-            return s
-        k, n = s.shape[-2:]
-        scale_shape = (*s.shape[:-2], k // block(k), n)
-        return Fp8(s, ParamSpec(scale_shape, s.axes, "ones", weight_decay=False))
-
-    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_spec)
-
-
-def abstract(tree, dtype) -> Any:
-    """ShapeDtypeStructs of an `spec` tree: fp8 values, float32 scales, the rest in `dtype`."""
-
-    def leaf(s, dt):
-        return jax.ShapeDtypeStruct(s.shape, dt)
-
-    def one(x):
-        if is_fp8(x):
-            return Fp8(leaf(x.q, E4M3), leaf(x.scale, jnp.float32))
-        return leaf(x, jnp.dtype(dtype))
-
-    return jax.tree.map(one, tree, is_leaf=lambda x: is_fp8(x) or is_spec(x))
-
-
 def quantize_array(w: jax.Array) -> Fp8:
     """`w` [..., K, N] as e4m3 values and a scale per block of `block(K)` values of its K axis."""
     *lead, k, n = w.shape
@@ -166,15 +111,6 @@ def dequantize_array(f: Fp8, dtype) -> jax.Array:
     # The scales repeated along the K axis (a broadcast that keeps the minor axis), not the
     # weight reshaped into blocks.
     return f.q.astype(dtype) * jnp.repeat(f.scale.astype(dtype), blk, axis=-2)
-
-
-def quantize(params, prefix: tuple[str, ...] = ()):
-    """The parameters with every quantized weight (`quantized`) as Fp8."""
-
-    def one(path, w):
-        return quantize_array(w) if quantized(path, w.shape, prefix) else w
-
-    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def dequantize(tree, dtype, anchor):

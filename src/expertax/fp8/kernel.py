@@ -1,5 +1,7 @@
-"""Where the fp8 recipe's products run: Hopper's fp8 tensor cores (`moe/fp8_hopper.py`'s kernel)
-or dequantized in the operands' dtype.
+"""Where the fp8 recipe's products run: Hopper's fp8 tensor cores (fp8/hopper/'s kernels,
+imported only where a product is assigned to them) or dequantized in the operands' dtype; and
+the refusals of `gmm_impl=fp8_hopper` where it cannot run (`check`: from the config alone;
+`routed_choice`: on the mesh's devices).
 
 The kernel multiplies e4m3 tiles with `wgmma` (sm_90a: H100, H200) and promotes each K step's
 float32 partial by the operands' scales (DeepSeek-V3's block-scaled GEMM): steps and output
@@ -7,12 +9,12 @@ tiles of the recipe's 128, or 64 along a dim that is a multiple of 64 and not of
 takes N in multiples of 8 and K in steps of 32; the step still takes its 128-block's scale). It
 takes a product when the program is traced for a Hopper GPU and the product's K and N (the
 contraction and the output width) are multiples of 64 (`NARROW`):
-- the routed experts (`moe/fp8_gmm.py`, config key `gmm_impl`): `fp8_hopper` runs their fprop
+- the routed experts (`fp8/matmul.py`, config key `gmm_impl`): `fp8_hopper` runs their fprop
   and dgrad on it under either recipe (tensorwise scales broadcast to the block grids), `auto`
   picks it under a `quantization` on a Hopper mesh, from the evidence below, where the dims fit
   (D and the local F; otherwise `auto` keeps the dequantized products on its backend); the
-  wgrad stays dequantized (`fp8_gmm._wgrad`);
-- the dense linears (`nn/fp8_gemm.py`: attention projections, dense MLPs, shared experts) under
+  wgrad stays dequantized (`products.wgrad`);
+- the dense linears (`fp8/matmul.py`: attention projections, dense MLPs, shared experts) under
   `fp8_blockwise`: all three products as one group, each linear whose K and N fit (DeepSeek-V3's
   MLA wkv_a, 7168 -> 576 = 4.5 x 128, runs unpadded in 64-wide tiles along N) or whose
   zero-padding to multiples of 64 adds at most a quarter (`PAD_LIMIT`; the padded e4m3 values
@@ -35,18 +37,31 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from expertax import platform
-from expertax.config.checks.model import FP8_KERNEL
 from expertax.errors import ConfigError
-from expertax.nn.moe import fp8_hopper
+from expertax.fp8 import quant
+from expertax.fp8.recipes import RECIPES
 
-HOPPER = FP8_KERNEL  # the `gmm_impl` value
-TILE = fp8_hopper.TILE  # the kernel's row, column and K tile (quant.BLOCK)
-NARROW = fp8_hopper.NARROW  # its column tile and K step along dims not multiples of TILE
-RECIPES = ("fp8_tensorwise", "fp8_blockwise")
+if TYPE_CHECKING:
+    from expertax.config.schema import Config
+
+HOPPER = "fp8_hopper"  # the `gmm_impl` value
+TILE = quant.BLOCK  # the kernel's row, column and K tile: the recipe's block (128)
+# its column tile and K step along dims that are multiples of 64 but not of 128 (MLA's wkv_a,
+# 576 wide): `wgmma` takes N in multiples of 8 and K in steps of 32, so 64 is as native as 128;
+# a 128 x 128 scale block then covers two tiles or steps (fp8/hopper/layout.tile_for)
+NARROW = 64
+# XLA:GPU's Triton GEMM emitter claims a dot before the cuBLASLt fp8 rewrite sees it (jax 0.10.2):
+# a program of fp8 GEMMs compiles with it off.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# Pallas's Mosaic GPU interpreter: its parameters object (`InterpretGPUParams`), which jax
+# 0.10.2 does not export from a public module, so the library never imports it: whoever runs
+# the kernels interpreted sets it (tests/conftest.py). None: no interpreter.
+INTERPRETER: Any = None
 _INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_interpret", default=False)
 
 
@@ -88,9 +103,20 @@ def interpreting() -> bool:
     return platform.current() == "cpu"
 
 
+def interpreter():
+    """`INTERPRETER`, which running the kernels interpreted needs."""
+    if INTERPRETER is None:
+        raise RuntimeError(
+            "fp8.kernel: running the kernels interpreted needs Pallas's Mosaic GPU interpreter "
+            "parameters, which jax 0.10.2 does not export: set fp8.kernel.INTERPRETER to an "
+            "InterpretGPUParams (tests/conftest.py does); on a Hopper GPU nothing is needed"
+        )
+    return INTERPRETER
+
+
 def fits(*dims: int) -> bool:
     """Whether each dim (a product's K and N) is a whole number of the kernel's narrowest tile
-    (64: 128 where the dim allows, `fp8_hopper.tile_for`)."""
+    (64: 128 where the dim allows, `hopper.layout.tile_for`)."""
     return all(d > 0 and d % NARROW == 0 for d in dims)
 
 
@@ -150,3 +176,24 @@ def routed_choice(
             "dequantized products"
         )
     return HOPPER, f"gmm_impl={gmm_impl}: fprop and dgrad on the {HOPPER} kernel ({kind})"
+
+
+def check(c: Config) -> None:
+    """ConfigError, from the config alone, where `gmm_impl=fp8_hopper` cannot run: it multiplies
+    fp8 operands in tiles of 128 or 64 along K and N, so it needs a recipe and dims of whole
+    64-tiles (the devices and the split of F: `routed_choice`, once the mesh is known)."""
+    if c.gmm_impl != HOPPER:
+        return
+    if not c.quantization:
+        raise ConfigError(
+            f"gmm_impl={HOPPER} multiplies e4m3 operands: it needs quantization="
+            "fp8_blockwise or fp8_tensorwise (got quantization=''); without quantization use "
+            "auto, tiled, ragged_dot, tokamax_triton, tokamax_mosaic_gpu or megablox"
+        )
+    d, f, t = c.base_emb_dim, c.base_moe_mlp_dim, NARROW
+    if c.is_moe and (d % t or f % t):
+        raise ConfigError(
+            f"gmm_impl={HOPPER}: its kernel takes tiles of 128 or {t}; base_emb_dim={d} and "
+            f"base_moe_mlp_dim={f} must be multiples of {t}; use gmm_impl=auto (dequantized "
+            "products for these dims)"
+        )

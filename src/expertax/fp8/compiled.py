@@ -1,11 +1,11 @@
 """Which kernel multiplies each fp8 product of a compiled program (docs/design/fp8.md).
 
-The fp8 GEMMs trace their products under named scopes (`nn/fp8_gemm.SCOPES` for the dense
-linears, `nn/moe/fp8_gmm.SCOPES` for the routed experts), which XLA keeps in each instruction's
+The fp8 GEMMs trace their products under named scopes (`scopes.FP8_DENSE` for the
+dense linears, `scopes.FP8_GROUPED` for the routed experts), which XLA keeps in each instruction's
 `op_name`. `by_product(hlo_text)` counts the GEMM custom calls of an optimized program (its
 `as_text()`) by (product, kernel): the product one of `PRODUCTS` (a dense linear inside the
 MoE layer's scope is a shared expert's), the kernel one of
-- `mosaic_gpu_fp8`: a Pallas Mosaic GPU call (`moe/fp8_hopper.py`'s e4m3 `wgmma` kernel: the
+- `mosaic_gpu_fp8`: a Pallas Mosaic GPU call (`fp8/hopper/`'s e4m3 `wgmma` kernel: the
   only Mosaic GPU kernel under these scopes);
 - `cublaslt_fp8`: cuBLASLt's fp8 GEMM (`__cublas$lt$matmul$f8`);
 - `cublas_bf16`, `triton`: a dequantized product (cuBLAS, or XLA's or tokamax's Triton).
@@ -17,8 +17,7 @@ from __future__ import annotations
 import collections
 import re
 
-from expertax.nn import fp8_gemm
-from expertax.nn.moe import fp8_gmm
+from expertax import scopes
 
 _CALL = re.compile(r'custom_call_target="([^"]+)"')
 _OP = re.compile(r'op_name="([^"]+)"')
@@ -59,10 +58,10 @@ def kernel_of(target: str) -> str | None:
 def product_of(op_name: str) -> str:
     """The fp8 product a call's op_name lies in (`PRODUCTS`), or `other`."""
     what = ("fprop", "dgrad", "wgrad")
-    for scope, kind in zip(fp8_gmm.SCOPES, what, strict=True):
+    for scope, kind in zip(scopes.FP8_GROUPED, what, strict=True):
         if f"/{scope}/" in op_name or op_name.endswith(f"/{scope}"):
             return f"routed experts {kind}"
-    for scope, kind in zip(fp8_gemm.SCOPES, what, strict=True):
+    for scope, kind in zip(scopes.FP8_DENSE, what, strict=True):
         if f"/{scope}/" in op_name or op_name.endswith(f"/{scope}"):
             who = "shared experts" if "/moe/" in op_name else "dense linears"
             return f"{who} {kind}"
