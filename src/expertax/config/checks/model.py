@@ -3,6 +3,7 @@ and options, RoPE, the vocabulary's tiles, quantization."""
 
 from __future__ import annotations
 
+from expertax.config.checks.hints import divisors
 from expertax.config.schema import Config
 from expertax.errors import ConfigError
 
@@ -190,10 +191,9 @@ def check_routing_bias(c: Config) -> None:
 def check_vocab_tiling(c: Config) -> None:
     n, t = c.num_vocab_tiling, c.max_target_length
     if t % n:
-        divisors = [d for d in range(1, min(t, 64) + 1) if t % d == 0]
         raise ConfigError(
             f"num_vocab_tiling={n} does not divide max_target_length={t}; use a divisor such as "
-            f"{divisors[-4:]}"
+            f"{divisors(t)}"
         )
 
 

@@ -3,6 +3,7 @@ buffers and tiles, token chunks, context parallelism, the paged stash's sizes.""
 
 from __future__ import annotations
 
+from expertax.config.checks.hints import divisors
 from expertax.config.schema import Config
 from expertax.errors import ConfigError
 
@@ -100,10 +101,9 @@ def check_moe_token_chunks(c: Config) -> None:
         return
     t = c.max_target_length
     if not c.sparse_matmul and t % n:
-        divisors = [d for d in range(1, min(t, 64) + 1) if t % d == 0]
         raise ConfigError(
             f"num_moe_token_chunks={n} does not divide max_target_length={t} (sparse_matmul=false "
-            f"chunks each sequence); use a divisor such as {divisors[-4:]}"
+            f"chunks each sequence); use a divisor such as {divisors(t)}"
         )
     for key, value in (
         ("capacity_factor", c.capacity_factor),
@@ -123,10 +123,9 @@ def check_attention_token_chunks(c: Config) -> None:
     if n == 1:
         return
     if t % n:
-        divisors = [d for d in range(1, min(t, 64) + 1) if t % d == 0]
         raise ConfigError(
             f"num_attention_token_chunks={n} does not divide max_target_length={t}; use a "
-            f"divisor such as {divisors[-4:]}"
+            f"divisor such as {divisors(t)}"
         )
 
 
