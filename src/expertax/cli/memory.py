@@ -61,9 +61,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    import json
-
     from expertax.config import ConfigError
+    from expertax.jsonio import dump
 
     hardware = target(args.target, args.devices)
     cfg = config_from_args(args.config)
@@ -91,16 +90,15 @@ def run(args) -> int:
     print(f"(built and compiled abstractly in {report['seconds']} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(to_json_ready(report), f, indent=1)
+            dump(to_json_ready(report), f, indent=1)
     return 0
 
 
 def _fit(cfg, args, hardware) -> int:
     """`expertax memory --fit`: the search of planner/fit.py; exit 1 when no candidate fits."""
-    import json
-
     import jax
 
+    from expertax.jsonio import dump
     from expertax.planner import fit, fit_table
 
     devices = args.devices if args.devices is not None else len(jax.devices())
@@ -118,5 +116,5 @@ def _fit(cfg, args, hardware) -> int:
     print(fit_table.format_fit(result))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"fit": result}, f, indent=1)
+            dump({"fit": result}, f, indent=1)
     return 0 if result["fits"] else 1

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertax import progress
+from expertax import jsonio, progress
 from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
 from expertax.tools.flags import choices, positive_ints
@@ -156,7 +156,7 @@ def run_grid(args) -> tuple[list[dict], dict]:
         "fresh_copy_gbps": round(fresh_gbps, 2),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
-    print(json.dumps({"machine": machine}), flush=True)
+    print(jsonio.dumps({"machine": machine}), flush=True)
     results = []
     key = jax.random.key(0)
     groups, passes = args.groups.split(","), args.passes.split(",")
@@ -186,7 +186,7 @@ def run_grid(args) -> tuple[list[dict], dict]:
                                 backend, default, shape, kind, pass_name, arrays, reference, args
                             )
                             bar.update(1)
-                            say(json.dumps(row))
+                            say(jsonio.dumps(row))
                             results.append(row)
             del w
     bar.close()
@@ -374,7 +374,7 @@ def main(argv: list[str]) -> int:
     )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": machine, "rows": results}, fh, indent=1)
+            jsonio.dump({"machine": machine, "rows": results}, fh, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(format_markdown(results, machine))

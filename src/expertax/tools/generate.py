@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from expertax import jsonio
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
 from expertax.errors import ConfigError
 from expertax.sharding.mesh import make_mesh
@@ -247,5 +248,5 @@ def run(args) -> int:
     doc = report(source, prompts, gen, settings, mesh_line, time.perf_counter() - start)
     print_results(source, doc)
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        Path(args.json).write_text(jsonio.dumps(doc, indent=1) + "\n")
     return 0

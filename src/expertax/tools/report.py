@@ -24,6 +24,7 @@ import numpy as np
 import yaml
 from matplotlib.figure import Figure
 
+from expertax import jsonio
 from expertax.errors import ConfigError
 from expertax.train.metrics import expert_load_summary
 
@@ -57,8 +58,19 @@ def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     return config, records
 
 
+def _numeric(value) -> bool:
+    """A number of a metrics record: a JSON number, or null (a value that was not finite)."""
+    return value is None or isinstance(value, int | float)
+
+
+def _number(record: dict, key: str) -> float | None:
+    """`record[key]` as a float, a null (not finite) as NaN; None when the record lacks `key`."""
+    return jsonio.number(record[key]) if key in record and _numeric(record[key]) else None
+
+
 def _series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
-    rows = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
+    """(steps, values) of the records holding `key`; a non-finite value is NaN (a gap drawn)."""
+    rows = [(r["step"], _number(r, key)) for r in records if key in r and _numeric(r[key])]
     steps, values = zip(*rows) if rows else ((), ())
     return np.asarray(steps), np.asarray(values, np.float64)
 
@@ -168,20 +180,20 @@ def summarize(config: dict, records: list[dict]) -> dict:
         "steps recorded": len(records),
         "last step": records[-1]["step"],
         "steps planned": config.get("steps"),
-        "first loss": records[0].get("loss"),
-        "final loss": records[-1].get("loss"),
+        "first loss": _number(records[0], "loss"),
+        "final loss": _number(records[-1], "loss"),
         "median step time (s)": statistics.median(r["step_time_s"] for r in steady),
         "median tokens/s/device": statistics.median(r["tokens_per_s_per_device"] for r in steady),
     }
     evals = [r for r in records if "eval_loss" in r]
     if evals:
-        summary["final eval loss"] = evals[-1]["eval_loss"]
-        summary["final eval perplexity"] = evals[-1]["eval_perplexity"]
+        summary["final eval loss"] = _number(evals[-1], "eval_loss")
+        summary["final eval perplexity"] = _number(evals[-1], "eval_perplexity")
         if "eval_mtp_acceptance" in evals[-1]:
-            summary["final eval MTP loss"] = evals[-1]["eval_mtp_loss"]
-            summary["final eval MTP acceptance"] = evals[-1]["eval_mtp_acceptance"]
+            summary["final eval MTP loss"] = _number(evals[-1], "eval_mtp_loss")
+            summary["final eval MTP acceptance"] = _number(evals[-1], "eval_mtp_acceptance")
     if "mtp_loss" in records[-1]:
-        summary["final MTP loss"] = records[-1]["mtp_loss"]
+        summary["final MTP loss"] = _number(records[-1], "mtp_loss")
     return summary
 
 
