@@ -8,6 +8,7 @@ import argparse
 from expertax import startup
 from expertax.cli.args import CONFIG_HELP, config_from_args
 from expertax.cli.devices import target, use_simulated_devices
+from expertax.outputs import add_overwrite_flag, check_file
 
 HELP = "per-device memory plan of the train step, compiled abstractly"
 
@@ -25,6 +26,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     memory.add_argument("--devices", type=int, help="compile for N simulated CPU devices")
     memory.add_argument("--json", help="also write the report as JSON to this path")
+    add_overwrite_flag(memory)
     memory.add_argument(
         "--hbm", type=float, help="device memory budget in GiB (default: the target chip's)"
     )
@@ -61,6 +63,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    check_file("--json", args.json, args.overwrite)  # before the config (and JAX) loads
     from expertax.config import ConfigError
     from expertax.jsonio import dump
 

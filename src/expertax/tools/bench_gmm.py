@@ -31,6 +31,7 @@ import numpy as np
 from expertax import jsonio, progress
 from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
+from expertax.outputs import add_overwrite_flag, check_file
 from expertax.tools.flags import choices, positive_ints
 
 GROUPINGS = ("balanced", "zipf", "one")
@@ -345,6 +346,7 @@ def _parser() -> argparse.ArgumentParser:
         default=2.0,
         help="skip ragged_dot combinations predicted to take longer per call (E x a dense matmul)",
     )
+    add_overwrite_flag(p)
     return p
 
 
@@ -354,6 +356,8 @@ def main(argv: list[str]) -> int:
 
         return bench_gmm_target.main(argv)
     args = _parser().parse_args(argv)
+    check_file("--json", args.json, args.overwrite)
+    check_file("--markdown", args.markdown, args.overwrite)
     if args.quick:
         args.experts, args.rows, args.shapes = "8,64", "4096", "512x1024"
         args.groups, args.repeats = "balanced,zipf", 3

@@ -32,6 +32,7 @@ import time
 
 from expertax import jsonio
 from expertax.config import ConfigError
+from expertax.outputs import add_overwrite_flag, check_file
 from expertax.tools.flags import positive_ints
 
 PASSES = ("fwd", "fwd_bwd")
@@ -59,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATHS",
         help="compile nothing: a table from earlier --json files (comma list, merged)",
     )
+    add_overwrite_flag(p)
     return p
 
 
@@ -236,6 +238,8 @@ def _machine() -> dict:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    check_file("--json", None if args.from_json else args.json, args.overwrite)
+    check_file("--markdown", args.markdown, args.overwrite)
     if args.from_json:
         rows: list[dict] = []
         pieces = []

@@ -2,10 +2,11 @@
 expertax/cli/generate.py). See docs/design/generate.md.
 
 Everything the user gave is checked before the parameters are read or anything compiles: the
-source (tools/generate_source.py), the overrides, the prompts (a text prompt needs a tokenizer), the
-sampling settings and lengths (`check_request`), the `--json` path. Then the parameters are read
-into the mesh of all the devices JAX sees, `generate` runs once over every prompt, and each
-prompt's continuation is printed (text when there is a tokenizer, else ids) with a summary line;
+`--json` path (by the command line, before JAX loads: expertax/outputs.py), the source
+(tools/generate_source.py), the overrides, the prompts (a text prompt needs a tokenizer), the
+sampling settings and lengths (`check_request`). Then the parameters are read into the mesh of
+all the devices JAX sees, `generate` runs once over every prompt, and each prompt's continuation
+is printed (text when there is a tokenizer, else ids) with a summary line;
 `--json` also writes them, with the ids and log-probabilities.
 """
 
@@ -116,20 +117,6 @@ def make_prompts(entries: Sequence[tuple[str, Any]], source: Source) -> list[Pro
     return prompts
 
 
-def check_json_path(path: str | None) -> None:
-    """Refuse, before any work, a --json path that cannot be written."""
-    if path is None:
-        return
-    out = Path(path)
-    if out.is_dir():
-        raise ConfigError(f"--json={path!r} is a directory; give a file path")
-    if not out.resolve().parent.is_dir():
-        raise ConfigError(
-            f"--json={path!r}: its folder {str(out.resolve().parent)!r} does not exist; create "
-            "it first (nothing was generated)"
-        )
-
-
 def describe_mesh(mesh) -> str:
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     axes = " ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "one device"
@@ -221,7 +208,6 @@ def print_results(source: Source, doc: dict, out=None) -> None:
 def run(args) -> int:
     """`expertax generate` with parsed `args` (expertax/cli/generate.py); a user error is a
     ConfigError."""
-    check_json_path(args.json)
     source = open_source(args.source, args.config, args.tokenizer)
     entries = list(args.prompts or [])
     if args.prompts_file:

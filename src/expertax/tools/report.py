@@ -31,6 +31,20 @@ from expertax.train.metrics import expert_load_summary
 METRICS_FILE = "metrics.jsonl"  # the names train/run_dir.py writes (not imported: it needs jax)
 CONFIG_FILE = "config.yml"
 REPORT_SUBDIR = "report"
+# What make_report writes in its folder: each plot by name, and the page showing them.
+PLOT_FILES = {
+    "loss": "loss.png",
+    "throughput": "throughput.png",
+    "expert_load_heatmap": "expert_load_heatmap.png",
+    "expert_load_layer": "expert_load_layer{layer}.png",
+    "expert_load_balance": "expert_load_balance.png",
+}
+INDEX_FILE = "index.html"
+
+
+def report_files(layer: int) -> list[str]:
+    """The names of the files `make_report(..., layer=layer)` may write in its folder."""
+    return [name.format(layer=layer) for name in PLOT_FILES.values()] + [INDEX_FILE]
 
 
 def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
@@ -208,19 +222,21 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None, layer: i
             f"use 0..{len(logged[-1]['expert_load']) - 1}"
         )
     out.mkdir(parents=True, exist_ok=True)
+    file = {name: out / f.format(layer=layer) for name, f in PLOT_FILES.items()}
     plots = {
-        "loss": plot_loss(records, out / "loss.png"),
-        "throughput": plot_throughput(records, out / "throughput.png"),
+        "loss": plot_loss(records, file["loss"]),
+        "throughput": plot_throughput(records, file["throughput"]),
     }
     if logged:
         last = logged[-1]
-        heatmap = out / "expert_load_heatmap.png"
+        heatmap = file["expert_load_heatmap"]
         plots["expert_load_heatmap"] = plot_load_heatmap(last["step"], last["expert_load"], heatmap)
-        over_time = out / f"expert_load_layer{layer}.png"
+        over_time = file["expert_load_layer"]
         plots["expert_load_layer"] = plot_layer_over_time(logged, layer, over_time)
-        plots["expert_load_balance"] = plot_load_balance(logged, out / "expert_load_balance.png")
+        balance = file["expert_load_balance"]
+        plots["expert_load_balance"] = plot_load_balance(logged, balance)
     summary = summarize(config, records)
-    (out / "index.html").write_text(_index_html(run_dir, plots, summary, config, bool(logged)))
+    (out / INDEX_FILE).write_text(_index_html(run_dir, plots, summary, config, bool(logged)))
     return {"out_dir": out, "plots": plots, "summary": summary}
 
 
