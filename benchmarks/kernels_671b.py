@@ -63,7 +63,8 @@ def compile_case(target: str, fit: dict, case: str, out: Path) -> dict:
     t0 = time.perf_counter()
     with (out / f"{name}.txt").open("w") as log:
         rc = subprocess.call(
-            [sys.executable, "-m", "expertax.cli", *cmd, "--top", "5", "--json", str(path)],
+            [sys.executable, "-m", "expertax.cli", *cmd, "--top", "5", "--json", str(path)]
+            + ["--overwrite"],
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             rc, wall = 0, json.loads(path.read_text())["fit"]["seconds"]
         else:
             rc, wall = run(
-                ["memory", *BASE, "--target", target, "--fit", "--json", str(path)],
+                ["memory", *BASE, "--target", target, "--fit", "--json", str(path), "--overwrite"],
                 out / f"fit-{name}.txt",
             )
         fit = json.loads(path.read_text())["fit"] if path.exists() else {}

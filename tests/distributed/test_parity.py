@@ -318,7 +318,7 @@ def test_refused_layout_fails_the_table_unless_skipped(monkeypatch, tmp_path, ca
     assert [r["layout"] for r in saved["refused"]] == ["sparse-padded-ep3"]
     assert saved["ok"] is False and len(saved["rows"]) == 1
 
-    assert cli.main([*argv, "--skip-refused", "--json", str(path)]) == 0
+    assert cli.main([*argv, "--skip-refused", "--json", str(path), "--overwrite"]) == 0
     out = capsys.readouterr().out
     assert "| - | skipped (refused: num_experts=8 is not divisible" in out
     assert "| sparse | False | padded | 1 | 1 | 2 | 1 | 1 | 1 | no | default | 1.500000 |" in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from expertax import startup
+from expertax.outputs import add_overwrite_flag, check_file
 
 HELP = (
     "continue prompts: expertax generate SOURCE --prompt TEXT | --prompt-ids 1,15,27 ... "
@@ -66,6 +67,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--json", help="also write prompts, ids, text, log-probs and settings here")
+    add_overwrite_flag(gen)
     gen.add_argument(
         "--mla-cache",
         choices=("compressed", "plain"),
@@ -97,6 +99,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    check_file("--json", args.json, args.overwrite)  # before JAX loads
     from expertax.tools import generate
 
     startup.start_backends()

@@ -8,6 +8,7 @@ import argparse
 from expertax import startup
 from expertax.cli.args import CONFIG_HELP, config_from_args
 from expertax.cli.devices import target, use_simulated_devices
+from expertax.outputs import add_overwrite_flag, check_file
 
 HELP = "per-device memory plan of the train step, compiled abstractly"
 
@@ -25,6 +26,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     memory.add_argument("--devices", type=int, help="compile for N simulated CPU devices")
     memory.add_argument("--json", help="also write the report as JSON to this path")
+    add_overwrite_flag(memory)
     memory.add_argument(
         "--hbm", type=float, help="device memory budget in GiB (default: the target chip's)"
     )
@@ -61,9 +63,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    import json
-
+    check_file("--json", args.json, args.overwrite)  # before the config (and JAX) loads
     from expertax.config import ConfigError
+    from expertax.jsonio import dump
 
     hardware = target(args.target, args.devices)
     cfg = config_from_args(args.config)
@@ -91,16 +93,15 @@ def run(args) -> int:
     print(f"(built and compiled abstractly in {report['seconds']} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(to_json_ready(report), f, indent=1)
+            dump(to_json_ready(report), f, indent=1)
     return 0
 
 
 def _fit(cfg, args, hardware) -> int:
     """`expertax memory --fit`: the search of planner/fit.py; exit 1 when no candidate fits."""
-    import json
-
     import jax
 
+    from expertax.jsonio import dump
     from expertax.planner import fit, fit_table
 
     devices = args.devices if args.devices is not None else len(jax.devices())
@@ -118,5 +119,5 @@ def _fit(cfg, args, hardware) -> int:
     print(fit_table.format_fit(result))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"fit": result}, f, indent=1)
+            dump({"fit": result}, f, indent=1)
     return 0 if result["fits"] else 1

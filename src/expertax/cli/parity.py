@@ -9,6 +9,7 @@ import sys
 from expertax import startup
 from expertax.cli.args import CONFIG_HELP, config_from_args
 from expertax.cli.devices import target, use_simulated_devices
+from expertax.outputs import add_overwrite_flag, check_file
 
 HELP = "every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]"
 
@@ -26,6 +27,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     par.add_argument("config", nargs="*", help=CONFIG_HELP)
     par.add_argument("--steps", type=int, default=None, help="train steps per layout (default 10)")
     par.add_argument("--json", default=None, help="also write the table as JSON to this path")
+    add_overwrite_flag(par)
     par.add_argument(
         "--layouts",
         default=None,
@@ -66,6 +68,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    check_file("--json", args.json, args.overwrite)  # before the config (and JAX) loads
     from expertax.config import ConfigError
 
     if args.compile_only:

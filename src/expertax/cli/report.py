@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from expertax.outputs import add_overwrite_flag, check_folder
+
 HELP = "plots and an index.html of a run folder: expertax report RUN_DIR [--layer I] [--out DIR]"
 
 
@@ -15,13 +17,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     report.add_argument(
         "--layer", type=int, default=0, help="MoE layer whose expert loads are drawn over steps"
     )
-    report.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+    report.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: RUN_DIR/report, rewritten each time); one holding the "
+        "report's files already is refused without --overwrite",
+    )
+    add_overwrite_flag(report)
     return report
 
 
 def run(args) -> int:
-    from expertax.tools.report import make_report
+    from expertax.tools.report import make_report, report_files
 
+    check_folder("--out", args.out, report_files(args.layer), args.overwrite)
     result = make_report(args.run_dir, out_dir=args.out, layer=args.layer)
     print(f"expertax: wrote {len(result['plots'])} plots and index.html to {result['out_dir']}")
     return 0

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from expertax import jsonio
 from expertax.config import Config
 from expertax.convert import fp8, hf_read, hf_write, safetensors_io
 from expertax.convert.hf_config import ConversionError, config_from_hf, config_to_hf
@@ -222,7 +223,7 @@ def convert_to_hf(
         workers=workers,
     )
     progress.close()
-    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(jsonio.dumps(hf, indent=2, sort_keys=True) + "\n")
     tokenizer = _copy_tokenizer_files(_model_dir_of(ckpt_dir, c), out)
     journal.finish()
     summary.resumed = skipped
@@ -268,7 +269,7 @@ def write_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files, _ = hf_write.write_shards(out, read, entries, jobs, max_shard_bytes=max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(jsonio.dumps(hf, indent=2, sort_keys=True) + "\n")
     return ["config.json", *files]
 
 

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from expertax import jsonio
+
 STATE_DIR = ".convert"
 # Test hook: exit (status 75) right after this many units were journaled in this process.
 EXIT_AFTER_ENV = "EXPERTAX_CONVERT_EXIT_AFTER"
@@ -56,7 +58,7 @@ class Journal:
         else:
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp = self.dir / "state.json.tmp"
-            tmp.write_text(json.dumps(self.state, sort_keys=True))
+            tmp.write_text(jsonio.dumps(self.state, sort_keys=True))
             tmp.replace(state_file)
         self._file = open(self.dir / "done.txt", "a")  # noqa: SIM115 (closed in close/finish)
         return self

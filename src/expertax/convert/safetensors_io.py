@@ -23,6 +23,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from expertax import jsonio
 from expertax.train import model_dir
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -184,7 +185,7 @@ def _header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
             "data_offsets": [offset, offset + n],
         }
         offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = jsonio.dumps(header, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
 
 
@@ -239,7 +240,7 @@ def write_index(directory: Path, shards: list[tuple[str, list[Entry]]]) -> None:
     weight_map = {name: fname for fname, entries in shards for name, _, _ in entries}
     total = sum(nbytes(s, d) for _, entries in shards for _, s, d in entries)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (directory / INDEX_FILE).write_text(jsonio.dumps(index, indent=2) + "\n")
 
 
 def write(

@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertax import progress
+from expertax import jsonio, progress
 from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
+from expertax.outputs import add_overwrite_flag, check_file
 from expertax.tools.flags import choices, positive_ints
 
 GROUPINGS = ("balanced", "zipf", "one")
@@ -156,7 +157,7 @@ def run_grid(args) -> tuple[list[dict], dict]:
         "fresh_copy_gbps": round(fresh_gbps, 2),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
-    print(json.dumps({"machine": machine}), flush=True)
+    print(jsonio.dumps({"machine": machine}), flush=True)
     results = []
     key = jax.random.key(0)
     groups, passes = args.groups.split(","), args.passes.split(",")
@@ -186,7 +187,7 @@ def run_grid(args) -> tuple[list[dict], dict]:
                                 backend, default, shape, kind, pass_name, arrays, reference, args
                             )
                             bar.update(1)
-                            say(json.dumps(row))
+                            say(jsonio.dumps(row))
                             results.append(row)
             del w
     bar.close()
@@ -345,6 +346,7 @@ def _parser() -> argparse.ArgumentParser:
         default=2.0,
         help="skip ragged_dot combinations predicted to take longer per call (E x a dense matmul)",
     )
+    add_overwrite_flag(p)
     return p
 
 
@@ -354,6 +356,8 @@ def main(argv: list[str]) -> int:
 
         return bench_gmm_target.main(argv)
     args = _parser().parse_args(argv)
+    check_file("--json", args.json, args.overwrite)
+    check_file("--markdown", args.markdown, args.overwrite)
     if args.quick:
         args.experts, args.rows, args.shapes = "8,64", "4096", "512x1024"
         args.groups, args.repeats = "balanced,zipf", 3
@@ -374,7 +378,7 @@ def main(argv: list[str]) -> int:
     )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": machine, "rows": results}, fh, indent=1)
+            jsonio.dump({"machine": machine, "rows": results}, fh, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(format_markdown(results, machine))

@@ -30,7 +30,9 @@ import logging
 import platform as host
 import time
 
+from expertax import jsonio
 from expertax.config import ConfigError
+from expertax.outputs import add_overwrite_flag, check_file
 from expertax.tools.flags import positive_ints
 
 PASSES = ("fwd", "fwd_bwd")
@@ -58,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATHS",
         help="compile nothing: a table from earlier --json files (comma list, merged)",
     )
+    add_overwrite_flag(p)
     return p
 
 
@@ -235,6 +238,8 @@ def _machine() -> dict:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    check_file("--json", None if args.from_json else args.json, args.overwrite)
+    check_file("--markdown", args.markdown, args.overwrite)
     if args.from_json:
         rows: list[dict] = []
         pieces = []
@@ -250,7 +255,7 @@ def main(argv: list[str]) -> int:
     print(format_table(rows))
     if args.json and not args.from_json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": machine, "rows": rows}, fh, indent=1)
+            jsonio.dump({"machine": machine, "rows": rows}, fh, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(format_markdown(rows, machine))
@@ -274,7 +279,7 @@ def _run(args) -> tuple[list[dict], dict]:
 
     grid, (d, f) = _grid(args, target.platform)
     machine = {**_machine(), "target": target.describe()}
-    print(json.dumps({"machine": machine}), flush=True)
+    print(jsonio.dumps({"machine": machine}), flush=True)
     bar = progress.bar(len(grid), "bench gmm --target", unit="compile")
     say = progress.say_above(bar, lambda line: print(line, flush=True))
     rows = []
@@ -282,6 +287,6 @@ def _run(args) -> tuple[list[dict], dict]:
         row = compile_row(target, backend, experts, per, pass_name, d, f, jnp.dtype(args.dtype))
         rows.append(row)
         bar.update(1)
-        say(json.dumps(row))
+        say(jsonio.dumps(row))
     bar.close()
     return rows, machine

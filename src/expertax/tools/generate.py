@@ -2,10 +2,11 @@
 expertax/cli/generate.py). See docs/design/generate.md.
 
 Everything the user gave is checked before the parameters are read or anything compiles: the
-source (tools/generate_source.py), the overrides, the prompts (a text prompt needs a tokenizer), the
-sampling settings and lengths (`check_request`), the `--json` path. Then the parameters are read
-into the mesh of all the devices JAX sees, `generate` runs once over every prompt, and each
-prompt's continuation is printed (text when there is a tokenizer, else ids) with a summary line;
+`--json` path (by the command line, before JAX loads: expertax/outputs.py), the source
+(tools/generate_source.py), the overrides, the prompts (a text prompt needs a tokenizer), the
+sampling settings and lengths (`check_request`). Then the parameters are read into the mesh of
+all the devices JAX sees, `generate` runs once over every prompt, and each prompt's continuation
+is printed (text when there is a tokenizer, else ids) with a summary line;
 `--json` also writes them, with the ids and log-probabilities.
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from expertax import jsonio
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
 from expertax.errors import ConfigError
 from expertax.sharding.mesh import make_mesh
@@ -115,20 +117,6 @@ def make_prompts(entries: Sequence[tuple[str, Any]], source: Source) -> list[Pro
     return prompts
 
 
-def check_json_path(path: str | None) -> None:
-    """Refuse, before any work, a --json path that cannot be written."""
-    if path is None:
-        return
-    out = Path(path)
-    if out.is_dir():
-        raise ConfigError(f"--json={path!r} is a directory; give a file path")
-    if not out.resolve().parent.is_dir():
-        raise ConfigError(
-            f"--json={path!r}: its folder {str(out.resolve().parent)!r} does not exist; create "
-            "it first (nothing was generated)"
-        )
-
-
 def describe_mesh(mesh) -> str:
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     axes = " ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "one device"
@@ -220,7 +208,6 @@ def print_results(source: Source, doc: dict, out=None) -> None:
 def run(args) -> int:
     """`expertax generate` with parsed `args` (expertax/cli/generate.py); a user error is a
     ConfigError."""
-    check_json_path(args.json)
     source = open_source(args.source, args.config, args.tokenizer)
     entries = list(args.prompts or [])
     if args.prompts_file:
@@ -247,5 +234,5 @@ def run(args) -> int:
     doc = report(source, prompts, gen, settings, mesh_line, time.perf_counter() - start)
     print_results(source, doc)
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        Path(args.json).write_text(jsonio.dumps(doc, indent=1) + "\n")
     return 0

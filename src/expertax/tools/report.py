@@ -24,12 +24,27 @@ import numpy as np
 import yaml
 from matplotlib.figure import Figure
 
+from expertax import jsonio
 from expertax.errors import ConfigError
 from expertax.train.metrics import expert_load_summary
 
 METRICS_FILE = "metrics.jsonl"  # the names train/run_dir.py writes (not imported: it needs jax)
 CONFIG_FILE = "config.yml"
 REPORT_SUBDIR = "report"
+# What make_report writes in its folder: each plot by name, and the page showing them.
+PLOT_FILES = {
+    "loss": "loss.png",
+    "throughput": "throughput.png",
+    "expert_load_heatmap": "expert_load_heatmap.png",
+    "expert_load_layer": "expert_load_layer{layer}.png",
+    "expert_load_balance": "expert_load_balance.png",
+}
+INDEX_FILE = "index.html"
+
+
+def report_files(layer: int) -> list[str]:
+    """The names of the files `make_report(..., layer=layer)` may write in its folder."""
+    return [name.format(layer=layer) for name in PLOT_FILES.values()] + [INDEX_FILE]
 
 
 def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
@@ -57,8 +72,19 @@ def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     return config, records
 
 
+def _numeric(value) -> bool:
+    """A number of a metrics record: a JSON number, or null (a value that was not finite)."""
+    return value is None or isinstance(value, int | float)
+
+
+def _number(record: dict, key: str) -> float | None:
+    """`record[key]` as a float, a null (not finite) as NaN; None when the record lacks `key`."""
+    return jsonio.number(record[key]) if key in record and _numeric(record[key]) else None
+
+
 def _series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
-    rows = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
+    """(steps, values) of the records holding `key`; a non-finite value is NaN (a gap drawn)."""
+    rows = [(r["step"], _number(r, key)) for r in records if key in r and _numeric(r[key])]
     steps, values = zip(*rows) if rows else ((), ())
     return np.asarray(steps), np.asarray(values, np.float64)
 
@@ -168,20 +194,20 @@ def summarize(config: dict, records: list[dict]) -> dict:
         "steps recorded": len(records),
         "last step": records[-1]["step"],
         "steps planned": config.get("steps"),
-        "first loss": records[0].get("loss"),
-        "final loss": records[-1].get("loss"),
+        "first loss": _number(records[0], "loss"),
+        "final loss": _number(records[-1], "loss"),
         "median step time (s)": statistics.median(r["step_time_s"] for r in steady),
         "median tokens/s/device": statistics.median(r["tokens_per_s_per_device"] for r in steady),
     }
     evals = [r for r in records if "eval_loss" in r]
     if evals:
-        summary["final eval loss"] = evals[-1]["eval_loss"]
-        summary["final eval perplexity"] = evals[-1]["eval_perplexity"]
+        summary["final eval loss"] = _number(evals[-1], "eval_loss")
+        summary["final eval perplexity"] = _number(evals[-1], "eval_perplexity")
         if "eval_mtp_acceptance" in evals[-1]:
-            summary["final eval MTP loss"] = evals[-1]["eval_mtp_loss"]
-            summary["final eval MTP acceptance"] = evals[-1]["eval_mtp_acceptance"]
+            summary["final eval MTP loss"] = _number(evals[-1], "eval_mtp_loss")
+            summary["final eval MTP acceptance"] = _number(evals[-1], "eval_mtp_acceptance")
     if "mtp_loss" in records[-1]:
-        summary["final MTP loss"] = records[-1]["mtp_loss"]
+        summary["final MTP loss"] = _number(records[-1], "mtp_loss")
     return summary
 
 
@@ -196,19 +222,21 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None, layer: i
             f"use 0..{len(logged[-1]['expert_load']) - 1}"
         )
     out.mkdir(parents=True, exist_ok=True)
+    file = {name: out / f.format(layer=layer) for name, f in PLOT_FILES.items()}
     plots = {
-        "loss": plot_loss(records, out / "loss.png"),
-        "throughput": plot_throughput(records, out / "throughput.png"),
+        "loss": plot_loss(records, file["loss"]),
+        "throughput": plot_throughput(records, file["throughput"]),
     }
     if logged:
         last = logged[-1]
-        heatmap = out / "expert_load_heatmap.png"
+        heatmap = file["expert_load_heatmap"]
         plots["expert_load_heatmap"] = plot_load_heatmap(last["step"], last["expert_load"], heatmap)
-        over_time = out / f"expert_load_layer{layer}.png"
+        over_time = file["expert_load_layer"]
         plots["expert_load_layer"] = plot_layer_over_time(logged, layer, over_time)
-        plots["expert_load_balance"] = plot_load_balance(logged, out / "expert_load_balance.png")
+        balance = file["expert_load_balance"]
+        plots["expert_load_balance"] = plot_load_balance(logged, balance)
     summary = summarize(config, records)
-    (out / "index.html").write_text(_index_html(run_dir, plots, summary, config, bool(logged)))
+    (out / INDEX_FILE).write_text(_index_html(run_dir, plots, summary, config, bool(logged)))
     return {"out_dir": out, "plots": plots, "summary": summary}
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+from expertax import jsonio
 from expertax.config.schema import Config
 
 
@@ -79,7 +79,7 @@ class MetricsWriter:
         if self.path is None:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(jsonio.dumps(record) + "\n")
 
 
 def console_line(r: dict) -> str:

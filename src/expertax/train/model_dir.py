@@ -34,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from expertax import jsonio
 from expertax.config import Config, config_to_yaml
 from expertax.config.loader import read_yaml
 from expertax.models import decoder
@@ -216,14 +217,14 @@ def write_meta(out_dir: str | Path, c: Config, *, hf_config: dict | None = None)
     out = Path(out_dir)
     (out / "config.yml").write_text(config_to_yaml(c))
     if hf_config is not None:
-        (out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        (out / HF_CONFIG).write_text(jsonio.dumps(hf_config, indent=2, sort_keys=True) + "\n")
 
 
 def write_marker(out_dir: str | Path, *, source: str) -> None:
     """The marker that makes the directory a model directory: written last."""
     marker = {"format": FORMAT, "version": FORMAT_VERSION, "source": source}
     tmp = Path(out_dir) / (MARKER + ".tmp")
-    tmp.write_text(json.dumps(marker) + "\n")
+    tmp.write_text(jsonio.dumps(marker) + "\n")
     tmp.replace(Path(out_dir) / MARKER)
 
 

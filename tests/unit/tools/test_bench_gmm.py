@@ -166,8 +166,10 @@ def test_the_roofline_target_is_2x_below_64_rows_per_expert(monkeypatch, capsys,
     """The issue's targets: 1.5x the roofline from 64 rows per expert, 2x below (16 rows)."""
     extra = ["--backends", "tiled", "--groups", "balanced", "--passes", "fwd"]
     for experts, limit in ((8, "1.5"), (32, "2.0")):  # N=512: 64 and 16 rows per expert
+        folder = tmp_path / f"e{experts}"
+        folder.mkdir()
         rc, lines, _, _ = _run(
-            monkeypatch, capsys, 1.0, [*extra, "--experts", str(experts)], tmp_path
+            monkeypatch, capsys, 1.0, [*extra, "--experts", str(experts)], folder
         )
         (r,) = lines[1:]
         assert rc == 0 and r["experts"] == experts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from tests.unit.train.test_observe import config
 
 from expertax.cli import main
 from expertax.config import ConfigError
-from expertax.tools.report import make_report
+from expertax.tools.report import _series, make_report, summarize
 from expertax.train.loop import train
 
 PLOTS = (
@@ -105,3 +106,19 @@ def test_report_needs_no_jax_backend(run_dir, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (out / "expert_load_heatmap.png").stat().st_size > 5_000
+
+
+def test_a_null_loss_is_reported_as_not_finite():
+    """metrics.jsonl writes a non-finite loss as null (expertax/jsonio.py): the summary says nan,
+    the curve has a gap there (NaN), the finite values are kept."""
+    speed = {"step_time_s": 0.5, "tokens_per_s_per_device": 100.0}
+    records = [{"step": s, "loss": loss, **speed} for s, loss in enumerate([3.0, None, 2.0])]
+    summary = summarize({}, records)
+    assert summary["first loss"] == 3.0 and summary["final loss"] == 2.0
+    summary = summarize({}, records[:2])
+    assert math.isnan(summary["final loss"])
+    steps, values = _series(records, "loss")
+    assert steps.tolist() == [0, 1, 2] and values[0] == 3.0 and math.isnan(values[1])
+    # negative control: a record without the key is left out, not drawn as a gap
+    steps, _ = _series([*records, {"step": 3, **speed}], "loss")
+    assert steps.tolist() == [0, 1, 2]

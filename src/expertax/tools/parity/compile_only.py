@@ -25,7 +25,6 @@ are skipped (`--skip-refused`), none was refused (by the config checks or for me
 from __future__ import annotations
 
 import collections
-import json
 import math
 import os
 import re
@@ -33,7 +32,7 @@ import time
 
 import jax
 
-from expertax import platform, progress
+from expertax import jsonio, platform, progress
 from expertax.config.schema import Config
 from expertax.errors import ConfigError
 from expertax.nn.moe.strategy import resolve_a2a_impl
@@ -348,4 +347,4 @@ def format_table(result: dict) -> str:
 
 def write_json(result: dict, path: str) -> None:
     with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+        jsonio.dump(result, f, indent=1)

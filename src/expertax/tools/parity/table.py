@@ -3,8 +3,7 @@ and the JSON report (`--json`)."""
 
 from __future__ import annotations
 
-import json
-
+from expertax import jsonio
 from expertax.tools.parity import routing
 from expertax.tools.parity.layouts import parse_layout
 
@@ -100,4 +99,4 @@ def format_table(result: dict) -> str:
 def write_json(result: dict, path: str) -> None:
     keep = ("rows", "refused", "skipped", "skip_refused", "tolerance", "ok")
     with open(path, "w") as f:
-        json.dump({k: result[k] for k in keep if k in result}, f, indent=1)
+        jsonio.dump({k: result[k] for k in keep if k in result}, f, indent=1)
