@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from expertax.cli import flags
+
 HELP = "plots and an index.html of a run folder: expertax report RUN_DIR [--layer I] [--out DIR]"
+# The numeric flags' valid values (checked before any work: cli/flags.py).
+LIMITS = {"--layer": flags.count(0, "an MoE layer's index")}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
