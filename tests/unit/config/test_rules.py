@@ -171,3 +171,23 @@ def test_ragged_all_to_all_is_refused_on_a_cpu_mesh_before_tracing():
     strategy.check_exchange(c, "gpu", {"expert": 8})  # GPU and TPU have it
     strategy.check_exchange(c, "tpu", {"expert": 8})
     strategy.check_exchange(c, "cpu", {"expert": 1, "fsdp": 8})  # no exchange without EP
+
+
+def test_a_target_without_its_compiler_names_the_extra(monkeypatch):
+    """Without the gpu extra there is no `jax_plugins` package at all: find_spec of the dotted
+    name raises instead of returning None; both mean "not installed"."""
+    import importlib.util
+
+    from expertax import targets
+
+    real = importlib.util.find_spec
+
+    def absent(name, *args):
+        if name.startswith("jax_plugins"):
+            raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", absent)
+    with pytest.raises(ConfigError, match=r"--target=gpu:h100x8: .*pip install 'expertax\[gpu\]'"):
+        targets.check_compiler(targets.parse_target("gpu:h100x8"))
+    targets.check_compiler(targets.parse_target("cpu"))  # control: the CPU needs no extra
