@@ -3,11 +3,12 @@
 
 Who checks what: the config package knows fields only; a kernel's abilities are checked by the
 nn module that owns the kernel (`nn/attention/cudnn.py`, `context_checks.py`, `kernel.py`,
-`nn/moe/gmm.py`, `fp8/kernel.py`); the remat names' by `parallel/checks.py`; the mesh's
-divisibility by `sharding/mesh.py`. Without a mesh, `check` runs what needs the config alone
-(`load_config` and `build_config` do, so a refused config never reaches a command); with one,
-also what needs the platform of its devices and its shape (`train.trainer.build_trainer`, the
-decoder's and `generate`'s meshes).
+`nn/moe/gmm.py`, `fp8/kernel.py`), the expert exchange's by `nn/moe/strategy.py`; the remat
+names' by `parallel/checks.py`; the mesh's divisibility by `sharding/mesh.py`. Without a mesh,
+`check` runs what needs the config alone (`load_config` and `build_config` do, so a refused
+config never reaches a command); with one, also what needs the platform of its devices and its
+shape (`train.trainer.build_trainer`, the decoder's and `generate`'s meshes). `check_paths`: the
+files and folders a training run reads, by the train command before any backend starts.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any
 
 from expertax import platform
 from expertax.config import Config, build_fields, load_fields
+from expertax.config.checks import run as run_checks
 from expertax.fp8 import kernel as fp8_kernel
 from expertax.nn.attention import context_checks, cudnn, kernel
-from expertax.nn.moe import gmm
+from expertax.nn.moe import gmm, strategy
 from expertax.parallel import checks as remat_checks
 from expertax.sharding.mesh import check_mesh_fit
 
@@ -40,7 +42,17 @@ def check(c: Config, mesh=None) -> Config:
     remat_checks.check_moe_chunk_offload(c, on)
     if c.is_moe and c.sparse_matmul:
         gmm.check_backend(c.gmm_impl, on)  # kernels the mesh's devices can run
+    strategy.check_exchange(c, on, dict(mesh.shape))  # the all-to-all kinds XLA has there
     check_layout(c, dict(mesh.shape))
+    return c
+
+
+def check_paths(c: Config) -> Config:
+    """The files and folders a training run of `c` reads (dataset_path, eval_dataset_path,
+    tokenizer_path, load_parameters_path) exist and are of their kind, and base_output_directory
+    is no file: ConfigError naming the key. Not part of `check`: a saved config whose data has
+    moved since still loads for generate and convert. Returns `c`."""
+    run_checks.check_paths(c)
     return c
 
 

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: this process's arguments) and run the subcommand; a user error
     prints one line and returns 2."""
     startup.prepare()  # before anything imports JAX
+    from expertax.cli import flags
     from expertax.cli.parser import COMMANDS, parse_args
     from expertax.config import ConfigError
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = argv
     try:
+        flags.check(args, COMMANDS[args.command].LIMITS)  # before the command does any work
         return COMMANDS[args.command].run(args)
     except ConfigError as e:
         print(f"expertax: error: {e}", file=sys.stderr)

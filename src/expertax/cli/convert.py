@@ -7,11 +7,17 @@ import argparse
 import sys
 
 from expertax import startup
+from expertax.cli import flags
 
 HELP = (
     "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR "
     "(CKPT_DIR: a from-hf OUT_DIR or a training run folder)"
 )
+# The numeric flags' valid values (checked before any work: cli/flags.py).
+LIMITS = {
+    "--workers": flags.count(1, "converting threads"),
+    "--max-shard-bytes": flags.count(1, "bytes per safetensors shard"),
+}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -5,12 +5,22 @@ from __future__ import annotations
 import argparse
 
 from expertax import startup
+from expertax.cli import flags
 from expertax.outputs import add_overwrite_flag, check_file
 
 HELP = (
     "continue prompts: expertax generate SOURCE --prompt TEXT | --prompt-ids 1,15,27 ... "
     "(SOURCE: a training run folder or a from-hf model directory)"
 )
+# The numeric flags' valid values (checked before any work: cli/flags.py).
+LIMITS = {
+    "--max-new-tokens": flags.count(1, "tokens generated per prompt"),
+    "--temperature": flags.Limit(0, what="0: greedy"),
+    "--top-k": flags.count(0, "0: no top-k filter"),
+    "--top-p": flags.Limit(0, 1, low_open=True, what="nucleus sampling mass"),
+    "--seed": flags.Limit(0, 2**32, high_open=True, integer=True, what="sampling seed"),
+    "--prefill-chunk": flags.count(1, "prompt positions per prefill step"),
+}
 
 
 def _text_prompt(text: str) -> tuple[str, str]:

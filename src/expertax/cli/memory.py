@@ -6,11 +6,21 @@ from __future__ import annotations
 import argparse
 
 from expertax import startup
+from expertax.cli import flags
 from expertax.cli.args import CONFIG_HELP, config_from_args
 from expertax.cli.devices import target, use_simulated_devices
 from expertax.outputs import add_overwrite_flag, check_file
 
 HELP = "per-device memory plan of the train step, compiled abstractly"
+# The numeric flags' valid values (checked before any work: cli/flags.py).
+LIMITS = {
+    "--devices": flags.count(1, "simulated CPU devices"),
+    "--hbm": flags.above(0, "device memory in GiB"),
+    "--top": flags.count(0, "buffers listed; 0: none"),
+    "--headroom": flags.Limit(0, 100, high_open=True, what="percent of --hbm kept free"),
+    "--max-compiles": flags.count(1, "candidates compiled"),
+    "--fit-minutes": flags.above(0, "minutes of search"),
+}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -70,8 +80,6 @@ def run(args) -> int:
     hardware = target(args.target, args.devices)
     cfg = config_from_args(args.config)
     if args.devices is not None:
-        if args.devices < 1:
-            raise ConfigError(f"--devices={args.devices}: use a positive number of devices")
         use_simulated_devices(args.devices, args.argv)
     startup.start_backends()
     if args.fit:

@@ -7,11 +7,14 @@ import argparse
 import sys
 
 from expertax import startup
+from expertax.cli import flags
 from expertax.cli.args import CONFIG_HELP, config_from_args
 from expertax.cli.devices import target, use_simulated_devices
 from expertax.outputs import add_overwrite_flag, check_file
 
 HELP = "every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]"
+# The numeric flags' valid values (checked before any work: cli/flags.py).
+LIMITS = {"--steps": flags.count(1, "train steps per layout")}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from expertax.cli import flags
 from expertax.outputs import add_overwrite_flag, check_folder
 
 HELP = "plots and an index.html of a run folder: expertax report RUN_DIR [--layer I] [--out DIR]"
+# The numeric flags' valid values (checked before any work: cli/flags.py).
+LIMITS = {"--layer": flags.count(0, "an MoE layer's index")}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

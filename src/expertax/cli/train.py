@@ -6,9 +6,11 @@ import argparse
 import sys
 
 from expertax import startup
+from expertax.cli import flags
 from expertax.cli.args import CONFIG_HELP, config_from_args
 
 HELP = "train a model: expertax train [PRESET.yml ...] [key=value ...]"
+LIMITS: dict[str, flags.Limit] = {}  # no numeric flags (cli/flags.py)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -39,7 +41,10 @@ def run(args) -> int:
         print(help_keys())
         return 0
     cfg = config_from_args(args.config)
+    from expertax.preflight import check_paths
     from expertax.train import distributed
+
+    check_paths(cfg)  # before any backend starts
 
     distributed.initialize(cfg)  # before any JAX backend use
     startup.start_backends()

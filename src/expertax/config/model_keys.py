@@ -221,11 +221,15 @@ class MoESection(_Section):
         MODEL, 1.0, gt=0, description="Multiplies the routing weights."
     )
     n_routing_groups: int = _key(
-        MODEL, -1, description="Group-limited routing: experts split in this many groups; -1 = off."
+        MODEL,
+        -1,
+        ge=-1,
+        description="Group-limited routing: experts split in this many groups; -1 = off.",
     )
     topk_routing_group: int = _key(
         MODEL,
         -1,
+        ge=-1,
         description="Group-limited routing: groups kept per token (by routing_group_score).",
     )
     routing_group_score: Literal["top2_sum", "max"] = _key(
@@ -353,12 +357,14 @@ class MoESection(_Section):
     moe_paged_stash_capacity_factor: float = _key(
         LAYOUT,
         1.1,
+        gt=0,
         description="Stash buffer rows per device = factor x MoE layers x the rows a device "
         "receives on average per layer (its tokens x num_experts_per_tok), plus one page.",
     )
     moe_paged_stash_page_rows: int = _key(
         LAYOUT,
         256,
+        gt=0,
         description="Rows copied to/from the stash per loop step; the buffer's slack is one page.",
     )
     ragged_buffer_factor: float = _key(

@@ -17,20 +17,23 @@ class ParallelSection(_Section):
         "chosen by pipeline_parallel_layers (models/pipeline.py).",
     )
     ici_data_parallelism: int = _key(
-        LAYOUT, 1, description="Data-parallel axis size (-1: the rest)."
+        LAYOUT, 1, ge=-1, description="Data-parallel axis size (-1: the rest)."
     )
-    ici_fsdp_parallelism: int = _key(LAYOUT, -1, description="FSDP axis size (-1: the rest).")
+    ici_fsdp_parallelism: int = _key(
+        LAYOUT, -1, ge=-1, description="FSDP axis size (-1: the rest)."
+    )
     ici_context_parallelism: int = _key(
         LAYOUT,
         1,
+        ge=-1,
         description="Context-parallel axis size (-1: the rest): each sequence split along its "
         "tokens over this many devices (nn/attention/context.py; docs/design/context.md).",
     )
     ici_expert_parallelism: int = _key(
-        LAYOUT, 1, description="Expert-parallel axis size (-1: the rest)."
+        LAYOUT, 1, ge=-1, description="Expert-parallel axis size (-1: the rest)."
     )
     ici_tensor_parallelism: int = _key(
-        LAYOUT, 1, description="Tensor-parallel axis size (-1: the rest)."
+        LAYOUT, 1, ge=-1, description="Tensor-parallel axis size (-1: the rest)."
     )
     dcn_pipeline_parallelism: int = _key(
         LAYOUT, 1, gt=0, description="Pipeline stages across hosts/slices (times the ici size)."
@@ -38,6 +41,7 @@ class ParallelSection(_Section):
     num_pipeline_microbatches: int = _key(
         LAYOUT,
         -1,
+        ge=-1,
         description="Microbatches per step in the pipeline; -1 = the number of stages. The global "
         "batch must divide by it; with num_pipeline_repeats > 1 it must be a multiple of the "
         "stages.",
@@ -52,6 +56,7 @@ class ParallelSection(_Section):
     pipeline_parallel_layers: int = _key(
         LAYOUT,
         -1,
+        ge=-1,
         description="Layers pipelined: -1 = the MoE stack of an MoE model (the first dense "
         "layers run outside, as DeepSeek-V3), every layer of a dense model; n > 0 = the first n "
         "layers of that stack (the rest run after the pipeline, unpipelined).",
@@ -62,10 +67,12 @@ class ParallelSection(_Section):
         description="Stage-to-stage shift of the pipeline state: `roll` (a slice+concat the "
         "partitioner turns into one collective-permute) or `ppermute` (explicit, in shard_map).",
     )
-    dcn_data_parallelism: int = _key(LAYOUT, 1, description="Data-parallel across hosts/slices.")
-    dcn_fsdp_parallelism: int = _key(LAYOUT, 1, description="FSDP across hosts/slices.")
+    dcn_data_parallelism: int = _key(
+        LAYOUT, 1, ge=-1, description="Data-parallel across hosts/slices."
+    )
+    dcn_fsdp_parallelism: int = _key(LAYOUT, 1, ge=-1, description="FSDP across hosts/slices.")
     dcn_context_parallelism: int = _key(
-        LAYOUT, 1, description="Context parallelism across hosts/slices."
+        LAYOUT, 1, ge=-1, description="Context parallelism across hosts/slices."
     )
     context_parallel_load_balance: bool = _key(
         LAYOUT,
@@ -83,10 +90,10 @@ class ParallelSection(_Section):
         "shares of it; MLA with the blockwise kernel only; nn/attention/latent_ring.py).",
     )
     dcn_expert_parallelism: int = _key(
-        LAYOUT, 1, description="Expert parallelism across hosts/slices."
+        LAYOUT, 1, ge=-1, description="Expert parallelism across hosts/slices."
     )
     dcn_tensor_parallelism: int = _key(
-        LAYOUT, 1, description="Tensor parallelism across hosts/slices."
+        LAYOUT, 1, ge=-1, description="Tensor parallelism across hosts/slices."
     )
     sharding_rules: str = _key(
         LAYOUT,
@@ -147,7 +154,9 @@ class TrainSection(_Section):
         "time (recomputed in backward), so the float32 [B, T, V] logits never exist at once; "
         "must divide max_target_length.",
     )
-    init_weights_seed: int = _key(TRAINING, 0, description="Seed of the parameter initialization.")
+    init_weights_seed: int = _key(
+        TRAINING, 0, ge=0, lt=2**32, description="Seed of the parameter initialization."
+    )
     load_parameters_path: str = _key(
         RUN,
         "",
@@ -158,7 +167,7 @@ class TrainSection(_Section):
     )
     scan_layers: bool = _key(LAYOUT, True, description="Run each layer stack with lax.scan.")
     base_output_directory: str = _key(
-        RUN, "runs", description="Runs are written under this folder."
+        RUN, "runs", min_length=1, description="Runs are written under this folder."
     )
     run_name: str = _key(RUN, "", description="Run folder name; empty = a timestamp.")
     log_period: int = _key(RUN, 1, gt=0, description="Print a console line every this many steps.")
@@ -197,7 +206,7 @@ class DataSection(_Section):
         "text files (dataset_path), tokenized with tokenizer_path and packed.",
     )
     data_shuffle_seed: int = _key(
-        DATA, 0, description="Seed of the data order (and synthetic data)."
+        DATA, 0, ge=0, lt=2**32, description="Seed of the data order (and synthetic data)."
     )
     synthetic_noise: float = _key(
         DATA,
@@ -219,7 +228,7 @@ class DataSection(_Section):
         DATA, "", description="dataset_type=files: a HuggingFace tokenizer.json (or its directory)."
     )
     data_text_field: str = _key(
-        DATA, "text", description="JSONL key / Parquet column with the text."
+        DATA, "text", min_length=1, description="JSONL key / Parquet column with the text."
     )
     data_num_epochs: int = _key(
         DATA, -1, ge=-1, description="dataset_type=files: passes over the data; -1 repeats forever."

@@ -210,9 +210,11 @@ def keys_from_hf(hf: dict) -> tuple[dict[str, Any], set[str]]:
     keys.update(mla, model_name="deepseek3-tiny")
     if v2:
         greedy = hf.get("topk_method") == "greedy"
-        keys.update(norm_topk_prob=False, routing_group_score="max")
+        keys.update(norm_topk_prob=False)
         if greedy:  # n_group and topk_group unused (and None in DeepSeek-V2-Lite's config)
             keys.update(n_routing_groups=1, topk_routing_group=1)
+        else:  # group_limited_greedy scores a group by its best expert
+            keys.update(routing_group_score="max")
     return keys, mapped | mla_fields | {"scoring_func", "topk_method", "mlp_bias"}
 
 

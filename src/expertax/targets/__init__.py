@@ -198,12 +198,18 @@ def _torus(chips: int, dims: int) -> str:
     return "x".join(map(str, sides))
 
 
+# The module that brings each platform's compiler (the extra that installs it: EXTRAS).
+COMPILER_MODULES = {"tpu": "libtpu", "gpu": "jax_plugins.xla_cuda12"}
+
+
 def compiler_available(platform: str) -> bool:
-    if platform == "tpu":
-        return importlib.util.find_spec("libtpu") is not None
-    if platform == "gpu":
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    return True
+    module = COMPILER_MODULES.get(platform)
+    if module is None:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose package (jax_plugins) is not installed
+        return False
 
 
 def check_compiler(target: Target) -> None:

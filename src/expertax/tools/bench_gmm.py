@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -138,6 +139,11 @@ def check_args(args) -> None:
             raise ConfigError(f"--shapes={args.shapes!r}: each shape is DxF, e.g. 512x1024")
     if args.repeats < 1:
         raise ConfigError(f"--repeats={args.repeats}: use at least 1")
+    if not 0 <= args.max_call_s < math.inf:
+        raise ConfigError(
+            f"--max-call-s={args.max_call_s}: use a finite number of seconds >= 0 (0: skip every "
+            "predicted combination)"
+        )
 
 
 def run_grid(args) -> tuple[list[dict], dict]:

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from expertax import jsonio
+from expertax import jsonio, platform
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
 from expertax.errors import ConfigError
+from expertax.nn.moe.strategy import check_exchange
 from expertax.sharding.mesh import make_mesh
 from expertax.tools.generate_source import SYNTHETIC_TOKENIZER, Source, load_params, open_source
 
@@ -208,17 +209,19 @@ def print_results(source: Source, doc: dict, out=None) -> None:
 def run(args) -> int:
     """`expertax generate` with parsed `args` (expertax/cli/generate.py); a user error is a
     ConfigError."""
-    source = open_source(args.source, args.config, args.tokenizer)
     entries = list(args.prompts or [])
-    if args.prompts_file:
+    if args.prompts_file:  # before the source: a bad file costs no read of it
         entries += read_prompts_file(args.prompts_file)
+    source = open_source(args.source, args.config, args.tokenizer)
     prompts = make_prompts(entries, source)
     settings = {name: getattr(args, name) for name in SETTINGS}
     c = source.config
     request = {k: v for k, v in settings.items() if k not in ("seed", "fp8_weights")}
     check_request(c, [p.ids for p in prompts], **request, max_length=source.max_length)
 
-    mesh = make_mesh(decoding_config(c))
+    decoding = decoding_config(c)
+    mesh = make_mesh(decoding)
+    check_exchange(decoding, platform.of_mesh(mesh), dict(mesh.shape))  # before any compile
     mesh_line = describe_mesh(mesh)
     print(f"expertax: {source.describe()}; {mesh_line}")
     start = time.perf_counter()

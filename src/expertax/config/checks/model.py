@@ -26,16 +26,15 @@ def check_top_k(c: Config) -> None:
 
 def check_routing_groups(c: Config) -> None:
     g, kg = c.n_routing_groups, c.topk_routing_group
-    if g in (-1, 0, 1):
-        if kg not in (-1, 0, 1) and g in (-1, 0):
+    for key, value in (("n_routing_groups", g), ("topk_routing_group", kg)):
+        if value == 0:
+            raise ConfigError(f"{key}=0: use -1 (off) or a positive count of groups")
+    if g in (-1, 1):
+        if kg not in (-1, 1):
             raise ConfigError(
                 f"topk_routing_group={kg} needs n_routing_groups > 1 (got {g}); set both or neither"
             )
         return
-    if g < 0:
-        raise ConfigError(
-            f"n_routing_groups={g}: use -1 (off) or a positive divisor of num_experts"
-        )
     if c.num_experts % g:
         raise ConfigError(
             f"n_routing_groups={g} does not divide num_experts={c.num_experts}; "

@@ -152,13 +152,3 @@ def check_paged_stash(c: Config) -> None:
             "sparse_matmul=false the one-hot einsum has no routed rows to stash: set "
             "sparse_matmul=true or moe_paged_stash=false"
         )
-    if c.moe_paged_stash_capacity_factor <= 0:
-        raise ConfigError(
-            f"moe_paged_stash_capacity_factor={c.moe_paged_stash_capacity_factor}: must be > 0 "
-            "(e.g. 1.1: 10% above the rows a device receives on average)"
-        )
-    if c.moe_paged_stash_page_rows <= 0:
-        raise ConfigError(
-            f"moe_paged_stash_page_rows={c.moe_paged_stash_page_rows}: must be a positive row "
-            "count (e.g. 256)"
-        )

@@ -1,6 +1,11 @@
-"""Field-against-field checks of the run: data, evaluation, profiling, processes."""
+"""Field-against-field checks of the run: data, evaluation, profiling, processes, the run's
+name; and `check_paths`, the files and folders a training run reads (by the train command,
+before any backend starts: a saved config whose files have since moved still loads)."""
 
 from __future__ import annotations
+
+import glob
+from pathlib import Path
 
 from expertax.config.schema import Config
 from expertax.errors import ConfigError
@@ -56,3 +61,81 @@ def check_distributed(c: Config) -> None:
         raise ConfigError("num_processes=0: use a positive count or -1 (from $JAX_NUM_PROCESSES)")
     if n > 0 and i >= n:
         raise ConfigError(f"process_id={i} must be below num_processes={n}")
+
+
+def check_run_name(c: Config) -> None:
+    """`run_name` is one folder under `base_output_directory`, not a path."""
+    name = c.run_name
+    if name and (name in (".", "..") or "/" in name or "\\" in name):
+        raise ConfigError(
+            f"run_name={name!r}: a run is one folder under base_output_directory; use a plain "
+            'name without path separators (e.g. run_name=moe-ep8), or "" (a timestamp)'
+        )
+
+
+def check_coordinator_address(c: Config) -> None:
+    address = c.coordinator_address
+    if not address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"coordinator_address={address!r}: use host:port of process 0 (e.g. "
+            '10.0.0.1:1234, a port in 1..65535), or "" (from $JAX_COORDINATOR_ADDRESS)'
+        )
+
+
+def _data_files(key: str, path: str) -> None:
+    """A file, a folder or a glob that names something (the files' kinds: data/files.py)."""
+    if Path(path).exists() or glob.glob(path, recursive=True):
+        return
+    raise ConfigError(
+        f"{key}={path!r}: no such file or folder, and no file matches it as a glob; give a "
+        "data file, a folder of them or a glob (.jsonl, .parquet, .txt)"
+    )
+
+
+def _tokenizer(path: str) -> None:
+    p = Path(path)
+    if p.is_file() or (p / "tokenizer.json").is_file():
+        return
+    where = f"{str(p)!r} is a folder without tokenizer.json" if p.is_dir() else "no such file"
+    raise ConfigError(
+        f"tokenizer_path={path!r}: {where}; give a HuggingFace tokenizer.json or its folder"
+    )
+
+
+def _model_dir(path: str) -> None:
+    p = Path(path)
+    if p.is_dir() and (p / "config.yml").is_file():
+        return
+    where = (
+        "a file"
+        if p.is_file()
+        else "a folder without config.yml"
+        if p.is_dir()
+        else "no such folder"
+    )
+    raise ConfigError(
+        f"load_parameters_path={path!r}: {where}; give an expertax model directory (the output "
+        "of `expertax convert from-hf`, with config.yml)"
+    )
+
+
+def check_paths(c: Config) -> None:
+    """The files and folders a training run of `c` reads exist and are of the right kind; the
+    output folder is not a file. ConfigError naming the key and the path."""
+    if c.dataset_type == "files":
+        _data_files("dataset_path", c.dataset_path)
+    if c.eval_interval and c.eval_dataset_path:
+        _data_files("eval_dataset_path", c.eval_dataset_path)
+    if c.tokenizer_path and (c.dataset_type == "files" or c.eval_dataset_path):
+        _tokenizer(c.tokenizer_path)
+    if c.load_parameters_path:
+        _model_dir(c.load_parameters_path)
+    out = Path(c.base_output_directory)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"base_output_directory={c.base_output_directory!r} is a file; runs are written in "
+            "folders under it: give a folder (new or existing)"
+        )

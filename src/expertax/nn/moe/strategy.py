@@ -104,12 +104,39 @@ def moe_specs(rules: Rules | None) -> MoESpecs:
     return MoESpecs(tokens=tokens, expert=EXPERT, mlp=mlp, seq=seq)
 
 
+# The platforms whose XLA backend implements `ragged_all_to_all` (XLA:CPU does not: a program
+# using it compiles, then fails at run time with "UNIMPLEMENTED: HLO opcode ragged-all-to-all").
+RAGGED_A2A_PLATFORMS = ("gpu", "tpu")
+
+
+def a2a_impls(backend: str) -> tuple[str, ...]:
+    """The all-to-all implementations platform `backend` has, the preferred one first."""
+    has_ragged = platform.normalize(backend) in RAGGED_A2A_PLATFORMS
+    return ("ragged", "padded") if has_ragged else ("padded",)
+
+
 def resolve_a2a_impl(c: Config, backend: str | None = None) -> str:
     """`ragged` or `padded`: `auto` picks ragged where XLA implements it (GPU, TPU)."""
     if c.a2a_impl != "auto":
         return c.a2a_impl
-    backend = backend or platform.current()
-    return "ragged" if backend in ("gpu", "cuda", "rocm", "tpu") else "padded"
+    return a2a_impls(backend or platform.current())[0]
+
+
+def check_exchange(c: Config, on: str, mesh_shape: Mapping[str, int]) -> None:
+    """ConfigError when the expert exchange `c` asks for cannot run on platform `on` with a mesh
+    of `mesh_shape`: `a2a_impl=ragged` where XLA has no ragged all-to-all (before any
+    compilation, which would take minutes and then fail at run time)."""
+    ep = mesh_shape.get(EXPERT, 1)
+    runs = c.is_moe and uses_shard_map(c, math.prod(mesh_shape.values()))
+    if not runs or ep == 1 or c.use_ring_of_experts:
+        return
+    valid = a2a_impls(on)
+    if c.a2a_impl != "auto" and c.a2a_impl not in valid:
+        raise ConfigError(
+            f"a2a_impl={c.a2a_impl} with expert parallelism ({EXPERT}={ep}) on {on}: XLA on "
+            f"{on} has no ragged all-to-all (only {', '.join(RAGGED_A2A_PLATFORMS)} do); valid "
+            f"here: a2a_impl={' or '.join(('auto', *valid))}, or use_ring_of_experts=true"
+        )
 
 
 def _capacity(c: Config) -> str:

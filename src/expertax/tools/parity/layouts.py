@@ -29,6 +29,7 @@ import math
 from expertax import platform
 from expertax.config.schema import Config
 from expertax.errors import ConfigError
+from expertax.nn.moe.strategy import a2a_impls
 from expertax.parallel import remat
 from expertax.preflight import build_config
 
@@ -155,11 +156,6 @@ def stash_overrides(base: Config) -> dict:
     if remat.stashed_names(base):
         return {}
     return {"remat_policy": "custom", **dict.fromkeys(remat.STASHABLE, remat.DEVICE)}
-
-
-def a2a_impls(backend: str) -> tuple[str, ...]:
-    """The all-to-all implementations this backend has (XLA:CPU has no ragged all-to-all)."""
-    return ("ragged", "padded") if backend in ("gpu", "cuda", "rocm", "tpu") else ("padded",)
 
 
 def meshes_for(num_devices: int, meshes_8=MESHES_8) -> list[dict]:
@@ -297,8 +293,14 @@ def parse_layout(name: str, backend: str | None = None) -> Layout:
             f"--layouts {name!r}: mbM (microbatches) and rR (repeats) set the pipeline schedule; "
             "add ppN with N > 1 stages (e.g. sparse-ring-pp2-mb4-ep2)"
         )
+    on = backend or platform.current()
     if mode == "sparse" and not ring and impl == "-":
-        impl = a2a_impls(backend or platform.current())[0]
+        impl = a2a_impls(on)[0]
+    if impl not in ("-", *a2a_impls(on)) and sizes.get("ep", 1) > 1:
+        raise ConfigError(
+            f"--layouts {name!r}: XLA on {on} has no {impl} all-to-all (the expert exchange of "
+            f"ep{sizes['ep']}); use {name.replace(impl, a2a_impls(on)[0])} or a ring layout"
+        )
     if cp_ring and sizes.get("cp", 1) == 1:
         raise ConfigError(f"--layouts {name!r}: cpring passes keys round the context axis; add cpN")
     return Layout(

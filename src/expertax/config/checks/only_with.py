@@ -1,0 +1,82 @@
+"""Keys that apply only under another setting, as one table: such a key moved off its default
+while its setting is off would be silently ignored, so it is refused, naming the key, its value
+and the setting it needs.
+
+Kept to the clear cases: a key that changes nothing without the setting. Keys that MaxText's
+convention accepts whatever else is set (a kernel's tiles under another kernel, `a2a_impl` without
+expert parallelism, the profiler's step counts with the profiler off, the MLA dims of a GQA
+model) are not listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from expertax.config.schema import Config
+from expertax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlyWith:
+    """`keys` take effect only when `applies(config)`; `setting` says what that needs."""
+
+    keys: tuple[str, ...]
+    setting: str
+    applies: Callable[[Config], bool]
+
+
+ONLY_WITH: tuple[OnlyWith, ...] = (
+    OnlyWith(
+        (
+            "rope_factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "rope_yarn_truncate",
+        ),
+        "rope_type=yarn",
+        lambda c: c.rope_type == "yarn",
+    ),
+    OnlyWith(
+        ("mlp_activation_limit",),
+        "mlp_activation=swiglu_clamped",
+        lambda c: c.mlp_activation == "swiglu_clamped",
+    ),
+    OnlyWith(("routed_bias_update_rate",), "routed_bias=true", lambda c: c.routed_bias),
+    OnlyWith(("routing_group_score",), "n_routing_groups > 1", lambda c: c.uses_routing_groups),
+    OnlyWith(("mtp_loss_scaling_factor",), "mtp_num_layers > 0", lambda c: c.mtp_num_layers > 0),
+    OnlyWith(
+        ("moe_paged_stash_capacity_factor", "moe_paged_stash_page_rows"),
+        "moe_paged_stash=true",
+        lambda c: c.moe_paged_stash,
+    ),
+    OnlyWith(
+        ("dataset_path", "data_num_epochs"),
+        "dataset_type=files",
+        lambda c: c.dataset_type == "files",
+    ),
+    OnlyWith(
+        ("data_text_field", "data_worker_count"),
+        "dataset_type=files or eval_dataset_path",
+        lambda c: c.dataset_type == "files" or bool(c.eval_dataset_path),
+    ),
+    OnlyWith(("eval_dataset_path",), "eval_interval > 0", lambda c: c.eval_interval > 0),
+)
+
+
+def check_only_with(c: Config) -> None:
+    """ConfigError for the first key of `ONLY_WITH` off its default while its setting is off."""
+    for rule in ONLY_WITH:
+        if rule.applies(c):
+            continue
+        for key in rule.keys:
+            value, default = getattr(c, key), Config.model_fields[key].default
+            if value != default:
+                raise ConfigError(
+                    f"{key}={value!r} applies only with {rule.setting}, which is not set, so it "
+                    f"would be ignored; set {rule.setting}, or leave {key} at its default "
+                    f"{default!r}"
+                )
