@@ -17,13 +17,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from expertax.config.loader import read_yaml
 from expertax.config.schema import MODEL, Config, changed_keys
 from expertax.errors import ConfigError
 from expertax.models import decoder
 from expertax.nn.param import is_spec
 from expertax.preflight import build_config
-from expertax.train import checkpoint, model_dir
+from expertax.train import checkpoint, config_file, model_dir
 
 # The run folder <base_output_directory>/<run_name> holds config.yml and this checkpoint folder.
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -68,18 +67,32 @@ def is_run_dir(path: str | Path) -> bool:
     return (p / "config.yml").is_file() and marker.is_file()
 
 
+def read_run_config(run_dir: str | Path) -> Config:
+    """The Config a run folder saved; ConfigError naming its config.yml when that is damaged,
+    empty or not an expertax config."""
+    fix = "put back the config.yml of the command that trained the run"
+    return build_config(config_file.read_saved(Path(run_dir) / "config.yml", fix))
+
+
+def latest_run_step(run_dir: str | Path) -> tuple[int | None, dict[int, str]]:
+    """The run folder's newest checkpoint that lacks none of its files, and the newer ones that
+    do (`checkpoint.latest_intact_step`)."""
+    return checkpoint.latest_intact_step(Path(run_dir) / CHECKPOINT_SUBDIR)
+
+
 def load_run_params(run_dir: str | Path) -> tuple[Config, decoder.Decoder, int]:
-    """(Config, parameters on the first device, step) of a run's latest complete checkpoint.
+    """(Config, parameters on the first device, step) of a run's latest intact checkpoint.
 
     Only the parameters are read (the optimizer state stays on disk). ValueError if the run has
     no complete checkpoint.
     """
     path = Path(run_dir).resolve()
-    c = build_config(read_yaml(path / "config.yml"))
+    c = read_run_config(path)
     ckpt_dir = path / CHECKPOINT_SUBDIR
-    step = checkpoint.latest_step(ckpt_dir)
+    step, damaged = latest_run_step(path)
     if step is None:
-        raise ValueError(f"run folder {path} has no complete checkpoint in {ckpt_dir}")
+        more = f" (damaged: {damaged})" if damaged else ""
+        raise ValueError(f"run folder {path} has no complete checkpoint in {ckpt_dir}{more}")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     dtype = jnp.dtype(c.weight_dtype)
     abstract = jax.tree.map(
