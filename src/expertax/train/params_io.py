@@ -50,7 +50,15 @@ def load_params(c: Config, shardings, abstract) -> decoder.Decoder:
     """The parameters of `c.load_parameters_path`, read into `shardings` (a Decoder tree) and
     cast to the dtypes of `abstract` (the run's weight_dtype) where the stored ones differ."""
     check_model_dir(c)
-    _, params, _ = model_dir.load(c.load_parameters_path, shardings)
+    path = c.load_parameters_path
+    try:
+        _, params, _ = model_dir.load(path, shardings)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # Orbax, tensorstore: files gone
+        raise ConfigError(
+            f"load_parameters_path={path!r}: its parameters ({Path(path) / model_dir.PARAMS_DIR}) "
+            f"cannot be read ({type(e).__name__}: {str(e)[:300]}); convert the model again into "
+            "a new directory"
+        ) from None
     if all(x.dtype == a.dtype for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract))):
         return params
     cast = jax.jit(

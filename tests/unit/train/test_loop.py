@@ -6,11 +6,15 @@ folder with a config.yml); the same config with the fault fixed starts (negative
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
+import tokenizers
 from tests.conftest import TINY_MOE
 from tests.unit.data.tiny_corpus import Corpus
+from tokenizers import models, pre_tokenizers
 
 from expertax.config import ConfigError
 from expertax.preflight import load_config
@@ -59,6 +63,43 @@ def refusals(corpus: Corpus, tmp_path) -> dict[str, tuple[dict, str]]:
 )
 def test_a_refused_run_leaves_nothing_behind(kind, corpus, tmp_path):
     overrides, pattern = refusals(corpus, tmp_path)[kind]
+    out = tmp_path / "runs"
+    with pytest.raises(ConfigError, match=pattern):
+        train(config(out, **overrides), echo=lambda *_: None)
+    assert not out.exists() or os.listdir(out) == [], os.listdir(out)
+
+
+LAZY = ["bad record", "text the tokenizer refuses", "held-out record", "model parameters"]
+
+
+def lazily_read_fault(kind: str, corpus: Corpus, tmp_path) -> tuple[dict, str]:
+    """Inputs read only as training goes (documents, their tokens, the parameters' arrays), which
+    once failed after the run folder was written: (overrides, a pattern of the refusal)."""
+    bad = tmp_path / "bad" / "docs.jsonl"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps({"text": corpus.jsonl_docs[0]}) + "\n{not json\n")
+    if kind == "bad record":
+        return files_keys(corpus, dataset_path=str(bad)), "first batch .* record 2 is not valid"
+    if kind == "text the tokenizer refuses":
+        vocab = {"<s>": 0, "</s>": 1, "w1": 2}  # no unknown token: other words cannot be encoded
+        tok = tokenizers.Tokenizer(models.WordLevel(vocab))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.save(str(tmp_path / "tok.json"))
+        return files_keys(corpus, tokenizer_path=str(tmp_path / "tok.json")), "cannot encode"
+    if kind == "held-out record":
+        keys = files_keys(corpus, eval_interval=2, eval_dataset_path=str(bad))
+        return keys, "first batch of the evaluation data: .* record 2 is not valid"
+    c = config(tmp_path, run_name="m")
+    model_dir.save(tmp_path / "model", c, _zeros_params(c), source="test")
+    leaf = next(p for p in (tmp_path / "model" / "params").iterdir() if p.name[0].isalpha())
+    shutil.rmtree(leaf)  # a parameter's arrays gone
+    keys = dict(load_parameters_path=str(tmp_path / "model"))
+    return keys, "load_parameters_path=.*cannot be read"
+
+
+@pytest.mark.parametrize("kind", LAZY)
+def test_inputs_read_lazily_are_refused_before_the_first_write(kind, corpus, tmp_path):
+    overrides, pattern = lazily_read_fault(kind, corpus, tmp_path)
     out = tmp_path / "runs"
     with pytest.raises(ConfigError, match=pattern):
         train(config(out, **overrides), echo=lambda *_: None)
