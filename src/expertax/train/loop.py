@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -97,12 +98,15 @@ def train(c: Config, *, echo=print, devices=None, stop_after_step: int | None = 
     p = prepare(c, devices, compile_step=True)
     c, run = p.c, p.run
     say: Say = echo if jax.process_index() == 0 else (lambda *_: None)
+    if jax.process_index() == 0:
+        for note in run.notes():  # a replaced folder, a damaged checkpoint skipped
+            print(f"expertax: {note}", file=sys.stderr)
     say(
         f"expertax: {c.model_name} on {p.trainer.num_devices} {jax.default_backend()} devices, "
         f"mesh {dict(p.trainer.mesh.shape)}, global batch {p.trainer.global_batch} x "
         f"{c.max_target_length}, run dir {run.path}"
     )
-    if run.resume_step is None and run.restarted:
+    if run.resume_step is None and run.restarted and not run.replaced:
         say(f"restarting from step 0: {run.path} had no complete checkpoint yet")
     try:
         return _train(p, say, t0, stop_after_step)

@@ -17,6 +17,7 @@ from tests.unit.data.tiny_corpus import Corpus
 from tokenizers import models, pre_tokenizers
 
 from expertax.config import ConfigError
+from expertax.data import files
 from expertax.preflight import load_config
 from expertax.train import model_dir
 from expertax.train.loop import prepare, train
@@ -141,3 +142,55 @@ def _zeros_params(c):
     from expertax.nn.param import is_spec
 
     return jax.tree.map(lambda s: np.zeros(s.shape, np.float32), decoder.spec(c), is_leaf=is_spec)
+
+
+def _second_batch_fails(corpus: Corpus, dataset_path: str) -> int:
+    """A data_shuffle_seed under which the first batch of `dataset_path` reads and the second
+    reaches its bad record (so the run fails at step 1, after its folder was written)."""
+    for seed in range(20):
+        it = files.make_file_iterator(
+            dataset_path=dataset_path,
+            tokenizer_path=corpus.tokenizer_path,
+            text_field="text",
+            seq_len=TINY_MOE["max_target_length"],
+            batch_size=8,
+            seed=seed,
+        )
+        try:
+            next(it)
+        except ValueError:
+            continue
+        with pytest.raises(ValueError, match="not valid JSON"):
+            next(it)
+        return seed
+    raise AssertionError("no seed puts the bad record in the second batch")
+
+
+def test_a_folder_that_never_trained_a_step_takes_the_corrected_command(corpus, tmp_path, capsys):
+    """A record that fails at step 1 (after the folder was written, before any step was
+    recorded), then the command with the data fixed: a data key changed, yet the folder is
+    started again, saying so; once it trained, the folder is protected as before."""
+    bad = tmp_path / "bad" / "docs.jsonl"  # one document longer than a batch, then a bad record
+    bad.parent.mkdir()
+    long_doc = " ".join(["w1"] * 300)  # 302 tokens: more than a batch (8 x 32), less than two
+    bad.write_text(json.dumps({"text": long_doc}) + "\n{not json\n")
+    seed = _second_batch_fails(corpus, str(bad))
+    quiet = dict(echo=lambda *_: None)
+    failing = config(tmp_path, run_name="r", **files_keys(corpus, dataset_path=str(bad)),
+                     data_shuffle_seed=seed)  # fmt: skip
+    with pytest.raises(ConfigError, match="step 1: .*record 2 is not valid JSON"):
+        train(failing, **quiet)
+    folder = tmp_path / "r"
+    metrics = folder / "metrics.jsonl"
+    assert (folder / "config.yml").is_file() and (not metrics.exists() or not metrics.read_text())
+    capsys.readouterr()
+    fixed = config(tmp_path, run_name="r", **files_keys(corpus), data_shuffle_seed=seed)
+    done = train(fixed, stop_after_step=1, **quiet)
+    assert done["resumed_from"] is None and int(done["state"].step) == 1
+    note = f"run folder {folder} never trained a step; starting it again with the new config"
+    assert note in capsys.readouterr().err
+    assert str(corpus.root / "jsonl") in (folder / "config.yml").read_text()
+    # Negative control: the folder trained a step now; the other data is refused as before.
+    with pytest.raises(ConfigError, match="dataset_path"):
+        train(failing, **quiet)
+    assert note not in capsys.readouterr().err
