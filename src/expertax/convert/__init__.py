@@ -27,6 +27,7 @@ from expertax.config import Config
 from expertax.convert import fp8, hf_read, hf_write, safetensors_io
 from expertax.convert.hf_config import ConversionError, config_from_hf, config_to_hf
 from expertax.convert.progress import Journal, Progress
+from expertax.errors import ConfigError
 from expertax.models import decoder
 from expertax.nn.param import is_spec
 from expertax.train import model_dir, params_io
@@ -173,7 +174,10 @@ def _hints(scales_file: Path | None):
     """name -> the fp8 scale grid the model was read with (None when it did not come from fp8)."""
     if scales_file is None or not scales_file.is_file():
         return lambda name: None
-    handle = safe_open(scales_file, "numpy")  # open for the conversion; read-only, thread-safe
+    try:  # open for the conversion; read-only, thread-safe
+        handle = safe_open(scales_file, "numpy")
+    except Exception as e:  # safetensors' Rust side raises its own error type for a bad header
+        raise ConfigError(f"{scales_file} is damaged ({type(e).__name__}: {e})") from None
     names = set(handle.keys())
 
     def hint(name: str) -> np.ndarray | None:

@@ -31,6 +31,7 @@ from expertax.convert import fp8, hf_gpt_oss, mxfp4
 from expertax.convert.hf import TensorMap, hf_shape, leaf_specs, tensor_map, to_ours, transpose
 from expertax.convert.hf_config import ConversionError, config_from_hf
 from expertax.convert.safetensors_io import Reader
+from expertax.errors import ConfigError
 
 CHUNK_BYTES = 64 * 2**20  # a tensor larger than this (as stored) is converted in row blocks
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
@@ -488,4 +489,10 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json")
-    return json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_text())
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise ConfigError(f"{path} is damaged (not JSON: {e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} is not an HF config (a {type(hf).__name__}, not an object)")
+    return hf

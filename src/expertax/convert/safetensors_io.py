@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from expertax import jsonio
+from expertax.errors import ConfigError
 from expertax.train import model_dir
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -50,26 +51,23 @@ _DTYPE_NAMES = {
 _FROM_NAMES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
-def dtype_of(name: str) -> np.dtype:
-    if name not in _FROM_NAMES:
-        raise ValueError(f"safetensors dtype {name} is not supported ({', '.join(_FROM_NAMES)})")
-    return _FROM_NAMES[name]
-
-
 class Reader:
     """Tensor names, shapes, dtypes and values of an HF checkpoint directory.
 
     Reads with `pread` into a new array and then drops the bytes read from the page cache
     (`model_dir.settle`'s reason: a conversion reads each byte once, and on our VM fresh cache
     pages are expensive), rather than through safetensors' memory map, whose pages stay mapped
-    (and counted in the RSS) until the file is closed. Thread-safe.
+    (and counted in the RSS) until the file is closed. Thread-safe. Every header is read, and
+    checked against the file's size, when the Reader opens: a damaged or cut-off file is a
+    ConfigError before anything is converted.
     """
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         index = self.directory / INDEX_FILE
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_index(index) if index.is_file() else None
+        if weight_map is not None:
+            files = sorted(set(weight_map.values()))
         elif (self.directory / SINGLE_FILE).is_file():
             files = [SINGLE_FILE]
         else:
@@ -79,13 +77,14 @@ class Reader:
         try:
             for fname in files:
                 self._fds[fname] = fd = os.open(self.directory / fname, os.O_RDONLY)
-                for name, (dtype, shape, offset) in read_header(fd, fname).items():
+                for name, (dtype, shape, offset) in read_header(
+                    fd, str(self.directory / fname)
+                ).items():
                     self._tensors[name] = (fname, dtype, shape, offset)
         except BaseException:
             self.close()
             raise
-        if index.is_file():  # the index must agree with the files
-            weight_map = json.loads(index.read_text())["weight_map"]
+        if weight_map is not None:  # the index must agree with the files
             wrong = [n for n, f in weight_map.items() if self._tensors.get(n, ("",))[0] != f]
             if wrong:
                 raise ValueError(f"{index}: tensors {wrong[:3]} are not in the files it names")
@@ -135,16 +134,48 @@ class Reader:
 
 
 def read_header(fd: int, fname: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
-    """name -> (dtype, shape, absolute byte offset) of every tensor of an open safetensors file."""
-    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    header = json.loads(os.pread(fd, length, 8))
+    """name -> (dtype, shape, absolute byte offset) of every tensor of an open safetensors file
+    (`fname`, its path in messages); ConfigError naming the file and what is wrong with it."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise ConfigError(f"{fname} is not a safetensors file: {size} bytes, no header length")
+    (length,) = struct.unpack("<Q", head)
+    if length > size - 8:
+        raise ConfigError(
+            f"{fname} has a damaged safetensors header: its length field says {length} bytes, "
+            f"the file holds {size - 8} after it"
+        )
+    try:
+        header = json.loads(os.pread(fd, length, 8))
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise ConfigError(f"{fname} has a damaged safetensors header (not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{fname} has a damaged safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     out = {}
     for name, info in header.items():
-        dtype, shape = dtype_of(info["dtype"]), tuple(info["shape"])
-        begin, end = info["data_offsets"]
+        try:
+            kind, shape = info["dtype"], tuple(int(n) for n in info["shape"])
+            begin, end = (int(n) for n in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(
+                f"{fname} has a damaged safetensors header: the entry of tensor {name!r} is "
+                f"{str(info)[:120]} (expected dtype, shape and data_offsets)"
+            ) from None
+        if not isinstance(kind, str) or kind not in _FROM_NAMES:
+            raise ConfigError(
+                f"{fname}: tensor {name} has dtype {kind!r}, which is not one expertax reads "
+                f"({', '.join(_FROM_NAMES)})"
+            )
+        dtype = _FROM_NAMES[kind]
         if end - begin != nbytes(shape, dtype):
-            raise ValueError(f"{fname}: tensor {name} has {end - begin} bytes, shape {shape}")
+            raise ConfigError(f"{fname}: tensor {name} has {end - begin} bytes, shape {shape}")
+        if 8 + length + end > size:
+            raise ConfigError(
+                f"{fname} is cut off: tensor {name} ends at byte {8 + length + end}, the file has "
+                f"{size}"
+            )
         out[name] = (dtype, shape, 8 + length + begin)
     return out
 
@@ -269,3 +300,17 @@ def iter_tensors(directory: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     with Reader(directory) as r:
         for name in r.names():
             yield name, r.get(name)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The weight map (tensor name -> file) of `model.safetensors.index.json`; ConfigError
+    naming the file when it is damaged."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{index} is damaged: not JSON with a weight_map ({type(e).__name__}: {e})"
+        ) from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ConfigError(f"{index} is damaged: its weight_map is not a mapping of names to files")
+    return weight_map

@@ -86,7 +86,14 @@ class DocumentEncoder:
         """Returns the int32 ids of one document, shape [n]; n = 0 for empty text."""
         if not text:
             return np.zeros((0,), np.int32)
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # the Rust side raises a bare Exception (a word it cannot map)
+            raise ValueError(
+                f"the tokenizer (tokenizer_path) cannot encode a document beginning {text[:40]!r} "
+                f"({type(e).__name__}: {e}); give a tokenizer with an unknown token, or data it "
+                "covers"
+            ) from None
         if self.bos_id is not None:
             ids = [self.bos_id, *ids]
         if self.eos_id is not None:

@@ -23,7 +23,7 @@ from typing import Any
 import tokenizers
 from jax.sharding import Mesh
 
-from expertax.config.loader import config_rules, parse_overrides, read_yaml
+from expertax.config.loader import config_rules, parse_overrides
 from expertax.config.schema import LAYOUT, MODEL, Config, key_kind
 from expertax.data.synthetic import number_tokenizer
 from expertax.data.tokenizer import DocumentEncoder, load_tokenizer
@@ -115,13 +115,13 @@ def with_overrides(saved: Config, items: list[str]) -> Config:
 def _saved_config(path: Path, kind: str) -> tuple[Config, int | None, dict | None]:
     """(config as saved, run checkpoint step, HF config), read without the parameters."""
     if kind == RUN:
-        step = checkpoint.latest_step(path / params_io.CHECKPOINT_SUBDIR)
+        step = params_io.latest_run_step(path)[0]
         if step is None:
             raise ConfigError(
                 f"SOURCE {str(path)!r}: a run folder without a complete checkpoint yet; wait for "
                 "its first one (checkpoint_period) or give another source"
             )
-        return build_config(read_yaml(path / "config.yml")), step, None
+        return params_io.read_run_config(path), step, None
     try:
         c = model_dir.read_config(path)
     except ValueError as e:  # a foreign marker, a config.yml that does not load

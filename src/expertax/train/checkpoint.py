@@ -24,6 +24,7 @@ import functools
 import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -38,6 +39,14 @@ FORMAT_VERSION = 1
 MARKER_FILE = "expertax_checkpoints.json"
 STATE_ITEM = "state"
 DATA_ITEM = "data"
+# Files of a complete step as Orbax writes them (the composite layout: the state item with OCDBT,
+# one store per process, and the JSON data item), whose absence `damage` reports.
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+ORBAX_METADATA = "_METADATA"
+OCDBT_MANIFEST = "manifest.ocdbt"
+OCDBT_PROCESS_GLOB = "ocdbt.process_*"
+OCDBT_DATA = "d"
+DATA_FILE = "metadata"
 
 
 def _is_key(x: Any) -> bool:
@@ -138,6 +147,51 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     fmt = ocp.path.step.standard_name_format()
     meta = ocp.path.step.latest_step_metadata(epath.Path(os.fspath(directory)), fmt)
     return None if meta is None else meta.step
+
+
+def step_path(directory: str | os.PathLike, step: int) -> Path:
+    """The folder of complete step `step` in `directory`."""
+    fmt = ocp.path.step.standard_name_format()
+    return Path(os.fspath(fmt.find_step(epath.Path(os.fspath(directory)), step).path))
+
+
+def damage(directory: str | os.PathLike, step: int) -> str | None:
+    """What complete step `step` of `directory` lacks of the files a save writes, or holds empty
+    (None: nothing). Reads names and sizes only, not the arrays: a step that passes may still fail
+    to restore (a chunk of an array gone), which `restore` reports."""
+    root = step_path(directory, step)
+    state = root / STATE_ITEM
+    need = [root / CHECKPOINT_METADATA, root / DATA_ITEM / DATA_FILE, state / ORBAX_METADATA]
+    processes = sorted(state.glob(OCDBT_PROCESS_GLOB))  # OCDBT: one store per process
+    if processes or (state / OCDBT_MANIFEST).exists():
+        need += [state / OCDBT_MANIFEST] + [p / OCDBT_MANIFEST for p in processes]
+    wrong = [p.relative_to(root) for p in need if _empty(p)]
+    if processes and all(_empty(p / OCDBT_DATA) for p in processes):  # some process wrote arrays
+        wrong.append(Path(STATE_ITEM, OCDBT_PROCESS_GLOB, OCDBT_DATA))
+    if not wrong:
+        return None
+    return "missing or empty: " + ", ".join(map(str, wrong[:4]))
+
+
+def _empty(path: Path) -> bool:
+    """A missing path, an empty file or an empty folder."""
+    if path.is_dir():
+        return not any(path.iterdir())
+    return not path.exists() or path.stat().st_size == 0
+
+
+def latest_intact_step(directory: str | os.PathLike) -> tuple[int | None, dict[int, str]]:
+    """The newest complete step of `directory` that lacks none of its files (None: there is
+    none), and the newer complete steps that do (step -> `damage`), which a resume skips."""
+    fmt = ocp.path.step.standard_name_format()
+    steps = sorted((m.step for m in fmt.find_all(epath.Path(os.fspath(directory)))), reverse=True)
+    damaged: dict[int, str] = {}
+    for step in steps:
+        why = damage(directory, step)
+        if why is None:
+            return step, damaged
+        damaged[step] = why
+    return None, damaged
 
 
 def restore_state_field(

@@ -90,6 +90,29 @@ def _iterator(c: Config, trainer: Trainer, kind: str, path: str, seed: int, epoc
     )
 
 
+def check_first_batch(data, what: str = "the training data") -> None:
+    """Read the first batch of a file iterator and rewind it: documents are read and tokenized
+    only as batches are drawn, so a bad record or a text the tokenizer refuses would otherwise
+    stop the run after its folder is written. Synthetic data cannot fail and is not read."""
+    if isinstance(data, SyntheticData):
+        return
+    start = data.get_state()
+    try:
+        next_batch(data, f"the first batch of {what}")
+    except StopIteration:
+        pass
+    data.set_state(start)
+
+
+def next_batch(data, where: str) -> dict:
+    """The next batch of `data`; a document that cannot be read or tokenized is a ConfigError
+    naming `where` (StopIteration passes: finite data ends)."""
+    try:
+        return next(data)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def _allgather_json(obj) -> list:
     """Every process's JSON-serialisable `obj`, in process order (a collective: all must call)."""
     raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)

@@ -1,9 +1,10 @@
 """`train(c)`: the training loop, top to bottom.
 
-Every check of the user's input (mesh, run folder, data, tokenizer, model directory) runs before
-the run folder is written; then the step is compiled and run. Metrics are fetched one step late:
-step i+1 is dispatched before step i's metrics are read, so the host never stalls the device;
-`step_time_s` is the time between consecutive fetches.
+Every check of the user's input (mesh, run folder, data and its first batch, tokenizer, the
+parameters of load_parameters_path) and the compilation of the step run before the run folder is
+written; then the step runs. Metrics are fetched one step late: step i+1 is dispatched before step
+i's metrics are read, so the host never stalls the device; `step_time_s` is the time between
+consecutive fetches.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,22 +39,26 @@ Say = Callable[[str], None]
 
 @dataclasses.dataclass
 class Prepared:
-    """A run ready to compile: its config (run_name resolved), trainer, data (and held-out data
-    when eval_interval > 0) and open folder."""
+    """A run ready to train: its config (run_name resolved), trainer, data (and held-out data
+    when eval_interval > 0) and open folder; the parameters of load_parameters_path when a new
+    run starts from them; the compiled step and evaluator when `prepare` compiled them."""
 
     c: Config
     trainer: Trainer
     data: Any
     run: RunDir
     eval_data: Any = None
+    params: Any = None
+    compiled: tuple[Any, Evaluator | None] | None = None
 
 
-def prepare(c: Config, devices=None) -> Prepared:
+def prepare(c: Config, devices=None, *, compile_step: bool = False) -> Prepared:
     """Check everything the user gave, then open the run folder (the first write).
 
     The mesh, the run folder (a different run there is refused), the tokenizer, the data files
-    and the model directory of load_parameters_path are all checked before anything is written,
-    so a refused run leaves nothing behind.
+    (their first batch is read), the parameters of load_parameters_path and, with
+    `compile_step` (as `train` does), the compiled step and evaluation are all checked before
+    anything is written, so a refused run leaves nothing behind.
     """
     trainer = build_trainer(c, devices)  # the mesh, rules and shardings
     c = run_dir.with_run_name(c)
@@ -60,11 +66,24 @@ def prepare(c: Config, devices=None) -> Prepared:
     if c.dataset_type == "files" or (c.eval_interval and c.eval_dataset_path):
         inputs.check_tokenizer_vocab(c)
     data = inputs.make_data(c, trainer)  # data paths, tokenizer, text field
+    inputs.check_first_batch(data)
     eval_data = inputs.make_eval_data(c, trainer) if c.eval_interval else None
+    if eval_data is not None:
+        inputs.check_first_batch(eval_data, "the evaluation data")
+    params = None
     if plan.resume_step is None and c.load_parameters_path:
-        params_io.check_model_dir(c)
+        abstract = trainer.abstract_state().params
+        params = params_io.load_params(c, trainer.state_shardings.params, abstract)
+    # a program XLA refuses (one too large for the memory, say) is refused before the write
+    compiled = compile_run(c, trainer, eval_data) if compile_step else None
     run = run_dir.open_run(c, plan)  # the first write
-    return Prepared(c, trainer, data, run, eval_data)
+    return Prepared(c, trainer, data, run, eval_data, params, compiled)
+
+
+def compile_run(c: Config, trainer: Trainer, eval_data) -> tuple[Any, Evaluator | None]:
+    """The compiled train step, and the compiled evaluation when there is held-out data."""
+    evaluator = Evaluator(c, trainer, eval_data) if eval_data is not None else None
+    return trainer.compile(), evaluator
 
 
 def train(c: Config, *, echo=print, devices=None, stop_after_step: int | None = None) -> dict:
@@ -76,15 +95,18 @@ def train(c: Config, *, echo=print, devices=None, stop_after_step: int | None = 
     checkpoint, as a preemption would; the run stays resumable.
     """
     t0 = time.perf_counter()
-    p = prepare(c, devices)
+    p = prepare(c, devices, compile_step=True)
     c, run = p.c, p.run
     say: Say = echo if jax.process_index() == 0 else (lambda *_: None)
+    if jax.process_index() == 0:
+        for note in run.notes():  # a replaced folder, a damaged checkpoint skipped
+            print(f"expertax: {note}", file=sys.stderr)
     say(
         f"expertax: {c.model_name} on {p.trainer.num_devices} {jax.default_backend()} devices, "
         f"mesh {dict(p.trainer.mesh.shape)}, global batch {p.trainer.global_batch} x "
         f"{c.max_target_length}, run dir {run.path}"
     )
-    if run.resume_step is None and run.restarted:
+    if run.resume_step is None and run.restarted and not run.replaced:
         say(f"restarting from step 0: {run.path} had no complete checkpoint yet")
     try:
         return _train(p, say, t0, stop_after_step)
@@ -94,10 +116,9 @@ def train(c: Config, *, echo=print, devices=None, stop_after_step: int | None = 
 
 def _train(p: Prepared, say: Say, t0: float, stop_after_step) -> dict:
     c, trainer, run, data = p.c, p.trainer, p.run, p.data
-    state, skipped = _starting_state(c, trainer, run, data, say)
+    state, skipped = _starting_state(p, say)
     start = run.resume_step or 0
-    step_fn = trainer.compile()
-    evaluator = Evaluator(c, trainer, p.eval_data) if p.eval_data is not None else None
+    step_fn, evaluator = p.compiled or compile_run(c, trainer, p.eval_data)
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(describe_dispatch(c, dict(trainer.mesh.shape), trainer.rules))
     end = c.steps if stop_after_step is None else min(c.steps, stop_after_step)
@@ -110,7 +131,7 @@ def _train(p: Prepared, say: Say, t0: float, stop_after_step) -> dict:
         with trainer.context():
             for step in range(start, end):
                 try:
-                    batch = next(data)
+                    batch = inputs.next_batch(data, f"step {step}")
                 except StopIteration:
                     say(f"data exhausted (data_num_epochs={c.data_num_epochs}) before step {step}")
                     break
@@ -132,21 +153,20 @@ def _train(p: Prepared, say: Say, t0: float, stop_after_step) -> dict:
     return _summary(c, trainer, run, log, state, data, say)
 
 
-def _starting_state(c, trainer: Trainer, run: RunDir, data, say: Say) -> tuple[TrainState, int]:
+def _starting_state(p: Prepared, say: Say) -> tuple[TrainState, int]:
     """(state, skipped steps so far): the checkpoint's, or step 0's with random or loaded
     parameters and a fresh optimizer state."""
+    c, trainer, run = p.c, p.trainer, p.run
     if run.resume_step is not None:
-        state, skipped = run_dir.restore(c, trainer, run, data)
+        state, skipped = run_dir.restore(c, trainer, run, p.data)
         say(f"resumed from the checkpoint of step {run.resume_step} in {run.path}")
         if c.load_parameters_path:
             say(f"load_parameters_path={c.load_parameters_path!r} ignored: the checkpoint wins")
         return state, skipped
-    if not c.load_parameters_path:
+    if p.params is None:
         return trainer.init_state(), 0
-    abstract = trainer.abstract_state().params
-    params = params_io.load_params(c, trainer.state_shardings.params, abstract)
     say(f"loaded the parameters of {c.load_parameters_path} (fresh optimizer state, step 0)")
-    return trainer.init_state(params), 0
+    return trainer.init_state(p.params), 0
 
 
 def _maybe_save(c, trainer, run: RunDir, log: StepLog, data, done: int, state, *, force) -> None:

@@ -36,10 +36,10 @@ import tensorstore as ts
 
 from expertax import jsonio
 from expertax.config import Config, config_to_yaml
-from expertax.config.loader import read_yaml
 from expertax.models import decoder
 from expertax.nn.param import is_spec
 from expertax.preflight import build_config
+from expertax.train import config_file
 
 FORMAT = "expertax-model"
 FORMAT_VERSION = 2
@@ -284,7 +284,8 @@ def read_config(ckpt_dir: str | Path) -> Config:
         content = None
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         raise ValueError(f"{path}: {MARKER} is not expertax's")
-    return build_config(read_yaml(path / "config.yml"))
+    fix = "convert the model again into a new directory"
+    return build_config(config_file.read_saved(path / "config.yml", fix))
 
 
 def load(ckpt_dir: str | Path, shardings=None) -> tuple[Config, decoder.Decoder, dict | None]:

@@ -17,13 +17,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from expertax.config.loader import read_yaml
 from expertax.config.schema import MODEL, Config, changed_keys
 from expertax.errors import ConfigError
 from expertax.models import decoder
 from expertax.nn.param import is_spec
 from expertax.preflight import build_config
-from expertax.train import checkpoint, model_dir
+from expertax.train import checkpoint, config_file, model_dir
 
 # The run folder <base_output_directory>/<run_name> holds config.yml and this checkpoint folder.
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -51,7 +50,15 @@ def load_params(c: Config, shardings, abstract) -> decoder.Decoder:
     """The parameters of `c.load_parameters_path`, read into `shardings` (a Decoder tree) and
     cast to the dtypes of `abstract` (the run's weight_dtype) where the stored ones differ."""
     check_model_dir(c)
-    _, params, _ = model_dir.load(c.load_parameters_path, shardings)
+    path = c.load_parameters_path
+    try:
+        _, params, _ = model_dir.load(path, shardings)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # Orbax, tensorstore: files gone
+        raise ConfigError(
+            f"load_parameters_path={path!r}: its parameters ({Path(path) / model_dir.PARAMS_DIR}) "
+            f"cannot be read ({type(e).__name__}: {str(e)[:300]}); convert the model again into "
+            "a new directory"
+        ) from None
     if all(x.dtype == a.dtype for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract))):
         return params
     cast = jax.jit(
@@ -68,18 +75,32 @@ def is_run_dir(path: str | Path) -> bool:
     return (p / "config.yml").is_file() and marker.is_file()
 
 
+def read_run_config(run_dir: str | Path) -> Config:
+    """The Config a run folder saved; ConfigError naming its config.yml when that is damaged,
+    empty or not an expertax config."""
+    fix = "put back the config.yml of the command that trained the run"
+    return build_config(config_file.read_saved(Path(run_dir) / "config.yml", fix))
+
+
+def latest_run_step(run_dir: str | Path) -> tuple[int | None, dict[int, str]]:
+    """The run folder's newest checkpoint that lacks none of its files, and the newer ones that
+    do (`checkpoint.latest_intact_step`)."""
+    return checkpoint.latest_intact_step(Path(run_dir) / CHECKPOINT_SUBDIR)
+
+
 def load_run_params(run_dir: str | Path) -> tuple[Config, decoder.Decoder, int]:
-    """(Config, parameters on the first device, step) of a run's latest complete checkpoint.
+    """(Config, parameters on the first device, step) of a run's latest intact checkpoint.
 
     Only the parameters are read (the optimizer state stays on disk). ValueError if the run has
     no complete checkpoint.
     """
     path = Path(run_dir).resolve()
-    c = build_config(read_yaml(path / "config.yml"))
+    c = read_run_config(path)
     ckpt_dir = path / CHECKPOINT_SUBDIR
-    step = checkpoint.latest_step(ckpt_dir)
+    step, damaged = latest_run_step(path)
     if step is None:
-        raise ValueError(f"run folder {path} has no complete checkpoint in {ckpt_dir}")
+        more = f" (damaged: {damaged})" if damaged else ""
+        raise ValueError(f"run folder {path} has no complete checkpoint in {ckpt_dir}{more}")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     dtype = jnp.dtype(c.weight_dtype)
     abstract = jax.tree.map(

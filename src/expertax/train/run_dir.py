@@ -6,11 +6,15 @@
     open_run(c, plan)     the first write: the folder, config.yml, the checkpoint directory
     restore(...)          the train state and data position of the checkpoint to resume
 
-A resume (a complete checkpoint) and a restart (metrics.jsonl but no complete checkpoint yet,
-e.g. a run killed in its first minutes) both need the folder's config.yml to agree with this run
+A folder trained once it holds a complete checkpoint or the metrics record of a step. A resume (a
+complete checkpoint) and a restart (metrics.jsonl but no complete checkpoint yet, e.g. a run killed
+in its first minutes) both need the folder's config.yml to be readable and to agree with this run
 on every key of the kinds in `SAME_RUN_KINDS` (the model, the training numbers and the data); the
-other keys (layout, run) may change. A restart keeps the earlier metrics.jsonl aside as
-metrics.jsonl.1 (.2, ...): nothing is deleted. Every process calls these; process 0 writes.
+other keys (layout, run) may change. A folder that never trained a step (a run that failed before
+its first one) is started again with whatever config comes next. A restart keeps the earlier
+metrics.jsonl aside as metrics.jsonl.1 (.2, ...), and the newest checkpoints found damaged go to
+`damaged_checkpoints/<step>` while the run resumes from the newest intact one: nothing is deleted.
+Every process calls these; process 0 writes.
 """
 
 from __future__ import annotations
@@ -25,15 +29,16 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from expertax.config.loader import config_to_yaml, read_yaml
+from expertax.config.loader import config_to_yaml
 from expertax.config.schema import SAME_RUN_KINDS, Config, changed_keys
 from expertax.errors import ConfigError
-from expertax.train import checkpoint, params_io
+from expertax.train import checkpoint, config_file, params_io
 from expertax.train.state import TrainState
 from expertax.train.trainer import Trainer
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yml"
+DAMAGED_DIR = "damaged_checkpoints"  # where open_run moves the damaged checkpoints it skips
 
 
 def barrier(name: str) -> None:
@@ -56,11 +61,14 @@ def with_run_name(c: Config) -> Config:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What `inspect` found: the folder, and the step to resume (None: start at step 0)."""
+    """What `inspect` found: the folder, the step to resume (None: start at step 0), and the
+    checkpoints newer than it that are damaged (set aside by `open_run`, step -> what is wrong)."""
 
     path: Path
     resume_step: int | None
     restart: bool  # metrics.jsonl of an earlier attempt without a checkpoint: set aside
+    replaced: bool = False  # a folder that never trained a step, started again with this config
+    damaged: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -70,44 +78,88 @@ class Plan:
 def inspect(c: Config) -> Plan:
     """Read the run folder of `c` (run_name resolved) and decide; writes nothing.
 
-    ConfigError when the folder holds another run (a saved config.yml that differs in a key of
-    the SAME_RUN_KINDS kinds), metrics without a config.yml, or a checkpoint directory that is
-    not expertax's.
+    A folder that trained (a complete checkpoint, or a metrics record of a step) must hold a
+    readable config.yml equal to this run's in every key of the SAME_RUN_KINDS kinds: otherwise
+    ConfigError. A folder that never trained a step (a run refused or killed before its first
+    step) is started again with this config. A checkpoint directory that is not expertax's is
+    refused either way.
     """
     if not c.run_name:
         raise ValueError("inspect() needs a resolved run_name (see with_run_name)")
     path = Path(c.base_output_directory) / c.run_name
     ckpt_dir = path / params_io.CHECKPOINT_SUBDIR
     has_metrics = (path / METRICS_FILE).exists()
-    resume = None
+    resume: int | None = None
+    damaged: dict[int, str] = {}
     if ckpt_dir.exists():
         try:
             checkpoint.check_directory(ckpt_dir)
         except ValueError as e:
             raise ConfigError(f"run_name={c.run_name!r}: {e}") from None
-        resume = checkpoint.latest_step(ckpt_dir)
-    saved = _saved_values(path)
-    if saved is None and has_metrics:
+        resume, damaged = checkpoint.latest_intact_step(ckpt_dir)
+    if resume is None and damaged:
         raise ConfigError(
+            f"run_name={c.run_name!r}: every checkpoint in {ckpt_dir} is damaged ("
+            + "; ".join(f"step {s}: {why}" for s, why in sorted(damaged.items()))
+            + f"); move {ckpt_dir} aside to train {path} again from step 0, or choose another "
+            "run_name"
+        )
+    trained = resume is not None or _has_step_records(path)
+    refusal = _other_run(c, path, resume, has_metrics)
+    if refusal is not None and trained:
+        raise ConfigError(refusal)
+    return Plan(
+        path,
+        resume,
+        restart=resume is None and has_metrics,
+        replaced=refusal is not None,
+        damaged=damaged,
+    )
+
+
+def _other_run(c: Config, path: Path, resume: int | None, has_metrics: bool) -> str | None:
+    """Why the folder cannot be this run's (its config.yml differs, is damaged or is missing
+    beside metrics); None when it can."""
+    config = path / CONFIG_FILE
+    what = f"a checkpoint of step {resume}" if resume is not None else "no checkpoint yet"
+    if not config.exists():
+        if not has_metrics:
+            return None
+        return (
             f"run_name={c.run_name!r}: {path} holds a {METRICS_FILE} but no {CONFIG_FILE}, so "
             "whose run it is cannot be checked; choose another run_name"
         )
-    if saved is not None:
-        diffs = changed_keys(saved, c, SAME_RUN_KINDS)
-        if diffs:
-            what = f"a checkpoint of step {resume}" if resume is not None else "no checkpoint yet"
-            raise ConfigError(
-                f"run_name={c.run_name!r}: {path} holds a run ({what}) saved with different "
-                f"values of keys that change the model, the training or the data "
-                f"({'; '.join(diffs)}); continue it with the saved values ({path / CONFIG_FILE}) "
-                "or choose another run_name"
-            )
-    return Plan(path, resume, restart=resume is None and has_metrics)
+    saved, wrong = config_file.read(config)
+    if wrong is not None:
+        return (
+            f"run_name={c.run_name!r}: {config} {wrong}, so whose run {path} holds ({what}) "
+            f"cannot be checked; put back the {CONFIG_FILE} of the command that trained it to "
+            "continue that run, or choose another run_name"
+        )
+    diffs = changed_keys(saved, c, SAME_RUN_KINDS)
+    if not diffs:
+        return None
+    return (
+        f"run_name={c.run_name!r}: {path} holds a run ({what}) saved with different "
+        f"values of keys that change the model, the training or the data "
+        f"({'; '.join(diffs)}); continue it with the saved values ({config}) "
+        "or choose another run_name"
+    )
 
 
-def _saved_values(path: Path) -> dict | None:
-    config = path / CONFIG_FILE
-    return read_yaml(config) if config.exists() else None
+def _has_step_records(path: Path) -> bool:
+    """Whether a metrics file of the folder (metrics.jsonl, or one set aside by a restart) holds
+    the record of a step."""
+    for metrics in sorted(path.glob(f"{METRICS_FILE}*")):
+        with open(metrics, "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                    return True
+    return False
 
 
 @dataclasses.dataclass
@@ -120,6 +172,9 @@ class RunDir:
     saving: bool  # enable_checkpointing: save checkpoints of this run
     restarted: bool = False  # an earlier attempt's metrics were set aside
     last_saved: int = 0  # the step of the newest checkpoint (the resume step at the start)
+    replaced: bool = False  # a folder that never trained a step, started again with this config
+    # damaged checkpoints newer than the resume step: step -> (what was wrong, where it went now)
+    set_aside: dict[int, tuple[str, Path]] = dataclasses.field(default_factory=dict)
 
     def should_save(self, step: int, *, force: bool) -> bool:
         """Whether step `step` (steps done) is saved now: due by the period, or forced."""
@@ -137,17 +192,39 @@ class RunDir:
         if self.checkpointer is not None:
             self.checkpointer.close()
 
+    def notes(self) -> list[str]:
+        """What the opening did that the user must hear of (the CLI prints them on stderr)."""
+        out = [
+            f"the checkpoint of step {step} in {self.path} is damaged ({why}); moved to {where}, "
+            f"resuming from step {self.resume_step}, the previous complete checkpoint"
+            for step, (why, where) in sorted(self.set_aside.items())
+        ]
+        if self.replaced:
+            out.append(
+                f"run folder {self.path} never trained a step; starting it again with the new "
+                "config"
+            )
+        return out
+
 
 def open_run(c: Config, plan: Plan) -> RunDir:
     """Create or reopen the folder of `plan`: config.yml written, metrics trimmed to the resume
-    step or set aside for a restart, the checkpoint directory marked and opened."""
+    step or set aside for a restart, damaged checkpoints moved out of the checkpoint directory
+    (to `damaged_checkpoints/`), the checkpoint directory marked and opened."""
     ckpt_dir = plan.checkpoint_dir
     barrier("expertax:inspected-run-dir")  # everyone looked before process 0 writes
     use_checkpoints = c.enable_checkpointing or ckpt_dir.exists()
+    set_aside = {
+        step: (why, _free_name(plan.path / DAMAGED_DIR / str(step)))
+        for step, why in plan.damaged.items()
+    }
     if jax.process_index() == 0:
         plan.path.mkdir(parents=True, exist_ok=True)
         (plan.path / CONFIG_FILE).write_text(config_to_yaml(c))
         metrics = plan.path / METRICS_FILE
+        for step, (_, target) in set_aside.items():
+            target.parent.mkdir(exist_ok=True)
+            checkpoint.step_path(ckpt_dir, step).rename(target)
         if plan.resume_step is not None:
             _trim_metrics(metrics, plan.resume_step)
         elif plan.restart:
@@ -173,6 +250,8 @@ def open_run(c: Config, plan: Plan) -> RunDir:
         saving=ckpt is not None and c.enable_checkpointing,
         restarted=plan.restart,
         last_saved=plan.resume_step or 0,
+        replaced=plan.replaced,
+        set_aside=set_aside,
     )
 
 
@@ -198,12 +277,17 @@ def _set_aside(path: Path) -> Path | None:
     """Rename `path` to the first free `<path>.N` (N = 1, 2, ...); None if there is no file."""
     if not path.exists():
         return None
-    n = 1
-    while path.with_name(f"{path.name}.{n}").exists():
-        n += 1
-    target = path.with_name(f"{path.name}.{n}")
+    target = _free_name(path, first=1)
     path.rename(target)
     return target
+
+
+def _free_name(path: Path, first: int = 0) -> Path:
+    """The first of `path` (from first=0 only), `<path>.1`, `<path>.2`, ... that does not exist."""
+    n = first
+    while (candidate := path.with_name(f"{path.name}.{n}") if n else path).exists():
+        n += 1
+    return candidate
 
 
 def restore(c: Config, trainer: Trainer, run: RunDir, data) -> tuple[TrainState, int]:
@@ -213,7 +297,15 @@ def restore(c: Config, trainer: Trainer, run: RunDir, data) -> tuple[TrainState,
     """
     step = run.resume_step
     assert run.checkpointer is not None and step is not None
-    state, saved = run.checkpointer.restore(step, trainer.abstract_state())
+    try:
+        state, saved = run.checkpointer.restore(step, trainer.abstract_state())
+    except (OSError, ValueError) as e:  # files that `checkpoint.damage` cannot see are gone
+        where = checkpoint.step_path(run.checkpointer.directory, step)
+        raise ConfigError(
+            f"the checkpoint of step {step} ({where}) cannot be read ({type(e).__name__}: "
+            f"{str(e)[:300]}); it is damaged: move it to {run.path / DAMAGED_DIR} and run the "
+            "same command again to resume from the previous checkpoint"
+        ) from None
     saved = saved or {}
     if saved.get("global_batch") != trainer.global_batch:
         raise ConfigError(

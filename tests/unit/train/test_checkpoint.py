@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from expertax.train.checkpoint import MARKER_FILE, Checkpointer
+from expertax.train.checkpoint import MARKER_FILE, Checkpointer, damage, latest_intact_step
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -280,3 +281,29 @@ def test_data_state_must_be_json(tmp_path):
         with pytest.raises(ValueError, match="not JSON-serializable"):
             ckpt.maybe_save(1, {"w": jnp.ones((2,))}, {"position": object()})
         assert ckpt.latest_step() is None
+
+
+def test_a_step_with_missing_files_is_damaged_and_skipped(tmp_path):
+    """`latest_intact_step` passes over complete-looking steps that lack a file a save writes;
+    negative control: the intact steps are not named."""
+    with Checkpointer(tmp_path, period_steps=1, max_to_keep=5) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.maybe_save(step, {"w": jnp.full((4,), step, jnp.float32)}, {"position": step})
+        ckpt.wait()
+    assert latest_intact_step(tmp_path) == (3, {}) and damage(tmp_path, 3) is None
+    (tmp_path / "3" / "state" / "_METADATA").unlink()
+    (tmp_path / "2" / "data" / "metadata").write_bytes(b"")
+    step, damaged = latest_intact_step(tmp_path)
+    assert step == 1 and sorted(damaged) == [2, 3]
+    assert "state/_METADATA" in damaged[3] and "data/metadata" in damaged[2]
+    # every file the check knows of, and the arrays' data of the OCDBT store, one at a time
+    state = tmp_path / "1" / "state"
+    stores = [f"state/{p.name}/manifest.ocdbt" for p in state.glob("ocdbt.process_*")]
+    for gone in ["_CHECKPOINT_METADATA", "data/metadata", "state/manifest.ocdbt", *stores]:
+        (tmp_path / "1" / gone).rename(tmp_path / "aside")
+        assert gone in (damage(tmp_path, 1) or ""), gone
+        (tmp_path / "aside").rename(tmp_path / "1" / gone)
+    assert damage(tmp_path, 1) is None
+    for data in state.glob("ocdbt.process_*/d"):
+        shutil.rmtree(data)
+    assert "ocdbt.process_*/d" in (damage(tmp_path, 1) or "")

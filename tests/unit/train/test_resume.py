@@ -248,3 +248,22 @@ def test_run_resumes_on_another_mesh_with_the_same_global_batch(tmp_path):
     records = read_metrics(tmp_path / "m")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(np.isfinite(r["loss"]) for r in records)
+
+
+def test_a_checkpoint_with_missing_files_falls_back_to_the_previous_one(tmp_path, capsys):
+    """Step 10's state loses a file: the run resumes from step 5, says so on stderr, keeps the
+    damaged step aside and trains on with one metrics record per step."""
+    quiet = dict(echo=lambda *_: None)
+    train(tiny(tmp_path, run_name="d"), stop_after_step=10, **quiet)
+    ckpts = tmp_path / "d" / "checkpoints"
+    assert checkpoint.latest_intact_step(ckpts) == (10, {})  # negative control: nothing damaged
+    (ckpts / "10" / "state" / "_METADATA").unlink()
+    capsys.readouterr()
+    resumed = train(tiny(tmp_path, run_name="d"), stop_after_step=12, **quiet)
+    assert resumed["resumed_from"] == 5 and int(resumed["state"].step) == 12
+    err = capsys.readouterr().err
+    assert f"the checkpoint of step 10 in {tmp_path / 'd'} is damaged" in err
+    assert "state/_METADATA" in err and "resuming from step 5" in err
+    assert (tmp_path / "d" / "damaged_checkpoints" / "10" / "state").is_dir()
+    assert checkpoint.latest_intact_step(ckpts) == (12, {})
+    assert [r["step"] for r in read_metrics(tmp_path / "d")] == list(range(12))
