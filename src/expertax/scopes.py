@@ -43,7 +43,7 @@ ROWS = Valued("rows")
 FP8_TILE = Valued("fp8_tile")
 # the fp8 GEMMs' three products: forward, input gradient, weight gradient
 PRODUCTS = ("fprop", "dgrad", "wgrad")
-# the dense fp8 GEMM's scopes (tools/fp8_kernels.py, planner/flops.py), one per product
+# the dense fp8 GEMM's scopes (fp8/compiled.py, planner/flops.py), one per product
 FP8_DENSE = tuple(f"fp8_{p}" for p in PRODUCTS)
 # the routed experts' fp8 grouped GEMM's, in the same order
 FP8_GROUPED = tuple(f"fp8_gmm_{p}" for p in PRODUCTS)

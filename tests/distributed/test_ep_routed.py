@@ -332,7 +332,7 @@ def test_negative_control_a_whole_buffer_swiglu_is_seen(monkeypatch):
     def whole_buffer(gate, up, wo, sizes, act=swiglu, **kw):
         return gmm.gmm(act(gate, up), wo, sizes, **kw)
 
-    monkeypatch.setattr(dispatch, "gmm_glu", whole_buffer)
+    monkeypatch.setattr(gmm, "gmm_glu", whole_buffer)  # what GroupedProducts.glu calls
     names, moves, _, d = _row_ops("ring-ep8", monkeypatch, fused=False)
     assert not _wide_moves(moves, d, CHECK_CHUNK)  # the row loops stay chunked
     assert _activations(moves, CHECK_CHUNK)

@@ -285,8 +285,8 @@ class MoESection(_Section):
         "platform), ragged_dot (jax.lax.ragged_dot), tokamax_triton / tokamax_mosaic_gpu (GPU "
         "kernels, extra 'gpu'), megablox (TPU kernels); auto picks per platform from the "
         "evidence recorded in nn/moe/gmm.py (MEASURED). fp8_hopper (quantization only, Hopper "
-        "GPUs, D and F multiples of 64): the fp8 fprop and dgrad on e4m3 wgmma "
-        "(fp8/kernel.py), which auto picks under quantization on a Hopper mesh where the "
+        "GPUs, D and F multiples of 64): the routed experts' fp8 fprop, dgrad and wgrad on e4m3 "
+        "wgmma (fp8/kernel.py), which auto picks under quantization on a Hopper mesh where the "
         "dims fit.",
     )
     gmm_tile_rows: int = _key(LAYOUT, 512, gt=0, description="tiled gmm: rows per full tile.")

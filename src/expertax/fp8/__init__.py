@@ -7,6 +7,8 @@
   quantized;
 - `matmul`: the one custom VJP of the quantized GEMMs, a dense linear being the routed experts'
   grouped GEMM with one group; `products`: where each of its three products runs;
+- `experts`: the MoE layer's one seam, its expert products chosen once per layer (plain, or
+  under the recipe), and what the paged stash holds of them;
 - `stats`: what the quantizers lose in a step, carried out of the VJPs by a probe;
 - `kernel`: where each product runs (Hopper's tensor cores or dequantized), and the checks of
   `gmm_impl=fp8_hopper`;

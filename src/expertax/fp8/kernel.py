@@ -9,11 +9,10 @@ tiles of the recipe's 128, or 64 along a dim that is a multiple of 64 and not of
 takes N in multiples of 8 and K in steps of 32; the step still takes its 128-block's scale). It
 takes a product when the program is traced for a Hopper GPU and the product's K and N (the
 contraction and the output width) are multiples of 64 (`NARROW`):
-- the routed experts (`fp8/matmul.py`, config key `gmm_impl`): `fp8_hopper` runs their fprop
-  and dgrad on it under either recipe (tensorwise scales broadcast to the block grids), `auto`
-  picks it under a `quantization` on a Hopper mesh, from the evidence below, where the dims fit
-  (D and the local F; otherwise `auto` keeps the dequantized products on its backend); the
-  wgrad stays dequantized (`products.wgrad`);
+- the routed experts (`fp8/matmul.py`, config key `gmm_impl`): `fp8_hopper` runs their fprop,
+  dgrad and wgrad on it under either recipe (tensorwise scales broadcast to the block grids),
+  `auto` picks it under a `quantization` on a Hopper mesh, from the evidence below, where the
+  dims fit (D and the local F; otherwise `auto` keeps the dequantized products on its backend);
 - the dense linears (`fp8/matmul.py`: attention projections, dense MLPs, shared experts) under
   `fp8_blockwise`: all three products as one group, each linear whose K and N fit (DeepSeek-V3's
   MLA wkv_a, 7168 -> 576 = 4.5 x 128, runs unpadded in 64-wide tiles along N) or whose

@@ -17,15 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from expertax.config.schema import Config
-from expertax.fp8 import kernel as fp8_kernel
-from expertax.fp8 import matmul as fp8_matmul
-from expertax.fp8 import recipes as fp8_recipes
-from expertax.nn import activation, linear
+from expertax.fp8 import experts as fp8_experts
+from expertax.nn import activation
 from expertax.nn.moe import bias as bias_mod
 from expertax.nn.moe import routed
-from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.bias import ExpertBias
-from expertax.nn.moe.gmm import gmm, gmm_glu
 from expertax.nn.moe.stash import Stash, run_ffn
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
@@ -50,66 +46,24 @@ def expert_ffn_sorted(
     Returns (y [M, D], stash): with a paged stash (moe/stash.py) the stashed names' values are
     written to it, or, in its read mode, taken from it instead of computed.
     """
-    # fp8 (`quantization`, decoder.block_apply): fp8 grouped GEMMs (fp8/matmul.py), the gated
-    # activation inside the second (its fp8 inputs are what it saves), on Hopper's kernel where
-    # fp8/kernel.py says (D and the local F)
-    recipe, probe = linear.current_fp8(), linear.current_fp8_probe()
-    backend: str = c.gmm_impl
-    if recipe:
-        backend = fp8_kernel.routed(c.gmm_impl, recipe, rows_MD.shape[1], wi_0_EDF.shape[2])
-    kw = dict(
-        group_offset=group_offset,
-        backend=backend,
-        tile_rows=c.gmm_tile_rows,
-        tile_rows_min=c.gmm_tile_rows_min,
+    # the layer's products, plain or under the fp8 recipe traced now (fp8/experts.py), on the
+    # local shapes: D and the local F
+    products = fp8_experts.products(
+        c, dtype, group_sizes_E, group_offset, rows_MD.shape[1], wi_0_EDF.shape[2]
     )
-    # the probes of the rows' (K) and the output gradients' (N) counts: gate and up read D-wide
-    # rows, the down projection writes them (fp8_stats.Probe)
-    in_probes = None if probe is None else (probe.model_lanes, probe.lanes)
-    out_probes = None if probe is None else (probe.lanes, probe.model_lanes)
 
     def ffn(given):
-        # under fp8, gate and up as the stash holds them: the activation's quantized inputs
-        held = {n: stash_mod.held(given, n, recipe) for n in stash_mod.FP8_HELD} if recipe else {}
-
-        def mm(lhs, w, name):
-            w, g = w.astype(dtype), given.get(name)
-            if recipe:  # untagged: the names go on gmm_glu's fp8 copies of gate and up
-                if (q := held.get(name)) is not None:
-                    # the matmul's value is read by nothing but the gated activation, which
-                    # takes `held` instead (fp8_matmul.grouped_glu): no fprop, its backward as ever
-                    g = fp8_recipes.dequantize(q, dtype, 1, fp8_recipes.TILE)
-                return fp8_matmul.grouped(
-                    lhs, w, group_sizes_E, recipe, given=g, probes=in_probes, **kw
-                )
-            return remat.tag(gmm(lhs, w, group_sizes_E, given=g, **kw), name)
-
-        gate = mm(rows_MD, wi_0_EDF, remat.MOE_MLPWI_0)
-        up = mm(rows_MD, wi_1_EDF, remat.MOE_MLPWI_1)
+        gate = products.project(rows_MD, wi_0_EDF.astype(dtype), remat.MOE_MLPWI_0, given)
+        up = products.project(rows_MD, wi_1_EDF.astype(dtype), remat.MOE_MLPWI_1, given)
         values = {remat.MOE_MLPWI_0: gate, remat.MOE_MLPWI_1: up}
         if bias is not None:  # the values kept are the matmuls' (a stash gives them back)
             ids_M = bias_mod.row_experts(group_sizes_E, rows_MD.shape[0], group_offset)
             gate = gate + bias_mod.rows(bias.gate_EF, ids_M, dtype)
             up = up + bias_mod.rows(bias.up_EF, ids_M, dtype)
-        if recipe:  # the activation's inputs kept in fp8 under gate's and up's names
-            names = stash_mod.FP8_HELD
-            y = fp8_matmul.grouped_glu(
-                gate, up, wo_EFD.astype(dtype), group_sizes_E, recipe, activation.of(c), names,
-                given=given.get(remat.MOE_MLPWO), held=tuple(held.values()), probes=out_probes,
-                **kw,
-            )  # fmt: skip
-            y = remat.tag(y, remat.MOE_MLPWO)
-            # what a paged stash writes of them: the same quantized tiles the activation saves
-            for name, a in zip(names, (gate, up)):
-                q = fp8_recipes.quantize(a, recipe, 1, fp8_recipes.TILE)
-                values.update(stash_mod.fp8_values(name, q))
-        else:
-            # The SwiGLU runs inside the second matmul, on each work item's rows (gmm_glu): no
-            # [M, F] hidden buffer, and none of the worst-case padding rows of EP is touched.
-            wo = wo_EFD.astype(dtype)
-            given_y = given.get(remat.MOE_MLPWO)
-            y = gmm_glu(gate, up, wo, group_sizes_E, act=activation.of(c), given=given_y, **kw)
-            y = remat.tag(y, remat.MOE_MLPWO)
+        # what the stash holds of gate and up where it is not their values (fp8: the
+        # activation's quantized inputs)
+        y, held = products.glu(gate, up, wo_EFD.astype(dtype), given)
+        values.update(held)
         values[remat.MOE_MLPWO] = y
         if bias is not None:
             y = y + bias_mod.rows(bias.down_ED, ids_M, dtype)

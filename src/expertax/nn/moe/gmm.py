@@ -18,8 +18,8 @@ Backends (`backend=`, the `gmm_impl` config key):
 - `auto`: picked per platform traced for (`expertax.platform`) from `MEASURED` below
   (see docs/design/gmm.md).
 - `fp8_hopper` (`gmm_impl` under an fp8 `quantization` only): `fp8/matmul.py` runs the fp8
-  fprop and dgrad on Hopper's kernel (fp8/kernel.py); what runs in the operands' dtype
-  here (the fp8 wgrad, decoding's unquantized experts) is `auto`'s.
+  products on Hopper's kernels (fp8/kernel.py); what runs in the operands' dtype here
+  (decoding's unquantized experts) is `auto`'s.
 
 `gmm_glu(gate, up, wo, sizes)` = `gmm(act(gate, up), wo, sizes)`, the expert FFN's second matmul
 with its SwiGLU: `tiled` computes the SwiGLU per work item (a row-wise `prologue` of the loop) and
@@ -29,11 +29,17 @@ its VJP is one loop for both gradients, so the `[M, F]` hidden activation is nev
 stash); `gmm` returns it as its value and its VJP is the grouped matmul's own, so the backward
 pass is exact without running the matmul again (`known`: the one place an output is given,
 for these backends and the fp8 matmuls alike).
+
+`ExpertProducts`: the expert FFN's grouped matmuls as one object chosen per layer
+(`fp8.experts.products`), which the sorted dispatch calls whether or not an fp8 recipe is set:
+`GroupedProducts` here, `fp8.experts.Fp8Products` under a recipe.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +49,7 @@ from expertax.fp8 import kernel as fp8_kernel
 from expertax.nn.activation import GatedActivation, swiglu
 from expertax.nn.moe import gmm_kernels, tiles
 from expertax.nn.moe.vma import varying_like
+from expertax.parallel import remat
 
 BACKENDS = ("auto", "ragged_dot", "tiled", *gmm_kernels.KERNELS)
 # the values of `gmm_impl`: these and the fp8 kernel of the routed experts (fp8/matmul.py)
@@ -194,6 +201,48 @@ def gmm_glu(gate_MF, up_MF, rhs_EFD, group_sizes_E, act: GatedActivation = swigl
     pass, not a matmul), then the grouped matmul.
     """
     return gmm((gate_MF, up_MF), rhs_EFD, group_sizes_E, prologue=act, **kw)
+
+
+class ExpertProducts(Protocol):
+    """The routed experts' grouped matmuls over rows sorted by expert, with the group sizes,
+    the backend and the gated activation chosen once per layer. `given` (the paged stash's read
+    mode: name -> saved value, or {}) stands in for the values it names."""
+
+    def project(self, rows_MD, w_EDF, name: str, given: dict[str, jax.Array]) -> jax.Array:
+        """The gate's or the up's grouped matmul [M, F] under checkpoint `name`."""
+        ...
+
+    def glu(
+        self, gate_MF, up_MF, wo_EFD, given: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(the down projection of `act(gate, up)` [M, D] under `remat.MOE_MLPWO`, what the
+        paged stash holds of the gate and up in place of the matmuls' values: {} for those
+        values themselves)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedProducts:
+    """`ExpertProducts` in the operands' dtype: `gmm` and `gmm_glu` on the configured backend
+    (`kw`: `backend`, `group_offset`, `tile_rows`, `tile_rows_min`)."""
+
+    group_sizes_E: jax.Array
+    act: GatedActivation
+    kw: dict[str, Any]
+
+    def project(self, rows_MD, w_EDF, name: str, given: dict[str, jax.Array]) -> jax.Array:
+        y = gmm(rows_MD, w_EDF, self.group_sizes_E, given=given.get(name), **self.kw)
+        return remat.tag(y, name)
+
+    def glu(
+        self, gate_MF, up_MF, wo_EFD, given: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        # The SwiGLU runs inside the second matmul, on each work item's rows (gmm_glu): no
+        # [M, F] hidden buffer, and none of the worst-case padding rows of EP is touched.
+        given_y = given.get(remat.MOE_MLPWO)
+        sizes = self.group_sizes_E
+        y = gmm_glu(gate_MF, up_MF, wo_EFD, sizes, act=self.act, given=given_y, **self.kw)
+        return remat.tag(y, remat.MOE_MLPWO), {}
 
 
 def _gmm_tiled(xs, prologue, rhs, sizes, group_offset, out_dtype, tile_rows, tile_rows_min, given):

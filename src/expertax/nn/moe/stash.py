@@ -21,13 +21,10 @@ Per device, a buffer is `[capacity + page, W]` (W = F/tensor for the gate and up
 output); outside the `shard_map` the devices' buffers are stacked on the leading axis, sharded
 over the mesh axes of `AXES`, and `offset`, `fits`, `rows` have one entry per such device.
 
-Under an fp8 `quantization` (fp8/matmul.py) the gate and up are held as what the backward
-reads: the activation's inputs in 1 x 128 e4m3 tiles, one byte per value in `name` and the
-float32 scales of each row in `name + SCALE` (F/128 per row; `fp8_tensorwise`: the one scale,
-repeated per row), DeepSeek-V3's cached SwiGLU inputs (`buffers`). The read mode hands them to
-the gated activation as its residuals (`held`): the gradients are bitwise those of the plain
-fp8 stack that keeps the same names. The output rows stay in the compute dtype (the combine is
-bf16 in the recipe).
+Under an fp8 `quantization` the gate and up are held as what the fp8 backward reads, the
+activation's inputs as e4m3 tiles and their row scales: the layout is fp8's (`buffers` asks
+`fp8.experts.buffers`, the module docstring there), and so are the values written and read back
+(the layer's `ExpertProducts`, nn/moe/gmm.py).
 """
 
 from __future__ import annotations
@@ -40,12 +37,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from expertax.config.schema import Config
-from expertax.fp8.quant import BLOCK as TILE
+from expertax.fp8 import experts as fp8_experts
 from expertax.nn.moe.vma import varying_like
 from expertax.parallel import remat
 
 WRITE, READ = "write", "read"
-SCALE = "/scale"  # the buffer of an fp8-held name's row scales: name + SCALE
 # The mesh axes over which a device's stashed rows differ: its tokens (data, fsdp, context,
 # expert), its experts (expert) and its slice of F (tensor). The buffers are replicated over
 # any other axis.
@@ -191,53 +187,19 @@ def widths(c: Config, axis_sizes: dict[str, int]) -> dict[str, int]:
     return {n: full[n] for n in remat.stashed_names(c)}
 
 
-FP8_HELD = (remat.MOE_MLPWI_0, remat.MOE_MLPWI_1)  # the names held in fp8 under a quantization
-
-
 def buffers(c: Config, axis_sizes: dict[str, int], dtype) -> dict[str, tuple[int, jnp.dtype]]:
     """Each buffer's (row width, value dtype) per device: the stashed names in `dtype` (the
-    compute dtype), or, under an fp8 `quantization`, the gate and up as e4m3 plus a buffer of
-    their float32 row scales (`scale_columns`; the module docstring)."""
+    compute dtype), or, under an fp8 `quantization`, as fp8 holds them (`fp8.experts.buffers`:
+    the gate and up as e4m3 plus a buffer of their float32 row scales)."""
     out: dict[str, tuple[int, jnp.dtype]] = {}
     for name, w in widths(c, axis_sizes).items():
-        if c.quantization and name in FP8_HELD:
-            out[name] = (w, jnp.dtype(jnp.float8_e4m3fn))
-            out[name + SCALE] = (scale_columns(c.quantization, w), jnp.dtype(jnp.float32))
-        else:
-            out[name] = (w, jnp.dtype(dtype))
+        out.update(fp8_experts.buffers(c, name, w, dtype))
     return out
 
 
 def row_bytes(c: Config, axis_sizes: dict[str, int], dtype) -> int:
     """The bytes of one stashed row over all buffers (`buffers`)."""
     return sum(w * t.itemsize for w, t in buffers(c, axis_sizes, dtype).values())
-
-
-def scale_columns(recipe: str, width: int) -> int:
-    """The float32 scales an fp8-held row of `width` values carries: one per 1 x 128 tile
-    (fp8.recipes.quantize: a shorter row is one tile), or the tensorwise scale once."""
-    if recipe == "fp8_tensorwise":
-        return 1
-    return -(-width // min(TILE, width))
-
-
-def fp8_values(name: str, q) -> dict[str, jax.Array]:
-    """The buffers' values of an fp8-held name from its quantized rows `q` = (e4m3 [M, W],
-    scales [M, W/128] or the tensorwise scalar, repeated per row)."""
-    values, scale = q
-    rows = values.shape[0]
-    scale = jnp.broadcast_to(scale, (rows, 1)) if scale.ndim == 0 else scale
-    return {name: values, name + SCALE: scale}
-
-
-def held(given: dict[str, jax.Array], name: str, recipe: str):
-    """The quantized rows (e4m3, scales) of an fp8-held `name` read back from `given` (the read
-    mode's values), in `fp8.recipes.quantize`'s form (tensorwise: the scalar, the largest of the
-    rows' copies: the rows outside the layer's are zero), or None when the stash holds none."""
-    if name not in given or name + SCALE not in given:
-        return None
-    scale = given[name + SCALE]
-    return given[name], jnp.max(scale) if recipe == "fp8_tensorwise" else scale
 
 
 def empty(c: Config, num_layers: int, num_tokens: int, dtype, axis_sizes: dict[str, int]) -> Stash:

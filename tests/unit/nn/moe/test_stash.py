@@ -13,6 +13,7 @@ import pytest
 
 from expertax import init_params
 from expertax.config import ConfigError
+from expertax.fp8 import experts as fp8_experts
 from expertax.models import stashed_stack
 from expertax.nn.moe import stash as stash_mod
 from expertax.nn.moe.gmm import gmm
@@ -138,9 +139,9 @@ def test_fp8_stash_holds_e4m3_and_its_gradients_are_bitwise_the_plain_fp8_stack(
     scale_cols = 1 if recipe == "fp8_tensorwise" else -(-f // min(128, f))
     assert layout == {
         remat.MOE_MLPWI_0: (f, jnp.dtype(jnp.float8_e4m3fn)),
-        remat.MOE_MLPWI_0 + stash_mod.SCALE: (scale_cols, jnp.dtype(jnp.float32)),
+        remat.MOE_MLPWI_0 + fp8_experts.SCALE: (scale_cols, jnp.dtype(jnp.float32)),
         remat.MOE_MLPWI_1: (f, jnp.dtype(jnp.float8_e4m3fn)),
-        remat.MOE_MLPWI_1 + stash_mod.SCALE: (scale_cols, jnp.dtype(jnp.float32)),
+        remat.MOE_MLPWI_1 + fp8_experts.SCALE: (scale_cols, jnp.dtype(jnp.float32)),
         remat.MOE_MLPWO: (plain.base_emb_dim, jnp.dtype(jnp.float32)),
     }
     # a row costs (1 + 4 scale_cols / f) bytes per gate or up value, not 4 (float32 here)
