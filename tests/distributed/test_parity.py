@@ -347,8 +347,9 @@ def test_every_layout_refused_fails_even_when_skipped(monkeypatch, capsys):
 
 
 def test_layout_names_round_trip():
-    for layout in [*default_layouts(8, "cpu"), *default_layouts(8, "gpu")]:
-        assert parse_layout(layout.name) == layout, layout.name
+    for backend in ("cpu", "gpu"):
+        for layout in default_layouts(8, backend):
+            assert parse_layout(layout.name, backend) == layout, layout.name
     ring = parse_layout("sparse-ring-cp4-ep2-nolb-cpring")
     assert ring.cp_ring and not ring.balance and ring.name == "sparse-ring-cp4-ep2-nolb-cpring"
     assert ring.overrides(8)["context_parallel_strategy"] == "ring"

@@ -28,6 +28,7 @@ from tests.unit.models.test_decoder import lm_batch
 from tests.unit.nn.moe.test_stash import (
     SAVE_MOE,
     SMALL,
+    STASH_SIZES,
     assert_bitwise,
     loss_grads_stats,
 )
@@ -79,7 +80,7 @@ def compare(model, strategy, mesh, routing, **extra):
         "use_ring_of_experts": strategy == "ring",
         **extra,
     }
-    plain = load_config(overrides=base)
+    plain = load_config(overrides={k: v for k, v in base.items() if k not in STASH_SIZES})
     stashed = load_config(overrides={**base, "moe_paged_stash": True})
     one = load_config(overrides={"model_name": model, **SMALL})
     p = init_params(one)

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from expertax.config.checks import run_checks
+from expertax.config.checks import only_with, run_checks
 from expertax.config.schema import MESH_AXES, Config
 from expertax.errors import ConfigError
 
@@ -190,11 +190,13 @@ def load_fields(*files: str | Path, overrides: Iterable[str] | Mapping[str, Any]
     model_name = Config.model_fields["model_name"].default
     for _, values in layers:
         model_name = values.get("model_name", model_name)
-    merged: dict[str, Any] = {"model_name": model_name}
-    merged.update(_model_preset(str(model_name)))
+    preset = _model_preset(str(model_name))
+    merged: dict[str, Any] = {"model_name": model_name, **preset}
     for _, values in layers:
         merged.update(values)
-    return build_fields(merged)
+    cfg = build_fields(merged)
+    only_with.check_only_with(cfg, {k for _, values in layers for k in values}, preset)
+    return cfg
 
 
 def config_to_yaml(cfg: Config) -> str:

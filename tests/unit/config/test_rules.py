@@ -12,7 +12,7 @@ from expertax import preflight
 from expertax.config import Config, ConfigError
 from expertax.config.checks.only_with import ONLY_WITH
 from expertax.nn.moe import strategy
-from expertax.preflight import build_config, check_paths
+from expertax.preflight import build_config, check_paths, load_config
 from expertax.sharding.mesh import make_mesh
 
 # What turns each ONLY_WITH rule on (with what that setting itself needs), by its `setting`.
@@ -68,12 +68,25 @@ def test_every_rule_has_a_setting_to_turn_it_on():
 def test_a_key_without_its_setting_is_refused_and_taken_with_it(setting, key):
     value = other_value(key)
     base = {"tokenizer_path": "tokenizer.json"} if key == "eval_dataset_path" else {}
+    base["model_name"] = "mixtral-tiny"  # a preset with every rule's setting off
     with pytest.raises(ConfigError) as e:
-        build_config({**base, key: value})
+        load_config(overrides={**base, key: value})
     message = str(e.value)
     assert message.startswith(f"{key}={value!r}") and setting in message, message
-    # control: with the setting on, the same value is taken
-    assert getattr(build_config({**TURN_ON[setting], key: value}), key) == value
+    # controls: with the setting on, the same value is taken; a whole config (a flat mapping,
+    # not the user's words) is not held to the table
+    turned_on = load_config(overrides={**base, **TURN_ON[setting], key: value})
+    assert getattr(turned_on, key) == value
+    assert getattr(build_config({**base, key: value}), key) == value
+
+
+def test_a_presets_value_is_kept_when_its_setting_is_turned_off():
+    """deepseek3-tiny's preset carries YaRN's factor; turning YaRN off on the command line keeps
+    it without a refusal, while the user's own factor without YaRN is refused."""
+    c = load_config(overrides={"model_name": "deepseek3-tiny", "rope_type": "default"})
+    assert c.rope_type == "default" and c.rope_factor == 4.0
+    with pytest.raises(ConfigError, match="rope_factor=8.0 applies only with rope_type=yarn"):
+        load_config(overrides={"model_name": "mixtral-tiny", "rope_factor": 8.0})
 
 
 # Values the checks refuse though the schema's bounds take them: (overrides, words of the message)
@@ -191,3 +204,17 @@ def test_a_target_without_its_compiler_names_the_extra(monkeypatch):
     with pytest.raises(ConfigError, match=r"--target=gpu:h100x8: .*pip install 'expertax\[gpu\]'"):
         targets.check_compiler(targets.parse_target("gpu:h100x8"))
     targets.check_compiler(targets.parse_target("cpu"))  # control: the CPU needs no extra
+
+
+def test_a_saved_config_given_back_as_a_file_passes(tmp_path):
+    """A run's config.yml repeats its preset's values (YaRN's factor with YaRN turned off); given
+    back as a file it loads; the same file with the factor changed is refused."""
+    from expertax.config import config_to_yaml
+
+    c = load_config(overrides={"model_name": "deepseek3-tiny", "rope_type": "default"})
+    saved = tmp_path / "config.yml"
+    saved.write_text(config_to_yaml(c))
+    assert load_config(saved) == c
+    saved.write_text(config_to_yaml(c).replace("rope_factor: 4.0", "rope_factor: 8.0"))
+    with pytest.raises(ConfigError, match="rope_factor=8.0 applies only with rope_type=yarn"):
+        load_config(saved)

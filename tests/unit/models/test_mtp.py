@@ -36,9 +36,10 @@ def _config(model: str, depth: int, **over):
         dtype="float32",
         weight_dtype="float32",
         mtp_num_layers=depth,
-        mtp_loss_scaling_factor=0.3,
         load_balance_loss_weight=0.0,
     )
+    if depth:  # the weight applies only with MTP modules (without them it is refused)
+        keys["mtp_loss_scaling_factor"] = 0.3
     return load_config(overrides={**keys, **over})
 
 

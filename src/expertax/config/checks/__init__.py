@@ -3,16 +3,17 @@ values, run on every loaded config (`run_checks`) before anything is compiled.
 
 By subject: model.py (layers, routing, attention's shape, RoPE, quantization), parallel.py
 (pipeline, parallelism sizes, the sparse path, token chunks), run.py (data, evaluation,
-profiling, processes, paths), only_with.py (the keys that apply only under another setting, as
-one table). What needs a kernel's abilities, the remat names, the platform or the
-mesh is checked by the subsystem that owns it, collected by `expertax.preflight.check`.
+profiling, processes, paths); only_with.py (the keys that apply only under another setting, as
+one table) runs where the loader knows which keys the user gave. What needs a kernel's
+abilities, the remat names, the platform or the mesh is checked by the subsystem that owns it,
+collected by `expertax.preflight.check`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from expertax.config.checks import model, only_with, parallel, run
+from expertax.config.checks import model, parallel, run
 from expertax.config.schema import Config
 
 ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
@@ -43,7 +44,6 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     run.check_distributed,
     run.check_run_name,
     run.check_coordinator_address,
-    only_with.check_only_with,
 )
 
 

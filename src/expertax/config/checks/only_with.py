@@ -1,6 +1,10 @@
-"""Keys that apply only under another setting, as one table: such a key moved off its default
-while its setting is off would be silently ignored, so it is refused, naming the key, its value
-and the setting it needs.
+"""Keys that apply only under another setting, as one table: such a key given by the user (on
+the command line or in a YAML file of theirs) while its setting is off would be silently ignored,
+so it is refused, naming the key, its value and the setting it needs. A value that comes from
+the model's preset is kept without a word: a preset carries a feature's sizes (YaRN's factors,
+the MTP loss weight, the stash's sizes) so that one key turns the feature off and on
+(`config.loader.load_fields` knows which keys the user gave; a flat mapping, `build_fields`,
+is a whole config, not the user's words, and is not held to this table).
 
 Kept to the clear cases: a key that changes nothing without the setting. Keys that MaxText's
 convention accepts whatever else is set (a kernel's tiles under another kernel, `a2a_impl` without
@@ -11,7 +15,8 @@ model) are not listed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 from expertax.config.schema import Config
 from expertax.errors import ConfigError
@@ -67,16 +72,19 @@ ONLY_WITH: tuple[OnlyWith, ...] = (
 )
 
 
-def check_only_with(c: Config) -> None:
-    """ConfigError for the first key of `ONLY_WITH` off its default while its setting is off."""
+def check_only_with(c: Config, given: Collection[str], preset: Mapping[str, Any]) -> None:
+    """ConfigError for the first key of `ONLY_WITH` that the user `given` a value other than the
+    model's `preset` one (else the schema's default) while its setting is off: a saved config
+    given back as a file repeats its preset's values and passes."""
     for rule in ONLY_WITH:
         if rule.applies(c):
             continue
         for key in rule.keys:
-            value, default = getattr(c, key), Config.model_fields[key].default
-            if value != default:
+            reference = preset.get(key, Config.model_fields[key].default)
+            value = getattr(c, key)
+            if key in given and value != reference:
                 raise ConfigError(
                     f"{key}={value!r} applies only with {rule.setting}, which is not set, so it "
-                    f"would be ignored; set {rule.setting}, or leave {key} at its default "
-                    f"{default!r}"
+                    f"would be ignored; set {rule.setting}, or leave {key} at "
+                    f"{reference!r} (the {'preset' if key in preset else 'default'})"
                 )

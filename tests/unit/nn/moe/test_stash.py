@@ -63,9 +63,14 @@ def assert_bitwise(a, b) -> None:
 _HERE = "tests/unit/nn/moe/test_stash.py::"
 
 
+# the stash's sizes: given only with the stash on (a size without it is refused)
+STASH_SIZES = ("moe_paged_stash_page_rows", "moe_paged_stash_capacity_factor")
+
+
 def configs(model: str, **extra):
     base = {"model_name": model, **SMALL, **SAVE_MOE, **extra}
-    return load_config(overrides=base), load_config(overrides={**base, "moe_paged_stash": True})
+    plain = {k: v for k, v in base.items() if k not in STASH_SIZES}
+    return load_config(overrides=plain), load_config(overrides={**base, "moe_paged_stash": True})
 
 
 @pytest.mark.parametrize(
