@@ -37,14 +37,20 @@ def check(c: Config, mesh=None) -> Config:
         each(c)
     if mesh is None:
         return c
-    on = platform.of_mesh(mesh)
-    kernel.check_platform(c, on)
-    remat_checks.check_moe_chunk_offload(c, on)
-    if c.is_moe and c.sparse_matmul:
-        gmm.check_backend(c.gmm_impl, on)  # kernels the mesh's devices can run
-    strategy.check_exchange(c, on, dict(mesh.shape))  # the all-to-all kinds XLA has there
+    check_kernels(c, mesh)
+    remat_checks.check_moe_chunk_offload(c, platform.of_mesh(mesh))
     check_layout(c, dict(mesh.shape))
     return c
+
+
+def check_kernels(c: Config, mesh) -> None:
+    """The kernels and exchanges `c` asks for exist on `mesh`'s devices: attention, the grouped
+    matmuls, the all-to-all kinds XLA has there (`generate` asks it of its decoding mesh)."""
+    on = platform.of_mesh(mesh)
+    kernel.check_platform(c, on)
+    if c.is_moe and c.sparse_matmul:
+        gmm.check_backend(c.gmm_impl, on)
+    strategy.check_exchange(c, on, dict(mesh.shape))
 
 
 def check_paths(c: Config) -> Config:

@@ -147,3 +147,14 @@ def test_a_user_sees_one_line_and_status_2(args, words, tmp_path):
         assert word in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []  # no run folder, no file
     assert time.perf_counter() - start < 60
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--headroom", "20"), ("--max-compiles", "3"), ("--fit-minutes", "5")]
+)
+def test_a_fit_flag_without_fit_is_refused(flag, value, capsys):
+    """The fit search's own flags, given without --fit, would be ignored: refused, naming the flag
+    (before any config or backend loads)."""
+    assert cli.main(["memory", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}=" in err and "add --fit" in err and "Traceback" not in err

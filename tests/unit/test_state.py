@@ -10,7 +10,7 @@ from pathlib import Path
 import expertax
 
 SRC = Path(expertax.__file__).parent
-DOC = SRC.parents[1] / "docs" / "design" / "state.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "design" / "state.md"
 
 
 def context_vars() -> dict[str, str]:

@@ -53,7 +53,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "on --devices (ranked table, the best as a train line; exit 1 when none fits)",
     )
     memory.add_argument(
-        "--headroom", type=float, default=10.0, help="--fit: percent of --hbm to keep free"
+        "--headroom",
+        type=float,
+        default=FIT_ONLY["headroom"],
+        help="--fit: percent of --hbm to keep free",
     )
     memory.add_argument(
         "--allow-drops",
@@ -61,21 +64,37 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="--fit: also consider candidates that may drop tokens (a capped EP buffer)",
     )
     memory.add_argument(
-        "--max-compiles", type=int, default=12, help="--fit: compile at most this many candidates"
+        "--max-compiles",
+        type=int,
+        default=FIT_ONLY["max_compiles"],
+        help="--fit: compile at most this many candidates",
     )
     memory.add_argument(
         "--fit-minutes",
         type=float,
-        default=30.0,
+        default=FIT_ONLY["fit_minutes"],
         help="--fit: start no compile that would end past this many minutes of search",
     )
     return memory
+
+
+# The flags that only the fit search reads, with their defaults (set without --fit: refused).
+FIT_ONLY = {"headroom": 10.0, "allow_drops": False, "max_compiles": 12, "fit_minutes": 30.0}
 
 
 def run(args) -> int:
     check_file("--json", args.json, args.overwrite)  # before the config (and JAX) loads
     from expertax.config import ConfigError
     from expertax.jsonio import dump
+
+    if not args.fit:
+        for name, default in FIT_ONLY.items():
+            if getattr(args, name) != default:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(
+                    f"{flag}={getattr(args, name)} is read by the fit search only; add --fit, or "
+                    f"leave {flag} out"
+                )
 
     hardware = target(args.target, args.devices)
     cfg = config_from_args(args.config)

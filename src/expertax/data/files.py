@@ -259,7 +259,9 @@ def _check_arguments(
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} must be in [0, {process_count}).")
     if num_epochs is not None and num_epochs < 1:
-        raise ValueError(f"num_epochs={num_epochs} must be None (repeat forever) or >= 1.")
+        raise ValueError(
+            f"data_num_epochs={num_epochs}: use -1 (repeat the files forever) or a count >= 1"
+        )
     if worker_count < 0:
         raise ValueError(f"worker_count={worker_count} must be >= 0.")
 

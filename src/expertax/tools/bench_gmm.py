@@ -127,6 +127,38 @@ def _predicted_s(backend: str, experts: int, flops: float, dense_gflops: float) 
     return None
 
 
+ROW_KEYS = ("backend", "impl", "experts", "rows", "d", "f", "groups", "pass", "ms", "gflops")
+MACHINE_KEYS = ("copy_gbps", "fresh_copy_gbps")
+
+
+def read_saved(path: str) -> tuple[list[dict], dict]:
+    """(rows, machine) of a `--json` file this benchmark wrote; ConfigError naming `--from-json`
+    and what is wrong with the file."""
+    where = f"--from-json={path!r}"
+    try:
+        with open(path) as fh:
+            saved = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file; give a file a --json run wrote") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{where} is a folder; give a file a --json run wrote") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where} is not JSON ({e}); give a file a --json run wrote") from None
+    rows = saved.get("rows") if isinstance(saved, dict) else None
+    machine = saved.get("machine") if isinstance(saved, dict) else None
+    if (
+        not isinstance(rows, list)
+        or not isinstance(machine, dict)
+        or any(not isinstance(r, dict) or any(k not in r for k in ROW_KEYS) for r in rows)
+        or any(k not in machine for k in MACHINE_KEYS)
+    ):
+        raise ConfigError(
+            f'{where} is not this benchmark\'s output (a "machine" object and "rows" with '
+            f"{', '.join(ROW_KEYS)}); give a file a --json run wrote"
+        )
+    return rows, machine
+
+
 def check_args(args) -> None:
     """Every grid flag parsed before anything is measured; ConfigError names the bad flag."""
     choices("--backends", args.backends, gmm_lib.BACKENDS[1:])
@@ -370,9 +402,7 @@ def main(argv: list[str]) -> int:
     check_args(args)
     started = time.perf_counter()
     if args.from_json:
-        with open(args.from_json) as fh:
-            saved = json.load(fh)
-        results, machine = saved["rows"], saved["machine"]
+        results, machine = read_saved(args.from_json)
     else:
         results, machine = run_grid(args)
     print(format_table(results))

@@ -20,10 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from expertax import jsonio, platform
+from expertax import jsonio, preflight
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
 from expertax.errors import ConfigError
-from expertax.nn.moe.strategy import check_exchange
 from expertax.sharding.mesh import make_mesh
 from expertax.tools.generate_source import SYNTHETIC_TOKENIZER, Source, load_params, open_source
 
@@ -221,7 +220,7 @@ def run(args) -> int:
 
     decoding = decoding_config(c)
     mesh = make_mesh(decoding)
-    check_exchange(decoding, platform.of_mesh(mesh), dict(mesh.shape))  # before any compile
+    preflight.check_kernels(decoding, mesh)  # before any compile
     mesh_line = describe_mesh(mesh)
     print(f"expertax: {source.describe()}; {mesh_line}")
     start = time.perf_counter()

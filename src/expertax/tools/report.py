@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 
 from expertax import jsonio
 from expertax.errors import ConfigError
+from expertax.train import config_file
 from expertax.train.metrics import expert_load_summary
 
 METRICS_FILE = "metrics.jsonl"  # the names train/run_dir.py writes (not imported: it needs jax)
@@ -58,7 +59,9 @@ def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
             f"RUN_DIR={str(run_dir)!r} is not an expertax run folder: no {' and no '.join(missing)}"
             " (a run folder is <base_output_directory>/<run_name>, written by `expertax train`)"
         )
-    config = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
+    config = config_file.read_saved(
+        path / CONFIG_FILE, "the report reads the run's settings from it: restore it from a copy"
+    )
     records = []
     for line in (path / METRICS_FILE).read_text().splitlines():
         try:

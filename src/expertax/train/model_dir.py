@@ -67,7 +67,9 @@ _ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA")
 def check_new_dir(out_dir: str | Path) -> Path:
     """`out_dir` resolved; a file or a non-empty directory is refused (nothing is overwritten)."""
     out = Path(out_dir).resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output directory {out} is a file; give a new folder")
+    if out.exists() and any(out.iterdir()):
         raise ValueError(f"output directory {out} is not empty; choose a new one")
     return out
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import jax
@@ -101,6 +102,12 @@ def load_run_params(run_dir: str | Path) -> tuple[Config, decoder.Decoder, int]:
     if step is None:
         more = f" (damaged: {damaged})" if damaged else ""
         raise ValueError(f"run folder {path} has no complete checkpoint in {ckpt_dir}{more}")
+    for newer, what in sorted(damaged.items()):
+        print(
+            f"expertax: the checkpoint of step {newer} in {ckpt_dir} is damaged ({what}); "
+            f"reading step {step}",
+            file=sys.stderr,
+        )
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     dtype = jnp.dtype(c.weight_dtype)
     abstract = jax.tree.map(

@@ -22,6 +22,7 @@ TURN_ON = {
     "routed_bias=true": {"routed_bias": True, "routed_score_func": "sigmoid"},
     "n_routing_groups > 1": {"n_routing_groups": 4, "topk_routing_group": 2},
     "mtp_num_layers > 0": {"mtp_num_layers": 1},
+    "enable_checkpointing=true": {"enable_checkpointing": True},
     "moe_paged_stash=true": {
         "moe_paged_stash": True,
         "remat_policy": "custom",
@@ -41,6 +42,10 @@ TURN_ON = {
     },
     "eval_interval > 0": {"eval_interval": 10, "tokenizer_path": "tokenizer.json"},
 }
+
+
+# Settings on by default, and what turns them off.
+TURN_OFF = {"enable_checkpointing=true": {"enable_checkpointing": False}}
 
 
 def other_value(key: str):
@@ -69,6 +74,7 @@ def test_a_key_without_its_setting_is_refused_and_taken_with_it(setting, key):
     value = other_value(key)
     base = {"tokenizer_path": "tokenizer.json"} if key == "eval_dataset_path" else {}
     base["model_name"] = "mixtral-tiny"  # a preset with every rule's setting off
+    base.update(TURN_OFF.get(setting, {}))  # but for settings on by default
     with pytest.raises(ConfigError) as e:
         load_config(overrides={**base, key: value})
     message = str(e.value)
@@ -158,6 +164,8 @@ def _path_cases(tmp_path) -> list[tuple[dict, str]]:
         ({"load_parameters_path": str(tmp_path / "empty")}, "without config.yml"),
         ({"load_parameters_path": str(tmp_path / "nope")}, "no such folder"),
         ({"base_output_directory": str(tmp_path / "afile")}, "base_output_directory="),
+        ({"base_output_directory": str(tmp_path / "afile" / "sub")}, "on its way is a file"),
+        ({"base_output_directory": "/proc/expertax-runs"}, "no folder can be made in '/proc'"),
     ]
 
 
@@ -169,7 +177,8 @@ def test_every_path_mistake_is_refused_naming_the_key(tmp_path):
         c = build_config({**good, **overrides})
         with pytest.raises(ConfigError, match=words):
             check_paths(c)
-    assert len(cases) == 9
+    assert len(cases) == 11
+    assert not list(tmp_path.glob(".expertax-check-*"))  # the probe folder is gone
 
 
 def test_ragged_all_to_all_is_refused_on_a_cpu_mesh_before_tracing():

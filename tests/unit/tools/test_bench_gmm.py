@@ -174,3 +174,23 @@ def test_the_roofline_target_is_2x_below_64_rows_per_expert(monkeypatch, capsys,
         (r,) = lines[1:]
         assert rc == 0 and r["experts"] == experts
         assert r["note"].startswith(f"target ms<={limit}*roofline: ")
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (None, "no such file"),
+        ("garbage", "is not JSON"),
+        ('{"machine": {}, "rows": []}', "is not this benchmark's output"),
+        ('{"machine": {"copy_gbps": 1, "fresh_copy_gbps": 1}, "rows": [{"ms": 1}]}', "not this"),
+    ],
+)
+def test_from_json_names_a_file_it_cannot_read(tmp_path, capsys, content, words):
+    """A missing, non-JSON or foreign --from-json file: one line naming the flag (was a
+    FileNotFoundError, JSONDecodeError or KeyError traceback)."""
+    path = tmp_path / "saved.json"
+    if content is not None:
+        path.write_text(content)
+    assert cli.main(["bench", "gmm", "--from-json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--from-json={str(path)!r}" in err and words in err and "Traceback" not in err

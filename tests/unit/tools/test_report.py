@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,23 @@ def test_a_null_loss_is_reported_as_not_finite():
     # negative control: a record without the key is left out, not drawn as a gap
     steps, _ = _series([*records, {"step": 3, **speed}], "loss")
     assert steps.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", "is empty"),
+        ("key: [unclosed\n", "is damaged (not valid YAML)"),
+        ("apiVersion: v1\nkind: Pod\n", "is not an expertax config"),
+    ],
+)
+def test_report_names_a_damaged_config_file(tmp_path, text, words):
+    """A run folder whose config.yml is empty, not YAML or someone else's is named as such (it was
+    read as no settings and reported)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (run / "config.yml").write_text(text)
+    with pytest.raises(ConfigError, match=f"config.yml {re.escape(words)}"):
+        make_report(run, tmp_path / "out")
+    assert not (tmp_path / "out" / "index.html").exists()

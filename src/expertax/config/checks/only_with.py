@@ -51,7 +51,12 @@ ONLY_WITH: tuple[OnlyWith, ...] = (
         lambda c: c.mlp_activation == "swiglu_clamped",
     ),
     OnlyWith(("routed_bias_update_rate",), "routed_bias=true", lambda c: c.routed_bias),
-    OnlyWith(("routing_group_score",), "n_routing_groups > 1", lambda c: c.uses_routing_groups),
+    OnlyWith(
+        ("routing_group_score", "topk_routing_group"),
+        "n_routing_groups > 1",
+        lambda c: c.uses_routing_groups,
+    ),
+    OnlyWith(("checkpoint_period",), "enable_checkpointing=true", lambda c: c.enable_checkpointing),
     OnlyWith(("mtp_loss_scaling_factor",), "mtp_num_layers > 0", lambda c: c.mtp_num_layers > 0),
     OnlyWith(
         ("moe_paged_stash_capacity_factor", "moe_paged_stash_page_rows"),
@@ -80,9 +85,10 @@ def check_only_with(c: Config, given: Collection[str], preset: Mapping[str, Any]
         if rule.applies(c):
             continue
         for key in rule.keys:
-            reference = preset.get(key, Config.model_fields[key].default)
+            default = Config.model_fields[key].default
+            reference = preset.get(key, default)
             value = getattr(c, key)
-            if key in given and value != reference:
+            if key in given and value not in (reference, default):  # the default: "off"
                 raise ConfigError(
                     f"{key}={value!r} applies only with {rule.setting}, which is not set, so it "
                     f"would be ignored; set {rule.setting}, or leave {key} at "

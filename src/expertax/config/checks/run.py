@@ -5,6 +5,8 @@ before any backend starts: a saved config whose files have since moved still loa
 from __future__ import annotations
 
 import glob
+import os
+import tempfile
 from pathlib import Path
 
 from expertax.config.schema import Config
@@ -129,13 +131,34 @@ def check_paths(c: Config) -> None:
         _data_files("dataset_path", c.dataset_path)
     if c.eval_interval and c.eval_dataset_path:
         _data_files("eval_dataset_path", c.eval_dataset_path)
-    if c.tokenizer_path and (c.dataset_type == "files" or c.eval_dataset_path):
+    if c.tokenizer_path:  # read for files and held-out data; a missing one is a mistake anyway
         _tokenizer(c.tokenizer_path)
     if c.load_parameters_path:
         _model_dir(c.load_parameters_path)
-    out = Path(c.base_output_directory)
+    _output_folder(c.base_output_directory)
+
+
+def _output_folder(path: str) -> None:
+    """`base_output_directory` is a folder, or can be made one: its nearest existing ancestor is
+    a folder this process may write in."""
+    out = Path(path)
     if out.exists() and not out.is_dir():
         raise ConfigError(
-            f"base_output_directory={c.base_output_directory!r} is a file; runs are written in "
-            "folders under it: give a folder (new or existing)"
+            f"base_output_directory={path!r} is a file; runs are written in folders under it: "
+            "give a folder (new or existing)"
         )
+    ancestor = out.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(
+            f"base_output_directory={path!r}: {str(ancestor)!r} on its way is a file, so the "
+            "folder cannot be made; give a folder (new or existing)"
+        )
+    try:  # a folder made and removed at once: what os.access cannot tell (root, /proc, mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=".expertax-check-", dir=ancestor))
+    except OSError as e:
+        raise ConfigError(
+            f"base_output_directory={path!r}: no folder can be made in {str(ancestor)!r} "
+            f"({e.strerror}); give a folder you can write in"
+        ) from None

@@ -71,8 +71,9 @@ def check(c: Config) -> None:
         )
     if c.dtype not in ("bfloat16", "float16"):
         raise ConfigError(
-            f"attention_impl=cudnn needs dtype=bfloat16 or float16 (got dtype={c.dtype}): "
-            "change dtype or use attention_impl=blockwise, dot or auto"
+            f"attention_impl=cudnn (a GPU kernel) needs dtype=bfloat16 or float16 (got dtype="
+            f"{c.dtype}): on a GPU change dtype; elsewhere use attention_impl=blockwise, dot or "
+            "auto"
         )
     n = c.num_attention_token_chunks
     if n != 1:
