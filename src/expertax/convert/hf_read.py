@@ -487,9 +487,8 @@ def _each(calls: list[tuple[Callable, tuple]], *, on_done=lambda args: None, wor
 
 def read_hf_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
-    if not Path(hf_dir).is_dir():
-        what = "is a file" if Path(hf_dir).exists() else "does not exist"
-        raise FileNotFoundError(f"{hf_dir} {what}; give a HuggingFace model folder (config.json)")
+    if not Path(hf_dir).is_dir():  # a file, or nothing there
+        raise FileNotFoundError(f"{hf_dir} is no folder; give a HuggingFace model folder")
     if not path.is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json")
     try:
