@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from expertax import startup
 from expertax.cli import flags
 from expertax.cli.args import CONFIG_HELP, config_from_args
 from expertax.cli.devices import target, use_simulated_devices
+from expertax.errors import ConfigError
 from expertax.outputs import add_overwrite_flag, check_file
 
 HELP = "per-device memory plan of the train step, compiled abstractly"
@@ -36,6 +38,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     memory.add_argument("--devices", type=int, help="compile for N simulated CPU devices")
     memory.add_argument("--json", help="also write the report as JSON to this path")
+    memory.add_argument(
+        "--save-program",
+        help="write the compiled step's optimized HLO text to this path (and its target, mesh "
+        "and devices beside it, PATH.meta.json) for `expertax steptime`",
+    )
+    memory.add_argument(
+        "--plot",
+        help="TPU or GPU target: write the predicted timeline of one layer to this image "
+        "(.png, .svg, .pdf)",
+    )
     add_overwrite_flag(memory)
     memory.add_argument(
         "--hbm", type=float, help="device memory budget in GiB (default: the target chip's)"
@@ -83,10 +95,17 @@ FIT_ONLY = {"headroom": 10.0, "allow_drops": False, "max_compiles": 12, "fit_min
 
 
 def run(args) -> int:
-    check_file("--json", args.json, args.overwrite)  # before the config (and JAX) loads
-    from expertax.config import ConfigError
+    for flag in ("--json", "--save-program", "--plot"):  # before the config (and JAX) loads
+        check_file(flag, getattr(args, flags.dest(flag)), args.overwrite)
+    if args.save_program:
+        check_file("--save-program", args.save_program + ".meta.json", args.overwrite)
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ConfigError(f"--plot={args.plot!r}: the image's suffix is .png, .svg or .pdf")
     from expertax.jsonio import dump
 
+    if args.fit and (args.save_program or args.plot):
+        flag = "--save-program" if args.save_program else "--plot"
+        raise ConfigError(f"{flag} writes one compiled program's files; leave out --fit or {flag}")
     if not args.fit:
         for name, default in FIT_ONLY.items():
             if getattr(args, name) != default:
@@ -112,12 +131,25 @@ def run(args) -> int:
     devices = None if hardware.is_cpu else hardware.devices()
     hbm = args.hbm if args.hbm is not None else hardware.hbm_gib
     try:
-        report = plan.compile_report(cfg, devices, hbm_gib=hbm, top=args.top, target=hardware)
+        report = plan.compile_report(
+            cfg, devices, hbm_gib=hbm, top=args.top, target=hardware, save_program=args.save_program
+        )
     except ValueError as e:  # e.g. an offload request the backend cannot honour
         raise ConfigError(str(e)) from None
     report["seconds"] = round(time.perf_counter() - t0, 1)
+    simulator = report.pop("_steptime", None)
     print(format_report(report))
     print(f"(built and compiled abstractly in {report['seconds']} s)")
+    if args.save_program:
+        print(f"expertax: wrote the program to {args.save_program} (+ .meta.json)")
+    if args.plot:
+        if simulator is None:
+            print("expertax: no plot: a step time is predicted for TPU and GPU targets only")
+        else:
+            from expertax.steptime import plot
+
+            plot.write(simulator, args.plot, f"{cfg.model_name} on {hardware.spec}")
+            print(f"expertax: wrote the predicted timeline of one layer to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             dump(to_json_ready(report), f, indent=1)

@@ -6,13 +6,14 @@ import argparse
 from types import ModuleType
 
 from expertax import cli
-from expertax.cli import bench, convert, generate, memory, parity, report, train
+from expertax.cli import bench, convert, generate, memory, parity, report, steptime, train
 
 # name -> the command's module (`HELP`, `add_parser`, `run`), in the order `expertax --help` lists
 COMMANDS: dict[str, ModuleType] = {
     "train": train,
     "parity": parity,
     "memory": memory,
+    "steptime": steptime,
     "convert": convert,
     "bench": bench,
     "report": report,

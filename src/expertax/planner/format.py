@@ -9,6 +9,7 @@ import numpy as np
 from expertax.planner import pipeline as memory_pipeline
 from expertax.planner.costs import format_costs
 from expertax.planner.plan import GIB
+from expertax.steptime.report import format_steptime
 
 
 def _fmt(n: float) -> str:
@@ -124,6 +125,8 @@ def format_report(r: dict) -> str:
             f"link {r['host_link']}"
         )
     lines += format_costs(r)
+    if r.get("step_time"):
+        lines += format_steptime(r["step_time"]).splitlines()
     lines += _format_top_buffers(r)
     lines += [f"note: {n}" for n in r.get("plan_notes", [])]
     if r["hbm_gib"] is not None:

@@ -52,6 +52,7 @@ from expertax.planner.residuals import (
     stack_residuals,
 )
 from expertax.planner.stash import stash_report
+from expertax.steptime import program
 from expertax.train.trainer import build_trainer
 
 GIB = 1024**3
@@ -173,11 +174,19 @@ def not_honoured(c: Config, xla: dict[str, int], on: str) -> list[str]:
 
 
 def memory_report(
-    c: Config, devices=None, hbm_gib: float | None = None, *, top: int = 15, target=None
+    c: Config,
+    devices=None,
+    hbm_gib: float | None = None,
+    *,
+    top: int = 15,
+    target=None,
+    save_program: str | None = None,
 ) -> dict:
     """Compile the train step abstractly for `c` on `devices` and report bytes per device, with
     the `top` largest buffers alive at XLA's peak (0: no attribution, a faster compile).
-    `target` (targets.Target): the hardware `devices` stand for, named in the report."""
+    `target` (targets.Target): the hardware `devices` stand for, named in the report; on a TPU
+    or GPU target the step time predicted from the program (`step_time`; its simulator as
+    `_steptime`, for a plot). `save_program`: write the program for `expertax steptime`."""
     trainer = build_trainer(c, devices)
     remat.check_offload_supported(remat.config_placements(c), list(trainer.mesh.devices.flat))
     state = trainer.abstract_state()
@@ -232,6 +241,13 @@ def memory_report(
         "plan_notes": plan_notes(c, trainer),
     }
     report.update(step_costs(compiled, c, trainer, target))
+    if save_program or (target is not None and target.chip is not None):
+        text = compiled.as_text()
+        if save_program:
+            program.save(save_program, text, c, trainer, target)
+        predicted = program.predict(text, c, trainer, target)
+        report["step_time"] = program.summary(predicted)
+        report["_steptime"] = None if predicted is None else predicted["_simulator"]
     return report
 
 
@@ -345,14 +361,12 @@ def _identity(c: Config, trainer, target) -> dict:
     }
 
 
-def compile_report(
-    c: Config, devices=None, hbm_gib: float | None = None, *, top: int = 15, target=None
-) -> dict:
+def compile_report(c: Config, devices=None, hbm_gib: float | None = None, **options) -> dict:
     """`memory_report`, or where the compiler refuses the program for memory a "does not fit"
     report: the compiler's words, the bytes it says the temporaries need, and the state per
     device (parameters, optimizer state) beside them."""
     try:
-        return memory_report(c, devices, hbm_gib, top=top, target=target)
+        return memory_report(c, devices, hbm_gib, **options)
     except Exception as e:
         why = refused_for_memory(e)
         if why is None:
@@ -362,7 +376,7 @@ def compile_report(
     peak = refused_peak(why, state)
     return {
         "refused": why,
-        **_identity(c, trainer, target),
+        **_identity(c, trainer, options.get("target")),
         "parameter_bytes": _shard_bytes(state.params),
         "optimizer_state_bytes": _shard_bytes(state.opt_state),
         "required_temp_bytes": None if peak is None else peak - _shard_bytes(state),

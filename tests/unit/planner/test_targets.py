@@ -143,10 +143,14 @@ def test_memory_for_a_target_with_host_offloaded_optimizer_state(spec, tmp_path,
     args += ["optimizer_memory_host_offload=true", "--top", "0"]
     # and two saved names of every layer offloaded (the fit search's offload-2 placement)
     args += ["remat_policy=custom", "decoder_layer_input=offload", "out_proj=offload"]
-    rc = cli.main(["memory", *args, "--target", spec, "--json", str(path)])
+    program = tmp_path / "step.hlo"
+    rc = cli.main(
+        ["memory", *args, "--target", spec, "--json", str(path), "--save-program", str(program)]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     r = json.loads(path.read_text())
+    _check_step_time(r, program, spec, tmp_path)
     t = targets.parse_target(spec)
     assert r["target"] == spec and r["backend"] == t.platform
     assert r["hbm_bytes"] == int(t.hbm_gib * plan.GIB) and r["fits"] is True
@@ -166,6 +170,27 @@ def test_memory_for_a_target_with_host_offloaded_optimizer_state(spec, tmp_path,
         assert key in r
     assert r["model_flops"] > 0
     assert t.describe() in out and "XLA:CPU" not in out
+
+
+def _check_step_time(r: dict, program, spec: str, tmp_path) -> None:
+    """The report's step time, predicted from the program on the target's links: its parts add
+    up, the collectives name the mesh axes they run along, the offloaded activations cross the
+    host link; `expertax steptime` on the saved program says the same."""
+    s = r["step_time"]
+    assert s["method"] == "predicted from the compiled program, not measured"
+    parts = s["compute_seconds"] + s["exposed_communication_seconds"] + s["exposed_host_seconds"]
+    assert s["seconds"] >= parts * 0.999 and s["seconds"] > 0
+    axes = {a for c in s["communication"] for a in c["mesh_axes"]}
+    assert {"expert", "fsdp"} <= axes, s["communication"]
+    assert s["host_transfer_seconds"] > 0
+    assert 0 < s["mfu"] < 1
+    tpu = spec.startswith("tpu")
+    assert s["placement"] == (
+        "the mesh's device coordinates" if tpu else "the mesh's device ids, 8 per node"
+    )
+    again = tmp_path / "again.json"
+    assert cli.main(["steptime", str(program), "--json", str(again)]) == 0
+    assert json.loads(again.read_text())["seconds"] == pytest.approx(s["seconds"])
 
 
 def _routed_ffn_flops(c, trainer) -> float:

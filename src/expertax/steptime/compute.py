@@ -1,0 +1,152 @@
+"""The compute time of one operation of a compiled program on a chip: the larger of its
+matmul FLOPs at the chip's peak (times the share a GEMM of its shape reaches) and the bytes it
+reads and writes at the HBM rate (times the share a streaming kernel reaches).
+
+- FLOPs are planner/flops.py's (dots and convolutions anywhere in a fusion, cuBLAS/cuDNN calls,
+  the grouped-matmul, attention and fp8 kernels); a GEMM whose operands are fp8 runs at the
+  chip's fp8 peak (links.py; TPU v5p has none: its bf16 peak);
+- a GEMM's share: the achieved share of a large GEMM (links.py) times how much of its padded
+  tiles are real: each of (rows, contraction, columns) rounded up to the chip's tile;
+- bytes: every operand and result array, except that a fusion reading a parameter only through
+  dynamic-slices reads the slices, and one updating a parameter in place (a dynamic-update-
+  slice, a loop's stacked residuals) moves the update, not the buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from expertax.planner.flops import _Counter, _dims, _int_list
+from expertax.planner.hlo import CALLS_RE, Instruction, Module
+from expertax.steptime.collectives import array_bytes
+from expertax.steptime.links import Links
+
+FREE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+    "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "iota",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    flops: float
+    bytes: float
+    seconds: float
+    bound: str  # "matmul" | "memory" | "free"
+
+
+def _tile_share(dims: tuple[int, int, int], tile: tuple[int, int, int]) -> float:
+    share = 1.0
+    for d, t in zip(dims, tile):
+        if d > 0:
+            share *= d / (math.ceil(d / t) * t)
+    return share
+
+
+def gemm_dims(m: Module, ins: Instruction) -> tuple[int, int, int] | None:
+    """(rows, contraction, columns) of a dot or convolution, batch dimensions in the rows."""
+    try:
+        if ins.opcode == "dot":
+            lhs = _dims(m.instructions[ins.operands[0]].shape)
+            out = _dims(ins.shape)
+            k = math.prod(lhs[d] for d in _int_list(ins.attrs, "lhs_contracting_dims"))
+            n = out[-1] if out else 1
+            return (max(math.prod(out) // max(n, 1), 1), k, n)
+        if ins.opcode == "convolution":
+            labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+            rhs = _dims(m.instructions[ins.operands[1]].shape)
+            if labels is None:
+                return None
+            k, n = rhs[labels.group(1).index("i")], rhs[labels.group(1).index("o")]
+            return (max(math.prod(_dims(ins.shape)) // max(n, 1), 1), k, n)
+    except (KeyError, ValueError, IndexError):
+        return None
+    return None
+
+
+class Costs:
+    """Per-instruction compute costs of one module on one chip (memoized)."""
+
+    def __init__(self, module: Module, links: Links, counter: _Counter | None = None):
+        self.m = module
+        self.links = links
+        self.flops = counter or _Counter(module)
+        self.comps = self.flops.comps
+        self.memo: dict[str, OpCost] = {}
+
+    def _gemms(self, ins: Instruction) -> list[Instruction]:
+        """The dots and convolutions an instruction is or fuses."""
+        if ins.opcode in ("dot", "convolution"):
+            return [ins]
+        c = CALLS_RE.search(ins.attrs) if ins.opcode == "fusion" else None
+        if c is None:
+            return []
+        out = []
+        for sub in self.comps.get(c.group(1), []):
+            out += self._gemms(sub)
+        return out
+
+    def _fp8(self, ins: Instruction, gemms: list[Instruction]) -> bool:
+        shapes = [self.m.instructions[o].shape for g in gemms for o in g.operands[:2]]
+        if ins.opcode == "custom-call":
+            shapes.append(ins.attrs[:2000])
+        return any(s.lstrip("(").startswith("f8") or "f8e4m3fn[" in s for s in shapes)
+
+    def _bytes(self, ins: Instruction) -> float:
+        ops = [self.m.instructions[o] for o in ins.operands if o in self.m.instructions]
+        out = array_bytes(ins.shape)
+        reads = [array_bytes(o.shape) for o in ops]
+        c = CALLS_RE.search(ins.attrs) if ins.opcode == "fusion" else None
+        if c is None:
+            if ins.opcode == "dynamic-update-slice" and len(ops) > 1:
+                return 2 * array_bytes(ops[1].shape)
+            if ins.opcode == "dynamic-slice":
+                return 2 * out
+            return out + sum(reads)
+        body = self.comps.get(c.group(1), [])
+        params = {s.name: int(s.args) for s in body if s.opcode == "parameter" and s.args.isdigit()}
+        users: dict[str, list[Instruction]] = {}
+        for s in body:
+            for o in s.operands:
+                users.setdefault(o, []).append(s)
+        in_place = 0
+        for name, k in params.items():
+            use = users.get(name, [])
+            if k >= len(reads) or not use:
+                continue
+            if all(u.opcode == "dynamic-slice" and u.operands[0] == name for u in use):
+                reads[k] = sum(array_bytes(u.shape) for u in use)
+            elif all(u.opcode == "dynamic-update-slice" and u.operands[0] == name for u in use):
+                update = sum(
+                    array_bytes(self.m.instructions[u.operands[1]].shape)
+                    for u in use
+                    if u.operands[1] in self.m.instructions
+                )
+                in_place += reads[k] - update
+                reads[k] = update
+        return max(out - in_place, 0) + sum(reads)
+
+    def cost(self, ins: Instruction) -> OpCost:
+        if ins.name in self.memo:
+            return self.memo[ins.name]
+        if ins.opcode in FREE or ins.opcode.endswith(("-done", "-start")):
+            result = OpCost(0.0, 0.0, 0.0, "free")
+        else:
+            flops = float(self.flops.own(ins))
+            if ins.opcode == "fusion" and (c := CALLS_RE.search(ins.attrs)):
+                flops += self.flops.cost(c.group(1))[0]
+            nbytes = float(self._bytes(ins))
+            gemms = self._gemms(ins)
+            peak = self.links.fp8_flops if self._fp8(ins, gemms) else self.links.peak
+            share = self.links.matmul_share
+            dims = [d for g in gemms if (d := gemm_dims(self.m, g)) is not None]
+            if dims:  # the largest GEMM's padding
+                share *= _tile_share(max(dims, key=math.prod), self.links.tile)
+            t_flops = flops / (peak * share) if flops else 0.0
+            t_bytes = nbytes / (self.links.hbm * self.links.memory_share)
+            bound = "matmul" if t_flops >= t_bytes and flops else "memory"
+            result = OpCost(flops, nbytes, max(t_flops, t_bytes), bound)
+        self.memo[ins.name] = result
+        return result
