@@ -35,6 +35,7 @@ from expertax.planner.fit_table import bytes_text, seconds_text, train_line
 from expertax.planner.space import Candidate, candidates, check_inputs, ring_context
 from expertax.preflight import build_config
 from expertax.sharding.mesh import buildable
+from expertax.steptime import program
 from expertax.train.trainer import build_trainer
 
 GIB = plan.GIB
@@ -65,6 +66,20 @@ def default_compile(c: Config, hbm_gib: float, devices=None, target=None) -> tup
     xla = plan.xla_figures(compiled)
     costs = step_costs(compiled, c, trainer, target)
     costs.pop("loops", None)
+    predicted = program.predict(compiled.as_text(), c, trainer, target)
+    if predicted is not None:
+        costs["predicted"] = {
+            k: predicted[k]
+            for k in (
+                "seconds",
+                "compute_seconds",
+                "exposed_communication_seconds",
+                "exposed_host_seconds",
+                "mfu",
+                "tokens_per_s_per_device",
+            )
+        }
+        costs["predicted_step_s"] = predicted["seconds"]
     peak, offloaded, offloaded_residuals = plan.device_peak(c, state, xla, on=on)
     args = xla["argument"] - offloaded
     measured = Measured(
@@ -213,7 +228,7 @@ def fit_search(
         if spent and time.perf_counter() + sum(spent) / len(spent) > deadline:
             stopped = f"--fit-minutes {minutes:g} would be passed by one more compile"
             break
-        cand = _next(pool, cal, times, target, host_budget, best, padding)
+        cand = _next(pool, cal, times, target, host_budget, best, padding, _time_scale(compiled))
         if cand is None:
             break
         if try_one(cand) and (best is None or _seconds(cand) < _seconds(best)):
@@ -265,10 +280,11 @@ def _strategy_sibling(best: Candidate | None, c: Config) -> Candidate | None:
     )  # fmt: skip
 
 
-def _next(pool, cal, times, target, host_budget, best, padding) -> Candidate | None:
+def _next(pool, cal, times, target, host_budget, best, padding, scale=1.0) -> Candidate | None:
     """The uncompiled candidate with the least estimated step time among those the calibrated
-    estimate says fit (and beat `best`); when none does before anything compiled, the one of
-    least estimated bytes (to learn from)."""
+    estimate says fit (and beat `best`: its estimate times `scale`, the compiled programs'
+    predicted to estimated time, against `best`'s predicted); when none does before anything
+    compiled, the one of least estimated bytes (to learn from)."""
     live = []
     ratios: dict[tuple, dict[str, float]] = {}
     misses = _compiled(pool)
@@ -284,7 +300,8 @@ def _next(pool, cal, times, target, host_budget, best, padding) -> Candidate | N
             x.recompute_share, x.terms, r.get("host", 1.0), padding(x), times.exchange(x.overrides)
         )
         if x.estimate_bytes <= target and x.estimate_host_bytes <= host_budget:
-            if (best is None or x.step.seconds < _seconds(best)) and not _like_a_miss(x, misses):
+            faster = best is None or x.step.seconds * scale < _seconds(best)
+            if faster and not _like_a_miss(x, misses):
                 live.append(x)
     if live:
         return min(live, key=_rank)
@@ -340,7 +357,23 @@ def _rank(x: Candidate) -> tuple[float, float, int]:
 
 
 def _seconds(x: Candidate) -> float:
+    """A compiled candidate's step time predicted from its program (steptime/, on a TPU or GPU
+    target: compute, exposed collectives and host transfers), else its estimate."""
+    predicted = x.extra.get("predicted_step_s")
+    if predicted:
+        return predicted
     return x.step.seconds if x.step is not None else float("inf")
+
+
+def _time_scale(compiled: list[Candidate]) -> float:
+    """The median of predicted / estimated step time over the compiled candidates that have
+    both (1 without any): what the estimate, blind to collectives, misses."""
+    ratios = sorted(
+        x.extra["predicted_step_s"] / x.step.seconds
+        for x in compiled
+        if x.extra.get("predicted_step_s") and x.step is not None and x.step.seconds
+    )
+    return ratios[len(ratios) // 2] if ratios else 1.0
 
 
 def _fits(x: Candidate, target: float, host_budget: float) -> bool:
@@ -418,6 +451,7 @@ def _report(
         "seconds": round(time.perf_counter() - t0, 1),
         "calibration": cal.ratios(best.key if best else None),
         "assumed_mfu": steptime.ASSUMED_MFU,
+        "time_scale": _time_scale(compiled),
         "candidates": [x.as_json(budget, target) for x in shown],
         "best": _best_json(closest, target, budget),
         "fits": best is not None,

@@ -45,7 +45,7 @@ def format_fit(r: dict) -> str:
         f"({r['stopped']})",
         f"{'#':>2} {'layout':<16} {'remat':<24} {'offload':<10} {'chunks m/a':>10} {'tiles':>5} "
         f"{'est ' + unit:>8} {'peak ' + unit:>9} {'est err':>7} {'headroom':>8} "
-        f"{'host/host':>9} {'recomp':>6} {'xfer s':>6} {'step s':>7}",
+        f"{'host/host':>9} {'recomp':>6} {'xfer s':>6} {'step s':>7} {'pred s':>7}",
     ]
     chips = host["chips"] if host else 1
     for i, x in enumerate(r["candidates"], 1):
@@ -53,8 +53,10 @@ def format_fit(r: dict) -> str:
     lines.append(
         "step s: estimated, not measured: (model + recompute FLOPs) at "
         f"{100 * r['assumed_mfu']:.0f}% of the chip's peak, activation transfers overlapped, "
-        "state transfers not; collectives not modelled. host/host: pinned host bytes per host. "
-        "chunks m/a: MoE / attention token chunks."
+        "state transfers not; collectives not modelled. pred s: the compiled program's step "
+        "time predicted on the target (compute, exposed collectives and host transfers: "
+        "docs/steptime.md), not measured; the ranking's figure where present. host/host: pinned "
+        "host bytes per host. chunks m/a: MoE / attention token chunks."
     )
     for e in r.get("errors", []):
         lines.append(f"ERROR: {e}")
@@ -66,6 +68,16 @@ def format_fit(r: dict) -> str:
         )
         if b.get("compiled_flops") is not None:
             lines += format_costs(b)
+        if b.get("predicted"):
+            p = b["predicted"]
+            lines.append(
+                f"  step time predicted from the compiled program, not measured: "
+                f"{_dur(p['seconds'])} (compute {_dur(p['compute_seconds'])}, "
+                f"exposed communication {_dur(p['exposed_communication_seconds'])}, "
+                f"exposed host {_dur(p['exposed_host_seconds'])}); MFU "
+                f"{100 * (p['mfu'] or 0):.1f}%, {p['tokens_per_s_per_device'] or 0:,.0f} tokens/s "
+                "per chip"
+            )
         if b.get("flops_vs_plan"):
             lines.append(
                 f"  compiled FLOPs / (the model's + the plan's recompute): {b['flops_vs_plan']:.2f}"
@@ -100,7 +112,8 @@ def _row(x: dict, size: float, chips: int) -> str:
         f"{chunks:>10} {o['num_vocab_tiling']:>5} "
         f"{x['estimate_bytes'] / size:>8.2f} {peak_s:>9} {err_s:>7} {room_s:>8} "
         f"{host_b * chips / GIB:>8.1f}G {100 * x['recompute_share']:>5.0f}% "
-        f"{seconds_text(xfer):>6} {seconds_text(step.get('seconds', 0)):>7}"
+        f"{seconds_text(xfer):>6} {seconds_text(step.get('seconds', 0)):>7} "
+        f"{seconds_text(x['predicted_step_s']) if x.get('predicted_step_s') else '-':>7}"
         + (f"  {extra}" if extra else "")
         + (f"  ({x['error']})" if x["error"] else "")
     )
@@ -109,6 +122,10 @@ def _row(x: dict, size: float, chips: int) -> str:
 def seconds_text(s: float) -> str:
     """Seconds, or milliseconds below a tenth of a second."""
     return f"{s:.2f}" if s >= 0.1 else f"{1e3 * s:.1f}ms"
+
+
+def _dur(s: float) -> str:
+    return f"{s:.2f} s" if s >= 0.1 else f"{1e3 * s:.2f} ms"
 
 
 def bytes_text(n: float) -> str:

@@ -126,7 +126,15 @@ class Candidate:
             **{
                 k: v
                 for k, v in self.extra.items()
-                if k in ("refused", "not_honoured", "flops_vs_plan", "compiled_step_s")
+                if k
+                in (
+                    "refused",
+                    "not_honoured",
+                    "flops_vs_plan",
+                    "compiled_step_s",
+                    "predicted_step_s",
+                    "predicted",
+                )
             },
         }
 
