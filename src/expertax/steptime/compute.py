@@ -66,6 +66,24 @@ def gemm_dims(m: Module, ins: Instruction) -> tuple[int, int, int] | None:
     return None
 
 
+_TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
+_DTYPE_RE = re.compile(r"^\(?\s*([a-z]\w*)\[")
+_CUSTOM = (  # custom-call target prefix -> the kernel's name in reports
+    ("__cublas$lt$matmul$f8", "cuBLASLt fp8"),
+    ("__cublas$lt", "cuBLASLt"),
+    ("__cublas$gemm", "cuBLAS"),
+    ("__cudnn$fmha", "cuDNN attention"),
+    ("__cudnn$conv", "cuDNN convolution"),
+    ("mosaic_gpu", "Mosaic GPU"),
+    ("__gpu$xla.gpu.triton", "Triton"),
+)
+
+
+def _dtype(shape: str) -> str:
+    m = _DTYPE_RE.match(shape.strip())
+    return m.group(1) if m else "?"
+
+
 class Costs:
     """Per-instruction compute costs of one module on one chip (memoized)."""
 
@@ -87,6 +105,39 @@ class Costs:
         for sub in self.comps.get(c.group(1), []):
             out += self._gemms(sub)
         return out
+
+    def kernel(self, ins: Instruction) -> tuple[str, str]:
+        """(the kernel a matmul runs on, its operands' dtypes) for the report's GEMM table."""
+        gemms = self._gemms(ins)
+        dtypes = ""
+        if gemms:
+            ops = [self.m.instructions.get(o) for o in gemms[0].operands[:2]]
+            dtypes = " x ".join(_dtype(o.shape) if o is not None else "?" for o in ops)
+        if ins.opcode == "custom-call":
+            target = (t.group(1) if (t := _TARGET_RE.search(ins.attrs)) else "").lower()
+            kernel = self.flops.kernels.get(ins.name)
+            if kernel is not None:
+                name = kernel.describe()
+            elif target == "tpu_custom_call":
+                name = "Mosaic TPU " + (ins.name.split(".")[0] or "kernel")
+            else:
+                name = next((label for k, label in _CUSTOM if target.startswith(k)), target)
+            fp8 = "f8e4m3fn[" in ins.attrs[:4000] or _dtype(ins.shape).startswith("f8")
+            floats = [
+                _dtype(self.m.instructions[o].shape)
+                for o in ins.operands
+                if o in self.m.instructions
+                and re.match(r"\s*(bf16|f16|f32|f8\w*)\[", self.m.instructions[o].shape)
+            ]
+            dtypes = " x ".join(floats[:2]) or ("f8e4m3fn" if fp8 else "?")
+            return name, dtypes
+        if ins.opcode == "fusion":
+            if "__triton_gemm" in ins.attrs or '"kind":"__triton' in ins.attrs:
+                return "XLA Triton GEMM", dtypes
+            if "__cublas" in ins.attrs:
+                return "XLA cuBLAS fusion", dtypes
+            return "XLA fusion", dtypes
+        return f"XLA {ins.opcode}", dtypes
 
     def _fp8(self, ins: Instruction, gemms: list[Instruction]) -> bool:
         shapes = [self.m.instructions[o].shape for g in gemms for o in g.operands[:2]]

@@ -58,6 +58,10 @@ def estimate(
             }
             for c in comm
         ],
+        "gemms": [
+            {"kernel": k, "dtypes": d, "count": n, "flops": f, "seconds": sec}
+            for (k, d), (n, f, sec) in sorted(seg.gemms.items(), key=lambda kv: -kv[1][1])
+        ],
         "loops": [
             {
                 "op": lp.name,
@@ -123,6 +127,15 @@ def format_steptime(r: dict) -> str:
                 f"    {c['kind']:<19} {','.join(c['mesh_axes']) or '-':<16} {c['span']:<24}"
                 f" {c['count']:>7g} {c['bytes'] / 1e6:>10,.1f} {_ms(c['seconds']):>12}"
                 f" {_ms(c['exposed_seconds']):>12}"
+            )
+    if r.get("gemms"):
+        total = sum(g["flops"] for g in r["gemms"]) or 1
+        lines.append("  matmuls by kernel and dtype (per step):")
+        for g in r["gemms"][:10]:
+            lines.append(
+                f"    {g['kernel'][:44]:<44} {g['dtypes']:<22} x{g['count']:<7g} "
+                f"{g['flops'] / 1e12:>9.3f} TFLOP ({g['flops'] / total:>4.0%}) "
+                f"{_ms(g['seconds']):>12}"
             )
     unknown = [lp for lp in r["loops"] if lp["how"] != "read"]
     if unknown:

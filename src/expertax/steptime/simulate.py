@@ -61,6 +61,7 @@ class Segment:
     host_seconds: float = 0.0
     host_exposed_seconds: float = 0.0
     events: list = dataclasses.field(default_factory=list)  # (lane, start, end, label)
+    gemms: dict = dataclasses.field(default_factory=dict)  # (kernel, dtypes) -> [n, flops, s]
 
     def add(self, other: Segment, times: float = 1.0) -> None:
         self.matmul_seconds += other.matmul_seconds * times
@@ -68,12 +69,30 @@ class Segment:
         self.flops += other.flops * times
         self.host_seconds += other.host_seconds * times
         self.host_exposed_seconds += other.host_exposed_seconds * times
+        for key, (n, f, sec) in other.gemms.items():
+            row = self.gemms.setdefault(key, [0.0, 0.0, 0.0])
+            row[0] += n * times
+            row[1] += f * times
+            row[2] += sec * times
         for key, c in other.comm.items():
             mine = self.comm.setdefault(key, Comm(*key))
             mine.count += c.count * times
             mine.bytes += c.bytes * times
             mine.seconds += c.seconds * times
             mine.exposed_seconds += c.exposed_seconds * times
+
+    def beside(self) -> Segment:
+        """This run beside the compute stream (a SparseCore call): its work and collectives
+        count, none of them exposed (the wait for its end is, at its done)."""
+        copy = Segment(seconds=self.seconds)
+        copy.add(self)
+        for c in copy.comm.values():
+            c.exposed_seconds = 0.0
+        return copy
+
+    def expose(self, key, seconds: float) -> None:
+        if key in self.comm:
+            self.comm[key].exposed_seconds += seconds
 
     def record(self, c: Collective, exposed: float) -> None:
         key = (c.kind, c.mesh_axes, c.span)
@@ -142,6 +161,7 @@ class Simulator:
         seg = Segment()
         t, link, host = 0.0, 0.0, 0.0  # compute clock; when the link / host link is free
         pending: dict[str, tuple[float, Collective | None, str]] = {}  # start -> (end, c, lane)
+        beside_keys: dict[str, tuple | None] = {}  # a SparseCore call -> its longest collective
         for ins in self.costs.comps.get(comp, []):
             op = ins.opcode
             c = self.collective(ins)
@@ -166,7 +186,9 @@ class Simulator:
                 if started in pending:
                     end, pc, lane = pending.pop(started)
                     wait = max(0.0, end - t)
-                    if pc is not None:
+                    if lane == "core":
+                        seg.expose(beside_keys.get(started), wait)
+                    elif pc is not None:
                         seg.record(pc, wait)
                     elif lane == "host":
                         seg.host_exposed_seconds += wait
@@ -181,11 +203,19 @@ class Simulator:
                     pending[ins.name] = (host, None, "host")
                     seg.events.append(("host", start, host, "host copy"))
                 continue
-            if op == "call-start":  # TPU SparseCore work, beside the TensorCore
-                parts = [self.run(name) for _, name in _called(ins)]
+            if op == "call-start":  # TPU SparseCore work (offloaded collectives), beside
+                parts = [self.run(name).beside() for _, name in _called(ins)]
                 for part in parts:
                     seg.add(part)
-                pending[ins.name] = (t + sum(x.seconds for x in parts), None, "core")
+                longest = max(
+                    (k for part in parts for k in part.comm),
+                    key=lambda k: max(p.comm[k].seconds if k in p.comm else 0 for p in parts),
+                    default=None,
+                )
+                took = sum(x.seconds for x in parts)
+                pending[ins.name] = (t + took, None, "core")
+                beside_keys[ins.name] = longest
+                seg.events.append(("link" if longest else "core", t, t + took, "SparseCore"))
                 continue
             if op in ("send", "recv", "send-done", "recv-done"):
                 self.untimed.append(f"{ins.name} ({op}): point-to-point transfers are not timed")
@@ -213,6 +243,11 @@ class Simulator:
                 continue
             cost = self.costs.cost(ins)
             seg.flops += cost.flops
+            if cost.flops:
+                row = seg.gemms.setdefault(self.costs.kernel(ins), [0.0, 0.0, 0.0])
+                row[0] += 1
+                row[1] += cost.flops
+                row[2] += cost.seconds
             if cost.bound == "matmul":
                 seg.matmul_seconds += cost.seconds
             else:
