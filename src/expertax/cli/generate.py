@@ -65,7 +65,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         action="append",
         type=_ids_prompt,
         metavar="IDS",
-        help="a prompt as token ids, e.g. 1,15,27 (repeatable)",
+        help="a prompt as token ids: comma-separated non-negative integers below the vocab size, "
+        "e.g. 1,15,27 (repeatable)",
     )
     gen.add_argument(
         "--prompts-file",
@@ -110,6 +111,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     check_file("--json", args.json, args.overwrite)  # before JAX loads
+    from expertax.tools.flags import token_ids
+
+    for kind, value in args.prompts or []:
+        if kind == "ids":  # the form now; the vocabulary size once the source is read
+            token_ids("--prompt-ids", value)
     from expertax.tools import generate
 
     startup.start_backends()

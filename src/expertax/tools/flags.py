@@ -1,5 +1,5 @@
 """Comma-list flags of the tools' own command lines (`expertax bench ...`), read into values or a
-ConfigError that names the flag."""
+ConfigError that names the flag, the value and what is valid."""
 
 from __future__ import annotations
 
@@ -24,3 +24,26 @@ def choices(flag: str, text: str, valid: tuple[str, ...]) -> list[str]:
         if v not in valid:
             raise ConfigError(f"{flag}={text!r}: {v!r} is not one of {', '.join(valid)}")
     return values
+
+
+def token_ids(flag: str, text: str, vocab_size: int | None = None) -> list[int]:
+    """`text` (`1,15,27`; spaces also separate) as token ids: ConfigError naming `flag`, the value
+    and what is valid for an empty entry (`1,,2`), an entry that is not a non-negative integer, or
+    (given `vocab_size`) an id not below the vocabulary size."""
+    below = f"below the vocab size ({vocab_size})" if vocab_size else "below the vocab size"
+    valid = f"comma-separated non-negative integer token ids {below}, e.g. 1,15,27"
+    ids: list[int] = []
+    for n, item in enumerate(text.split(","), start=1):
+        words = item.split()
+        if not words:
+            raise ConfigError(f"{flag}={text!r}: entry {n} is empty; use {valid}")
+        for word in words:
+            if not (word.isascii() and word.isdigit()):
+                raise ConfigError(
+                    f"{flag}={text!r}: {word!r} is not a non-negative integer; use {valid}"
+                )
+            ids.append(int(word))
+    too_big = [i for i in ids if vocab_size is not None and i >= vocab_size]
+    if too_big:
+        raise ConfigError(f"{flag}={text!r}: {too_big[0]} is not {below}; use {valid}")
+    return ids

@@ -24,6 +24,7 @@ from expertax import jsonio, preflight
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
 from expertax.errors import ConfigError
 from expertax.sharding.mesh import make_mesh
+from expertax.tools.flags import token_ids
 from expertax.tools.generate_source import SYNTHETIC_TOKENIZER, Source, load_params, open_source
 
 # The command's sampling flags, as `generate`'s keyword arguments.
@@ -44,17 +45,6 @@ SETTINGS = (
 class Prompt:
     text: str | None  # as given (None for an ids prompt)
     ids: list[int]  # what the model reads: BOS + the encoded text, or the ids as given
-
-
-def parse_ids(raw: str, where: str) -> list[int]:
-    """`1,15,27` (commas and/or spaces) as token ids; ConfigError naming `where`."""
-    parts = raw.replace(",", " ").split()
-    try:
-        return [int(x) for x in parts]
-    except ValueError:
-        raise ConfigError(
-            f"{where}={raw!r}: token ids are integers separated by commas, e.g. 1,15,27"
-        ) from None
 
 
 def read_prompts_file(path: str) -> list[tuple[str, Any]]:
@@ -90,7 +80,8 @@ def make_prompts(entries: Sequence[tuple[str, Any]], source: Source) -> list[Pro
     prompts = []
     for kind, value in entries:
         if kind == "ids":
-            ids = value if isinstance(value, list) else parse_ids(value, "--prompt-ids")
+            vocab = source.config.vocab_size
+            ids = value if isinstance(value, list) else token_ids("--prompt-ids", value, vocab)
             prompts.append(Prompt(None, ids))
             continue
         if source.tokenizer is None:
