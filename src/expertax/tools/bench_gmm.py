@@ -30,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax import jsonio, progress
+from expertax import platform as platform_lib
 from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
 from expertax.outputs import add_overwrite_flag, check_file
-from expertax.tools.flags import choices, positive_ints
+from expertax.tools.flags import choices, gmm_backends, positive_ints
 
 GROUPINGS = ("balanced", "zipf", "one")
 PASSES = ("fwd", "fwd_bwd")
@@ -161,7 +162,8 @@ def read_saved(path: str) -> tuple[list[dict], dict]:
 
 def check_args(args) -> None:
     """Every grid flag parsed before anything is measured; ConfigError names the bad flag."""
-    choices("--backends", args.backends, gmm_lib.BACKENDS[1:])
+    # on the platform the grid will run on, read without starting a backend where JAX can tell
+    gmm_backends("--backends", args.backends, gmm_lib.BACKENDS[1:], platform_lib.planned())
     choices("--groups", args.groups, GROUPINGS)
     choices("--passes", args.passes, PASSES)
     positive_ints("--experts", args.experts)

@@ -33,7 +33,7 @@ import time
 from expertax import jsonio
 from expertax.config import ConfigError
 from expertax.outputs import add_overwrite_flag, check_file
-from expertax.tools.flags import positive_ints
+from expertax.tools.flags import gmm_backends, positive_ints
 
 PASSES = ("fwd", "fwd_bwd")
 DEFAULT_BACKENDS = {
@@ -67,11 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 def _grid(args, on: str):
     from expertax.nn.moe import gmm as gmm_lib
 
-    backends = (args.backends or DEFAULT_BACKENDS.get(on, "tiled")).split(",")
-    for b in backends:
-        if b not in gmm_lib.BACKENDS:
-            raise ConfigError(f"--backends: {b!r} is not one of {', '.join(gmm_lib.BACKENDS)}")
-        gmm_lib.check_backend(b, on)
+    text = args.backends or DEFAULT_BACKENDS.get(on, "tiled")
+    backends = gmm_backends("--backends", text, gmm_lib.BACKENDS, on)
     passes = args.passes.split(",")
     if any(p not in PASSES for p in passes):
         raise ConfigError(f"--passes={args.passes!r}: use {', '.join(PASSES)}")

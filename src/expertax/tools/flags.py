@@ -47,3 +47,24 @@ def token_ids(flag: str, text: str, vocab_size: int | None = None) -> list[int]:
     if too_big:
         raise ConfigError(f"{flag}={text!r}: {too_big[0]} is not {below}; use {valid}")
     return ids
+
+
+def gmm_backends(flag: str, text: str, valid: tuple[str, ...], on: str) -> list[str]:
+    """`text`, a comma list of grouped-matmul backends of `valid`, each of which runs on platform
+    `on` with its package installed (nn/moe/gmm_kernels.py); ConfigError naming `flag`, the
+    value and the backends valid on `on` otherwise."""
+    from expertax.nn.moe import gmm_kernels
+
+    values = choices(flag, text, valid)
+    here = [b for b in valid if b not in gmm_kernels.KERNELS or b in gmm_kernels.kernels_on(on)]
+    for b in values:
+        if b not in here:
+            runs_on = "/".join(gmm_kernels.KERNELS[b][0])
+            raise ConfigError(
+                f"{flag}={text!r}: {b}'s kernels run on {runs_on}, not on {on}; "
+                f"valid on {on}: {', '.join(here)}"
+            )
+        missing = gmm_kernels.missing_package(b)
+        if missing:
+            raise ConfigError(f"{flag}={text!r}: {b} {missing}")
+    return values
