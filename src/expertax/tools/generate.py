@@ -215,7 +215,7 @@ def run(args) -> int:
     mesh_line = describe_mesh(mesh)
     print(f"expertax: {source.describe()}; {mesh_line}")
     start = time.perf_counter()
-    params = load_params(source, mesh)
+    params, source = load_params(source, mesh)  # the step read, where the newest did not
     gen = generate(
         params,
         c,
