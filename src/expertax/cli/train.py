@@ -11,6 +11,7 @@ from expertax.cli.args import CONFIG_HELP, config_from_args
 
 HELP = "train a model: expertax train [PRESET.yml ...] [key=value ...]"
 LIMITS: dict[str, flags.Limit] = {}  # no numeric flags (cli/flags.py)
+KINDS: dict[str, str] = {}  # no text or path flags
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -3,6 +3,9 @@ ConfigError that names the flag, the value and what is valid."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from expertax.errors import ConfigError
 
 
@@ -68,3 +71,33 @@ def gmm_backends(flag: str, text: str, valid: tuple[str, ...], on: str) -> list[
         if missing:
             raise ConfigError(f"{flag}={text!r}: {b} {missing}")
     return values
+
+
+def saved_json(flag: str, path: str, keys: dict[str, tuple[str, ...]], fix: str) -> dict[str, Any]:
+    """The JSON object of file `path` (given as `flag`) that an earlier run of the tool wrote:
+    `keys` maps its list of rows (`"rows"`) and its machine object (`"machine"`) to the keys each
+    holds. ConfigError naming the flag, the file and `fix` (what to give instead) when the file is
+    missing, a folder, not JSON, or another document."""
+    where = f"{flag}={path!r}"
+    try:
+        with open(path) as fh:
+            saved = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file; {fix}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{where} is a folder; {fix}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where} is not JSON ({e}); {fix}") from None
+    rows = saved.get("rows") if isinstance(saved, dict) else None
+    machine = saved.get("machine") if isinstance(saved, dict) else None
+    if (
+        not isinstance(rows, list)
+        or not isinstance(machine, dict)
+        or any(not isinstance(r, dict) or any(k not in r for k in keys["rows"]) for r in rows)
+        or any(k not in machine for k in keys["machine"])
+    ):
+        raise ConfigError(
+            f'{where} is not this benchmark\'s output (a "machine" object and "rows" with '
+            f"{', '.join(keys['rows'])}); {fix}"
+        )
+    return saved

@@ -50,6 +50,10 @@ class Prompt:
 def read_prompts_file(path: str) -> list[tuple[str, Any]]:
     """The prompts of a JSON-lines file: each line {"prompt": "text"} or {"ids": [1, 15, 27]}."""
     file = Path(path)
+    if not path.strip():
+        raise ConfigError(f"--prompts-file={path!r} is empty; give a JSON-lines file")
+    if file.is_dir():
+        raise ConfigError(f"--prompts-file={path!r} is a folder; give a JSON-lines file")
     if not file.is_file():
         raise ConfigError(f"--prompts-file={path!r}: no such file")
     entries: list[tuple[str, Any]] = []
@@ -200,7 +204,7 @@ def run(args) -> int:
     """`expertax generate` with parsed `args` (expertax/cli/generate.py); a user error is a
     ConfigError."""
     entries = list(args.prompts or [])
-    if args.prompts_file:  # before the source: a bad file costs no read of it
+    if args.prompts_file is not None:  # before the source: a bad file costs no read of it
         entries += read_prompts_file(args.prompts_file)
     source = open_source(args.source, args.config, args.tokenizer)
     prompts = make_prompts(entries, source)

@@ -136,7 +136,7 @@ def _tokenizer(
 ) -> tuple[tokenizers.Tokenizer | None, str | None]:
     """--tokenizer, else the run's tokenizer_path (a synthetic-data run: its numbers as words),
     else the model directory's tokenizer.json."""
-    if given:
+    if given is not None:
         try:
             return load_tokenizer(given), given
         except ValueError as e:

@@ -282,7 +282,7 @@ REFUSED = [
     (["--prompt-ids", "1,64"], "model", "--prompt-ids='1,64': 64 is not below the vocab size (64)"),
     (["--prompt-ids", "1,,2"], "model", "--prompt-ids='1,,2': entry 2 is empty; use comma-sep"),
     (["--prompt-ids", "1", "--speculative"], "model", "mtp_num_layers > 0"),
-    (["--prompt-ids", "1", "--tokenizer", "missing.json"], "model", "--tokenizer: tokenizer_pa"),
+    (["--prompt-ids", "1", "--tokenizer", "missing.json"], "model", "--tokenizer='missing.json'"),
     (["--prompt-ids", "1", "--json", "no/such/dir/out.json"], "model", "does not exist; create"),
     (["--prompt-ids", "1", "--prompts-file", "missing.jsonl"], "model", "no such file"),
     (["--prompts-file", "bad.jsonl"], "model", 'line 2: expected {"prompt"'),
