@@ -39,11 +39,18 @@ def _refuse_missing_folder(flag: str, path: str, folder: Path) -> None:
     )
 
 
+def _refuse_empty(flag: str, path: str, what: str) -> None:
+    """An empty value is a mistake, never "not given" nor the current folder."""
+    if not path.strip():
+        raise ConfigError(f"{flag}={path!r} is empty; give {what}")
+
+
 def check_file(flag: str, path: str | None, overwrite: bool) -> None:
     """Refuse an output file `path` (given as `flag`; None: not asked for) that cannot be written
     (a folder, or its folder missing) or that exists and `overwrite` is false."""
     if path is None:
         return
+    _refuse_empty(flag, path, "a file path")
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag}={path!r} is a folder; give a file path")
@@ -63,6 +70,7 @@ def check_folder(flag: str, path: str | None, names: Iterable[str], overwrite: b
     command writes there while `overwrite` is false. A new or unrelated folder is taken."""
     if path is None:
         return
+    _refuse_empty(flag, path, "a folder")
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{flag}={path!r} is a file; give a folder (new, or an existing one)")

@@ -34,6 +34,14 @@ def of_mesh(mesh) -> str:
     return of_devices(mesh.devices.flat)
 
 
+def planned() -> str:
+    """The platform of JAX's default backend, where possible without starting a backend: the
+    first of the platforms `jax_platforms` ($JAX_PLATFORMS, which `expertax` sets) lists, to
+    which JAX gives the highest priority; else the started default backend's."""
+    first = (jax.config.jax_platforms or "").split(",")[0].strip()
+    return normalize(first) if first else normalize(jax.default_backend())
+
+
 def current() -> str:
     """The platform being traced for: the innermost `use()`, else JAX's default backend."""
     return _CURRENT.get() or normalize(jax.default_backend())

@@ -40,4 +40,23 @@ def test_help_keys_names_every_key_with_its_kind():
     text = help_keys()
     for key in Config.model_fields:
         line = next(line for line in text.splitlines() if line.startswith(f"  {key} = "))
-        assert any(f"({kind}):" in line for kind in KINDS), line
+        assert any(f"({kind}" in line for kind in KINDS), line
+
+
+def test_help_keys_shows_the_default_run_and_the_schema_where_the_preset_differs():
+    """The default is what `expertax train` with no arguments runs (the default model_name's
+    preset over the schema); a key the preset sets names the schema's default too; negative
+    control: a key the preset leaves shows its one default, unlabelled."""
+    from expertax.config.loader import load_fields
+
+    runs = load_fields()
+    lines = {line.split(" = ")[0].strip(): line for line in help_keys().splitlines()}
+    differ = [k for k, f in Config.model_fields.items() if getattr(runs, k) != f.default]
+    assert "shared_experts" in differ and "attention_type" in differ  # tiny DeepSeek-V3
+    for key, field in Config.model_fields.items():
+        line = lines[key]
+        assert line.startswith(f"  {key} = {getattr(runs, key)!r} ("), line
+        label = f"; {runs.model_name} preset; schema default {field.default!r}):"
+        assert (label in line) == (key in differ), line
+    assert "'mla' (model; deepseek3-tiny preset; schema default 'gqa'):" in lines["attention_type"]
+    assert lines["vocab_size"].startswith(f"  vocab_size = {runs.vocab_size} (model): ")

@@ -8,6 +8,7 @@ from expertax.cli import flags
 
 HELP = "benchmarks: expertax bench gmm [--json PATH] [--quick] [--target T] ..."
 LIMITS: dict[str, flags.Limit] = {}  # the benchmarks check their own flags (tools/bench_gmm.py)
+KINDS: dict[str, str] = {}  # and declare their own KINDS there
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

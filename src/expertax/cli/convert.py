@@ -18,6 +18,7 @@ LIMITS = {
     "--workers": flags.count(1, "converting threads"),
     "--max-shard-bytes": flags.count(1, "bytes per safetensors shard"),
 }
+KINDS: dict[str, str] = {}  # no text or path flags (HF_DIR and OUT_DIR are positional)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -1,7 +1,15 @@
-"""The valid ranges of the commands' numeric flags, as data: each command module's `LIMITS`
-maps a flag (`--hbm`) to its `Limit`, and `check` refuses a value outside it (inf and nan included)
-with one line naming the flag, the value and the valid range, before the command does any work.
-`tests/smoke/test_bad_flags.py` fails while a numeric flag has no limit."""
+"""What the commands' flags take, as data, so that every flag has values it must refuse.
+
+- numeric flags: each command module's `LIMITS` maps a flag (`--hbm`) to its `Limit`, and `check`
+  refuses a value outside it (inf and nan included) with one line naming the flag, the value and
+  the valid range, before the command does any work;
+- text and path flags: each command module's `KINDS` (and the benchmarks' own parsers' `KINDS`,
+  tools/bench_gmm*.py) maps a flag to its kind, a key of `TEXT_KINDS`: what a value is, and values
+  that must be refused (a missing file, a folder where a file goes, a malformed list, ...);
+- flags with argparse `choices` refuse other values themselves, and a flag without a value
+  (`store_true`) has none to refuse.
+`tests/smoke/test_bad_flags.py` walks every parser: it fails while a flag has neither a limit, a
+kind, choices nor the `store_true` rule, and runs each kind's bad values through the command."""
 
 from __future__ import annotations
 
@@ -67,3 +75,55 @@ def check(args: argparse.Namespace, limits: dict[str, Limit]) -> None:
             continue
         what = f" ({limit.what})" if limit.what else ""
         raise ConfigError(f"{flag}={value}: use {limit.describe()}{what}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextKind:
+    """What a text or path flag takes (`what`), and values of it that must be refused (`bad`),
+    with placeholders the smoke test fills in: {missing} a path that does not exist, {folder} an
+    existing folder, {file} an existing file, {not_json} an existing file that is not JSON. An
+    empty value is refused by every kind that has bad values (it is never "not given")."""
+
+    what: str
+    bad: tuple[str, ...]
+
+
+TEXT_KINDS: dict[str, TextKind] = {
+    "free text": TextKind("any text (a prompt): no value is malformed", ()),
+    "input json": TextKind(
+        "an existing JSON (or JSON lines) file", ("", "{missing}", "{folder}", "{not_json}")
+    ),
+    "input json list": TextKind(
+        "a comma list of existing JSON files",
+        ("", "{missing}", "{folder}", "{not_json}", "{file},,{file}"),
+    ),
+    "tokenizer": TextKind(
+        "a tokenizer.json file or a folder holding one", ("", "{missing}", "{folder}", "{not_json}")
+    ),
+    "output file": TextKind(
+        "a file to write, in an existing folder; one that exists only with --overwrite",
+        ("", "{missing}/out.json", "{folder}", "{file}", "{file}/out.json"),
+    ),
+    "output folder": TextKind(
+        "a folder to write into, new or existing", ("", "{file}", "{file}/sub")
+    ),
+    "target": TextKind(
+        "cpu, tpu:<chip>-<N> or gpu:<chip>x<N>", ("", "tpu:v9-8", "gpu:h100x12", "h100", "cpu:4")
+    ),
+    "parity layouts": TextKind(
+        "a comma list of parity layouts (sparse-ring-ep8, dense-ep2-tp2-data2, ...)",
+        ("", "sparse-bogus-ep2", "sparse-ring-ep8,,dense-ep2"),
+    ),
+    "token ids": TextKind(
+        "comma-separated non-negative integer token ids below the vocab size",
+        ("", "1,,2", "1,x", "-1", "1,2,"),
+    ),
+    "positive ints": TextKind("a comma list of positive integers", ("", "0", "4k", "8,,64")),
+    "shapes": TextKind("a comma list of DxF", ("", "512x", "512x1024x2", "0x8", "512x1024,")),
+    "shape": TextKind("one DxF", ("", "512x", "512x1024x2", "0x8", "512x1024,1024x512")),
+    "gmm backends": TextKind(
+        "a comma list of grouped-matmul backends that run on the platform",
+        ("", "tiled,cublas", "megablox", "tiled,,ragged_dot"),
+    ),
+    "choice list": TextKind("a comma list of the flag's choices", ("", "no-such-choice", "fwd,")),
+}

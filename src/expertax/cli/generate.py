@@ -21,6 +21,14 @@ LIMITS = {
     "--seed": flags.Limit(0, 2**32, high_open=True, integer=True, what="sampling seed"),
     "--prefill-chunk": flags.count(1, "prompt positions per prefill step"),
 }
+# The text and path flags' kinds (cli/flags.py TEXT_KINDS: what each takes and must refuse).
+KINDS = {
+    "--prompt": "free text",
+    "--prompt-ids": "token ids",
+    "--prompts-file": "input json",
+    "--json": "output file",
+    "--tokenizer": "tokenizer",
+}
 
 
 def _text_prompt(text: str) -> tuple[str, str]:
@@ -65,7 +73,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         action="append",
         type=_ids_prompt,
         metavar="IDS",
-        help="a prompt as token ids, e.g. 1,15,27 (repeatable)",
+        help="a prompt as token ids: comma-separated non-negative integers below the vocab size, "
+        "e.g. 1,15,27 (repeatable)",
     )
     gen.add_argument(
         "--prompts-file",
@@ -108,8 +117,27 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return gen
 
 
+def _check_tokenizer(path: str) -> None:
+    """ConfigError naming --tokenizer when `path` is not a tokenizer.json (or a folder of one)."""
+    from expertax.config import ConfigError
+    from expertax.data.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(path)
+    except ValueError as e:
+        why = str(e).split(": ", 1)[-1]  # after load_tokenizer's own "tokenizer_path=...: "
+        raise ConfigError(f"--tokenizer={path!r}: {why}") from None
+
+
 def run(args) -> int:
     check_file("--json", args.json, args.overwrite)  # before JAX loads
+    from expertax.tools.flags import token_ids
+
+    for kind, value in args.prompts or []:
+        if kind == "ids":  # the form now; the vocabulary size once the source is read
+            token_ids("--prompt-ids", value)
+    if args.tokenizer is not None:  # before the source is read
+        _check_tokenizer(args.tokenizer)
     from expertax.tools import generate
 
     startup.start_backends()

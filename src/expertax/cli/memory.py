@@ -23,6 +23,8 @@ LIMITS = {
     "--max-compiles": flags.count(1, "candidates compiled"),
     "--fit-minutes": flags.above(0, "minutes of search"),
 }
+# The text and path flags' kinds (cli/flags.py TEXT_KINDS: what each takes and must refuse).
+KINDS = {"--target": "target", "--json": "output file"}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

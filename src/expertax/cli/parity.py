@@ -15,6 +15,8 @@ from expertax.outputs import add_overwrite_flag, check_file
 HELP = "every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]"
 # The numeric flags' valid values (checked before any work: cli/flags.py).
 LIMITS = {"--steps": flags.count(1, "train steps per layout")}
+# The text and path flags' kinds (cli/flags.py TEXT_KINDS: what each takes and must refuse).
+KINDS = {"--json": "output file", "--layouts": "parity layouts", "--target": "target"}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -77,6 +79,9 @@ def run(args) -> int:
     if args.compile_only:
         return _compile_only(args)
     if args.target is not None:
+        from expertax.targets import parse_target
+
+        parse_target(args.target)  # a malformed one named as such first
         raise ConfigError(
             f"--target={args.target} names the hardware a program is compiled for; parity "
             "trains on this machine's devices: add --compile-only to compile for the target"
@@ -87,7 +92,8 @@ def run(args) -> int:
     from expertax.tools.parity.run import parity_table
     from expertax.tools.parity.table import format_table, write_json
 
-    chosen = [parse_layout(n) for n in args.layouts.split(",")] if args.layouts else None
+    given = args.layouts is not None  # an empty --layouts is refused, not the whole matrix
+    chosen = [parse_layout(n) for n in args.layouts.split(",")] if given else None
     result = parity_table(
         cfg,
         steps=10 if args.steps is None else args.steps,
@@ -121,7 +127,7 @@ def _compile_only(args) -> int:
             f"{' and '.join(cannot)} cannot be honoured with --compile-only, which runs no step "
             "(nothing trains, no loss to compare); drop them, or drop --compile-only"
         )
-    hardware = target(args.target or "cpu")
+    hardware = target("cpu" if args.target is None else args.target)
     if hardware.is_cpu:
         use_simulated_devices(8, args.argv)
     startup.start_backends()
@@ -130,7 +136,7 @@ def _compile_only(args) -> int:
     from expertax.tools.parity.layouts import parse_layout
 
     on = "cpu" if hardware.is_cpu else hardware.platform
-    names = args.layouts.split(",") if args.layouts else []
+    names = args.layouts.split(",") if args.layouts is not None else []
     chosen = [parse_layout(n, backend=on) for n in names] or None
     result = parity_compile.compile_table(
         cfg, target=hardware, layout_list=chosen, skip_refused=args.skip_refused

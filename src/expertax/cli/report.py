@@ -10,6 +10,8 @@ from expertax.outputs import add_overwrite_flag, check_folder
 HELP = "plots and an index.html of a run folder: expertax report RUN_DIR [--layer I] [--out DIR]"
 # The numeric flags' valid values (checked before any work: cli/flags.py).
 LIMITS = {"--layer": flags.count(0, "an MoE layer's index")}
+# The text and path flags' kinds (cli/flags.py TEXT_KINDS: what each takes and must refuse).
+KINDS = {"--out": "output folder"}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from expertax.cli.args import CONFIG_HELP, config_from_args
 
 HELP = "train a model: expertax train [PRESET.yml ...] [key=value ...]"
 LIMITS: dict[str, flags.Limit] = {}  # no numeric flags (cli/flags.py)
+KINDS: dict[str, str] = {}  # no text or path flags
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -21,18 +22,29 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def help_keys() -> str:
-    """Every key by section: its default, its kind (what changing it changes) and its meaning."""
+    """Every key by section: the default `expertax train` with no arguments runs (the schema's,
+    under the default model_name's preset) and, where the preset changes it, the schema's own
+    default; its kind (what changing it changes) and its meaning."""
+    from expertax.config.loader import load_fields
     from expertax.config.schema import SECTIONS, key_kind
 
+    runs = load_fields()  # the keys of `expertax train` with no arguments
+    preset = runs.model_name
     lines = [
         "Kinds: model (the parameters and what they compute), training (the numbers of later",
         "steps), data (the data stream) - a resumed run must keep these; layout (how the same",
         "numbers are computed) and run (paths, length, logging) may change on resume.",
+        f"Defaults: what `expertax train` with no arguments runs, the model_name={preset} preset",
+        "over the schema's defaults; where the preset sets a key, the schema's own default (what",
+        "another model_name starts from unless its preset sets the key) is named after the kind.",
     ]
     for section in SECTIONS:
         lines.append(f"[{section.__name__.removesuffix('Section').lower()}]")
         for name, field in section.model_fields.items():
-            lines.append(f"  {name} = {field.default!r} ({key_kind(name)}): {field.description}")
+            value = getattr(runs, name)
+            own = f"; {preset} preset; schema default {field.default!r}"
+            own = "" if value == field.default else own
+            lines.append(f"  {name} = {value!r} ({key_kind(name)}{own}): {field.description}")
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from expertax.config.keys import KIND_MEANINGS, KINDS
-from expertax.config.schema import SECTIONS, key_kind
+from expertax.config.schema import SECTIONS, Config, key_kind
 
 KEYS_DOC = Path("docs") / "keys.md"
 REGENERATE = "python -m expertax.config.keys_doc"
@@ -80,6 +80,10 @@ def render() -> str:
         f"`{REGENERATE}` from the repository root after changing a key.",
         "`expertax train --help-keys` prints the same keys. Set any of them in a YAML preset or",
         "as `key=value` on the command line (docs/usage.md, Training).",
+        "",
+        "The default column is the schema's: `expertax train` with no arguments runs the",
+        f"`model_name={Config.model_fields['model_name'].default}` preset over it, which sets",
+        "some keys otherwise (`expertax train --help-keys` shows both).",
         "",
         "A key's kind says what changing it changes. A resumed run must keep its `model`,",
         "`training` and `data` keys; `layout` and `run` keys may change.",

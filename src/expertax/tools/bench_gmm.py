@@ -18,7 +18,6 @@ config errors.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
@@ -30,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertax import jsonio, progress
+from expertax import platform as platform_lib
 from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
 from expertax.outputs import add_overwrite_flag, check_file
-from expertax.tools.flags import choices, positive_ints
+from expertax.tools.flags import choices, gmm_backends, positive_ints, saved_json
 
 GROUPINGS = ("balanced", "zipf", "one")
 PASSES = ("fwd", "fwd_bwd")
@@ -127,6 +127,18 @@ def _predicted_s(backend: str, experts: int, flops: float, dense_gflops: float) 
     return None
 
 
+# The text and path flags' kinds (cli/flags.py TEXT_KINDS: what each takes and must refuse).
+KINDS = {
+    "--json": "output file",
+    "--markdown": "output file",
+    "--from-json": "input json",
+    "--backends": "gmm backends",
+    "--experts": "positive ints",
+    "--rows": "positive ints",
+    "--shapes": "shapes",
+    "--groups": "choice list",
+    "--passes": "choice list",
+}
 ROW_KEYS = ("backend", "impl", "experts", "rows", "d", "f", "groups", "pass", "ms", "gflops")
 MACHINE_KEYS = ("copy_gbps", "fresh_copy_gbps")
 
@@ -134,34 +146,15 @@ MACHINE_KEYS = ("copy_gbps", "fresh_copy_gbps")
 def read_saved(path: str) -> tuple[list[dict], dict]:
     """(rows, machine) of a `--json` file this benchmark wrote; ConfigError naming `--from-json`
     and what is wrong with the file."""
-    where = f"--from-json={path!r}"
-    try:
-        with open(path) as fh:
-            saved = json.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file; give a file a --json run wrote") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{where} is a folder; give a file a --json run wrote") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where} is not JSON ({e}); give a file a --json run wrote") from None
-    rows = saved.get("rows") if isinstance(saved, dict) else None
-    machine = saved.get("machine") if isinstance(saved, dict) else None
-    if (
-        not isinstance(rows, list)
-        or not isinstance(machine, dict)
-        or any(not isinstance(r, dict) or any(k not in r for k in ROW_KEYS) for r in rows)
-        or any(k not in machine for k in MACHINE_KEYS)
-    ):
-        raise ConfigError(
-            f'{where} is not this benchmark\'s output (a "machine" object and "rows" with '
-            f"{', '.join(ROW_KEYS)}); give a file a --json run wrote"
-        )
-    return rows, machine
+    keys = {"rows": ROW_KEYS, "machine": MACHINE_KEYS}
+    saved = saved_json("--from-json", path, keys, "give a file a --json run wrote")
+    return saved["rows"], saved["machine"]
 
 
 def check_args(args) -> None:
     """Every grid flag parsed before anything is measured; ConfigError names the bad flag."""
-    choices("--backends", args.backends, gmm_lib.BACKENDS[1:])
+    # on the platform the grid will run on, read without starting a backend where JAX can tell
+    gmm_backends("--backends", args.backends, gmm_lib.BACKENDS[1:], platform_lib.planned())
     choices("--groups", args.groups, GROUPINGS)
     choices("--passes", args.passes, PASSES)
     positive_ints("--experts", args.experts)
@@ -401,7 +394,7 @@ def main(argv: list[str]) -> int:
         args.groups, args.repeats = "balanced,zipf", 3
     check_args(args)
     started = time.perf_counter()
-    if args.from_json:
+    if args.from_json is not None:  # an empty one is refused, not "measure"
         results, machine = read_saved(args.from_json)
     else:
         results, machine = run_grid(args)
@@ -410,7 +403,8 @@ def main(argv: list[str]) -> int:
     print(
         f"{len(results)} rows ({skipped} skipped) in {time.perf_counter() - started:.0f} s; "
         f"copy bandwidth {machine['copy_gbps']} GB/s in place, {machine['fresh_copy_gbps']} GB/s "
-        "into a fresh buffer" + ("" if args.from_json else f"; median of {args.repeats} calls")
+        "into a fresh buffer"
+        + ("" if args.from_json is not None else f"; median of {args.repeats} calls")
     )
     if args.json:
         with open(args.json, "w") as fh:

@@ -25,7 +25,6 @@ Run in pieces (`--backends`, `--experts`, `--rows-per-expert`, `--passes`), each
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform as host
 import time
@@ -33,9 +32,25 @@ import time
 from expertax import jsonio
 from expertax.config import ConfigError
 from expertax.outputs import add_overwrite_flag, check_file
-from expertax.tools.flags import positive_ints
+from expertax.tools.flags import gmm_backends, positive_ints, saved_json
 
 PASSES = ("fwd", "fwd_bwd")
+# The text and path flags' kinds (cli/flags.py TEXT_KINDS: what each takes and must refuse).
+KINDS = {
+    "--target": "target",
+    "--backends": "gmm backends",
+    "--experts": "positive ints",
+    "--rows-per-expert": "positive ints",
+    "--shape": "shape",
+    "--passes": "choice list",
+    "--json": "output file",
+    "--markdown": "output file",
+    "--from-json": "input json list",
+}
+# What `--from-json` needs of a file a `--json` run wrote (format_table, format_markdown).
+ROW_KEYS = ("target", "backend", "impl", "pass", "experts", "rows_per_expert", "rows")
+ROW_KEYS += ("flops_ratio", "worst_ratio", "temp_bytes", "out_bytes", "temp_ratio", "kernel")
+MACHINE_KEYS = ("date", "host", "jax", "loadavg")
 DEFAULT_BACKENDS = {
     "gpu": "tiled,ragged_dot,tokamax_triton,tokamax_mosaic_gpu",
     "tpu": "tiled,ragged_dot,megablox",
@@ -67,15 +82,16 @@ def _parser() -> argparse.ArgumentParser:
 def _grid(args, on: str):
     from expertax.nn.moe import gmm as gmm_lib
 
-    backends = (args.backends or DEFAULT_BACKENDS.get(on, "tiled")).split(",")
-    for b in backends:
-        if b not in gmm_lib.BACKENDS:
-            raise ConfigError(f"--backends: {b!r} is not one of {', '.join(gmm_lib.BACKENDS)}")
-        gmm_lib.check_backend(b, on)
+    given = args.backends is not None  # an empty --backends is refused, not the default
+    text = args.backends if given else DEFAULT_BACKENDS.get(on, "tiled")
+    backends = gmm_backends("--backends", text, gmm_lib.BACKENDS, on)
     passes = args.passes.split(",")
     if any(p not in PASSES for p in passes):
         raise ConfigError(f"--passes={args.passes!r}: use {', '.join(PASSES)}")
-    d, f = positive_ints("--shape", args.shape, "x")[:2]
+    shape = positive_ints("--shape", args.shape, "x")
+    if len(shape) != 2:
+        raise ConfigError(f"--shape={args.shape!r}: one DxF, e.g. 2048x1024")
+    d, f = shape
     experts = positive_ints("--experts", args.experts)
     per = positive_ints("--rows-per-expert", args.rows_per_expert)
     return [(b, e, r, p) for b in backends for e in experts for r in per for p in passes], (d, f)
@@ -238,14 +254,15 @@ def _machine() -> dict:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    check_file("--json", None if args.from_json else args.json, args.overwrite)
+    check_file("--json", None if args.from_json is not None else args.json, args.overwrite)
     check_file("--markdown", args.markdown, args.overwrite)
-    if args.from_json:
+    if args.from_json is not None:  # an empty one is refused, not "compile"
         rows: list[dict] = []
         pieces = []
+        keys = {"rows": ROW_KEYS, "machine": MACHINE_KEYS}
         for path in args.from_json.split(","):
-            with open(path) as fh:
-                saved = json.load(fh)
+            fix = "give a comma list of files --json runs wrote"
+            saved = saved_json("--from-json", path, keys, fix)
             rows += saved["rows"]
             pieces.append(saved["machine"])
         loads = dict.fromkeys(m["loadavg"] for m in pieces)  # one per piece, in order
@@ -253,7 +270,7 @@ def main(argv: list[str]) -> int:
     else:
         rows, machine = _run(args)
     print(format_table(rows))
-    if args.json and not args.from_json:
+    if args.json and args.from_json is None:
         with open(args.json, "w") as fh:
             jsonio.dump({"machine": machine, "rows": rows}, fh, indent=1)
     if args.markdown:
@@ -271,13 +288,13 @@ def _run(args) -> tuple[list[dict], dict]:
         raise ConfigError(
             "--target=cpu: the CPU grid is timed, run `expertax bench gmm` without it"
         )
+    grid, (d, f) = _grid(args, target.platform)  # every flag checked before the compiler loads
     prepare_process(target)
     # tokamax warns once per kernel that its autotuning cache has no entry for these shapes
     # (then uses its heuristics, which the rows report); a compile-only run cannot autotune.
     logging.getLogger("absl").setLevel(logging.ERROR)
     import jax.numpy as jnp
 
-    grid, (d, f) = _grid(args, target.platform)
     machine = {**_machine(), "target": target.describe()}
     print(jsonio.dumps({"machine": machine}), flush=True)
     bar = progress.bar(len(grid), "bench gmm --target", unit="compile")

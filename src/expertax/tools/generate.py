@@ -24,6 +24,7 @@ from expertax import jsonio, preflight
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
 from expertax.errors import ConfigError
 from expertax.sharding.mesh import make_mesh
+from expertax.tools.flags import token_ids
 from expertax.tools.generate_source import SYNTHETIC_TOKENIZER, Source, load_params, open_source
 
 # The command's sampling flags, as `generate`'s keyword arguments.
@@ -46,20 +47,13 @@ class Prompt:
     ids: list[int]  # what the model reads: BOS + the encoded text, or the ids as given
 
 
-def parse_ids(raw: str, where: str) -> list[int]:
-    """`1,15,27` (commas and/or spaces) as token ids; ConfigError naming `where`."""
-    parts = raw.replace(",", " ").split()
-    try:
-        return [int(x) for x in parts]
-    except ValueError:
-        raise ConfigError(
-            f"{where}={raw!r}: token ids are integers separated by commas, e.g. 1,15,27"
-        ) from None
-
-
 def read_prompts_file(path: str) -> list[tuple[str, Any]]:
     """The prompts of a JSON-lines file: each line {"prompt": "text"} or {"ids": [1, 15, 27]}."""
     file = Path(path)
+    if not path.strip():
+        raise ConfigError(f"--prompts-file={path!r} is empty; give a JSON-lines file")
+    if file.is_dir():
+        raise ConfigError(f"--prompts-file={path!r} is a folder; give a JSON-lines file")
     if not file.is_file():
         raise ConfigError(f"--prompts-file={path!r}: no such file")
     entries: list[tuple[str, Any]] = []
@@ -90,7 +84,8 @@ def make_prompts(entries: Sequence[tuple[str, Any]], source: Source) -> list[Pro
     prompts = []
     for kind, value in entries:
         if kind == "ids":
-            ids = value if isinstance(value, list) else parse_ids(value, "--prompt-ids")
+            vocab = source.config.vocab_size
+            ids = value if isinstance(value, list) else token_ids("--prompt-ids", value, vocab)
             prompts.append(Prompt(None, ids))
             continue
         if source.tokenizer is None:
@@ -209,7 +204,7 @@ def run(args) -> int:
     """`expertax generate` with parsed `args` (expertax/cli/generate.py); a user error is a
     ConfigError."""
     entries = list(args.prompts or [])
-    if args.prompts_file:  # before the source: a bad file costs no read of it
+    if args.prompts_file is not None:  # before the source: a bad file costs no read of it
         entries += read_prompts_file(args.prompts_file)
     source = open_source(args.source, args.config, args.tokenizer)
     prompts = make_prompts(entries, source)
@@ -224,7 +219,7 @@ def run(args) -> int:
     mesh_line = describe_mesh(mesh)
     print(f"expertax: {source.describe()}; {mesh_line}")
     start = time.perf_counter()
-    params = load_params(source, mesh)
+    params, source = load_params(source, mesh)  # the step read, where the newest did not
     gen = generate(
         params,
         c,

@@ -136,7 +136,7 @@ def _tokenizer(
 ) -> tuple[tokenizers.Tokenizer | None, str | None]:
     """--tokenizer, else the run's tokenizer_path (a synthetic-data run: its numbers as words),
     else the model directory's tokenizer.json."""
-    if given:
+    if given is not None:
         try:
             return load_tokenizer(given), given
         except ValueError as e:
@@ -197,11 +197,13 @@ def open_source(path: str | Path, overrides: list[str], tokenizer: str | None = 
     )
 
 
-def load_params(source: Source, mesh: Mesh) -> Any:
-    """The source's parameters: a model directory's read straight into `mesh`'s shardings (a
-    model larger than one device loads), a run checkpoint's onto the first device."""
+def load_params(source: Source, mesh: Mesh) -> tuple[Any, Source]:
+    """The source's parameters, and the source with the checkpoint step read: a model
+    directory's read straight into `mesh`'s shardings (a model larger than one device loads), a
+    run checkpoint's onto the first device (an older one where the newest cannot be read)."""
     if source.kind == RUN:
-        return params_io.load_run_params(source.path)[1]
+        _, params, step = params_io.load_run_params(source.path)
+        return params, dataclasses.replace(source, step=step)
     c = decoding_config(source.config)  # the tree and rules `generate` places them with
     shardings = param.shardings(decoder.spec(c), mesh, config_rules(c))
-    return model_dir.load(source.path, shardings)[1]
+    return model_dir.load(source.path, shardings)[1], source

@@ -20,10 +20,13 @@ Guarantees (see docs/design/checkpoint.md):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -180,18 +183,109 @@ def _empty(path: Path) -> bool:
     return not path.exists() or path.stat().st_size == 0
 
 
+def intact_steps(directory: str | os.PathLike) -> tuple[list[int], dict[int, str]]:
+    """The complete steps of `directory` that lack none of their files, newest first, and the
+    complete steps that do (step -> `damage`)."""
+    fmt = ocp.path.step.standard_name_format()
+    steps = sorted((m.step for m in fmt.find_all(epath.Path(os.fspath(directory)))), reverse=True)
+    found = {step: damage(directory, step) for step in steps}
+    damaged = {step: why for step, why in found.items() if why is not None}
+    return [step for step in steps if step not in damaged], damaged
+
+
 def latest_intact_step(directory: str | os.PathLike) -> tuple[int | None, dict[int, str]]:
     """The newest complete step of `directory` that lacks none of its files (None: there is
     none), and the newer complete steps that do (step -> `damage`), which a resume skips."""
-    fmt = ocp.path.step.standard_name_format()
-    steps = sorted((m.step for m in fmt.find_all(epath.Path(os.fspath(directory)))), reverse=True)
-    damaged: dict[int, str] = {}
-    for step in steps:
-        why = damage(directory, step)
-        if why is None:
-            return step, damaged
-        damaged[step] = why
-    return None, damaged
+    intact, damaged = intact_steps(directory)
+    if not intact:
+        return None, damaged
+    return intact[0], {step: why for step, why in damaged.items() if step > intact[0]}
+
+
+def first_readable(
+    directory: str | os.PathLike,
+    steps: list[int],
+    read: Callable[[int], Any],
+    agree: Callable[[bool], bool] = bool,
+) -> tuple[int | None, Any, dict[int, str]]:
+    """(step, `read(step)`) of the first of `steps` of `directory` (newest first) that reads, and
+    the steps before it that did not (step -> why, one line); (None, None, why) when none reads.
+
+    A step with all its files can still hold a damaged array chunk (cut short, overwritten),
+    which only reading finds; TensorStore then raises a bare Exception, so every Exception
+    counts. `agree(read_here)`: whether every process read it (a multi-process run moves on
+    together). What a failed read leaves behind is kept quiet (`_quiet_failed_reads`)."""
+    unreadable: dict[int, str] = {}
+    with _quiet_failed_reads(str(directory)) as failed:
+        for step in steps:
+            try:
+                value, why = read(step), None
+            except Exception as e:  # noqa: BLE001 - TensorStore's errors are bare Exceptions
+                value, why = None, _one_line(e)
+                failed()
+            if agree(why is None):
+                return step, value, unreadable
+            unreadable[step] = why or "another process could not read it"
+    return None, None, unreadable
+
+
+def _one_line(error: Exception, width: int = 200) -> str:
+    """`error`'s first cause (Orbax wraps TensorStore's) in at most about `width` characters:
+    its start and its end (TensorStore's say what it read first and what was wrong last),
+    without TensorStore's spec dumps."""
+    while isinstance(error.__cause__, Exception):
+        error = error.__cause__
+    text = " ".join(str(error).split())
+    for dump in (" [tensorstore_spec", " See full TensorStore details"):
+        text = text.split(dump)[0]
+    if len(text) > width:
+        text = f"{text[: width // 3]} ... {text[-(width - width // 3) :]}"
+    return f"{type(error).__name__}: {text}"
+
+
+_QUIET_IN: set[str] = set()  # checkpoint directories whose failed reads are kept quiet
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads(directory: str) -> Iterator[Callable[[], None]]:
+    """While steps of `directory` are read, and for the rest of the process once one read failed
+    (call the yielded function), drop what a failed read leaves behind; the failure itself is
+    reported by `first_readable`'s caller.
+
+    Orbax closes the read's event loop at the first error while TensorStore still finishes the
+    step's other reads, during the read and after it: each then calls the closed loop's
+    `call_soon_threadsafe` from a TensorStore thread, and Python would print its RuntimeError
+    with a traceback (`sys.unraisablehook`), and asyncio would log each of their errors as
+    "Future exception was never retrieved". Dropped: those RuntimeErrors, and those log records
+    that name the directory; nothing else."""
+    previous = sys.unraisablehook
+    kept = bool(_QUIET_IN)  # installed for good by an earlier failed read
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    if not kept:
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_not_a_failed_read)
+    failures: list[bool] = []
+    _QUIET_IN.add(directory)
+    try:
+        yield lambda: failures.append(True)
+    finally:
+        if not failures and not kept:
+            _QUIET_IN.discard(directory)
+            sys.unraisablehook = previous
+            logging.getLogger("asyncio").removeFilter(_not_a_failed_read)
+
+
+def _not_a_failed_read(record: logging.LogRecord) -> bool:
+    """False for asyncio's record of an error that a failed read left unread (above)."""
+    text = record.getMessage()
+    if not text.startswith(("Future exception was never retrieved", "Task exception was never")):
+        return True
+    return not any(directory in text for directory in _QUIET_IN)
 
 
 def restore_state_field(
@@ -264,6 +358,10 @@ class Checkpointer:
         """The step of the latest complete checkpoint on disk (None if there is none)."""
         meta = ocp.path.step.latest_step_metadata(self.directory, self._name_format)
         return None if meta is None else meta.step
+
+    def reload(self) -> None:
+        """Forget the steps seen on disk: after a step folder was moved away."""
+        self._manager.reload()
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, ascending."""

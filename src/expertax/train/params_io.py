@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -90,24 +91,20 @@ def latest_run_step(run_dir: str | Path) -> tuple[int | None, dict[int, str]]:
 
 
 def load_run_params(run_dir: str | Path) -> tuple[Config, decoder.Decoder, int]:
-    """(Config, parameters on the first device, step) of a run's latest intact checkpoint.
+    """(Config, parameters on the first device, step) of a run's newest checkpoint that reads.
 
-    Only the parameters are read (the optimizer state stays on disk). ValueError if the run has
-    no complete checkpoint.
+    Only the parameters are read (the optimizer state stays on disk). A newer checkpoint that
+    lacks a file or cannot be read (a damaged array chunk) is named on stderr and the next older
+    one read instead; ValueError if the run has no complete checkpoint, ConfigError naming the
+    folder if none reads.
     """
     path = Path(run_dir).resolve()
     c = read_run_config(path)
     ckpt_dir = path / CHECKPOINT_SUBDIR
-    step, damaged = latest_run_step(path)
-    if step is None:
+    steps, damaged = checkpoint.intact_steps(ckpt_dir)
+    if not steps:
         more = f" (damaged: {damaged})" if damaged else ""
         raise ValueError(f"run folder {path} has no complete checkpoint in {ckpt_dir}{more}")
-    for newer, what in sorted(damaged.items()):
-        print(
-            f"expertax: the checkpoint of step {newer} in {ckpt_dir} is damaged ({what}); "
-            f"reading step {step}",
-            file=sys.stderr,
-        )
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     dtype = jnp.dtype(c.weight_dtype)
     abstract = jax.tree.map(
@@ -115,5 +112,22 @@ def load_run_params(run_dir: str | Path) -> tuple[Config, decoder.Decoder, int]:
         decoder.spec(c),
         is_leaf=is_spec,
     )
-    params = checkpoint.restore_state_field(ckpt_dir, step, "params", abstract)
+    read = functools.partial(
+        checkpoint.restore_state_field, ckpt_dir, field="params", abstract=abstract
+    )
+    step, params, unreadable = checkpoint.first_readable(ckpt_dir, steps, read)
+    damaged.update({s: f"it cannot be read: {why}" for s, why in unreadable.items()})
+    if step is None:
+        raise ConfigError(
+            f"run folder {path}: no checkpoint in {ckpt_dir} can be read ("
+            + "; ".join(f"step {s}: {why}" for s, why in sorted(damaged.items()))
+            + "); give another source"
+        )
+    for newer, what in sorted(damaged.items()):
+        if newer > step:
+            print(
+                f"expertax: the checkpoint of step {newer} in {ckpt_dir} is damaged ({what}); "
+                f"reading step {step}",
+                file=sys.stderr,
+            )
     return c, params, step

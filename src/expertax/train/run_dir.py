@@ -12,15 +12,18 @@ in its first minutes) both need the folder's config.yml to be readable and to ag
 on every key of the kinds in `SAME_RUN_KINDS` (the model, the training numbers and the data); the
 other keys (layout, run) may change. A folder that never trained a step (a run that failed before
 its first one) is started again with whatever config comes next. A restart keeps the earlier
-metrics.jsonl aside as metrics.jsonl.1 (.2, ...), and the newest checkpoints found damaged go to
-`damaged_checkpoints/<step>` while the run resumes from the newest intact one: nothing is deleted.
+metrics.jsonl aside as metrics.jsonl.1 (.2, ...), and the newest checkpoints found damaged (files
+missing, or a restore that fails) go to `damaged_checkpoints/<step>` while the run resumes from
+the newest one that reads: nothing is deleted.
 Every process calls these; process 0 writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -192,13 +195,16 @@ class RunDir:
         if self.checkpointer is not None:
             self.checkpointer.close()
 
+    def set_aside_note(self, step: int) -> str:
+        why, where = self.set_aside[step]
+        return (
+            f"the checkpoint of step {step} in {self.path} is damaged ({why}); moved to {where}, "
+            f"resuming from step {self.resume_step}, the newest checkpoint that reads"
+        )
+
     def notes(self) -> list[str]:
         """What the opening did that the user must hear of (the CLI prints them on stderr)."""
-        out = [
-            f"the checkpoint of step {step} in {self.path} is damaged ({why}); moved to {where}, "
-            f"resuming from step {self.resume_step}, the previous complete checkpoint"
-            for step, (why, where) in sorted(self.set_aside.items())
-        ]
+        out = [self.set_aside_note(step) for step in sorted(self.set_aside)]
         if self.replaced:
             out.append(
                 f"run folder {self.path} never trained a step; starting it again with the new "
@@ -255,6 +261,35 @@ def open_run(c: Config, plan: Plan) -> RunDir:
     )
 
 
+def _everyone(read_here: bool) -> bool:
+    """Whether every process read its part of a checkpoint."""
+    if jax.process_count() == 1:
+        return read_here
+    return bool(np.all(multihost_utils.process_allgather(np.int32(read_here))))
+
+
+def _fall_back(run: RunDir, step: int, unreadable: dict[int, str]) -> None:
+    """Resume from `step` instead: the newer checkpoints that did not read moved to
+    `damaged_checkpoints/`, the metrics trimmed to `step`, each move said on stderr."""
+    assert run.checkpointer is not None
+    moved = {
+        s: (f"it cannot be read: {why}", _free_name(run.path / DAMAGED_DIR / str(s)))
+        for s, why in unreadable.items()
+    }
+    if jax.process_index() == 0:
+        for s, (_, target) in moved.items():
+            target.parent.mkdir(exist_ok=True)
+            checkpoint.step_path(run.checkpointer.directory, s).rename(target)
+        _trim_metrics(run.path / METRICS_FILE, step)
+    barrier("expertax:unreadable-checkpoints-set-aside")
+    run.checkpointer.reload()
+    run.resume_step = run.last_saved = step
+    run.set_aside.update(moved)
+    if jax.process_index() == 0:
+        for s in sorted(moved):
+            print(f"expertax: {run.set_aside_note(s)}", file=sys.stderr)
+
+
 def _trim_metrics(path: Path, step: int) -> None:
     """Keep the records of steps before `step` (the restored state's), so the file stays one record
     per step after the resumed run appends; a record cut off by a crash is dropped too."""
@@ -293,19 +328,28 @@ def _free_name(path: Path, first: int = 0) -> Path:
 def restore(c: Config, trainer: Trainer, run: RunDir, data) -> tuple[TrainState, int]:
     """The train state of run.resume_step (resharded onto trainer's mesh); positions `data`.
 
+    A checkpoint that cannot be read (an array chunk cut short or overwritten: nothing
+    `checkpoint.damage` sees) is set aside as the damaged ones are, and the next older intact one
+    is read instead (`_fall_back`); none that reads is a ConfigError naming the folder.
     Returns the state and the count of skipped (non-finite) steps so far.
     """
-    step = run.resume_step
-    assert run.checkpointer is not None and step is not None
-    try:
-        state, saved = run.checkpointer.restore(step, trainer.abstract_state())
-    except (OSError, ValueError) as e:  # files that `checkpoint.damage` cannot see are gone
-        where = checkpoint.step_path(run.checkpointer.directory, step)
+    ckpt = run.checkpointer
+    assert ckpt is not None and run.resume_step is not None
+    abstract = trainer.abstract_state()
+    older = [s for s in checkpoint.intact_steps(ckpt.directory)[0] if s < run.resume_step]
+    read = functools.partial(ckpt.restore, abstract_state=abstract)
+    steps = [run.resume_step, *older]
+    step, got, unreadable = checkpoint.first_readable(ckpt.directory, steps, read, _everyone)
+    if step is None:
         raise ConfigError(
-            f"the checkpoint of step {step} ({where}) cannot be read ({type(e).__name__}: "
-            f"{str(e)[:300]}); it is damaged: move it to {run.path / DAMAGED_DIR} and run the "
-            "same command again to resume from the previous checkpoint"
-        ) from None
+            f"no checkpoint in {ckpt.directory} can be read ("
+            + "; ".join(f"step {s}: {why}" for s, why in sorted(unreadable.items()))
+            + f"); move {ckpt.directory} aside to train {run.path} again from step 0, or choose "
+            "another run_name"
+        )
+    if unreadable:
+        _fall_back(run, step, unreadable)
+    state, saved = got
     saved = saved or {}
     if saved.get("global_batch") != trainer.global_batch:
         raise ConfigError(

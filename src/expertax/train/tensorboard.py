@@ -11,6 +11,10 @@ What is written (metrics.jsonl stays the source of truth; this is a view of it):
     experts_without_tokens/layer_<i>     experts of layer i that received nothing
     config (text)                        the resolved config.yml
 
+A value that is not finite (the loss of a step whose update was skipped, say) is left out of the
+event files: tensorboardX would log a warning for each, and TensorBoard's plots cannot show it.
+The first one is named once on stderr; metrics.jsonl keeps every one (as null).
+
 The summaries are built and written on one background thread (in call order): building a
 tensorboardX scalar costs ~30 us of Python, ~0.4 ms for a record's ~14 scalars, which the train
 loop's thread should not pay between dispatching steps. `close()` waits for them and re-raises
@@ -19,6 +23,7 @@ the first error of the thread.
 
 from __future__ import annotations
 
+import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,6 +60,7 @@ class TensorBoardWriter:
     def __init__(self, path: Path | None, config_yaml: str = ""):
         self.writer = None
         self.error: BaseException | None = None
+        self.left_out = 0  # non-finite values not written (the first one named on stderr)
         if path is None:
             return
         self.writer = _summary_writer_class()(logdir=str(path / TENSORBOARD_SUBDIR), flush_secs=30)
@@ -103,7 +109,7 @@ class TensorBoardWriter:
         step = record["step"]
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                self.writer.add_scalar(key, value, step)
+                self._scalar(key, value, step)
 
     def _expert_loads(self, step: int, load_LE: np.ndarray) -> None:
         assert self.writer is not None
@@ -123,10 +129,8 @@ class TensorBoardWriter:
                 bucket_counts=load_E.tolist(),
                 global_step=step,
             )
-            self.writer.add_scalar(
-                f"expert_load_max_over_mean/layer_{i}", summary["max_over_mean"], step
-            )
-            self.writer.add_scalar(
+            self._scalar(f"expert_load_max_over_mean/layer_{i}", summary["max_over_mean"], step)
+            self._scalar(
                 f"experts_without_tokens/layer_{i}", summary["experts_without_tokens"], step
             )
 
@@ -134,4 +138,18 @@ class TensorBoardWriter:
         assert self.writer is not None
         for key in ("bytes_in_use", "peak_bytes_in_use"):
             if key in stats:
-                self.writer.add_scalar(f"device_memory/{key}_gib", stats[key] / GIB, step)
+                self._scalar(f"device_memory/{key}_gib", stats[key] / GIB, step)
+
+    def _scalar(self, key: str, value: float, step: int) -> None:
+        """One scalar; a non-finite one left out (the module docstring), the first named."""
+        assert self.writer is not None
+        if math.isfinite(value):
+            self.writer.add_scalar(key, value, step)
+            return
+        if not self.left_out:
+            print(
+                f"expertax: {key} is {value} at step {step}: TensorBoard leaves out non-finite "
+                "values (this one and any later; metrics.jsonl records them as null)",
+                file=sys.stderr,
+            )
+        self.left_out += 1

@@ -279,9 +279,10 @@ REFUSED = [
     (["--prompt-ids", ",".join(["3"] * 30)], "model", "past the model's position range"),
     (["--prompt-ids", ",".join(["3"] * 130)], "run", "longer than max_target_length=128"),
     (["--prompt-ids", "1,x"], "model", "--prompt-ids='1,x'"),
-    (["--prompt-ids", "1,64"], "model", "outside the vocabulary [0, 64)"),
+    (["--prompt-ids", "1,64"], "model", "--prompt-ids='1,64': 64 is not below the vocab size (64)"),
+    (["--prompt-ids", "1,,2"], "model", "--prompt-ids='1,,2': entry 2 is empty; use comma-sep"),
     (["--prompt-ids", "1", "--speculative"], "model", "mtp_num_layers > 0"),
-    (["--prompt-ids", "1", "--tokenizer", "missing.json"], "model", "--tokenizer: tokenizer_pa"),
+    (["--prompt-ids", "1", "--tokenizer", "missing.json"], "model", "--tokenizer='missing.json'"),
     (["--prompt-ids", "1", "--json", "no/such/dir/out.json"], "model", "does not exist; create"),
     (["--prompt-ids", "1", "--prompts-file", "missing.jsonl"], "model", "no such file"),
     (["--prompts-file", "bad.jsonl"], "model", 'line 2: expected {"prompt"'),
@@ -353,3 +354,33 @@ def test_the_summary_reports_mtp_acceptance(world):
     gen_cli.print_results(source.open_source(world.bare, []), doc, out)
     assert "12 tokens for 0 prompt(s) in 2.00 s" in out.getvalue()
     assert "(6.0 tokens/s); MTP drafts accepted 6/8 (75.0 %)" in out.getvalue()
+
+
+def test_a_run_checkpoint_that_cannot_be_read_gives_way_to_the_older_one(world, tmp_path, capsys):
+    """Step 4's array chunks cut short (its files all there): generate reads step 2, names
+    step 4 on stderr and reports the step it read; no step that reads is one error naming the
+    folder. Negative control: the intact copy reads step 4, silently."""
+    from tests.unit.train.test_checkpoint import cut_array_chunks
+
+    copy = tmp_path / "run"
+    shutil.copytree(world.run, copy)
+    intact, intact_source = source.load_params(source.open_source(copy, []), None)
+    assert intact_source.step == 4 and capsys.readouterr().err == ""
+    assert cut_array_chunks(copy / "checkpoints" / "4") > 0
+    opened = source.open_source(copy, [])
+    assert opened.step == 4  # the files are all there: found only by reading
+    params, read_from = source.load_params(opened, None)
+    assert read_from.step == 2 and "step 2" in read_from.describe()
+    for got, old in zip(jax.tree.leaves(params), jax.tree.leaves(world.old), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), old)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (
+        f"the checkpoint of step 4 in {copy / 'checkpoints'} is damaged (it cannot be read: " in err
+    )
+    assert err.rstrip().endswith("reading step 2")
+    cut_array_chunks(copy / "checkpoints" / "2")
+    with pytest.raises(ConfigError) as e:
+        source.load_params(opened, None)
+    assert str(e.value).startswith(f"run folder {copy}: no checkpoint in {copy / 'checkpoints'}")
+    assert "step 2: " in str(e.value) and "step 4: " in str(e.value)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -145,6 +146,41 @@ def test_bad_flags_exit_2_naming_the_flag(flags, named, monkeypatch, capsys):
     assert cli.main(["bench", "gmm", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("expertax: error: " + named), err
+
+
+@pytest.mark.parametrize("backends", ["megablox", "tiled,tokamax_triton"])
+def test_a_kernel_of_another_platform_is_refused_naming_the_flag_before_any_device_work(
+    backends, monkeypatch, capsys
+):
+    """On CPU, megablox (TPU) and tokamax (GPU) are refused as `--backends` values, with the
+    backends valid here, before JAX starts a backend or measures anything."""
+    import jax
+
+    monkeypatch.setattr(jax, "devices", lambda *a: pytest.fail("a device was asked for"))
+    monkeypatch.setattr(jax, "default_backend", lambda: pytest.fail("a backend was started"))
+    monkeypatch.setattr(bench_gmm, "run_grid", lambda args: pytest.fail("measured"))
+    assert cli.main(["bench", "gmm", "--backends", backends]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"expertax: error: --backends={backends!r}: "), err
+    assert "not on cpu; valid on cpu: ragged_dot, tiled" in err and "gmm_impl" not in err
+
+
+def test_a_kernel_refusal_comes_in_seconds_as_a_user_runs_it():
+    """As a user runs it (expertax picks the platforms): status 2 well under the ~6 s that a
+    device probe and a bandwidth measurement took before the refusal."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    start = time.perf_counter()
+    r = subprocess.run(
+        [sys.executable, "-m", "expertax.cli", "bench", "gmm", "--backends", "megablox"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    seconds = time.perf_counter() - start
+    assert r.returncode == 2 and "--backends='megablox': megablox's kernels run on tpu" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""  # no machine line: nothing measured
+    assert seconds < 5, seconds
 
 
 def test_exit_status_of_the_command_line(tmp_path):

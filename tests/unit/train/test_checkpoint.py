@@ -17,7 +17,13 @@ import pytest
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from expertax.train.checkpoint import MARKER_FILE, Checkpointer, damage, latest_intact_step
+from expertax.train.checkpoint import (
+    MARKER_FILE,
+    Checkpointer,
+    damage,
+    first_readable,
+    latest_intact_step,
+)
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -307,3 +313,41 @@ def test_a_step_with_missing_files_is_damaged_and_skipped(tmp_path):
     for data in state.glob("ocdbt.process_*/d"):
         shutil.rmtree(data)
     assert "ocdbt.process_*/d" in (damage(tmp_path, 1) or "")
+
+
+def cut_array_chunks(step_dir: Path) -> int:
+    """Cut every file of the OCDBT stores' data folders of a saved step's state (the arrays'
+    chunks, the small ones inline in the b-tree nodes) to half its length, as a disk or a copy
+    cut short leaves them: every file is there and none is empty, so `damage` sees nothing.
+    Returns how many files were cut."""
+    files = [f for f in (step_dir / "state").glob("**/d/*") if f.is_file()]
+    for f in files:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return len(files)
+
+
+def test_a_step_whose_array_chunks_are_cut_short_is_passed_over_when_read(tmp_path):
+    """`first_readable` reads the newest step it can: a step with cut array chunks (which the file
+    check cannot see) is named with its error, in one line; negative control: intact steps read
+    first time, and none that reads is (None, None, every step's error)."""
+    sharding = SingleDeviceSharding(jax.devices()[0])
+    abstract = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32, sharding=sharding)}
+    with Checkpointer(tmp_path, period_steps=1, max_to_keep=5) as ckpt:
+        for step in (1, 2, 3):
+            w = jax.random.normal(jax.random.key(step), (4096,), jnp.float32)
+            ckpt.maybe_save(step, {"w": w}, {"position": step})
+        ckpt.wait()
+        read = lambda step: ckpt.restore(step, abstract)  # noqa: E731
+        step, _, unreadable = first_readable(tmp_path, [3, 2, 1], read)
+        assert (step, unreadable) == (3, {})
+        assert cut_array_chunks(tmp_path / "3") > 0
+        assert latest_intact_step(tmp_path) == (3, {})  # the files are all there
+        step, (state, data), unreadable = first_readable(tmp_path, [3, 2, 1], read)
+        assert step == 2 and data == {"position": 2} and list(unreadable) == [3]
+        want = jax.random.normal(jax.random.key(2), (4096,), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(want))
+        assert "\n" not in unreadable[3] and len(unreadable[3]) < 300, unreadable[3]
+        cut_array_chunks(tmp_path / "2")
+        cut_array_chunks(tmp_path / "1")
+        step, value, unreadable = first_readable(tmp_path, [3, 2, 1], read)
+        assert (step, value, sorted(unreadable)) == (None, None, [1, 2, 3])

@@ -267,3 +267,32 @@ def test_a_checkpoint_with_missing_files_falls_back_to_the_previous_one(tmp_path
     assert (tmp_path / "d" / "damaged_checkpoints" / "10" / "state").is_dir()
     assert checkpoint.latest_intact_step(ckpts) == (12, {})
     assert [r["step"] for r in read_metrics(tmp_path / "d")] == list(range(12))
+
+
+def test_a_checkpoint_that_cannot_be_read_falls_back_to_the_previous_one(tmp_path, capsys):
+    """Step 10's array chunks are cut short (its files all there): the restore fails, the run
+    says so on stderr, sets step 10 aside and resumes from step 5 with one metrics record per
+    step. With no checkpoint that reads: one error naming the folder, nothing moved."""
+    from tests.unit.train.test_checkpoint import cut_array_chunks
+
+    quiet = dict(echo=lambda *_: None)
+    train(tiny(tmp_path, run_name="c"), stop_after_step=10, **quiet)
+    ckpts = tmp_path / "c" / "checkpoints"
+    assert cut_array_chunks(ckpts / "10") > 0
+    assert checkpoint.latest_intact_step(ckpts) == (10, {})  # no file is missing or empty
+    capsys.readouterr()
+    resumed = train(tiny(tmp_path, run_name="c"), stop_after_step=11, **quiet)
+    assert resumed["resumed_from"] == 5 and int(resumed["state"].step) == 11
+    err = capsys.readouterr().err
+    assert f"the checkpoint of step 10 in {tmp_path / 'c'} is damaged (it cannot be read: " in err
+    assert "resuming from step 5" in err and "Traceback" not in err
+    assert (tmp_path / "c" / "damaged_checkpoints" / "10" / "state").is_dir()
+    assert checkpoint.intact_steps(ckpts) == ([11, 10, 5], {})  # step 10 trained again
+    assert [r["step"] for r in read_metrics(tmp_path / "c")] == list(range(11))
+    for step in (5, 10, 11):
+        cut_array_chunks(ckpts / str(step))
+    with pytest.raises(ConfigError) as e:
+        train(tiny(tmp_path, run_name="c"), stop_after_step=12, **quiet)
+    assert str(e.value).startswith(f"no checkpoint in {ckpts} can be read (step 5: "), e.value
+    assert "step 10: " in str(e.value) and "step 11: " in str(e.value) and "move" in str(e.value)
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [5, 10, 11]

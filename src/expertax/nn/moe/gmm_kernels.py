@@ -100,20 +100,36 @@ def _interpret_mode():
     return importlib.import_module("jax.experimental.pallas.tpu").InterpretParams()
 
 
+def kernels_on(on: str) -> list[str]:
+    """The kernel backends whose kernels run on platform `on`."""
+    return [k for k, (platforms, _, _) in KERNELS.items() if on in platforms]
+
+
+def missing_package(backend: str) -> str | None:
+    """What installs the package kernel backend `backend` needs, when it is not installed."""
+    if backend not in KERNELS:
+        return None
+    _, package, install = KERNELS[backend]
+    if importlib.util.find_spec(package) is None:
+        return f"needs the {package} package: {install}"
+    return None
+
+
 def check(backend: str, on: str) -> None:
     """ConfigError (before any compilation) when `backend` cannot run on platform `on` or its
     library is missing; names the key, the value and what is valid there."""
     if backend not in KERNELS:
         return
-    platforms, package, install = KERNELS[backend]
+    platforms = KERNELS[backend][0]
     if on not in platforms and not (on == "cpu" and _INTERPRET.get() and backend == "megablox"):
-        valid = ["auto", "tiled", "ragged_dot", *(k for k, v in KERNELS.items() if on in v[0])]
+        valid = ["auto", "tiled", "ragged_dot", *kernels_on(on)]
         raise ConfigError(
             f"gmm_impl={backend}: its kernels run on {'/'.join(platforms)}, not on the {on} "
             f"devices of this mesh; valid here: {', '.join(valid)}"
         )
-    if importlib.util.find_spec(package) is None:
-        raise ConfigError(f"gmm_impl={backend} needs the {package} package: {install}")
+    missing = missing_package(backend)
+    if missing:
+        raise ConfigError(f"gmm_impl={backend} {missing}")
 
 
 def gmm(backend, lhs_MD, rhs_EDF, group_sizes_E, group_offset, out_dtype, expected_rows=None):
