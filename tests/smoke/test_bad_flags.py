@@ -32,6 +32,7 @@ POSITIONALS = {
     "generate": ["SOURCE"],
     "convert": ["from-hf", "HF_DIR", "OUT_DIR"],
     "report": ["RUN"],
+    "steptime": ["PROGRAM"],
 }
 NUMERIC = (int, float)
 BENCH_NUMERIC_BAD = ("many", "-1", "nan", "inf")  # the benchmarks check their numbers themselves

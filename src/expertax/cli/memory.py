@@ -24,7 +24,12 @@ LIMITS = {
     "--fit-minutes": flags.above(0, "minutes of search"),
 }
 # The text and path flags' kinds (cli/flags.py TEXT_KINDS: what each takes and must refuse).
-KINDS = {"--target": "target", "--json": "output file"}
+KINDS = {
+    "--target": "target",
+    "--json": "output file",
+    "--save-program": "output file",
+    "--plot": "output file",
+}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -13,6 +13,8 @@ from expertax.outputs import add_overwrite_flag, check_file
 
 HELP = "step time predicted from a compiled program's HLO text: compute, collectives, overlap"
 LIMITS: dict = {}
+# The text and path flags' kinds (cli/flags.py TEXT_KINDS: what each takes and must refuse).
+KINDS = {"--target": "target", "--json": "output file", "--plot": "output file"}
 META_SUFFIX = ".meta.json"  # beside a saved program: its target, mesh and device coordinates
 
 
@@ -50,7 +52,13 @@ def read_meta(program: str) -> dict:
 
 
 def check_inputs(args) -> tuple[str, dict]:
-    """The program's path checked, the target resolved; before anything is read or compiled."""
+    """The flags, then the program's path, then the target; before anything is read."""
+    for flag in ("--json", "--plot"):
+        check_file(flag, getattr(args, flag[2:]), args.overwrite)
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ConfigError(f"--plot={args.plot!r}: the image's suffix is .png, .svg or .pdf")
+    if args.target is not None:
+        _accelerator(args.target)
     program = Path(args.program)
     if not program.exists():
         raise ConfigError(f"PROGRAM={args.program!r} does not exist; give an HLO text file")
@@ -68,23 +76,25 @@ def check_inputs(args) -> tuple[str, dict]:
             f"--target={args.target} differs from {meta['target']}, the target the program "
             f"was compiled for ({args.program}{META_SUFFIX}); leave --target out"
         )
-    for flag in ("--json", "--plot"):
-        check_file(flag, getattr(args, flag[2:]), args.overwrite)
-    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ConfigError(f"--plot={args.plot!r}: the image's suffix is .png, .svg or .pdf")
     return target, meta
 
 
-def placement_for(target_spec: str, meta: dict):
+def _accelerator(spec: str):
     from expertax import targets
-    from expertax.steptime import topology
 
-    t = targets.parse_target(target_spec)
+    t = targets.parse_target(spec)
     if t.is_cpu:
         raise ConfigError(
-            f"--target={target_spec}: a step time is predicted for a TPU or GPU target, not "
+            f"--target={spec}: a step time is predicted for a TPU or GPU target, not "
             "the CPU; give tpu:<slice> or gpu:<chip>x<count>"
         )
+    return t
+
+
+def placement_for(target_spec: str, meta: dict):
+    from expertax.steptime import topology
+
+    t = _accelerator(target_spec)
     p = topology.default_placement(t, tuple((a, int(n)) for a, n in meta.get("mesh", [])))
     coords = meta.get("coords")
     if coords:
