@@ -233,6 +233,27 @@ def _fields(text: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S+?)(?=[\s}]|$)", text))
 
 
+def _logical_lines(text: str) -> list[str]:
+    """The dump's lines with an instruction's continuation lines joined to it: a kernel's
+    metadata (MaxText's Pallas kernels) may hold newlines, printed as they are, so a line inside
+    a computation that is not indented, not its closing brace and not a computation's header
+    continues the instruction above."""
+    out: list[str] = []
+    inside = False
+    for line in text.splitlines():
+        if line.startswith(" ") or not line:
+            out.append(line)
+        elif line.rstrip() == "}":
+            inside = False
+            out.append(line)
+        elif inside and out and out[-1].startswith(" ") and not _COMP_RE.match(line):
+            out[-1] += "\n" + line
+        else:
+            inside = bool(_COMP_RE.match(line))
+            out.append(line)
+    return out
+
+
 def parse_hlo(text: str) -> Module:
     """Instructions, computations and stack frames of an optimized-HLO text dump.
 
@@ -246,7 +267,7 @@ def parse_hlo(text: str) -> Module:
     section = None
     computation = None
     entry = ""
-    for line in text.splitlines():
+    for line in _logical_lines(text):
         if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
             section = sections.setdefault(line, {})
             continue

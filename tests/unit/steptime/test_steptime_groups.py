@@ -80,3 +80,23 @@ def test_the_tpu_compilers_mesh_form_groups_the_mesh_axis_it_gathers():
         text = f.lower(x).compile().as_text()
         line = next(ln for ln in text.splitlines() if " all-gather(" in ln)
         assert groups.replica_groups(line, 8) == want, line[:200]
+
+
+def test_an_instruction_printed_over_several_lines_is_read_whole():
+    """A Pallas kernel's metadata may hold newlines (MaxText's megablox calls print their
+    tiling on a line of its own): the lines after it belong to the instruction."""
+    from expertax.planner.hlo import parse_hlo
+
+    text = (
+        "HloModule m, is_scheduled=true\n\nENTRY %main (a: bf16[8,8]) -> bf16[8,8] {\n"
+        "  %a = bf16[8,8]{1,0} parameter(0)\n"
+        '  %k = bf16[8,8]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", '
+        "frontend_attributes={kernel_metadata={\n"
+        '"xprof_metadata":"{\\"tiling\\": 512}"\n'
+        '}}, metadata={op_name="jit(train_step)/jit(gmm)/pallas_call"}\n'
+        "  ROOT %r = bf16[8,8]{1,0} add(%k, %a)\n"
+        "}\n"
+    )
+    m = parse_hlo(text)
+    assert m.instructions["k"].op_name == "jit(train_step)/jit(gmm)/pallas_call"
+    assert m.instructions["r"].operands == ("k", "a") and m.roots["main"] == "r"
