@@ -27,7 +27,7 @@ from expertax import platform, progress
 from expertax.config import ConfigError
 from expertax.config.schema import Config
 from expertax.parallel import remat
-from expertax.planner import plan, steptime
+from expertax.planner import comm, plan, steptime
 from expertax.planner.calibrate import Calibration, Measured
 from expertax.planner.costs import step_costs
 from expertax.planner.estimate import CHUNKS_KEY
@@ -149,6 +149,17 @@ def fit_search(
     cal = Calibration(on)
     times = steptime.Model(c, chip)
     paddings: dict[tuple, float] = {}
+    exchanges: dict[tuple, float] = {}
+
+    def comm_s(x: Candidate) -> float:
+        """The layout's collectives on the target's links (planner/comm.py; 0 on the CPU)."""
+        shape = {a[len("ici_") : -len("_parallelism")]: v for a, v in x.overrides.items()
+                 if a.startswith("ici_") and a.endswith("_parallelism")}  # fmt: skip
+        key = (tuple(sorted(shape.items())), round(x.recompute_share, 2))
+        if key not in exchanges:
+            found = comm.estimate(c, shape, target_devices or [], hardware, x.recompute_share)
+            exchanges[key] = found.seconds if found is not None else 0.0
+        return exchanges[key]
 
     def padding(x: Candidate) -> float:
         key = (x.overrides["ici_expert_parallelism"], x.overrides.get(CHUNKS_KEY, 1))
@@ -228,7 +239,8 @@ def fit_search(
         if spent and time.perf_counter() + sum(spent) / len(spent) > deadline:
             stopped = f"--fit-minutes {minutes:g} would be passed by one more compile"
             break
-        cand = _next(pool, cal, times, target, host_budget, best, padding, _time_scale(compiled))
+        scale = _time_scale(compiled)
+        cand = _next(pool, cal, times, target, host_budget, best, padding, scale, comm_s)
         if cand is None:
             break
         if try_one(cand) and (best is None or _seconds(cand) < _seconds(best)):
@@ -280,7 +292,9 @@ def _strategy_sibling(best: Candidate | None, c: Config) -> Candidate | None:
     )  # fmt: skip
 
 
-def _next(pool, cal, times, target, host_budget, best, padding, scale=1.0) -> Candidate | None:
+def _next(
+    pool, cal, times, target, host_budget, best, padding, scale=1.0, comm_s=lambda x: 0.0
+) -> Candidate | None:
     """The uncompiled candidate with the least estimated step time among those the calibrated
     estimate says fit (and beat `best`: its estimate times `scale`, the compiled programs'
     predicted to estimated time, against `best`'s predicted); when none does before anything
@@ -297,7 +311,12 @@ def _next(pool, cal, times, target, host_budget, best, padding, scale=1.0) -> Ca
         x.estimate_bytes = x.terms.peak(r)
         x.estimate_host_bytes = x.terms.host(r)
         x.step = times.of(
-            x.recompute_share, x.terms, r.get("host", 1.0), padding(x), times.exchange(x.overrides)
+            x.recompute_share,
+            x.terms,
+            r.get("host", 1.0),
+            padding(x),
+            times.exchange(x.overrides),
+            comm_s(x),
         )
         if x.estimate_bytes <= target and x.estimate_host_bytes <= host_budget:
             faster = best is None or x.step.seconds * scale < _seconds(best)

@@ -53,7 +53,8 @@ def format_fit(r: dict) -> str:
     lines.append(
         "step s: estimated, not measured: (model + recompute FLOPs) at "
         f"{100 * r['assumed_mfu']:.0f}% of the chip's peak, activation transfers overlapped, "
-        "state transfers not; collectives not modelled. pred s: the compiled program's step "
+        "state transfers not; the layout's collectives on the target's links counted exposed "
+        "(planner/comm.py). pred s: the compiled program's step "
         "time predicted on the target (compute, exposed collectives and host transfers: "
         "docs/steptime.md), not measured; the ranking's figure where present. host/host: pinned "
         "host bytes per host. chunks m/a: MoE / attention token chunks."

@@ -10,8 +10,9 @@ host placements move over the host link, overlapped with compute where the sched
 - optimizer state and parameters offloaded: moved in (and out) around the update, which waits
   for them: not overlapped;
 - the link: the chip's to host memory, one direction at its nominal rate (targets.HOSTS; the
-  CPU proxy has none: transfers cost 0 there). Collectives are not in the seconds: layouts that
-  differ in communication rank by compute and transfers first;
+  CPU proxy has none: transfers cost 0 there);
+- collectives (a TPU or GPU target): what each mesh axis of the layout moves, timed on the
+  links that axis spans in the target's mesh (planner/comm.py), counted exposed;
 - among equal seconds, by `exchange_bytes`: what the tensor axis's activation all-reduces and the
   context axis's key/value gathers move per device and step (bytes, no link rate: a tie-break
   between splits that compute the same, e.g. a long sequence's heads over `tensor` against its
@@ -43,10 +44,11 @@ class StepTime:
     state_transfer_s: float  # not overlapped
     link: str
     exchange_bytes: float = 0.0  # tensor all-reduces + context gathers per device (tie-break)
+    comm_s: float = 0.0  # the layout's collectives on the target's links, counted exposed
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_s, self.activation_transfer_s) + self.state_transfer_s
+        return max(self.compute_s, self.activation_transfer_s) + self.state_transfer_s + self.comm_s
 
     @property
     def recompute_share(self) -> float:
@@ -167,6 +169,7 @@ class Model:
         host_ratio: float = 1.0,
         padding: float = 0.0,
         exchange: float = 0.0,
+        comm_s: float = 0.0,
     ) -> StepTime:
         """A candidate whose remat choice recomputes `share` of the layers' forward FLOPs and
         whose estimate is `terms`, its grouped matmuls computing `padding` more than their rows
@@ -179,7 +182,7 @@ class Model:
         # transfer beside another layer's compute: the step takes the longer of the two.
         act = host_ratio * terms.residual_host / self.rate
         state = 2 * terms.state_host / self.rate  # in for the update, the updated state out
-        return StepTime(self.model, recompute, compute, act, state, self.link, exchange)
+        return StepTime(self.model, recompute, compute, act, state, self.link, exchange, comm_s)
 
     def exchange(self, overrides: dict) -> float:
         """`exchange_bytes` of a candidate's tensor and context splits."""

@@ -9,7 +9,8 @@ from expertax import jsonio
 from expertax.config.schema import Config
 
 
-def _attention_matmul_params(c: Config) -> int:
+def attention_matmul_params(c: Config) -> int:
+    """Matmul weights of one attention block."""
     d, h = c.base_emb_dim, c.base_num_query_heads
     if c.attention_type == "mla":
         qk, v = c.qk_head_dim, c.v_head_dim
@@ -26,7 +27,7 @@ def _flops_per_token_parts(c: Config) -> dict[str, float]:
     FFNs, MTP's blocks included: what an fp8 `quantization` takes), `router`, `mtp_proj`,
     `heads` (output heads) and `attention` (the scores and the weighted values)."""
     d = c.base_emb_dim
-    attn = _attention_matmul_params(c)
+    attn = attention_matmul_params(c)
     dense_ffn = 3 * d * c.base_mlp_dim
     moe_ffn = 3 * d * c.base_moe_mlp_dim * (c.num_experts_per_tok + c.shared_experts)
     block_linears = attn + (moe_ffn if c.is_moe else dense_ffn)
