@@ -174,7 +174,7 @@ def routed_choice(
             f"gmm_impl=auto: D={d} or F per shard={f_local} is not a multiple of {NARROW}: "
             "dequantized products"
         )
-    return HOPPER, f"gmm_impl={gmm_impl}: fprop and dgrad on the {HOPPER} kernel ({kind})"
+    return HOPPER, f"gmm_impl={gmm_impl}: fprop, dgrad and wgrad on the {HOPPER} kernels ({kind})"
 
 
 def check(c: Config) -> None:

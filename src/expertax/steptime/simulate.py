@@ -283,7 +283,7 @@ class Simulator:
         n: float | None = trip_count(self.m, ins, self.fused_by)
         how = "read"
         if n is None and (hint := scopes.TRIPS.pattern.findall(ins.op_name)):
-            n, how = float(hint[-1]), "expected (trips~N)"
+            n, how = float(hint[-1]), "expected (the loop's trip-count scope)"
         if n is None:
             n, how = 1.0, "unknown: once"
         self.loops.append(
