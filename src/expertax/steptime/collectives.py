@@ -3,9 +3,10 @@ stated model on the placement's links.
 
 Bytes per device (the payload each device holds, as nccl-tests sizes a collective):
 - all-gather: the gathered output; reduce-scatter: the input before scattering; all-reduce:
-  the array; all-to-all: the array each device sends and receives; ragged-all-to-all: the send
-  buffer (operand 0: the rows a device may send, padding included); collective-permute: the
-  array sent to one peer.
+  the array; all-to-all: the array each device sends and receives; ragged-all-to-all: the
+  smaller of its send buffer (operand 0) and its receive buffer (what the rows sent are bounded
+  by: the routed rows of a device under balanced routing, where the experts' side is a buffer
+  sized for the worst case); collective-permute: the array sent to one peer.
 
 Models (B the bytes per device, n the group, W a link's rate one way times its achieved share,
 alpha a latency per collective; links.py):
@@ -100,8 +101,8 @@ class Collective:
 def payload(m: Module, ins: Instruction, kind: str, n: int) -> int:
     ops = [m.instructions[o] for o in ins.operands if o in m.instructions]
     inputs = sum(array_bytes(o.shape) for o in ops)
-    if kind == "ragged-all-to-all":
-        return array_bytes(ops[0].shape) if ops else 0
+    if kind == "ragged-all-to-all":  # at most the smaller of the send and receive buffers
+        return min(array_bytes(ops[0].shape), array_bytes(ins.shape)) if ops else 0
     if kind == "all-gather":
         return inputs * n
     return inputs

@@ -9,7 +9,9 @@ reads and writes at the HBM rate (times the share a streaming kernel reaches).
   tiles are real: each of (rows, contraction, columns) rounded up to the chip's tile;
 - bytes: every operand and result array, except that a fusion reading a parameter only through
   dynamic-slices reads the slices, and one updating a parameter in place (a dynamic-update-
-  slice, a loop's stacked residuals) moves the update, not the buffer.
+  slice: a loop's stacked residuals; a scatter: the MoE's rows added into their buffer) moves
+  the update, not the buffer; a grouped-matmul kernel reads the share of its buffer its FLOPs
+  are counted at (the routed rows under balanced routing, planner/kernels.py).
 """
 
 from __future__ import annotations
@@ -84,6 +86,22 @@ def _dtype(shape: str) -> str:
     return m.group(1) if m else "?"
 
 
+def _updates_in_place(use: Instruction, name: str) -> bool:
+    """Whether `use` writes part of `name` (its operand 0) in place: a dynamic-update-slice
+    or a scatter."""
+    if not use.operands or use.operands[0] != name:
+        return False
+    if use.opcode == "scatter":
+        return True
+    return use.opcode == "dynamic-update-slice" and len(use.operands) >= 2
+
+
+def _update_of(use: Instruction) -> str:
+    """The operand an in-place update writes: a scatter's updates (last), a dynamic-update-
+    slice's update (operand 1)."""
+    return use.operands[-1] if use.opcode == "scatter" else use.operands[1]
+
+
 class Costs:
     """Per-instruction compute costs of one module on one chip (memoized)."""
 
@@ -153,6 +171,8 @@ class Costs:
         if c is None:
             if ins.opcode == "dynamic-update-slice" and len(ops) > 1:
                 return 2 * array_bytes(ops[1].shape)
+            if ins.opcode == "scatter" and len(ops) > 2:
+                return 2 * array_bytes(ops[-1].shape) + array_bytes(ops[1].shape)
             if ins.opcode == "dynamic-slice":
                 return 2 * out
             return out + sum(reads)
@@ -169,13 +189,13 @@ class Costs:
                 continue
             if all(u.opcode == "dynamic-slice" and u.operands[0] == name for u in use):
                 reads[k] = sum(array_bytes(u.shape) for u in use)
-            elif all(u.opcode == "dynamic-update-slice" and u.operands[0] == name for u in use):
+            elif all(_updates_in_place(u, name) for u in use):
                 update = sum(
-                    array_bytes(self.m.instructions[u.operands[1]].shape)
+                    array_bytes(self.m.instructions[_update_of(u)].shape)
                     for u in use
-                    if u.operands[1] in self.m.instructions
+                    if _update_of(u) in self.m.instructions
                 )
-                in_place += reads[k] - update
+                in_place += max(reads[k] - update, 0)
                 reads[k] = update
         return max(out - in_place, 0) + sum(reads)
 
@@ -189,6 +209,9 @@ class Costs:
             if ins.opcode == "fusion" and (c := CALLS_RE.search(ins.attrs)):
                 flops += self.flops.cost(c.group(1))[0]
             nbytes = float(self._bytes(ins))
+            kernel = self.flops.kernels.get(ins.name)
+            if kernel is not None and kernel.worst_flops:  # reads the routed rows of its buffer
+                nbytes *= min(1.0, kernel.flops / kernel.worst_flops)
             gemms = self._gemms(ins)
             peak = self.links.fp8_flops if self._fp8(ins, gemms) else self.links.peak
             share = self.links.matmul_share

@@ -125,13 +125,18 @@ def test_gpu_collectives_inside_a_node_and_across_nodes():
     assert c.seconds == pytest.approx(h.network_latency_s + 4 * b * 3 / 4 / nic)
 
 
-def test_ragged_all_to_all_moves_its_send_buffer_and_unknown_devices_are_refused():
+def test_ragged_all_to_all_moves_the_smaller_buffer_and_unknown_devices_are_refused():
+    """Dispatch: the routed rows (1024) into a worst-case receive buffer (4096); combine: back
+    from that buffer: the rows moved are at most the smaller of the two either way."""
     line = (
         "%r = bf16[4096,1024]{1,0} ragged-all-to-all(%a, %a), channel_id=1, "
         "replica_groups={{0,1,2,3},{4,5,6,7}}"
     )
     c, _ = _one(line, "gpu:h100x8")
     assert c.kind == "ragged-all-to-all" and c.bytes == 1024 * 1024 * 2
+    back = line.replace("bf16[4096,1024]{1,0} ragged", "bf16[1024,1024]{1,0} ragged")
+    c, _ = _one(back, "gpu:h100x8", operand="bf16[4096,1024]{1,0}")
+    assert c.bytes == 1024 * 1024 * 2
     too_many = line.replace("{{0,1,2,3},{4,5,6,7}}", "{{0,9}}")
     with pytest.raises(ValueError, match="past the target"):
         _one(too_many, "gpu:h100x8")

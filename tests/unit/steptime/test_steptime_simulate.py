@@ -143,3 +143,26 @@ def test_the_reports_parts_add_up_and_say_how_they_were_found():
     assert r["tokens_per_s_per_device"] == pytest.approx(1024 / r["seconds"])
     (c,) = r["communication"]
     assert c["mesh_axes"] == ["fsdp"] and c["kind"] == "all-gather"
+
+
+def test_an_in_place_scatter_moves_its_updates_not_its_buffer():
+    """A fusion adding rows into a large buffer in place (the MoE's combine) reads and writes
+    the rows, not the whole buffer."""
+    fused = [
+        "%buf = bf16[65536,1024]{1,0} parameter(0)",
+        "%idx = s32[1024,1]{1,0} parameter(1)",
+        "%upd = bf16[1024,1024]{1,0} parameter(2)",
+        "ROOT %s = bf16[65536,1024]{1,0} scatter(%buf, %idx, %upd), update_window_dims={1}, "
+        "inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, "
+        "to_apply=%add",
+    ]
+    entry = [
+        "%b = bf16[65536,1024]{1,0} parameter(0)",
+        "%i = s32[1024,1]{1,0} parameter(1)",
+        "%u = bf16[1024,1024]{1,0} parameter(2)",
+        "%f = bf16[65536,1024]{1,0} fusion(%b, %i, %u), kind=kLoop, calls=%scatter_fusion",
+    ]
+    sim, seg = _run(module(entry, ("scatter_fusion", fused)))
+    moved = sim.costs.memo["f"].bytes
+    rows = 1024 * 1024 * 2
+    assert rows * 2 <= moved <= rows * 2 + 1024 * 4 + rows  # updates read and written, indices
