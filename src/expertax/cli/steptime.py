@@ -133,10 +133,10 @@ def run(args) -> int:
         why = f"PROGRAM={args.program!r} cannot be read as optimized HLO: {e}"
         raise ConfigError(why) from None
     print(format_steptime(report))
-    if args.plot:
-        loop = plot.write(report["_simulator"], args.plot, Path(args.program).name)
-        print(f"expertax: wrote the timeline of {loop or 'the step'} to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             dump(json_ready(report), f, indent=1)
+    if args.plot:
+        loop = plot.write(report["_simulator"], args.plot, Path(args.program).name)
+        print(f"expertax: wrote the timeline of {loop or 'the step'} to {args.plot}")
     return 0

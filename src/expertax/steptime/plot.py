@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from expertax.steptime.simulate import Simulator
 
-LANES = ("compute", "link", "host")
-COLORS = {"compute": "#4C72B0", "host": "#8172B2", "exposed": "#C44E52"}
+LANES = ("compute", "link", "host", "core")  # core: the TPU SparseCore's own work
+LABELS = ("compute", "link", "host link", "SparseCore")
+COLORS = {"compute": "#4C72B0", "host": "#8172B2", "core": "#8C8C8C", "exposed": "#C44E52"}
 KIND_COLORS = {
     "all-gather": "#55A868",
     "reduce-scatter": "#DD8452",
@@ -56,7 +57,7 @@ def write(sim: Simulator, path: str, title: str) -> str | None:
     for lo, hi in waits(events):
         ax.broken_barh([(lo * 1e3, (hi - lo) * 1e3)], (-0.4, 0.8), color=COLORS["exposed"],
                        hatch="//", alpha=0.6)  # fmt: skip
-    ax.set_yticks(range(len(LANES)), LANES)
+    ax.set_yticks(range(len(LANES)), LABELS)
     ax.set_xlabel("ms (predicted from the compiled program, not measured)")
     what = f"one trip of {loop.op_name or loop.name} (x{loop.trips:g})" if loop else "the step"
     ax.set_title(f"{title}: {what}", fontsize=9)

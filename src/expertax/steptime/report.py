@@ -3,8 +3,8 @@ and `format_steptime`, its table.
 
 The parts add up to the step: compute (matmul-bound and memory-bound operations), exposed
 communication (per collective kind and mesh axes), exposed host transfers; `seconds` is the
-compute stream's wall time, so `seconds = compute + exposed communication + exposed host` up
-to the SparseCore's work beside it. Pipeline bubbles are in the program: a stage's iterations
+compute stream's wall time, so `seconds = compute + exposed communication + exposed host`
+(`beside_seconds`: the TPU SparseCore's own work, beside the stream, not in the sum). Pipeline bubbles are in the program: a stage's iterations
 on a microbatch it does not hold are loop trips that compute, counted as compute.
 """
 
@@ -45,6 +45,7 @@ def estimate(
         "communication_seconds": sum(c.seconds for c in comm),
         "host_transfer_seconds": seg.host_seconds,
         "exposed_host_seconds": seg.host_exposed_seconds,
+        "beside_seconds": seg.beside_seconds,
         "flops": seg.flops,
         "communication": [
             {

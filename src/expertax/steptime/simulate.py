@@ -60,6 +60,7 @@ class Segment:
     comm: dict = dataclasses.field(default_factory=dict)  # (kind, axes, span) -> Comm
     host_seconds: float = 0.0
     host_exposed_seconds: float = 0.0
+    beside_seconds: float = 0.0  # TPU SparseCore work beside the compute stream
     events: list = dataclasses.field(default_factory=list)  # (lane, start, end, label)
     gemms: dict = dataclasses.field(default_factory=dict)  # (kernel, dtypes) -> [n, flops, s]
 
@@ -69,6 +70,7 @@ class Segment:
         self.flops += other.flops * times
         self.host_seconds += other.host_seconds * times
         self.host_exposed_seconds += other.host_exposed_seconds * times
+        self.beside_seconds += other.beside_seconds * times
         for key, (n, f, sec) in other.gemms.items():
             row = self.gemms.setdefault(key, [0.0, 0.0, 0.0])
             row[0] += n * times
@@ -88,6 +90,8 @@ class Segment:
         copy.add(self)
         for c in copy.comm.values():
             c.exposed_seconds = 0.0
+        copy.beside_seconds += copy.matmul_seconds + copy.memory_seconds
+        copy.matmul_seconds = copy.memory_seconds = 0.0
         return copy
 
     def expose(self, key, seconds: float) -> None:
@@ -203,7 +207,7 @@ class Simulator:
                     pending[ins.name] = (host, None, "host")
                     seg.events.append(("host", start, host, "host copy"))
                 continue
-            if op == "call-start":  # TPU SparseCore work (offloaded collectives), beside
+            if op in ("call-start", "custom-call-start"):  # TPU SparseCore work, beside
                 parts = [self.run(name).beside() for _, name in _called(ins)]
                 for part in parts:
                     seg.add(part)

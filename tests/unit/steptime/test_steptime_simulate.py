@@ -5,6 +5,8 @@ copy runs on the host link; and `steptime.report`'s parts add up to the step."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from tests.unit.steptime.hlo_text import PARAM, W, all_gather, done, dot, module
 
@@ -166,3 +168,13 @@ def test_an_in_place_scatter_moves_its_updates_not_its_buffer():
     moved = sim.costs.memo["f"].bytes
     rows = 1024 * 1024 * 2
     assert rows * 2 <= moved <= rows * 2 + 1024 * 4 + rows  # updates read and written, indices
+
+
+def test_every_lane_the_simulator_uses_is_drawn():
+    import inspect
+
+    from expertax.steptime import plot, simulate
+
+    lanes = set(re.findall(r'\("(\w+)", t', inspect.getsource(simulate)))
+    lanes |= set(re.findall(r'"(\w+)" if longest else "(\w+)"', inspect.getsource(simulate))[0])
+    assert lanes and lanes <= set(plot.LANES), lanes
