@@ -18,10 +18,13 @@ all_gather: the same work) is compiled too, and the smaller program taken.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+import jax
 
 from expertax import platform, progress
 from expertax.config import ConfigError
@@ -85,7 +88,14 @@ def default_compile(c: Config, hbm_gib: float, devices=None, target=None) -> tup
     measured = Measured(
         peak, args, peak - args, plan.host_bytes(xla, offloaded, offloaded_residuals)
     )
-    return peak, {**costs, "measured": measured, "not_honoured": plan.not_honoured(c, xla, on)}
+    honoured = plan.not_honoured(c, xla, on)
+    # One process compiles every candidate: drop this program (and JAX's caches of it) before
+    # the next compile, or a 671B search holds each compiled step and its text (it ran out of
+    # a 24 GiB machine's memory at the second compile).
+    del compiled, trainer, predicted
+    jax.clear_caches()
+    gc.collect()
+    return peak, {**costs, "measured": measured, "not_honoured": honoured}
 
 
 def fit_search(
