@@ -113,3 +113,15 @@ def retain_active() -> bool:
     """Whether this process started with `RETAIN_TUNABLES` on glibc."""
     tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
     return glibc_version() is not None and all(t in tunables for t in RETAIN_TUNABLES)
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`): a process that
+    compiles one large program after another (the fit search) otherwise keeps the first one's
+    peak as its floor. False where the C library has no such call."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

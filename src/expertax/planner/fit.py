@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from expertax import platform, progress
+from expertax import hostmem, platform, progress
 from expertax.config import ConfigError
 from expertax.config.schema import Config
 from expertax.parallel import remat
@@ -95,6 +95,7 @@ def default_compile(c: Config, hbm_gib: float, devices=None, target=None) -> tup
     del compiled, trainer, predicted
     jax.clear_caches()
     gc.collect()
+    hostmem.release_free_memory()
     return peak, {**costs, "measured": measured, "not_honoured": honoured}
 
 
