@@ -122,11 +122,19 @@ def check_directory(directory: str | os.PathLike) -> None:
             f"directory (no {MARKER_FILE}; it holds {entries}); choose another directory"
         )
     try:
-        content = json.loads(marker.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint directory {path}: unreadable {MARKER_FILE}") from e
+        content = json.loads(marker.read_bytes())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError included
+        raise ValueError(
+            f"checkpoint directory {path}: {MARKER_FILE} is damaged ({type(e).__name__}: "
+            f"{str(e)[:80]}); write it back as {json.dumps(_marker())}"
+        ) from None
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         raise ValueError(f"checkpoint directory {path}: {MARKER_FILE} is not expertax's")
+
+
+def _marker() -> dict:
+    """What the marker file holds."""
+    return {"format": FORMAT, "version": FORMAT_VERSION}
 
 
 def mark_directory(directory: str | os.PathLike) -> None:
@@ -141,7 +149,7 @@ def mark_directory(directory: str | os.PathLike) -> None:
     if marker.exists():
         return
     tmp = path / f".{MARKER_FILE}.tmp"
-    tmp.write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION}))
+    tmp.write_text(json.dumps(_marker()))
     tmp.rename(marker)
 
 
@@ -255,16 +263,21 @@ def _quiet_failed_reads(directory: str) -> Iterator[Callable[[], None]]:
     Orbax closes the read's event loop at the first error while TensorStore still finishes the
     step's other reads, during the read and after it: each then calls the closed loop's
     `call_soon_threadsafe` from a TensorStore thread, and Python would print its RuntimeError
-    with a traceback (`sys.unraisablehook`), and asyncio would log each of their errors as
-    "Future exception was never retrieved". Dropped: those RuntimeErrors, and those log records
-    that name the directory; nothing else."""
+    with a traceback (`sys.unraisablehook`), as it would the error of each of the step's reads
+    left unawaited when the loop closed (Orbax's coroutine, collected at exit: "Exception ignored
+    in: <coroutine ...>"), and asyncio would log each of their errors as "Future exception was
+    never retrieved". Dropped: those RuntimeErrors, and those errors and log records that name
+    the directory; nothing else."""
     previous = sys.unraisablehook
     kept = bool(_QUIET_IN)  # installed for good by an earlier failed read
 
     def hook(unraisable) -> None:
         error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-            previous(unraisable)
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        if any(directory in str(error) for directory in _QUIET_IN):  # a read left unawaited
+            return
+        previous(unraisable)
 
     if not kept:
         sys.unraisablehook = hook
