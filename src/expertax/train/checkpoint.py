@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -265,9 +266,10 @@ def _quiet_failed_reads(directory: str) -> Iterator[Callable[[], None]]:
     `call_soon_threadsafe` from a TensorStore thread, and Python would print its RuntimeError
     with a traceback (`sys.unraisablehook`), as it would the error of each of the step's reads
     left unawaited when the loop closed (Orbax's coroutine, collected at exit: "Exception ignored
-    in: <coroutine ...>"), and asyncio would log each of their errors as "Future exception was
-    never retrieved". Dropped: those RuntimeErrors, and those errors and log records that name
-    the directory; nothing else."""
+    in: <coroutine ...>", or "coroutine ... was never awaited" when never started), and asyncio
+    would log each of their errors as "Future exception was never retrieved". Dropped: those
+    RuntimeErrors, the never-awaited warnings of Orbax's read coroutines, and those errors and
+    log records that name the directory; nothing else."""
     previous = sys.unraisablehook
     kept = bool(_QUIET_IN)  # installed for good by an earlier failed read
 
@@ -284,8 +286,14 @@ def _quiet_failed_reads(directory: str) -> Iterator[Callable[[], None]]:
         logging.getLogger("asyncio").addFilter(_not_a_failed_read)
     failures: list[bool] = []
     _QUIET_IN.add(directory)
+
+    def failed() -> None:
+        failures.append(True)
+        # the read coroutines the closed loop never ran, collected at exit
+        warnings.filterwarnings("ignore", _UNAWAITED_READ, RuntimeWarning)
+
     try:
-        yield lambda: failures.append(True)
+        yield failed
     finally:
         if not failures and not kept:
             _QUIET_IN.discard(directory)
@@ -293,10 +301,14 @@ def _quiet_failed_reads(directory: str) -> Iterator[Callable[[], None]]:
             logging.getLogger("asyncio").removeFilter(_not_a_failed_read)
 
 
+_UNAWAITED_READ = r"coroutine '_read\w*' was never awaited"  # Orbax's read coroutines
+
+
 def _not_a_failed_read(record: logging.LogRecord) -> bool:
-    """False for asyncio's record of an error that a failed read left unread (above)."""
+    """False for asyncio's record of an error that a failed read left unread (above): a future's
+    (`Future`, `_GatheringFuture`) or a task's exception never retrieved."""
     text = record.getMessage()
-    if not text.startswith(("Future exception was never retrieved", "Task exception was never")):
+    if "exception was never retrieved" not in text.split("\n", 1)[0]:
         return True
     return not any(directory in text for directory in _QUIET_IN)
 
