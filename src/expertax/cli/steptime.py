@@ -134,9 +134,13 @@ def _accelerator(spec: str, named: str = "--target"):
 
     t = targets.parse_target(spec, named)
     if t.is_cpu:
+        fix = (
+            "give --target tpu:<slice> or gpu:<chip>x<count>"
+            if named == "--target"  # a program compiled for the CPU: only a new compile helps
+            else "compile it for one (expertax memory --target tpu:<slice> --save-program PATH)"
+        )
         raise ConfigError(
-            f"{named}={spec}: a step time is predicted for a TPU or GPU target, not "
-            "the CPU; give --target tpu:<slice> or gpu:<chip>x<count>"
+            f"{named}={spec}: a step time is predicted for a TPU or GPU target, not the CPU; {fix}"
         )
     return t
 

@@ -101,7 +101,10 @@ META_REFUSED = [
     ({"target": "gpu:h100x8", "mesh": [["data", 3]]}, "its mesh [['data', 3]] holds 3 devices"),
     ({"target": "gpu:h100x8", "coords": [[0, 0, 0]]}, "its device coordinates place 1 devices"),
     ({"target": "tpu:nosuch-16"}, "step.hlo.meta.json: target=tpu:nosuch-16: a TPU slice is"),
-    ({"target": "cpu"}, "step.hlo.meta.json: target=cpu: a step time is predicted for a TPU"),
+    (
+        {"target": "cpu"},
+        "target=cpu: a step time is predicted for a TPU or GPU target, not the CPU; compile it",
+    ),
     ({}, "--target is needed: {meta} names none"),
     ({"mesh": [["data", 8]]}, "--target is needed: {meta} names none"),
 ]
