@@ -162,6 +162,9 @@ def _fill(value: str, root: Path) -> str:
         folder=root / "folder",
         file=root / "exists.json",
         not_json=root / "not.json",
+        not_utf8=root / "latin1.json",
+        device=os.devnull,
+        locked="/proc",  # nothing can be made there, root or not (Linux)
     )
 
 
@@ -185,6 +188,7 @@ def test_every_bad_flag_value_is_refused_naming_the_flag(capsys, tmp_path, monke
     (root / "folder").mkdir()
     (root / "exists.json").write_text("{}\n")
     (root / "not.json").write_text("not json\n")
+    (root / "latin1.json").write_bytes('{"prompt": "café"}\n'.encode("latin-1"))
     monkeypatch.chdir(root)
     before = _snapshot(root)
     assert len(CASES) > 200
@@ -247,3 +251,15 @@ def test_a_fit_flag_without_fit_is_refused(flag, value, capsys):
     assert cli.main(["memory", flag, value]) == 2
     err = capsys.readouterr().err
     assert f"{flag}=" in err and "add --fit" in err and "Traceback" not in err
+
+
+def test_memory_plot_without_an_accelerator_target_is_refused(tmp_path, capsys, monkeypatch):
+    """memory --plot draws the step time predicted for a TPU or GPU target: on the CPU target
+    (the default) it would compile and draw nothing, so it is refused before the config loads."""
+    from expertax.cli import memory
+
+    monkeypatch.setattr(memory, "config_from_args", lambda _: pytest.fail("the config loaded"))
+    assert cli.main(["memory", "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot=" in err and "not --target=cpu" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

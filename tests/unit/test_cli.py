@@ -36,6 +36,33 @@ def test_an_unknown_flag_is_still_an_error():
     assert e.value.code == 2
 
 
+def test_a_flags_value_may_start_with_a_dash():
+    """`--prompt-ids -1,2` gives the flag its value (argparse alone answers "expected one
+    argument"), for the flag's own check to refuse by its rule; a flag after a flag is still a
+    missing value."""
+    args = parse_args(["generate", "run", "--prompt-ids", "-1,2", "--prompt", "-x y"])
+    assert args.prompts == [("ids", "-1,2"), ("text", "-x y")]
+    assert parse_args(["memory", "--hbm", "-4"]).hbm == -4.0  # a negative number, as before
+    with pytest.raises(SystemExit) as e:
+        parse_args(["generate", "run", "--json", "--overwrite"])
+    assert e.value.code == 2
+
+
+def test_parity_refuses_run_keys_and_names_its_layouts_value(capsys):
+    """parity trains no run: a run key given as key=value (steps=, base_output_directory=) would
+    do nothing and is refused naming it; an empty entry of --layouts names the value given."""
+    from expertax.cli import main
+
+    for argv, words in (
+        (["parity", "steps=5"], "steps=5 is a run key, which parity does not read"),
+        (["parity", "base_output_directory=/dev/null"], "base_output_directory='/dev/null'"),
+        (["parity", "--layouts", "sparse-ring-ep8,", "--compile-only"], "--layouts='sparse-ring"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
 def test_help_keys_names_every_key_with_its_kind():
     text = help_keys()
     for key in Config.model_fields:

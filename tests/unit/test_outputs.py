@@ -1,8 +1,13 @@
 """No user file replaced unasked (expertax/outputs.py): every command's output flag refuses an
 existing file before any work, leaving its bytes as they were, and takes it with --overwrite; the
-output's folder must exist and be a folder; `report --out` must name a folder."""
+output's folder must exist, be a folder and take new files; an existing output must be a regular
+file; `report --out` must name a folder. No output lands on another output of the same command,
+on one of its inputs or inside an input folder, --overwrite or not (`check_apart`)."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +45,12 @@ FILE_OUTPUTS = [
         "--markdown",
         "the CPU grid is timed",
         id="bench-target-markdown",
+    ),
+    pytest.param(
+        ["steptime", "{tmp}/none.hlo", "--target", "gpu:h100x8"],
+        "--json",
+        "does not exist",
+        id="steptime",
     ),
 ]
 
@@ -175,6 +186,119 @@ def test_every_command_writing_a_named_file_has_overwrite():
 
     _, subs = build_parser()
     with_flag = {name for name, p in subs.items() if "--overwrite" in p.format_help()}
-    assert with_flag == {"generate", "memory", "parity", "report"}
+    assert with_flag == {"generate", "memory", "parity", "report", "steptime"}
     for parser in (bench_gmm._parser(), bench_gmm_target._parser()):
         assert "--overwrite" in parser.format_help()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("argv, flag, _next", FILE_OUTPUTS)
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(
+    argv, flag, _next, tmp_path, monkeypatch, capsys
+):
+    """A folder nothing can be made in (/proc stands for a read-only or another user's folder)
+    and an existing output that is not a regular file (/dev/null) are refused, --overwrite or
+    not: the command would fail after its work, or write nowhere."""
+    _forbid_work(monkeypatch)
+    command = _command(argv, tmp_path)
+    rc, err = _run(capsys, [*command, flag, "/proc/out.json", "--overwrite"])
+    assert rc == 2 and f"{flag}='/proc/out.json': nothing can be written in '/proc'" in err
+    rc, err = _run(capsys, [*command, flag, os.devnull, "--overwrite"])
+    assert rc == 2 and f"{flag}={os.devnull!r} is a character device, not a file" in err
+
+
+# (the command line, with {tmp} the test's folder, and the words of its refusal): each names an
+# output on another output's path, on an input's, inside an input folder or (OUT_DIR) around it
+APART = [
+    (["steptime", "{tmp}/p.hlo", "--json", "{tmp}/p.hlo"], "--json='{tmp}/p.hlo' is PROGRAM"),
+    (
+        ["steptime", "{tmp}/p.hlo", "--plot", "{tmp}/p.hlo.meta.json"],
+        "is PROGRAM.meta.json '{tmp}/p.hlo.meta.json'",
+    ),
+    (
+        ["steptime", "{tmp}/p.hlo", "--json", "{tmp}/s.svg", "--plot", "{tmp}/s.svg"],
+        "--json='{tmp}/s.svg' and --plot='{tmp}/s.svg' are the same file",
+    ),
+    (["memory", "--json", "{tmp}/m", "--save-program", "{tmp}/m"], "are the same file"),
+    (
+        ["memory", "--json", "{tmp}/m.meta.json", "--save-program", "{tmp}/m"],
+        "and --save-program's .meta.json='{tmp}/m.meta.json' are the same file",
+    ),
+    (["memory", "{tmp}/c.yml", "--json", "{tmp}/c.yml"], "is the config file '{tmp}/c.yml'"),
+    (["parity", "{tmp}/c.yml", "--json", "{tmp}/c.yml"], "is the config file '{tmp}/c.yml'"),
+    (
+        ["generate", "{tmp}/run", "--prompt-ids", "1", "--json", "{tmp}/run/config.yml"],
+        "--json='{tmp}/run/config.yml' is inside SOURCE '{tmp}/run'",
+    ),
+    (
+        ["generate", "{tmp}/run", "--prompts-file", "{tmp}/b.json", "--json", "{tmp}/b.json"],
+        "is --prompts-file '{tmp}/b.json'",
+    ),
+    (
+        ["bench", "gmm", "--from-json", "{tmp}/b.json", "--markdown", "{tmp}/b.json"],
+        "--markdown='{tmp}/b.json' is --from-json '{tmp}/b.json'",
+    ),
+    (
+        ["bench", "gmm", "--json", "{tmp}/o", "--markdown", "{tmp}/o"],
+        "--json='{tmp}/o' and --markdown='{tmp}/o' are the same file",
+    ),
+    (
+        ["bench", "gmm", "--target", "gpu:h100x8", "--from-json", "{tmp}/o,{tmp}/b.json"]
+        + ["--markdown", "{tmp}/b.json"],
+        "is --from-json '{tmp}/b.json'",
+    ),
+    (["report", "{tmp}/run", "--out", "{tmp}/run"], "--out='{tmp}/run' is RUN_DIR '{tmp}/run'"),
+    (
+        ["report", "{tmp}/run", "--out", "{tmp}/run/checkpoints"],
+        "--out='{tmp}/run/checkpoints' is inside RUN_DIR '{tmp}/run'",
+    ),
+    (["convert", "from-hf", "{tmp}/hf", "{tmp}/hf"], "OUT_DIR='{tmp}/hf' is HF_DIR '{tmp}/hf'"),
+    (["convert", "from-hf", "{tmp}/hf", "{tmp}/hf/sub"], "is inside HF_DIR '{tmp}/hf'"),
+    (["convert", "from-hf", "{tmp}/hf", "{tmp}"], "OUT_DIR='{tmp}' holds HF_DIR '{tmp}/hf'"),
+    (
+        ["convert", "to-hf", "{tmp}/run", "{tmp}/run/checkpoints/99"],
+        "OUT_DIR='{tmp}/run/checkpoints/99' is inside CKPT_DIR '{tmp}/run'",
+    ),
+]
+
+
+def _inputs(tmp_path: Path) -> None:
+    """The inputs APART's commands name: a program and its facts, a preset, a run folder with a
+    checkpoint folder, an HF folder and a benchmark's JSON."""
+    (tmp_path / "p.hlo").write_bytes(KEPT)
+    (tmp_path / "p.hlo.meta.json").write_bytes(KEPT)
+    (tmp_path / "c.yml").write_text("steps: 3\n")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.yml").write_text("steps: 3\n")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_bytes(KEPT)
+    (tmp_path / "b.json").write_bytes(KEPT)
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("argv, words", APART)
+def test_an_output_on_an_input_or_on_another_output_is_refused(
+    argv, words, tmp_path, monkeypatch, capsys
+):
+    """Refused before any work even with --overwrite, naming both paths; nothing changed."""
+    _inputs(tmp_path)
+    _forbid_work(monkeypatch)
+    before = _tree(tmp_path)
+    overwrite = [] if argv[0] == "convert" else ["--overwrite"]  # convert has no such flag
+    rc, err = _run(capsys, [*_command(argv, tmp_path), *overwrite])
+    assert rc == 2 and words.format(tmp=tmp_path) in err, err
+    assert "nothing was done" in err
+    assert _tree(tmp_path) == before
+
+
+def test_the_apart_rule_takes_separate_paths():
+    """Negative control: outputs beside their inputs, in other folders, and the report's own
+    folder inside its run folder pass."""
+    from expertax.outputs import check_apart
+
+    check_apart({"--json": "a/x.json", "--plot": "a/x.png"}, {"PROGRAM": "a/x.hlo"})
+    check_apart({"OUT_DIR": "out/hf"}, {"HF_DIR": "in/hf"}, around_inputs=True)
+    check_apart({"--json": None, "--plot": ""}, {"PROGRAM": "x"})  # not asked for; empty: later

@@ -8,6 +8,7 @@ import sys
 
 from expertax import startup
 from expertax.cli import flags
+from expertax.outputs import check_apart, check_folder
 
 HELP = (
     "convert checkpoints: expertax convert from-hf HF_DIR OUT_DIR | to-hf CKPT_DIR OUT_DIR "
@@ -19,6 +20,9 @@ LIMITS = {
     "--max-shard-bytes": flags.count(1, "bytes per safetensors shard"),
 }
 KINDS: dict[str, str] = {}  # no text or path flags (HF_DIR and OUT_DIR are positional)
+# The flags to-hf reads and from-hf does not (given to from-hf: refused), with their defaults.
+TO_HF_ONLY = {"--fp8": "fp8", "--max-shard-bytes": "max_shard_bytes"}
+DEFAULTS = {"fp8": False, "max_shard_bytes": 5 * 2**30}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -39,20 +43,32 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     convert.add_argument("--workers", type=int, default=2, help="threads converting (default 2)")
     convert.add_argument(
-        "--max-shard-bytes", type=int, default=5 * 2**30, help="to-hf: shard size (default 5 GiB)"
+        "--max-shard-bytes",
+        type=int,
+        default=DEFAULTS["max_shard_bytes"],
+        help="to-hf: shard size (default 5 GiB)",
     )
     return convert
 
 
 def run(args) -> int:
     from expertax.config import ConfigError
+
+    src = "HF_DIR" if args.direction == "from-hf" else "CKPT_DIR"
+    check_apart({"OUT_DIR": args.dst}, {src: args.src}, around_inputs=True)
+    check_folder("OUT_DIR", args.dst, (), overwrite=True)  # a folder that can be written in
+    if args.direction == "from-hf":
+        for flag, dest in TO_HF_ONLY.items():
+            if getattr(args, dest) != DEFAULTS[dest]:
+                raise ConfigError(
+                    f"{flag} is an option of to-hf: from-hf writes expertax's own format (and "
+                    f"reads fp8 as it finds it); leave {flag} out"
+                )
     from expertax.convert import convert_from_hf, convert_to_hf
 
     startup.start_backends()
     try:  # user errors (bad paths, unsupported configs) print one line, like config errors
         if args.direction == "from-hf":
-            if args.fp8:
-                raise ValueError("--fp8 is an option of to-hf (from-hf reads fp8 as it finds it)")
             summary = convert_from_hf(args.src, args.dst, workers=args.workers)
             for note in summary.notes:
                 print(f"expertax: {note}", file=sys.stderr)

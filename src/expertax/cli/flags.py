@@ -81,8 +81,10 @@ def check(args: argparse.Namespace, limits: dict[str, Limit]) -> None:
 class TextKind:
     """What a text or path flag takes (`what`), and values of it that must be refused (`bad`),
     with placeholders the smoke test fills in: {missing} a path that does not exist, {folder} an
-    existing folder, {file} an existing file, {not_json} an existing file that is not JSON. An
-    empty value is refused by every kind that has bad values (it is never "not given")."""
+    existing folder, {file} an existing file, {not_json} an existing file that is not JSON,
+    {not_utf8} an existing file that is not UTF-8 text, {device} a device (/dev/null), {locked}
+    a path in a folder nothing can be written in (/proc). An empty value is refused by every kind
+    that has bad values (it is never "not given")."""
 
     what: str
     bad: tuple[str, ...]
@@ -91,21 +93,26 @@ class TextKind:
 TEXT_KINDS: dict[str, TextKind] = {
     "free text": TextKind("any text (a prompt): no value is malformed", ()),
     "input json": TextKind(
-        "an existing JSON (or JSON lines) file", ("", "{missing}", "{folder}", "{not_json}")
+        "an existing JSON (or JSON lines) file",
+        ("", "{missing}", "{folder}", "{not_json}", "{not_utf8}", "{device}"),
     ),
     "input json list": TextKind(
         "a comma list of existing JSON files",
-        ("", "{missing}", "{folder}", "{not_json}", "{file},,{file}"),
+        ("", "{missing}", "{folder}", "{not_json}", "{not_utf8}", "{device}", "{file},,{file}"),
     ),
     "tokenizer": TextKind(
-        "a tokenizer.json file or a folder holding one", ("", "{missing}", "{folder}", "{not_json}")
+        "a tokenizer.json file or a folder holding one",
+        ("", "{missing}", "{folder}", "{not_json}", "{device}"),
     ),
     "output file": TextKind(
-        "a file to write, in an existing folder; one that exists only with --overwrite",
-        ("", "{missing}/out.json", "{folder}", "{file}", "{file}/out.json"),
+        "a regular file to write, in an existing folder that takes new files; one that exists only "
+        "with --overwrite",
+        ("", "{missing}/out.json", "{folder}", "{file}", "{file}/out.json", "{device}")
+        + ("{locked}/out.json",),
     ),
     "output folder": TextKind(
-        "a folder to write into, new or existing", ("", "{file}", "{file}/sub")
+        "a folder to write into, new or existing, where new files can be made",
+        ("", "{file}", "{file}/sub", "{device}", "{locked}/out"),
     ),
     "target": TextKind(
         "cpu, tpu:<chip>-<N> or gpu:<chip>x<N>", ("", "tpu:v9-8", "gpu:h100x12", "h100", "cpu:4")

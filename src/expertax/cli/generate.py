@@ -6,7 +6,7 @@ import argparse
 
 from expertax import startup
 from expertax.cli import flags
-from expertax.outputs import add_overwrite_flag, check_file
+from expertax.outputs import add_overwrite_flag, check_apart, check_file
 
 HELP = (
     "continue prompts: expertax generate SOURCE --prompt TEXT | --prompt-ids 1,15,27 ... "
@@ -29,6 +29,11 @@ KINDS = {
     "--json": "output file",
     "--tokenizer": "tokenizer",
 }
+
+
+# The flags read only when sampling (--temperature > 0), with their defaults: at temperature 0
+# decoding is greedy and they would do nothing, so another value is refused there.
+SAMPLING_ONLY = {"--top-k": 0, "--top-p": 1.0, "--seed": 0}
 
 
 def _text_prompt(text: str) -> tuple[str, str]:
@@ -82,9 +87,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     gen.add_argument("--max-new-tokens", type=int, default=32, help="per prompt (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: all)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=SAMPLING_ONLY["--top-k"],
+        help="sampling: from the k most likely (0: all)",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=SAMPLING_ONLY["--top-p"],
+        help="sampling: the nucleus's probability mass, in (0, 1]",
+    )
+    gen.add_argument(
+        "--seed", type=int, default=SAMPLING_ONLY["--seed"], help="sampling seed (default 0)"
+    )
     gen.add_argument("--json", help="also write prompts, ids, text, log-probs and settings here")
     add_overwrite_flag(gen)
     gen.add_argument(
@@ -129,7 +146,24 @@ def _check_tokenizer(path: str) -> None:
         raise ConfigError(f"--tokenizer={path!r}: {why}") from None
 
 
+def _check_sampling_flags(args) -> None:
+    from expertax.config import ConfigError
+
+    if args.temperature != 0:
+        return
+    for flag, default in SAMPLING_ONLY.items():
+        value = getattr(args, flags.dest(flag))
+        if value != default:
+            raise ConfigError(
+                f"{flag}={value} is read when sampling only; at --temperature 0 (the default) "
+                f"decoding is greedy: add --temperature T > 0 to sample, or leave {flag} out"
+            )
+
+
 def run(args) -> int:
+    _check_sampling_flags(args)
+    inputs = {"SOURCE": args.source, "--prompts-file": args.prompts_file}
+    check_apart({"--json": args.json}, {**inputs, "--tokenizer": args.tokenizer})
     check_file("--json", args.json, args.overwrite)  # before JAX loads
     from expertax.tools.flags import token_ids
 

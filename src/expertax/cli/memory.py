@@ -8,10 +8,10 @@ from pathlib import Path
 
 from expertax import startup
 from expertax.cli import flags
-from expertax.cli.args import CONFIG_HELP, config_from_args
+from expertax.cli.args import CONFIG_HELP, config_from_args, split_args
 from expertax.cli.devices import target, use_simulated_devices
 from expertax.errors import ConfigError
-from expertax.outputs import add_overwrite_flag, check_file
+from expertax.outputs import add_overwrite_flag, check_apart, check_file
 
 HELP = "per-device memory plan of the train step, compiled abstractly"
 # The numeric flags' valid values (checked before any work: cli/flags.py).
@@ -97,15 +97,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return memory
 
 
+META_SUFFIX = ".meta.json"  # beside --save-program (steptime/program.py)
 # The flags that only the fit search reads, with their defaults (set without --fit: refused).
 FIT_ONLY = {"headroom": 10.0, "allow_drops": False, "max_compiles": 12, "fit_minutes": 30.0}
 
 
 def run(args) -> int:
-    for flag in ("--json", "--save-program", "--plot"):  # before the config (and JAX) loads
-        check_file(flag, getattr(args, flags.dest(flag)), args.overwrite)
-    if args.save_program:
-        check_file("--save-program", args.save_program + ".meta.json", args.overwrite)
+    meta = args.save_program + META_SUFFIX if args.save_program else None
+    outputs = {
+        "--json": args.json,
+        "--save-program": args.save_program,
+        f"--save-program's {META_SUFFIX}": meta,
+        "--plot": args.plot,
+    }
+    files, _ = split_args(args.config)
+    check_apart(outputs, [("the config file", f) for f in files])
+    for flag, path in outputs.items():  # before the config (and JAX) loads
+        check_file(flag.split("'")[0], path, args.overwrite)
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ConfigError(f"--plot={args.plot!r}: the image's suffix is .png, .svg or .pdf")
     from expertax.jsonio import dump
@@ -123,6 +131,12 @@ def run(args) -> int:
                 )
 
     hardware = target(args.target, args.devices)
+    if args.plot and hardware.is_cpu:
+        raise ConfigError(
+            f"--plot={args.plot!r}: the timeline is of the step time predicted for a TPU or GPU "
+            f"target, not --target={args.target}; add --target tpu:<slice> or "
+            "gpu:<chip>x<count>, or leave --plot out"
+        )
     cfg = config_from_args(args.config)
     if args.devices is not None:
         use_simulated_devices(args.devices, args.argv)
@@ -149,14 +163,11 @@ def run(args) -> int:
     print(f"(built and compiled abstractly in {report['seconds']} s)")
     if args.save_program:
         print(f"expertax: wrote the program to {args.save_program} (+ .meta.json)")
-    if args.plot:
-        if simulator is None:
-            print("expertax: no plot: a step time is predicted for TPU and GPU targets only")
-        else:
-            from expertax.steptime import plot
+    if args.plot and simulator is not None:  # a TPU or GPU target (checked above)
+        from expertax.steptime import plot
 
-            plot.write(simulator, args.plot, f"{cfg.model_name} on {hardware.spec}")
-            print(f"expertax: wrote the predicted timeline of one layer to {args.plot}")
+        plot.write(simulator, args.plot, f"{cfg.model_name} on {hardware.spec}")
+        print(f"expertax: wrote the predicted timeline of one layer to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             dump(to_json_ready(report), f, indent=1)

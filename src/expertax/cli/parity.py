@@ -8,9 +8,9 @@ import sys
 
 from expertax import startup
 from expertax.cli import flags
-from expertax.cli.args import CONFIG_HELP, config_from_args
+from expertax.cli.args import CONFIG_HELP, config_from_args, split_args
 from expertax.cli.devices import target, use_simulated_devices
-from expertax.outputs import add_overwrite_flag, check_file
+from expertax.outputs import add_overwrite_flag, check_apart, check_file
 
 HELP = "every layout vs one device: expertax parity [PRESET.yml ...] [key=value ...]"
 # The numeric flags' valid values (checked before any work: cli/flags.py).
@@ -72,8 +72,44 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return par
 
 
+def _refuse_run_keys(overrides: list[str]) -> None:
+    """A run key given as key=value (the steps, the output folder, checkpoints, logging): parity
+    trains no run of its own, so it would do nothing. Refused, naming the key (a preset file's
+    run keys are taken and left unread, so that a training preset serves as it is)."""
+    from expertax.config import ConfigError
+    from expertax.config.loader import parse_overrides
+    from expertax.config.schema import RUN, Config, key_kind
+
+    for key, value in parse_overrides(overrides).items():
+        if key in Config.model_fields and key_kind(key) == RUN and key != "model_name":
+            hint = "give --steps N" if key == "steps" else f"leave {key} out"
+            raise ConfigError(
+                f"{key}={value!r} is a run key, which parity does not read (it trains each layout "
+                f"--steps steps from the same weights and writes no run folder); {hint}"
+            )
+
+
+def _layout_names(text: str) -> list[str]:
+    """The names of a --layouts list; an empty entry is refused naming the value given."""
+    from expertax.config import ConfigError
+
+    names = text.split(",")
+    for i, name in enumerate(names, start=1):
+        if not name.strip():
+            raise ConfigError(
+                f"--layouts={text!r}: entry {i} is empty; give a comma list of layouts, e.g. "
+                "sparse-ring-ep8,dense-ep2-tp2-data2"
+            )
+    return names
+
+
 def run(args) -> int:
+    files, overrides = split_args(args.config)
+    check_apart({"--json": args.json}, [("the config file", f) for f in files])
     check_file("--json", args.json, args.overwrite)  # before the config (and JAX) loads
+    if args.layouts is not None:
+        _layout_names(args.layouts)
+    _refuse_run_keys(overrides)
     from expertax.config import ConfigError
 
     if args.compile_only:
@@ -93,7 +129,7 @@ def run(args) -> int:
     from expertax.tools.parity.table import format_table, write_json
 
     given = args.layouts is not None  # an empty --layouts is refused, not the whole matrix
-    chosen = [parse_layout(n) for n in args.layouts.split(",")] if given else None
+    chosen = [parse_layout(n) for n in _layout_names(args.layouts)] if given else None
     result = parity_table(
         cfg,
         steps=10 if args.steps is None else args.steps,
@@ -136,7 +172,7 @@ def _compile_only(args) -> int:
     from expertax.tools.parity.layouts import parse_layout
 
     on = "cpu" if hardware.is_cpu else hardware.platform
-    names = args.layouts.split(",") if args.layouts is not None else []
+    names = _layout_names(args.layouts) if args.layouts is not None else []
     chosen = [parse_layout(n, backend=on) for n in names] or None
     result = parity_compile.compile_table(
         cfg, target=hardware, layout_list=chosen, skip_refused=args.skip_refused

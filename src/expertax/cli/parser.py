@@ -35,6 +35,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser, subs = build_parser()
     if not argv or argv[0] not in subs or argv[0] == "bench":
         return parser.parse_args(argv)  # help, errors, and bench's REMAINDER
-    args = subs[argv[0]].parse_intermixed_args(argv[1:])
+    args = subs[argv[0]].parse_intermixed_args(attach_dash_values(subs[argv[0]], argv[1:]))
     args.command = argv[0]
     return args
+
+
+def attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--flag -1,2` as `--flag=-1,2`: argparse takes a word starting with "-" for another flag
+    unless it reads as a negative number, and would answer "expected one argument"; a flag that
+    takes one value followed by a word that is not one of the parser's flags gets that word as
+    its value (refused or taken by the flag's own check: `--prompt-ids -1,2` names the -1)."""
+    one_value = {
+        s for a in parser._actions if a.option_strings and a.nargs is None for s in a.option_strings
+    }
+    known = {s for a in parser._actions for s in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        dashed = value.startswith("-") and value != "--" and value.split("=")[0] not in known
+        if word in one_value and dashed:
+            out.append(f"{word}={value}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from expertax.config.checks import only_with, run_checks
 from expertax.config.schema import MESH_AXES, Config
 from expertax.errors import ConfigError
+from expertax.paths import read_text
 
 
 def configs_dir() -> Path:
@@ -59,20 +60,55 @@ def config_rules(c: Config) -> dict[str, tuple[str, ...]]:
     return rules
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping that gives a key twice (YAML's keys are unique; PyYAML keeps the last)."""
+
+    def __init__(self, key: Any, first: int, again: int):
+        super().__init__(f"key {key!r} is given twice (lines {first} and {again})")
+        self.key, self.first, self.again = key, first, again
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that gives a key twice (`DuplicateKeyError`); a key
+    merged in with `<<` may still be given again, as YAML's merge means."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKeyError(key, seen[key], line)
+                seen[key] = line
+            except TypeError:  # an unhashable key: the constructor refuses it itself
+                break
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml_text(text: str) -> Any:
+    """YAML `text` read by the safe loader, a key given twice refused (`UniqueKeyLoader`)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML mapping; a config key's plain (unquoted) value is read as its key's type takes it
-    (`run_name: off` is the string "off", not YAML's boolean; see `typed_value`)."""
+    (`run_name: off` is the string "off", not YAML's boolean; see `typed_value`). A folder, a
+    device, text that is not UTF-8 or a key given twice is refused naming the file."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    label = f"config file {str(path)!r}"
+    text = read_text(label, path, "give a YAML file of key: value")
     try:
-        data = yaml.safe_load(text) or {}
-        node = yaml.compose(text)
+        data = load_yaml_text(text) or {}
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{label}: {e}; keep one") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        raise ConfigError(f"{label} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value")
+        raise ConfigError(f"{label} must hold a mapping of key: value")
     for key_node, value_node in node.value if isinstance(node, yaml.MappingNode) else ():
         plain = isinstance(value_node, yaml.ScalarNode) and value_node.style is None
         key = key_node.value
@@ -83,13 +119,18 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     """`key=value` strings to a dict; values are parsed as YAML scalars (1, 1e-3, true, bf16),
-    except where the key's type would not take that reading and takes text (`typed_value`)."""
+    except where the key's type would not take that reading and takes text (`typed_value`). A key
+    given twice is refused (which one was meant cannot be told)."""
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
+        if key in given:
+            raise ConfigError(f"{key} is given twice ({given[key]} and {item}); give each key once")
+        given[key] = item
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:

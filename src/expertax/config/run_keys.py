@@ -169,7 +169,12 @@ class TrainSection(_Section):
     base_output_directory: str = _key(
         RUN, "runs", min_length=1, description="Runs are written under this folder."
     )
-    run_name: str = _key(RUN, "", description="Run folder name; empty = a timestamp.")
+    run_name: str = _key(
+        RUN,
+        "",
+        description="Run folder name (one folder: letters, digits and - _ . + @, at most 255 "
+        "bytes); empty = a timestamp.",
+    )
     log_period: int = _key(RUN, 1, gt=0, description="Print a console line every this many steps.")
     enable_checkpointing: bool = _key(
         RUN, True, description="Save checkpoints in <run dir>/checkpoints and resume from them."

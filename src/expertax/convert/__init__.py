@@ -25,7 +25,13 @@ from safetensors import safe_open
 from expertax import jsonio
 from expertax.config import Config
 from expertax.convert import fp8, hf_read, hf_write, safetensors_io
-from expertax.convert.hf_config import ConversionError, config_from_hf, config_to_hf
+from expertax.convert.errors import ShapeError
+from expertax.convert.hf_config import (
+    ConversionError,
+    config_from_hf,
+    config_to_hf,
+    defaults_taken,
+)
 from expertax.convert.progress import Journal, Progress
 from expertax.errors import ConfigError
 from expertax.models import decoder
@@ -93,7 +99,10 @@ def convert_from_hf(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 2
     hf = hf_read.read_hf_config(hf_dir)
     out = Path(out_dir).resolve()
     with safetensors_io.Reader(hf_dir) as reader:
-        p = hf_read.plan(reader, hf)  # refusals before anything is written
+        try:  # refusals before anything is written
+            p = hf_read.plan(reader, hf)
+        except ShapeError as e:  # a field config.json left out may be why
+            raise ShapeError(f"{e}{defaults_taken(hf)}") from None
         hf_read.check_shared(reader, p, workers=workers)
         journal = _prepare_out(out, {"direction": "from-hf", "source": str(hf_dir)})
         summary = Summary(p.c, notes=p.notes)

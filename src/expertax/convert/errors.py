@@ -11,6 +11,10 @@ class ConversionError(ConfigError):
     """An HF checkpoint or config that expertax cannot represent exactly; says which field."""
 
 
+class ShapeError(ConversionError):
+    """A tensor whose shape is not the one its config.json implies."""
+
+
 def require(hf: dict, key: str, allowed: tuple, default: Any = None) -> None:
     """ConversionError naming HF field `key`, its value and the supported values, unless its
     value (`default` when absent) is one of `allowed`."""

@@ -233,6 +233,20 @@ _FAMILIES = {
 }
 
 
+def defaults_taken(hf: dict) -> str:
+    """The fields config.json leaves out that are read as transformers' defaults, as a clause
+    for a refusal that they may explain ("" when none)."""
+    absent = {k: v for k, v in _HF_DEFAULTS.get(hf.get("model_type"), {}).items() if k not in hf}
+    if not absent:
+        return ""
+    taken = ", ".join(f"{k} (taken as {v!r})" for k, v in list(absent.items())[:6])
+    more = f" and {len(absent) - 6} more" if len(absent) > 6 else ""
+    return (
+        f"; config.json lacks {taken}{more}, read as transformers' defaults: give the "
+        "checkpoint's own values in config.json"
+    )
+
+
 def config_from_hf(hf: dict) -> Config:
     """The expertax Config of an HF config.json dict; refuses what it cannot represent."""
     model_type = hf.get("model_type")

@@ -28,8 +28,9 @@ import numpy as np
 
 from expertax.config import Config
 from expertax.convert import fp8, hf_gpt_oss, mxfp4
+from expertax.convert.errors import ConversionError, ShapeError
 from expertax.convert.hf import TensorMap, hf_shape, leaf_specs, tensor_map, to_ours, transpose
-from expertax.convert.hf_config import ConversionError, config_from_hf
+from expertax.convert.hf_config import config_from_hf
 from expertax.convert.safetensors_io import Reader
 from expertax.errors import ConfigError
 
@@ -81,7 +82,7 @@ def _maps(c: Config, hf: dict) -> tuple[list[TensorMap], dict[str, TensorMap]]:
 
 def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
-        raise ConversionError(f"tensor {name} has shape {tuple(got)}; the config implies {want}")
+        raise ShapeError(f"tensor {name} has shape {tuple(got)}; the config implies {want}")
 
 
 def _fused_targets(c: Config, name: str) -> tuple[str, int, str, tuple[int, ...]]:
@@ -179,9 +180,7 @@ def plan(reader: Reader, hf: dict) -> Plan:
         if dtype != fp8.FP8:
             return dtype
         if not quantized:
-            raise ConversionError(
-                f"tensor {name} is fp8 but config.json has no quantization_config"
-            )
+            raise ConversionError(f"tensor {name} is fp8 but config.json lacks quantization_config")
         return _np_dtype(c.weight_dtype)
 
     def leaf_dtype(leaf: str, dtype: np.dtype, name: str) -> None:

@@ -14,6 +14,8 @@ import os
 import numpy as np
 import tokenizers
 
+from expertax.paths import not_a_file
+
 # Spellings of the end- and beginning-of-document tokens in common tokenizers (GPT-2/NeoX/Qwen,
 # Llama/Mistral/Mixtral, Llama 3, Gemma, DeepSeek). The first one in the vocabulary is used.
 EOS_CANDIDATES = (
@@ -42,9 +44,11 @@ def load_tokenizer(path: str) -> tokenizers.Tokenizer:
       ValueError: naming `tokenizer_path` and the value when the file is missing or unreadable.
     """
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
+    why = not_a_file(file)
+    if why is not None:
+        what = "no such file" if why == "does not exist" else f"{file!r} {why}"
         raise ValueError(
-            f"tokenizer_path={path!r}: no such file; expected a HuggingFace tokenizers "
+            f"tokenizer_path={path!r}: {what}; expected a HuggingFace tokenizers "
             "'tokenizer.json' file or a directory containing one."
         )
     try:

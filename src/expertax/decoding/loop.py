@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -85,6 +86,10 @@ def position_limit(c: Config) -> int:
     return c.max_target_length
 
 
+def _keyword(setting: str, value: Any) -> str:
+    return setting if value is None else f"{setting}={value}"
+
+
 def check_request(
     c: Config,
     prompts: Sequence[Sequence[int]],
@@ -97,8 +102,12 @@ def check_request(
     speculative: bool,
     max_length: int | None = None,
     prefill_chunk: int | None = None,
+    say: Callable[[str, Any], str] | None = None,
 ) -> None:
-    """ConfigError naming the setting, its value and what is valid; nothing is compiled."""
+    """ConfigError naming the setting, its value and what is valid; nothing is compiled.
+    `say(setting, value)`: how a message writes a setting (value None: its name alone); by
+    default as the keyword, `max_new_tokens=32` (the command line passes its flags')."""
+    say = say or _keyword
     if not prompts:
         raise ConfigError("prompts: none given; give at least one prompt")
     for i, p in enumerate(prompts):
@@ -120,7 +129,7 @@ def check_request(
                 + ("" if max_length else f" or set max_target_length={len(p)}")
             )
     if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens}: must be at least 1")
+        raise ConfigError(f"{say('max_new_tokens', max_new_tokens)}: must be at least 1")
     limit = max_length or position_limit(c)
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > limit:
@@ -131,32 +140,32 @@ def check_request(
             "max_position_embeddings)"
         )
         raise ConfigError(
-            f"max_new_tokens={max_new_tokens}: the longest prompt ({longest} tokens) plus the "
-            f"budget is {longest + max_new_tokens} positions, past {where} = {limit}; "
-            f"use max_new_tokens <= {max(limit - longest, 0)}"
+            f"{say('max_new_tokens', max_new_tokens)}: the longest prompt ({longest} tokens) plus "
+            f"the budget is {longest + max_new_tokens} positions, past {where} = {limit}; "
+            f"use {say('max_new_tokens', None)} <= {max(limit - longest, 0)}"
         )
     if not temperature >= 0:
-        raise ConfigError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+        raise ConfigError(f"{say('temperature', temperature)}: must be >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
-        raise ConfigError(f"top_p={top_p}: must be in (0, 1]")
+        raise ConfigError(f"{say('top_p', top_p)}: must be in (0, 1]")
     if top_k < 0:
-        raise ConfigError(f"top_k={top_k}: must be >= 0 (0 = no top-k filter)")
+        raise ConfigError(f"{say('top_k', top_k)}: must be >= 0 (0 = no top-k filter)")
     kv.check_form(mla_cache)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ConfigError(
-            f"prefill_chunk={prefill_chunk}: must be at least 1 (prompt positions per prefill "
-            f"step; default {programs.PREFILL_CHUNK})"
+            f"{say('prefill_chunk', prefill_chunk)}: must be at least 1 (prompt positions per "
+            f"prefill step; default {programs.PREFILL_CHUNK})"
         )
     if speculative:
         if not c.mtp_num_layers:
             raise ConfigError(
-                "speculative=True needs a model with MTP modules (mtp_num_layers > 0); this "
-                "model has none"
+                f"{say('speculative', True)} needs a model with MTP modules (mtp_num_layers > 0); "
+                "this model has none"
             )
         if temperature != 0:
             raise ConfigError(
-                f"speculative=True with temperature={temperature}: MTP speculative decoding is "
-                "greedy (temperature 0) only"
+                f"{say('speculative', True)} with {say('temperature', temperature)}: MTP "
+                "speculative decoding is greedy (temperature 0) only"
             )
 
 

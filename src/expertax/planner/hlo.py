@@ -266,8 +266,11 @@ def parse_hlo(text: str) -> Module:
     callers: dict[str, str] = {}
     section = None
     computation = None
+    open_computation = None  # the computation whose closing brace has not come yet
     entry = ""
     for line in _logical_lines(text):
+        if line.rstrip() == "}":
+            open_computation = None
         if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
             section = sections.setdefault(line, {})
             continue
@@ -276,7 +279,7 @@ def parse_hlo(text: str) -> Module:
             continue
         section = None
         if not line.startswith(" ") and (m := _COMP_RE.match(line)):
-            computation = m.group(1)
+            computation = open_computation = m.group(1)
             entry = computation if line.startswith("ENTRY") else entry
             continue
         if computation is None or not line.startswith(" "):
@@ -292,6 +295,11 @@ def parse_hlo(text: str) -> Module:
                 callers[called] = instr.name
     if not instructions:
         raise DumpError("the optimized-HLO dump has no instructions")
+    if open_computation is not None:  # a file cut short (a copy or a write that stopped)
+        raise DumpError(
+            f"the optimized-HLO text is truncated: computation {open_computation!r} has no "
+            "closing brace"
+        )
     files = {k: v.strip('"') for k, v in sections.get("FileNames", {}).items()}
     functions = {k: v.strip('"') for k, v in sections.get("FunctionNames", {}).items()}
     locations = {k: _fields(v) for k, v in sections.get("FileLocations", {}).items()}

@@ -47,6 +47,7 @@ def save(path: str, text: str, c, trainer, target) -> None:
     meta: dict = {
         "target": None if target is None else target.spec,
         "mesh": [[a, int(n)] for a, n in zip(trainer.mesh.axis_names, trainer.mesh.devices.shape)],
+        "devices": int(trainer.mesh.devices.size),
         "model_flops": flops,
         "tokens": tokens,
         "model_name": c.model_name,

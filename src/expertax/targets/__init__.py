@@ -147,8 +147,9 @@ class Target:
         return list(_topology_devices(self.platform, self.topology, self.chip.target_config))
 
 
-def parse_target(spec: str) -> Target:
-    """`cpu`, `tpu:<kind>-<n>` or `gpu:<kind>x<n>`; a ConfigError names what would be valid."""
+def parse_target(spec: str, named: str = "--target") -> Target:
+    """`cpu`, `tpu:<kind>-<n>` or `gpu:<kind>x<n>`; a ConfigError names the value as `named`
+    (the flag, or the file it came from) and what would be valid."""
     text = spec.strip().lower()
     if text == "cpu":
         return Target("cpu", "cpu", None, 0)
@@ -157,11 +158,12 @@ def parse_target(spec: str) -> Target:
         kind, _, n = rest.partition("-")
         chip = CHIPS.get(kind)
         if chip is None or chip.platform != "tpu" or not n.isdigit():
-            raise _bad(spec, "a TPU slice is tpu:<v5p|v5e|v6e>-<N>")
+            raise _bad(named, spec, "a TPU slice is tpu:<v5p|v5e|v6e>-<N>")
         cores = int(n)
         chips, odd = divmod(cores, chip.cores_per_chip)
         if odd or chips < 1 or chips & (chips - 1):
             raise _bad(
+                named,
                 spec,
                 f"{kind}-N counts {chip.cores_per_chip} TensorCore(s) per chip and needs a power "
                 f"of two chips, e.g. {kind}-{8 * chip.cores_per_chip}",
@@ -172,17 +174,19 @@ def parse_target(spec: str) -> Target:
         chip = CHIPS.get(kind)
         if chip is None or chip.platform != "gpu" or not n.isdigit() or int(n) < 1:
             gpus = ", ".join(k for k, v in CHIPS.items() if v.platform == "gpu")
-            raise _bad(spec, f"a GPU target is gpu:<{gpus}>x<count>")
+            raise _bad(named, spec, f"a GPU target is gpu:<{gpus}>x<count>")
         count = int(n)
         if count > GPUS_PER_HOST and count % GPUS_PER_HOST:
-            raise _bad(spec, f"above {GPUS_PER_HOST} GPUs, count whole hosts of {GPUS_PER_HOST}")
+            raise _bad(
+                named, spec, f"above {GPUS_PER_HOST} GPUs, count whole hosts of {GPUS_PER_HOST}"
+            )
         hosts, per_host = (count // GPUS_PER_HOST, GPUS_PER_HOST) if count > 8 else (1, count)
         return Target(spec, "gpu", chip, count, f"1x{hosts}x{per_host}")
-    raise _bad(spec, "the platform is cpu, tpu or gpu")
+    raise _bad(named, spec, "the platform is cpu, tpu or gpu")
 
 
-def _bad(spec: str, why: str) -> ConfigError:
-    return ConfigError(f"--target={spec}: {why}; valid targets include {EXAMPLES}")
+def _bad(named: str, spec: str, why: str) -> ConfigError:
+    return ConfigError(f"{named}={spec}: {why}; valid targets include {EXAMPLES}")
 
 
 def _torus(chips: int, dims: int) -> str:

@@ -32,8 +32,8 @@ from expertax import jsonio, progress
 from expertax import platform as platform_lib
 from expertax.config import ConfigError
 from expertax.nn.moe import gmm as gmm_lib
-from expertax.outputs import add_overwrite_flag, check_file
-from expertax.tools.flags import choices, gmm_backends, positive_ints, saved_json
+from expertax.outputs import add_overwrite_flag, check_apart, check_file
+from expertax.tools.flags import choices, gmm_backends, positive_ints, saved_json, unread_with
 
 GROUPINGS = ("balanced", "zipf", "one")
 PASSES = ("fwd", "fwd_bwd")
@@ -139,6 +139,9 @@ KINDS = {
     "--groups": "choice list",
     "--passes": "choice list",
 }
+# The flags that say what to measure: read only when measuring (refused with --from-json).
+MEASURING = ("--quick", "--backends", "--experts", "--rows", "--shapes", "--groups", "--passes")
+MEASURING += ("--repeats", "--max-call-s")
 ROW_KEYS = ("backend", "impl", "experts", "rows", "d", "f", "groups", "pass", "ms", "gflops")
 MACHINE_KEYS = ("copy_gbps", "fresh_copy_gbps")
 
@@ -386,9 +389,14 @@ def main(argv: list[str]) -> int:
         from expertax.tools import bench_gmm_target
 
         return bench_gmm_target.main(argv)
-    args = _parser().parse_args(argv)
-    check_file("--json", args.json, args.overwrite)
-    check_file("--markdown", args.markdown, args.overwrite)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    outputs = {"--json": args.json, "--markdown": args.markdown}
+    check_apart(outputs, {"--from-json": args.from_json})
+    for flag, path in outputs.items():
+        check_file(flag, path, args.overwrite)
+    if args.from_json is not None:
+        unread_with("--from-json", parser, args, MEASURING)
     if args.quick:
         args.experts, args.rows, args.shapes = "8,64", "4096", "512x1024"
         args.groups, args.repeats = "balanced,zipf", 3

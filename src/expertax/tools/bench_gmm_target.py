@@ -19,7 +19,8 @@ GPU compiles without a GPU cannot autotune and `cost_analysis()` returns nothing
 counts are read from the program text instead. No time comes out of a compile.
 
 Run in pieces (`--backends`, `--experts`, `--rows-per-expert`, `--passes`), each with its own
-`--json`; `--from-json a.json,b.json --markdown t.md` merges pieces into one table.
+`--json`; `--from-json a.json,b.json --markdown t.md` merges pieces into one table (and
+`--json` into one file).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import time
 
 from expertax import jsonio
 from expertax.config import ConfigError
-from expertax.outputs import add_overwrite_flag, check_file
-from expertax.tools.flags import gmm_backends, positive_ints, saved_json
+from expertax.outputs import add_overwrite_flag, check_apart, check_file
+from expertax.tools.flags import gmm_backends, positive_ints, saved_json, unread_with
 
 PASSES = ("fwd", "fwd_bwd")
 # The text and path flags' kinds (cli/flags.py TEXT_KINDS: what each takes and must refuse).
@@ -47,6 +48,8 @@ KINDS = {
     "--markdown": "output file",
     "--from-json": "input json list",
 }
+# The flags that say what to compile: read only when compiling (refused with --from-json).
+COMPILING = ("--backends", "--experts", "--rows-per-expert", "--shape", "--passes", "--dtype")
 # What `--from-json` needs of a file a `--json` run wrote (format_table, format_markdown).
 ROW_KEYS = ("target", "backend", "impl", "pass", "experts", "rows_per_expert", "rows")
 ROW_KEYS += ("flops_ratio", "worst_ratio", "temp_bytes", "out_bytes", "temp_ratio", "kernel")
@@ -253,10 +256,15 @@ def _machine() -> dict:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    check_file("--json", None if args.from_json is not None else args.json, args.overwrite)
-    check_file("--markdown", args.markdown, args.overwrite)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    outputs = {"--json": args.json, "--markdown": args.markdown}
+    pieces = (args.from_json or "").split(",")
+    check_apart(outputs, [("--from-json", path) for path in pieces])
+    for flag, path in outputs.items():
+        check_file(flag, path, args.overwrite)
     if args.from_json is not None:  # an empty one is refused, not "compile"
+        unread_with("--from-json", parser, args, COMPILING)
         rows: list[dict] = []
         pieces = []
         keys = {"rows": ROW_KEYS, "machine": MACHINE_KEYS}
@@ -270,7 +278,7 @@ def main(argv: list[str]) -> int:
     else:
         rows, machine = _run(args)
     print(format_table(rows))
-    if args.json and args.from_json is None:
+    if args.json:  # with --from-json, the pieces merged
         with open(args.json, "w") as fh:
             jsonio.dump({"machine": machine, "rows": rows}, fh, indent=1)
     if args.markdown:

@@ -3,10 +3,12 @@ ConfigError that names the flag, the value and what is valid."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
 from expertax.errors import ConfigError
+from expertax.paths import read_text
 
 
 def positive_ints(flag: str, text: str, sep: str = ",") -> list[int]:
@@ -79,14 +81,10 @@ def saved_json(flag: str, path: str, keys: dict[str, tuple[str, ...]], fix: str)
     holds. ConfigError naming the flag, the file and `fix` (what to give instead) when the file is
     missing, a folder, not JSON, or another document."""
     where = f"{flag}={path!r}"
+    text = read_text(where, path, fix)  # a missing file, a folder, a device, not UTF-8: named
     try:
-        with open(path) as fh:
-            saved = json.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file; {fix}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{where} is a folder; {fix}") from None
-    except (ValueError, UnicodeDecodeError) as e:
+        saved = json.loads(text)
+    except ValueError as e:
         raise ConfigError(f"{where} is not JSON ({e}); {fix}") from None
     rows = saved.get("rows") if isinstance(saved, dict) else None
     machine = saved.get("machine") if isinstance(saved, dict) else None
@@ -101,3 +99,18 @@ def saved_json(flag: str, path: str, keys: dict[str, tuple[str, ...]], fix: str)
             f"{', '.join(keys['rows'])}); {fix}"
         )
     return saved
+
+
+def unread_with(mode: str, parser: argparse.ArgumentParser, args, flags: tuple[str, ...]) -> None:
+    """ConfigError for the first of `flags` given a value other than its default while `mode`
+    (a flag) is on, in which it is not read: a flag that does nothing is a mistake, not a
+    setting (like memory's fit-only flags without --fit)."""
+    for flag in flags:
+        dest = flag.lstrip("-").replace("-", "_")
+        value = getattr(args, dest)
+        if value != parser.get_default(dest):
+            given = flag if value is True else f"{flag}={value}"
+            raise ConfigError(
+                f"{given} is not read with {mode} (nothing is measured or compiled); leave "
+                f"{flag} out, or {mode} out"
+            )

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from expertax import jsonio, preflight
+from expertax import jsonio, paths, preflight
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
 from expertax.errors import ConfigError
 from expertax.sharding.mesh import make_mesh
@@ -49,15 +49,11 @@ class Prompt:
 
 def read_prompts_file(path: str) -> list[tuple[str, Any]]:
     """The prompts of a JSON-lines file: each line {"prompt": "text"} or {"ids": [1, 15, 27]}."""
-    file = Path(path)
     if not path.strip():
         raise ConfigError(f"--prompts-file={path!r} is empty; give a JSON-lines file")
-    if file.is_dir():
-        raise ConfigError(f"--prompts-file={path!r} is a folder; give a JSON-lines file")
-    if not file.is_file():
-        raise ConfigError(f"--prompts-file={path!r}: no such file")
+    text = paths.read_text(f"--prompts-file={path!r}", path, "give a JSON-lines file")
     entries: list[tuple[str, Any]] = []
-    for n, line in enumerate(file.read_text().splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"--prompts-file={path!r} line {n}"
@@ -65,6 +61,12 @@ def read_prompts_file(path: str) -> list[tuple[str, Any]]:
             item = json.loads(line)
         except ValueError as e:
             raise ConfigError(f"{where}: not JSON ({e})") from None
+        unknown = sorted(set(item) - {"prompt", "ids"}) if isinstance(item, dict) else []
+        if unknown:
+            raise ConfigError(
+                f'{where}: unknown key {unknown[0]!r}; a line is {{"prompt": "text"}} or '
+                '{"ids": [1, 15, 27]}'
+            )
         if isinstance(item, dict) and isinstance(item.get("prompt"), str) and "ids" not in item:
             entries.append(("text", item["prompt"]))
         elif isinstance(item, dict) and isinstance(item.get("ids"), list) and "prompt" not in item:
@@ -200,6 +202,12 @@ def print_results(source: Source, doc: dict, out=None) -> None:
     print(line, file=out)
 
 
+def say_flag(setting: str, value: Any) -> str:
+    """A setting as the command line gives it: `--max-new-tokens=32`, `--speculative`."""
+    flag = "--" + setting.replace("_", "-")
+    return flag if value is None or value is True else f"{flag}={value}"
+
+
 def run(args) -> int:
     """`expertax generate` with parsed `args` (expertax/cli/generate.py); a user error is a
     ConfigError."""
@@ -211,7 +219,9 @@ def run(args) -> int:
     settings = {name: getattr(args, name) for name in SETTINGS}
     c = source.config
     request = {k: v for k, v in settings.items() if k not in ("seed", "fp8_weights")}
-    check_request(c, [p.ids for p in prompts], **request, max_length=source.max_length)
+    check_request(
+        c, [p.ids for p in prompts], **request, max_length=source.max_length, say=say_flag
+    )
 
     decoding = decoding_config(c)
     mesh = make_mesh(decoding)

@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 from matplotlib.figure import Figure
 
-from expertax import jsonio
+from expertax import jsonio, paths
 from expertax.errors import ConfigError
 from expertax.train import config_file
 from expertax.train.metrics import expert_load_summary
@@ -63,7 +63,12 @@ def read_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
         path / CONFIG_FILE, "the report reads the run's settings from it: restore it from a copy"
     )
     records = []
-    for line in (path / METRICS_FILE).read_text().splitlines():
+    metrics = paths.read_text(
+        f"RUN_DIR={str(run_dir)!r}: {METRICS_FILE}",
+        path / METRICS_FILE,
+        "it is damaged; restore it from a copy",
+    )
+    for line in metrics.splitlines():
         try:
             rec = json.loads(line)
         except ValueError:

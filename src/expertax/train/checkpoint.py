@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -122,11 +123,19 @@ def check_directory(directory: str | os.PathLike) -> None:
             f"directory (no {MARKER_FILE}; it holds {entries}); choose another directory"
         )
     try:
-        content = json.loads(marker.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint directory {path}: unreadable {MARKER_FILE}") from e
+        content = json.loads(marker.read_bytes())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError included
+        raise ValueError(
+            f"checkpoint directory {path}: {MARKER_FILE} is damaged ({type(e).__name__}: "
+            f"{str(e)[:80]}); write it back as {json.dumps(_marker())}"
+        ) from None
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         raise ValueError(f"checkpoint directory {path}: {MARKER_FILE} is not expertax's")
+
+
+def _marker() -> dict:
+    """What the marker file holds."""
+    return {"format": FORMAT, "version": FORMAT_VERSION}
 
 
 def mark_directory(directory: str | os.PathLike) -> None:
@@ -141,7 +150,7 @@ def mark_directory(directory: str | os.PathLike) -> None:
     if marker.exists():
         return
     tmp = path / f".{MARKER_FILE}.tmp"
-    tmp.write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION}))
+    tmp.write_text(json.dumps(_marker()))
     tmp.rename(marker)
 
 
@@ -255,24 +264,36 @@ def _quiet_failed_reads(directory: str) -> Iterator[Callable[[], None]]:
     Orbax closes the read's event loop at the first error while TensorStore still finishes the
     step's other reads, during the read and after it: each then calls the closed loop's
     `call_soon_threadsafe` from a TensorStore thread, and Python would print its RuntimeError
-    with a traceback (`sys.unraisablehook`), and asyncio would log each of their errors as
-    "Future exception was never retrieved". Dropped: those RuntimeErrors, and those log records
-    that name the directory; nothing else."""
+    with a traceback (`sys.unraisablehook`), as it would the error of each of the step's reads
+    left unawaited when the loop closed (Orbax's coroutine, collected at exit: "Exception ignored
+    in: <coroutine ...>", or "coroutine ... was never awaited" when never started), and asyncio
+    would log each of their errors as "Future exception was never retrieved". Dropped: those
+    RuntimeErrors, the never-awaited warnings of Orbax's read coroutines, and those errors and
+    log records that name the directory; nothing else."""
     previous = sys.unraisablehook
     kept = bool(_QUIET_IN)  # installed for good by an earlier failed read
 
     def hook(unraisable) -> None:
         error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-            previous(unraisable)
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        if any(directory in str(error) for directory in _QUIET_IN):  # a read left unawaited
+            return
+        previous(unraisable)
 
     if not kept:
         sys.unraisablehook = hook
         logging.getLogger("asyncio").addFilter(_not_a_failed_read)
     failures: list[bool] = []
     _QUIET_IN.add(directory)
+
+    def failed() -> None:
+        failures.append(True)
+        # the read coroutines the closed loop never ran, collected at exit
+        warnings.filterwarnings("ignore", _UNAWAITED_READ, RuntimeWarning)
+
     try:
-        yield lambda: failures.append(True)
+        yield failed
     finally:
         if not failures and not kept:
             _QUIET_IN.discard(directory)
@@ -280,10 +301,14 @@ def _quiet_failed_reads(directory: str) -> Iterator[Callable[[], None]]:
             logging.getLogger("asyncio").removeFilter(_not_a_failed_read)
 
 
+_UNAWAITED_READ = r"coroutine '_read\w*' was never awaited"  # Orbax's read coroutines
+
+
 def _not_a_failed_read(record: logging.LogRecord) -> bool:
-    """False for asyncio's record of an error that a failed read left unread (above)."""
+    """False for asyncio's record of an error that a failed read left unread (above): a future's
+    (`Future`, `_GatheringFuture`) or a task's exception never retrieved."""
     text = record.getMessage()
-    if not text.startswith(("Future exception was never retrieved", "Task exception was never")):
+    if "exception was never retrieved" not in text.split("\n", 1)[0]:
         return True
     return not any(directory in text for directory in _QUIET_IN)
 

@@ -79,8 +79,12 @@ def is_run_dir(path: str | Path) -> bool:
 
 def read_run_config(run_dir: str | Path) -> Config:
     """The Config a run folder saved; ConfigError naming its config.yml when that is damaged,
-    empty or not an expertax config."""
+    empty or not an expertax config, or its checkpoint folder's marker when that is damaged."""
     fix = "put back the config.yml of the command that trained the run"
+    try:  # its marker read whole: a damaged one is named, never passed over
+        checkpoint.check_directory(Path(run_dir) / CHECKPOINT_SUBDIR)
+    except ValueError as e:
+        raise ConfigError(f"run folder {run_dir}: {e}") from None
     return build_config(config_file.read_saved(Path(run_dir) / "config.yml", fix))
 
 

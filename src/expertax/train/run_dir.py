@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from expertax import paths
 from expertax.config.loader import config_to_yaml
 from expertax.config.schema import SAME_RUN_KINDS, Config, changed_keys
 from expertax.errors import ConfigError
@@ -106,6 +107,13 @@ def inspect(c: Config) -> Plan:
             + "; ".join(f"step {s}: {why}" for s, why in sorted(damaged.items()))
             + f"); move {ckpt_dir} aside to train {path} again from step 0, or choose another "
             "run_name"
+        )
+    if resume is not None and has_metrics:  # trimmed to the resume step by open_run
+        paths.decode(
+            (path / METRICS_FILE).read_bytes(),
+            f"run_name={c.run_name!r}: {path / METRICS_FILE}",
+            "it is damaged: move it aside to resume without the earlier steps' records, or "
+            "choose another run_name",
         )
     trained = resume is not None or _has_step_records(path)
     refusal = _other_run(c, path, resume, has_metrics)

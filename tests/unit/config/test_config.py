@@ -230,3 +230,44 @@ def test_changed_keys_names_only_the_differing_keys_of_the_kinds_asked():
     older = {k: v for k, v in c8.model_dump().items() if k != "num_experts"}
     assert Config.model_fields["num_experts"].default == 16
     assert changed_keys(older, c8, [MODEL]) == ["num_experts: 16 -> 8"]
+
+
+# A config file's text and the words of its refusal: a key given twice (at the top or inside a
+# value), text that is not UTF-8 (a binary file, Latin-1)
+BAD_FILES = [
+    (b"num_experts: banana\nnum_experts: 16\n", "key 'num_experts' is given twice (lines 1 and 2)"),
+    (b"steps: 3\nrope:\n  a: 1\n  a: 2\n", "key 'a' is given twice (lines 3 and 4)"),
+    (b"\xf3\x00\x01binary", "is not UTF-8 text (byte 0xf3 at offset 0)"),
+    ("run_name: caf\u00e9\n".encode("latin-1"), "is not UTF-8 text (byte 0xe9 at offset 13)"),
+]
+
+
+@pytest.mark.parametrize("content, words", BAD_FILES)
+def test_a_config_file_that_cannot_be_taken_as_it_is_is_refused(content, words, tmp_path):
+    f = tmp_path / "mine.yml"
+    f.write_bytes(content)
+    with pytest.raises(ConfigError, match="config file") as e:
+        load_config(f)
+    assert words in str(e.value), str(e.value)
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path):
+    (tmp_path / "d.yml").mkdir()
+    for path, words in (
+        (tmp_path / "d.yml", "is a folder"),
+        ("/dev/null", "is a character device"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            load_config(path)
+    merged = tmp_path / "merge.yml"  # YAML's merge key may be given again: not a duplicate
+    merged.write_text("base: &b {steps: 3}\nother:\n  <<: *b\n  steps: 4\n")
+    with pytest.raises(ConfigError, match="unknown key 'base'"):
+        load_config(merged)
+
+
+def test_a_key_given_twice_on_the_command_line_is_refused():
+    """Which of two values was meant cannot be told: refused, the first one unchecked or not."""
+    for items in (["num_experts=banana", "num_experts=16"], ["steps=2", "steps=2"]):
+        with pytest.raises(ConfigError, match=f"{items[0].split('=')[0]} is given twice"):
+            parse_overrides(items)
+    assert parse_overrides(["steps=2", "num_experts=8"]) == {"steps": 2, "num_experts": 8}

@@ -105,6 +105,10 @@ CROSS_KEY = [
     ({"pipeline_parallel_layers": 0}, ["pipeline_parallel_layers=0", "-1"]),
     ({"run_name": "a/b"}, ["run_name='a/b'", "path separators"]),
     ({"run_name": ".."}, ["run_name='..'", "one folder"]),
+    ({"run_name": "[a,b]"}, ["run_name='[a,b]'", "holds ',', '[', ']'", "letters, digits"]),
+    ({"run_name": "my run"}, ["run_name='my run'", "holds ' '"]),
+    ({"run_name": "a" * 256}, ["is 256 bytes long", "at most 255"]),
+    ({"run_name": "é" * 128}, ["is 256 bytes long"]),  # counted in UTF-8 bytes, not characters
     ({"coordinator_address": "node0"}, ["coordinator_address='node0'", "host:port"]),
     ({"coordinator_address": "node0:99999"}, ["coordinator_address='node0:99999'", "1..65535"]),
     ({"dataset_type": "files"}, ["dataset_path", "tokenizer_path"]),
@@ -125,6 +129,8 @@ def test_valid_neighbours_of_the_cross_key_cases_are_taken():
     for overrides in (
         {"n_routing_groups": 1, "topk_routing_group": 1},
         {"run_name": "moe-ep8"},
+        {"run_name": "ünïcødé_v1.2+b@host"},  # letters of any script, digits, - _ . + @
+        {"run_name": "a" * 255},
         {"coordinator_address": "node0:1234"},
         {"ici_tensor_parallelism": -1, "ici_fsdp_parallelism": 1},
     ):
@@ -166,6 +172,10 @@ def _path_cases(tmp_path) -> list[tuple[dict, str]]:
         ({"base_output_directory": str(tmp_path / "afile")}, "base_output_directory="),
         ({"base_output_directory": str(tmp_path / "afile" / "sub")}, "on its way is a file"),
         ({"base_output_directory": "/proc/expertax-runs"}, "no folder can be made in '/proc'"),
+        ({"base_output_directory": "/dev/null"}, "is a character device; runs are written"),
+        ({"tokenizer_path": "/dev/null"}, "it is a character device, not a file"),
+        ({"dataset_path": "/dev/null"}, "dataset_path='/dev/null' is a character device"),
+        ({"load_parameters_path": "/dev/null"}, "'/dev/null': a character device; give"),
     ]
 
 
@@ -177,7 +187,7 @@ def test_every_path_mistake_is_refused_naming_the_key(tmp_path):
         c = build_config({**good, **overrides})
         with pytest.raises(ConfigError, match=words):
             check_paths(c)
-    assert len(cases) == 11
+    assert len(cases) == 15
     assert not list(tmp_path.glob(".expertax-check-*"))  # the probe folder is gone
 
 

@@ -240,8 +240,24 @@ def _no_run_folder(world) -> Path:
     return path
 
 
+def _damaged_marker(world) -> Path:
+    """A run folder whose checkpoint folder's marker file was cut short."""
+    path = world.root / "damaged"
+    if not path.exists():
+        shutil.copytree(world.run, path)
+        (path / "checkpoints" / checkpoint.MARKER_FILE).write_text('{"format": ')
+    return path
+
+
 # (arguments after SOURCE, source name in World or a path under root, expected message part)
 REFUSED = [
+    (["--prompt", "w1"], "damaged", "expertax_checkpoints.json is damaged (JSONDecodeError"),
+    (["--prompt-ids", "-1,2"], "model", "--prompt-ids='-1,2': '-1' is not a non-negative"),
+    (["--prompt-ids", "1", "--top-k", "5"], "model", "--top-k=5 is read when sampling only"),
+    (["--prompt-ids", "1", "--top-p", "0.5"], "model", "--top-p=0.5 is read when sampling only"),
+    (["--prompt-ids", "1", "--seed", "3"], "model", "--seed=3 is read when sampling only"),
+    (["--prompts-file", "extra.jsonl"], "model", "line 1: unknown key 'why'"),
+    (["--prompts-file", "latin1.jsonl"], "model", "is not UTF-8 text (byte 0xe9"),
     (["--prompt", "w1"], "nothing", "does not exist: give a training run folder"),
     (["--prompt", "w1"], "hf", "is neither: give a training run folder"),
     (["--prompt", "w1"], "fresh", "without a complete checkpoint"),
@@ -275,16 +291,16 @@ REFUSED = [
         "model",
         "--max-new-tokens=0: use an integer",
     ),
-    (["--prompt-ids", "1", "--max-new-tokens", "32"], "model", "use max_new_tokens <= 31"),
+    (["--prompt-ids", "1", "--max-new-tokens", "32"], "model", "use --max-new-tokens <= 31"),
     (["--prompt-ids", ",".join(["3"] * 30)], "model", "past the model's position range"),
     (["--prompt-ids", ",".join(["3"] * 130)], "run", "longer than max_target_length=128"),
     (["--prompt-ids", "1,x"], "model", "--prompt-ids='1,x'"),
     (["--prompt-ids", "1,64"], "model", "--prompt-ids='1,64': 64 is not below the vocab size (64)"),
     (["--prompt-ids", "1,,2"], "model", "--prompt-ids='1,,2': entry 2 is empty; use comma-sep"),
-    (["--prompt-ids", "1", "--speculative"], "model", "mtp_num_layers > 0"),
+    (["--prompt-ids", "1", "--speculative"], "model", "--speculative needs a model with MTP"),
     (["--prompt-ids", "1", "--tokenizer", "missing.json"], "model", "--tokenizer='missing.json'"),
     (["--prompt-ids", "1", "--json", "no/such/dir/out.json"], "model", "does not exist; create"),
-    (["--prompt-ids", "1", "--prompts-file", "missing.jsonl"], "model", "no such file"),
+    (["--prompt-ids", "1", "--prompts-file", "missing.jsonl"], "model", "does not exist"),
     (["--prompts-file", "bad.jsonl"], "model", 'line 2: expected {"prompt"'),
     ([], "model", "prompts: none given"),
 ]
@@ -300,7 +316,10 @@ def test_refused_with_one_line_before_reading_the_weights(
     monkeypatch.setattr(gen_cli, "load_params", never)
     monkeypatch.chdir(world.root)
     (world.root / "bad.jsonl").write_text('{"ids": [1]}\n{"prompt": "w1", "ids": [1]}\n')
-    src = _no_run_folder(world) if where == "fresh" else getattr(world, where, world.root / where)
+    (world.root / "extra.jsonl").write_text('{"prompt": "w1", "why": "a note"}\n')
+    (world.root / "latin1.jsonl").write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    built = {"fresh": _no_run_folder, "damaged": _damaged_marker}
+    src = built[where](world) if where in built else getattr(world, where, world.root / where)
     rc, out, err = run_cli(capsys, src, "--max-new-tokens", "4", *args)
     assert rc == 2 and out == ""
     assert err.startswith("expertax: error: ") and err.count("\n") == 1, err

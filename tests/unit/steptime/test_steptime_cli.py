@@ -87,3 +87,57 @@ def test_missing_damaged_and_mismatched_inputs_are_named(tmp_path, capsys):
     meta.unlink()
     assert cli.main(["steptime", str(program), "--target", "gpu:h100x8"]) != 0
     assert "cannot be read as optimized HLO" in capsys.readouterr().err
+
+
+# PROGRAM.meta.json's contents and the words of their refusal (the program is the 8-device TEXT):
+# a key of the wrong kind, device counts that are not the target's, a target that is none
+META_REFUSED = [
+    ({"target": "gpu:h100x8", "mesh": 5}, "mesh=5 is not a list of [axis name, size] pairs"),
+    ({"target": "gpu:h100x8", "devices": "eight"}, 'devices="eight" is not a device count'),
+    ({"target": "gpu:h100x8", "coords": [[0, "a"]]}, 'coords=[[0, "a"]] is not a list'),
+    ({"target": "gpu:h100x8", "tokens": True}, "tokens=true is not a number"),
+    ({"target": 8}, "target=8 is not a target"),
+    ({"target": "gpu:h100x8", "devices": 4}, "devices=4 says 4 devices, but its target"),
+    ({"target": "gpu:h100x8", "mesh": [["data", 3]]}, "its mesh [['data', 3]] holds 3 devices"),
+    ({"target": "gpu:h100x8", "coords": [[0, 0, 0]]}, "its device coordinates place 1 devices"),
+    ({"target": "tpu:nosuch-16"}, "step.hlo.meta.json: target=tpu:nosuch-16: a TPU slice is"),
+    (
+        {"target": "cpu"},
+        "target=cpu: a step time is predicted for a TPU or GPU target, not the CPU; compile it",
+    ),
+    ({}, "--target is needed: {meta} names none"),
+    ({"mesh": [["data", 8]]}, "--target is needed: {meta} names none"),
+]
+
+
+@pytest.mark.parametrize("meta, words", META_REFUSED)
+def test_what_program_meta_json_says_is_checked(tmp_path, capsys, meta, words):
+    """Each key of the facts beside a program has its kind and agrees with the target's device
+    count; where the target came from the file, the file is named, not --target."""
+    program = tmp_path / "step.hlo"
+    program.write_text(TEXT)
+    (tmp_path / "step.hlo.meta.json").write_text(json.dumps(meta))
+    assert cli.main(["steptime", str(program)]) == 2
+    err = capsys.readouterr().err
+    assert words.format(meta=f"{program}.meta.json") in err and err.count("\n") == 1, err
+
+
+def test_meta_json_agreeing_with_the_target_and_unknown_keys_pass(tmp_path, capsys):
+    """Negative control: the counts of an 8-GPU target, and a key of the user's own (ignored)."""
+    program = tmp_path / "step.hlo"
+    program.write_text(TEXT)
+    meta = {"target": "gpu:h100x8", "devices": 8, "mesh": [["fsdp", 8]], "note": "mine"}
+    (tmp_path / "step.hlo.meta.json").write_text(json.dumps(meta))
+    assert cli.main(["steptime", str(program)]) == 0
+    (tmp_path / "step.hlo.meta.json").write_text(json.dumps({**meta, "target": None}))
+    assert cli.main(["steptime", str(program), "--target", "gpu:h100x8"]) == 0
+
+
+def test_a_truncated_program_is_named_as_such(tmp_path, capsys):
+    """A program cut short (its last computation without its closing brace) is refused, not
+    predicted from the part that is there."""
+    program = tmp_path / "step.hlo"
+    program.write_text(TEXT.rstrip().removesuffix("}").rstrip() + "\n")
+    assert cli.main(["steptime", str(program), "--target", "gpu:h100x8"]) == 2
+    err = capsys.readouterr().err
+    assert "is truncated: computation 'main' has no closing brace" in err

@@ -215,7 +215,7 @@ def test_the_roofline_target_is_2x_below_64_rows_per_expert(monkeypatch, capsys,
 @pytest.mark.parametrize(
     "content, words",
     [
-        (None, "no such file"),
+        (None, "does not exist"),
         ("garbage", "is not JSON"),
         ('{"machine": {}, "rows": []}', "is not this benchmark's output"),
         ('{"machine": {"copy_gbps": 1, "fresh_copy_gbps": 1}, "rows": [{"ms": 1}]}', "not this"),
@@ -230,3 +230,25 @@ def test_from_json_names_a_file_it_cannot_read(tmp_path, capsys, content, words)
     assert cli.main(["bench", "gmm", "--from-json", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"--from-json={str(path)!r}" in err and words in err and "Traceback" not in err
+
+
+GRID_FLAGS = [
+    (["--quick"], "--quick is not read with --from-json"),
+    (["--experts", "8"], "--experts=8 is not read with --from-json"),
+    (["--repeats", "3"], "--repeats=3 is not read with --from-json"),
+    (["--shapes", "64x64"], "--shapes=64x64 is not read with --from-json"),
+]
+
+
+@pytest.mark.parametrize("flags, words", GRID_FLAGS)
+def test_from_json_refuses_the_flags_that_say_what_to_measure(tmp_path, capsys, flags, words):
+    """With --from-json nothing is measured: a grid flag would do nothing and is refused (it was
+    taken in silence); the benchmark's own target parser does the same with its compile flags."""
+    saved = tmp_path / "saved.json"
+    saved.write_text('{"machine": {}, "rows": []}')
+    assert cli.main(["bench", "gmm", "--from-json", str(saved), *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+    target = ["bench", "gmm", "--target", "gpu:h100x8", "--from-json", str(saved)]
+    assert cli.main([*target, "--experts", "8"]) == 2
+    assert "--experts=8 is not read with --from-json" in capsys.readouterr().err

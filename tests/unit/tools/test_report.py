@@ -143,3 +143,15 @@ def test_report_names_a_damaged_config_file(tmp_path, text, words):
     with pytest.raises(ConfigError, match=f"config.yml {re.escape(words)}"):
         make_report(run, tmp_path / "out")
     assert not (tmp_path / "out" / "index.html").exists()
+
+
+def test_report_names_a_damaged_metrics_file(tmp_path):
+    """A metrics.jsonl that is not UTF-8 text (bytes overwritten) is named as damaged (it was a
+    UnicodeDecodeError traceback), nothing written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yml").write_text("model_name: mixtral-tiny\nsteps: 3\n")
+    (run / "metrics.jsonl").write_bytes(b"\x8e\x00garbage\n")
+    with pytest.raises(ConfigError, match=r"metrics.jsonl is not UTF-8 text \(byte 0x8e at offs"):
+        make_report(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

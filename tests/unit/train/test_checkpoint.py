@@ -351,3 +351,30 @@ def test_a_step_whose_array_chunks_are_cut_short_is_passed_over_when_read(tmp_pa
         cut_array_chunks(tmp_path / "1")
         step, value, unreadable = first_readable(tmp_path, [3, 2, 1], read)
         assert (step, value, sorted(unreadable)) == (None, None, [1, 2, 3])
+
+
+def test_what_a_failed_read_leaves_behind_is_dropped_and_nothing_else(monkeypatch):
+    """After a failed read of a directory: asyncio's records of its futures' errors (a plain
+    Future's or a _GatheringFuture's) and the errors of its read coroutines collected at exit are
+    dropped when they name the directory; a record or an error that does not is kept."""
+    import logging
+    import types
+
+    from expertax.train import checkpoint
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(checkpoint, "_QUIET_IN", set())
+    record = lambda text: logging.LogRecord("asyncio", logging.ERROR, "", 0, text, None, None)
+    with checkpoint._quiet_failed_reads("/runs/r/checkpoints") as failed:
+        failed()
+    for first in ("Future", "_GatheringFuture", "Task"):
+        text = f"{first} exception was never retrieved\nfuture: ... '/runs/r/checkpoints/2/state/'"
+        assert not checkpoint._not_a_failed_read(record(text))
+    assert checkpoint._not_a_failed_read(record("Future exception was never retrieved\n/other"))
+    assert checkpoint._not_a_failed_read(record("something else /runs/r/checkpoints"))
+    error = Exception("reading index: TensorStore({'path': '/runs/r/checkpoints/2/state/'})")
+    sys.unraisablehook(types.SimpleNamespace(exc_value=error))
+    other = types.SimpleNamespace(exc_value=Exception("another error"))
+    sys.unraisablehook(other)
+    assert seen == [other]

@@ -110,3 +110,29 @@ def test_model_and_run_folders_with_a_damaged_config_are_named(tmp_path):
         params_io.read_run_config(tmp_path / "run")
     write(tmp_path / "run" / "config.yml", good_text(tmp_path))  # negative control
     assert params_io.read_run_config(tmp_path / "run").base_emb_dim == 64
+
+
+def test_a_resumed_run_with_damaged_metrics_is_refused_before_anything_compiles(
+    tmp_path, monkeypatch
+):
+    """A run to resume (a complete checkpoint) whose metrics.jsonl is not UTF-8 text is named by
+    `inspect`, before the step compiles (it failed after the compile, trimming the file)."""
+    folder = tmp_path / "r"
+    checkpoint.mark_directory(folder / "checkpoints")
+    write(folder / "config.yml", good_text(tmp_path))
+    write(folder / "metrics.jsonl", b'{"step": 0}\n\x8e\x00\n')
+    monkeypatch.setattr(checkpoint, "latest_intact_step", lambda _: (2, {}))
+    with pytest.raises(ConfigError, match=r"metrics.jsonl is not UTF-8 text \(byte 0x8e at offs"):
+        run_dir.inspect(config(tmp_path))
+    write(folder / "metrics.jsonl", '{"step": 0, "loss": 1.0}\n')  # negative control
+    assert run_dir.inspect(config(tmp_path)).resume_step == 2
+
+
+def test_a_run_folder_with_a_damaged_checkpoint_marker_is_named(tmp_path):
+    """generate and convert read a run folder's marker whole: one cut short is named (it was
+    passed over and the run read as if nothing were wrong)."""
+    folder = tmp_path / "run"
+    write(folder / "config.yml", good_text(tmp_path))
+    write(folder / "checkpoints" / checkpoint.MARKER_FILE, '{"x": ')
+    with pytest.raises(ConfigError, match="expertax_checkpoints.json is damaged"):
+        params_io.read_run_config(folder)

@@ -5,12 +5,11 @@ before any backend starts: a saved config whose files have since moved still loa
 from __future__ import annotations
 
 import glob
-import os
-import tempfile
 from pathlib import Path
 
 from expertax.config.schema import Config
 from expertax.errors import ConfigError
+from expertax.paths import cannot_write_in, nearest_existing, not_a_file, what_is
 
 
 def check_data_files(c: Config) -> None:
@@ -65,14 +64,35 @@ def check_distributed(c: Config) -> None:
         raise ConfigError(f"process_id={i} must be below num_processes={n}")
 
 
+# Besides letters and digits (of any script), the characters a run's folder name may hold.
+RUN_NAME_PUNCTUATION = "-_.+@"
+NAME_MAX_BYTES = 255  # a folder name's limit on Linux and macOS file systems
+
+
 def check_run_name(c: Config) -> None:
-    """`run_name` is one folder under `base_output_directory`, not a path."""
+    """`run_name` is one plain folder name under `base_output_directory`: not a path, at most
+    255 bytes, of letters, digits and `RUN_NAME_PUNCTUATION` (no spaces, brackets, quotes, glob or
+    shell characters: `run_name=[a,b]` is not a list, and not a folder anyone wants to type)."""
     name = c.run_name
-    if name and (name in (".", "..") or "/" in name or "\\" in name):
-        raise ConfigError(
-            f"run_name={name!r}: a run is one folder under base_output_directory; use a plain "
-            'name without path separators (e.g. run_name=moe-ep8), or "" (a timestamp)'
-        )
+    if not name:
+        return
+    size = len(name.encode())
+    odd = sorted({ch for ch in name if not (ch.isalnum() or ch in RUN_NAME_PUNCTUATION)})
+    if name in (".", ".."):
+        why = "is not a folder name: a run is one folder under base_output_directory"
+    elif "/" in name or "\\" in name:
+        why = "holds path separators: a run is one folder under base_output_directory"
+    elif size > NAME_MAX_BYTES:
+        why = f"is {size} bytes long; a folder name holds at most {NAME_MAX_BYTES}"
+    elif odd:
+        why = f"holds {', '.join(map(repr, odd))}, which a folder name should not"
+    else:
+        return
+    raise ConfigError(
+        f"run_name={name if size <= 80 else name[:60] + '...'!r} {why}; use a plain folder name "
+        f"of letters, digits and {' '.join(RUN_NAME_PUNCTUATION)} (e.g. run_name=moe-ep8), or "
+        '"" (a timestamp)'
+    )
 
 
 def check_coordinator_address(c: Config) -> None:
@@ -89,8 +109,14 @@ def check_coordinator_address(c: Config) -> None:
 
 def _data_files(key: str, path: str) -> None:
     """A file, a folder or a glob that names something (the files' kinds: data/files.py)."""
-    if Path(path).exists() or glob.glob(path, recursive=True):
+    kind = what_is(path)
+    if kind in ("a file", "a folder") or (kind == "missing" and glob.glob(path, recursive=True)):
         return
+    if kind != "missing":
+        raise ConfigError(
+            f"{key}={path!r} is {kind}, not a file; give a data file, a folder of them or a glob "
+            "(.jsonl, .parquet, .txt)"
+        )
     raise ConfigError(
         f"{key}={path!r}: no such file or folder, and no file matches it as a glob; give a "
         "data file, a folder of them or a glob (.jsonl, .parquet, .txt)"
@@ -101,7 +127,8 @@ def _tokenizer(path: str) -> None:
     p = Path(path)
     if p.is_file() or (p / "tokenizer.json").is_file():
         return
-    where = f"{str(p)!r} is a folder without tokenizer.json" if p.is_dir() else "no such file"
+    why = not_a_file(p)
+    where = f"{str(p)!r} is a folder without tokenizer.json" if p.is_dir() else f"it {why}"
     raise ConfigError(
         f"tokenizer_path={path!r}: {where}; give a HuggingFace tokenizer.json or its folder"
     )
@@ -111,13 +138,8 @@ def _model_dir(path: str) -> None:
     p = Path(path)
     if p.is_dir() and (p / "config.yml").is_file():
         return
-    where = (
-        "a file"
-        if p.is_file()
-        else "a folder without config.yml"
-        if p.is_dir()
-        else "no such folder"
-    )
+    kind = what_is(p)
+    where = {"a folder": "a folder without config.yml", "missing": "no such folder"}.get(kind, kind)
     raise ConfigError(
         f"load_parameters_path={path!r}: {where}; give an expertax model directory (the output "
         "of `expertax convert from-hf`, with config.yml)"
@@ -142,23 +164,21 @@ def _output_folder(path: str) -> None:
     """`base_output_directory` is a folder, or can be made one: its nearest existing ancestor is
     a folder this process may write in."""
     out = Path(path)
-    if out.exists() and not out.is_dir():
+    kind = what_is(out)
+    if kind not in ("a folder", "missing"):
         raise ConfigError(
-            f"base_output_directory={path!r} is a file; runs are written in folders under it: "
+            f"base_output_directory={path!r} is {kind}; runs are written in folders under it: "
             "give a folder (new or existing)"
         )
-    ancestor = out.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    ancestor = nearest_existing(out)
     if not ancestor.is_dir():
         raise ConfigError(
             f"base_output_directory={path!r}: {str(ancestor)!r} on its way is a file, so the "
             "folder cannot be made; give a folder (new or existing)"
         )
-    try:  # a folder made and removed at once: what os.access cannot tell (root, /proc, mounts)
-        os.rmdir(tempfile.mkdtemp(prefix=".expertax-check-", dir=ancestor))
-    except OSError as e:
+    why = cannot_write_in(ancestor)
+    if why is not None:
         raise ConfigError(
             f"base_output_directory={path!r}: no folder can be made in {str(ancestor)!r} "
-            f"({e.strerror}); give a folder you can write in"
-        ) from None
+            f"({why}); give a folder you can write in"
+        )
