@@ -89,9 +89,8 @@ def default_compile(c: Config, hbm_gib: float, devices=None, target=None) -> tup
         peak, args, peak - args, plan.host_bytes(xla, offloaded, offloaded_residuals)
     )
     honoured = plan.not_honoured(c, xla, on)
-    # One process compiles every candidate: drop this program (and JAX's caches of it) before
-    # the next compile, or a 671B search holds each compiled step and its text (it ran out of
-    # a 24 GiB machine's memory at the second compile).
+    # One process compiles every candidate: drop this program, JAX's caches and the free heap
+    # before the next (a 671B search ran out of 24 GiB at its second compile).
     del compiled, trainer, predicted
     jax.clear_caches()
     gc.collect()
