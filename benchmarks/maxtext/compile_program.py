@@ -24,8 +24,9 @@ import time
 def main() -> int:
     out, target, *keys = sys.argv[1:]
     kind, _, cores = target.removeprefix("tpu:").partition("-")
-    import maxtext
     from maxtext.trainers.pre_train import train_compile
+
+    import maxtext
 
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
     argv = ["train_compile", base, f"compile_topology={kind}-{cores}"]

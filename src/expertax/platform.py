@@ -38,7 +38,7 @@ def planned() -> str:
     """The platform of JAX's default backend, where possible without starting a backend: the
     first of the platforms `jax_platforms` ($JAX_PLATFORMS, which `expertax` sets) lists, to
     which JAX gives the highest priority; else the started default backend's."""
-    first = (jax.config.jax_platforms or "").split(",")[0].strip()
+    first = (getattr(jax.config, "jax_platforms", None) or "").split(",")[0].strip()
     return normalize(first) if first else normalize(jax.default_backend())
 
 

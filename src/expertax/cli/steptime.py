@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from expertax.errors import ConfigError
 from expertax.outputs import add_overwrite_flag, check_apart, check_file
@@ -97,7 +98,7 @@ def read_meta(program: str) -> dict:
     return meta
 
 
-def check_inputs(args) -> tuple[object, dict]:
+def check_inputs(args) -> tuple[Any, dict]:
     """The flags, then the program's path, then its PROGRAM.meta.json and the target; before the
     program is read. Returns the target and the meta's values."""
     meta_path = args.program + META_SUFFIX

@@ -236,7 +236,8 @@ _FAMILIES = {
 def defaults_taken(hf: dict) -> str:
     """The fields config.json leaves out that are read as transformers' defaults, as a clause
     for a refusal that they may explain ("" when none)."""
-    absent = {k: v for k, v in _HF_DEFAULTS.get(hf.get("model_type"), {}).items() if k not in hf}
+    kind = str(hf.get("model_type", ""))
+    absent = {k: v for k, v in _HF_DEFAULTS.get(kind, {}).items() if k not in hf}
     if not absent:
         return ""
     taken = ", ".join(f"{k} (taken as {v!r})" for k, v in list(absent.items())[:6])

@@ -4,8 +4,9 @@ and `format_steptime`, its table.
 The parts add up to the step: compute (matmul-bound and memory-bound operations), exposed
 communication (per collective kind and mesh axes), exposed host transfers; `seconds` is the
 compute stream's wall time, so `seconds = compute + exposed communication + exposed host`
-(`beside_seconds`: the TPU SparseCore's own work, beside the stream, not in the sum). Pipeline bubbles are in the program: a stage's iterations
-on a microbatch it does not hold are loop trips that compute, counted as compute.
+(`beside_seconds`: the TPU SparseCore's own work, beside the stream, not in the sum).
+Pipeline bubbles are in the program: a stage's iterations on a microbatch it does not hold are
+loop trips that compute, counted as compute.
 """
 
 from __future__ import annotations

@@ -140,7 +140,15 @@ KINDS = {
     "--passes": "choice list",
 }
 # The flags that say what to measure: read only when measuring (refused with --from-json).
-MEASURING = ("--quick", "--backends", "--experts", "--rows", "--shapes", "--groups", "--passes")
+MEASURING: tuple[str, ...] = (
+    "--quick",
+    "--backends",
+    "--experts",
+    "--rows",
+    "--shapes",
+    "--groups",
+)
+MEASURING += ("--passes",)
 MEASURING += ("--repeats", "--max-call-s")
 ROW_KEYS = ("backend", "impl", "experts", "rows", "d", "f", "groups", "pass", "ms", "gflops")
 MACHINE_KEYS = ("copy_gbps", "fresh_copy_gbps")

@@ -51,8 +51,16 @@ KINDS = {
 # The flags that say what to compile: read only when compiling (refused with --from-json).
 COMPILING = ("--backends", "--experts", "--rows-per-expert", "--shape", "--passes", "--dtype")
 # What `--from-json` needs of a file a `--json` run wrote (format_table, format_markdown).
-ROW_KEYS = ("target", "backend", "impl", "pass", "experts", "rows_per_expert", "rows")
-ROW_KEYS += ("flops_ratio", "worst_ratio", "temp_bytes", "out_bytes", "temp_ratio", "kernel")
+ROW_KEYS: tuple[str, ...] = ("target", "backend", "impl", "pass", "experts", "rows_per_expert")
+ROW_KEYS += (
+    "rows",
+    "flops_ratio",
+    "worst_ratio",
+    "temp_bytes",
+    "out_bytes",
+    "temp_ratio",
+    "kernel",
+)
 MACHINE_KEYS = ("date", "host", "jax", "loadavg")
 DEFAULT_BACKENDS = {
     "gpu": "tiled,ragged_dot,tokamax_triton,tokamax_mosaic_gpu",
@@ -259,15 +267,15 @@ def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     outputs = {"--json": args.json, "--markdown": args.markdown}
-    pieces = (args.from_json or "").split(",")
-    check_apart(outputs, [("--from-json", path) for path in pieces])
+    inputs = (args.from_json or "").split(",")
+    check_apart(outputs, [("--from-json", path) for path in inputs])
     for flag, path in outputs.items():
         check_file(flag, path, args.overwrite)
     if args.from_json is not None:  # an empty one is refused, not "compile"
         unread_with("--from-json", parser, args, COMPILING)
         rows: list[dict] = []
-        pieces = []
         keys = {"rows": ROW_KEYS, "machine": MACHINE_KEYS}
+        pieces: list[dict] = []
         for path in args.from_json.split(","):
             fix = "give a comma list of files --json runs wrote"
             saved = saved_json("--from-json", path, keys, fix)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from expertax import targets
-from expertax.preflight import load_config
 from expertax.planner import comm
+from expertax.preflight import load_config
 
 needs_tpu = pytest.mark.skipif(
     not targets.compiler_available("tpu"), reason="the TPU compiler (expertax[tpu]) is missing"
