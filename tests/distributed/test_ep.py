@@ -289,15 +289,11 @@ LAYOUTS = {
 
 
 def _layer_case(overrides):
-    c = load_config(
-        overrides=[
-            "model_name=deepseek3-tiny",
-            "per_device_batch_size=1",
-            "max_target_length=8",
-            "load_balance_loss_weight=0.01",
-            *overrides,
-        ]
-    )
+    # the case's keys replace these defaults (a key given twice is refused)
+    keys = {"model_name": "deepseek3-tiny", "per_device_batch_size": "1"}
+    keys |= {"max_target_length": "8", "load_balance_loss_weight": "0.01"}
+    keys |= dict(o.split("=", 1) for o in overrides)
+    c = load_config(overrides=[f"{k}={v}" for k, v in keys.items()])
     p = param.initialize(layer.spec(c), jax.random.key(0), jnp.float32)
     bias = 0.1 * jax.random.normal(jax.random.key(2), (c.num_experts,))
     if c.moe_expert_bias:  # GPT-OSS: trained router and expert biases, random
