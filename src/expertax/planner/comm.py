@@ -73,14 +73,16 @@ def axis_bytes(c: Config, shape: dict[str, int], recompute_share: float) -> dict
 def estimate(c: Config, shape: dict[str, int], devices, target, recompute_share: float):
     """The candidate's collectives in seconds (`Exchange`), or None where the target has no
     links to time (the CPU)."""
-    from expertax.sharding.mesh import _lay_out
+    from jax.sharding import Mesh
+
+    from expertax.sharding.mesh import lay_out
     from expertax.steptime import collectives, topology
 
     if target is None or target.chip is None:
         return None
     sizes = tuple(shape.get(a, 1) for a in MESH_AXES)
-    grid = np.asarray(_lay_out(sizes, list(devices)))
-    placement = topology.mesh_placement(target, _MeshLike(grid))
+    grid = np.asarray(lay_out(sizes, list(devices)))
+    placement = topology.mesh_placement(target, Mesh(grid, MESH_AXES))
     links = placement.links
     index = {d: i for i, d in enumerate(grid.flat)}
     by_axis = {}
@@ -97,11 +99,3 @@ def estimate(c: Config, shape: dict[str, int], devices, target, recompute_share:
                 total += collectives.gpu_seconds(kind, nbytes, s, links)[0]
         by_axis[axis] = total
     return Exchange(sum(by_axis.values()), by_axis)
-
-
-class _MeshLike:
-    """What `topology.mesh_placement` reads of a mesh: its devices and axis names."""
-
-    def __init__(self, grid):
-        self.devices = grid
-        self.axis_names = MESH_AXES

@@ -138,14 +138,14 @@ def make_mesh(c: Config, devices=None) -> Mesh:
     check_mesh_fit(c, shape)
     sizes = tuple(shape[a] for a in MESH_AXES)
     if num_slices == 1:
-        return Mesh(_lay_out(sizes, devices), MESH_AXES, axis_types=AXIS_TYPES)
+        return Mesh(lay_out(sizes, devices), MESH_AXES, axis_types=AXIS_TYPES)
     dcn = tuple(_resolve(c, "dcn", num_slices))
     ici = tuple(s // d for s, d in zip(sizes, dcn, strict=True))
     dev_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
     return Mesh(dev_array, MESH_AXES, axis_types=AXIS_TYPES)
 
 
-def _lay_out(sizes: tuple[int, ...], devices: list):
+def lay_out(sizes: tuple[int, ...], devices: list):
     """The devices as an array of `sizes`, in topology order (see `make_mesh`)."""
     try:
         return jax.make_mesh(sizes, MESH_AXES, axis_types=AXIS_TYPES, devices=devices).devices
@@ -165,7 +165,7 @@ def _lay_out(sizes: tuple[int, ...], devices: list):
 def buildable(shape: dict[str, int], devices: list) -> bool:
     """Whether `make_mesh` can lay out a mesh of axis sizes `shape` on `devices`."""
     try:
-        _lay_out(tuple(shape.get(a, 1) for a in MESH_AXES), list(devices))
+        lay_out(tuple(shape.get(a, 1) for a in MESH_AXES), list(devices))
     except ConfigError:
         return False
     return True

@@ -4,9 +4,8 @@ as lanes, collectives as blocks, and the compute stream's waits for them marked 
 
 from __future__ import annotations
 
-from expertax.steptime.simulate import Simulator
+from expertax.steptime.simulate import LANES, Simulator
 
-LANES = ("compute", "link", "host", "core")  # core: the TPU SparseCore's own work
 LABELS = ("compute", "link", "host link", "SparseCore")
 COLORS = {"compute": "#4C72B0", "host": "#8172B2", "core": "#8C8C8C", "exposed": "#C44E52"}
 KIND_COLORS = {

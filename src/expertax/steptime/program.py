@@ -5,8 +5,6 @@ model's FLOPs and tokens per device)."""
 
 from __future__ import annotations
 
-import json
-
 from expertax.steptime import topology
 from expertax.steptime.report import estimate, json_ready
 
@@ -64,6 +62,3 @@ def save(path: str, text: str, c, trainer, target) -> None:
 
 def summary(report: dict | None) -> dict | None:
     return None if report is None else json_ready(report)
-
-
-__all__ = ["META_SUFFIX", "predict", "save", "summary", "json"]

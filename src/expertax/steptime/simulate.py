@@ -35,6 +35,9 @@ from expertax.steptime.collectives import Collective, array_bytes, collective, i
 from expertax.steptime.compute import Costs
 from expertax.steptime.topology import Placement
 
+# The timeline's lanes: the compute stream, the link stream, the host link, the SparseCore.
+LANES = ("compute", "link", "host", "core")
+
 
 @dataclasses.dataclass
 class Comm:
@@ -211,11 +214,8 @@ class Simulator:
                 parts = [self.run(name).beside() for _, name in _called(ins)]
                 for part in parts:
                     seg.add(part)
-                longest = max(
-                    (k for part in parts for k in part.comm),
-                    key=lambda k: max(p.comm[k].seconds if k in p.comm else 0 for p in parts),
-                    default=None,
-                )
+                comms = [(c.seconds, k) for part in parts for k, c in part.comm.items()]
+                longest = max(comms)[1] if comms else None
                 took = sum(x.seconds for x in parts)
                 pending[ins.name] = (t + took, None, "core")
                 beside_keys[ins.name] = longest
