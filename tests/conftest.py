@@ -14,8 +14,9 @@ import tempfile
 from tests.timing import worker_codegen
 from tests.xla_flags import CHEAP_CPU_CODEGEN, TOLERANCE_ONLY_CODEGEN, with_devices
 
-# The worker's code generation (tests/timing.py: the odd-numbered xdist workers of the default
-# run take only the files measured to pass with the tolerance-only one at <= 1.1 x their time)
+# The worker's code generation (tests/timing.py: in the default run, gw0 compiles with the
+# default and takes the tests marked `default_codegen`; the other workers take the rest, with the
+# tolerance-only one)
 _CODEGEN = {"default": CHEAP_CPU_CODEGEN, "cheap": TOLERANCE_ONLY_CODEGEN}[
     worker_codegen(
         os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
@@ -74,6 +75,12 @@ TINY_MOE = dict(
 
 def pytest_configure(config):
     config.pluginmanager.register(timing, "expertax-timing")  # tests/timing.py
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than the cores in the default run (tests/timing.py)."""
+    return timing.auto_workers(config)
 
 
 def pytest_unconfigure(config):

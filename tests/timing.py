@@ -1,31 +1,36 @@
-"""The test run's time: a durations report at the end of every run, files scheduled longest
-first, and the cheaper code generation on every other worker (a pytest plugin, registered by
-tests/conftest.py).
+"""The test run's time: a durations report at the end of every run, units scheduled longest
+first, and the cheaper code generation for every test that compares within a tolerance (a
+pytest plugin, registered by tests/conftest.py).
 
 The report (in the controller, after the summary): the 30 slowest tests (setup, call and
 teardown together) and the seconds spent per test folder, so that a regression shows in CI's log.
 With `EXPERTAX_DURATIONS_OUT=PATH` the run also writes every test's seconds to PATH as JSON.
 
-The schedule: pytest-xdist gives each worker a whole file at a time (`--dist loadfile`: a file's
-tests share their module fixtures and compiled programs); `tests/durations.json` holds each
-file's measured seconds (from a whole run, `EXPERTAX_DURATIONS_OUT`), and the files are handed out
-in decreasing order of it, the longest-processing-time rule, so that no long file starts last
-and leaves one worker running alone. A file the table does not know is taken for the median
-file's time. The order changes only which worker runs what, never what runs.
+The code generation: in the default run with two workers or more, worker gw0 compiles with
+XLA:CPU's default (`CHEAP_CPU_CODEGEN`, tests/xla_flags.py) and every other worker with
+`TOLERANCE_ONLY_CODEGEN` (its direct LLVM IR emitters instead of the MLIR fusion pipeline: a
+train step of the tiny models compiles in about 0.65 x the time). The cheaper one changes
+fusions and the rounding of some of them, so a test that compares two programs bitwise or reads
+the compiled program's fusions is marked `default_codegen` and runs on gw0; every other test may
+run on either. `-n auto` starts one worker more than the machine has cores (at most
+`--maxprocesses`): gw0 takes the `default_codegen` tests and stops when none is left, the others
+take the rest; with two workers (`-n 2`) gw0 takes the rest too, once its own tests are done.
+`-n 0` and `-n 1` run everything on the default.
 
-The code generation: with two workers or more, the odd-numbered ones (gw1, gw3, ...) compile
-with `TOLERANCE_ONLY_CODEGEN` (tests/xla_flags.py: XLA:CPU's direct LLVM IR emitters instead of
-its MLIR fusion pipeline), the even-numbered ones with the default (`CHEAP_CPU_CODEGEN`). The
-cheaper one changes fusions and their rounding, so a file runs on it only where the table's
-`cheap_codegen` lists it: a file measured to pass there, bitwise comparisons included, and to
-run no more than 10 % slower (the tests that compare programs bitwise across remat policies, the
-paged stash, the tiled grouped matmul, read compiled HLO for exact buffers, or run the Pallas
-interpreter and long decode loops, which the cheaper machine code slows, stay on the default).
-A file the table does not list runs on the default code generation. `-n 0` and `-n 1` run
-everything on the default."""
+The schedule: pytest-xdist gives each worker a whole unit at a time (`--dist loadfile`: a unit is
+a file's tests, which share their module fixtures and compiled programs, or, apart, its
+`default_codegen` tests); `tests/durations.json` holds each unit's measured seconds (from a whole
+run, `EXPERTAX_DURATIONS_OUT`), and the units are handed out in decreasing order of it, the
+longest-processing-time rule, so that no long unit starts last and leaves one worker running
+alone. A unit the table does not know is taken for the median unit's time. The order changes
+only which worker runs what, never what runs. The controller schedules before any worker has
+collected a test, so it finds the `default_codegen` tests by reading the test files' decorators
+(`default_codegen_tests`); tests/unit/test_on_demand.py checks that this finds exactly the tests
+the marker is on."""
 
 from __future__ import annotations
 
+import ast
 import collections
 import functools
 import json
@@ -36,7 +41,10 @@ from pathlib import Path
 import pytest
 
 TABLE = Path(__file__).with_name("durations.json")
+ROOT = Path(__file__).parents[1]
 SLOWEST = 30
+MARKER = "default_codegen"
+_APART = f"::{MARKER}"  # the scope of a file's default_codegen tests
 
 
 def _file_of(nodeid: str) -> str:
@@ -44,7 +52,7 @@ def _file_of(nodeid: str) -> str:
 
 
 # The default run's marker expression (pyproject.toml's addopts); the split of the code
-# generation holds only in a run that selects with it, the run the table's list was measured on
+# generation holds only in a run that selects with it
 DEFAULT_MARKEXPR = "not extended and not compile_matrix and not full_matrix and not full_grid"
 SPLIT = "EXPERTAX_TEST_CODEGEN_SPLIT"  # set by the controller for its workers
 
@@ -55,54 +63,91 @@ def _table() -> dict:
     return json.loads(TABLE.read_text()) if TABLE.exists() else {}
 
 
-def file_seconds(markexpr: str = DEFAULT_MARKEXPR) -> dict[str, float]:
-    """The measured seconds per test file (tests/durations.json) in the default run, or in the
-    extended one for `-m extended`; {} without the table."""
-    return _table().get("extended" if markexpr == "extended" else "files", {})
+def unit_seconds(markexpr: str = DEFAULT_MARKEXPR) -> dict[str, float]:
+    """The measured seconds per unit (tests/durations.json) in the default run, or per file in
+    the extended one for `-m extended`; {} without the table."""
+    return _table().get("extended" if markexpr == "extended" else "units", {})
 
 
-def cheap_codegen_files() -> frozenset[str]:
-    """The files that may run on a worker with the tolerance-only code generation."""
-    return frozenset(_table().get("cheap_codegen", ()))
+def _is_marker(node: ast.expr) -> bool:
+    """`@pytest.mark.default_codegen`, with or without a call."""
+    node = node.func if isinstance(node, ast.Call) else node
+    return isinstance(node, ast.Attribute) and node.attr == MARKER
+
+
+@functools.cache
+def default_codegen_tests(root: Path = ROOT) -> frozenset[str]:
+    """`file::function` of every test function under root/tests decorated with
+    `@pytest.mark.default_codegen` (read from the source: the controller has no collection)."""
+    found = set()
+    for path in sorted((root / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and any(map(_is_marker, node.decorator_list)):
+                found.add(f"{path.relative_to(root).as_posix()}::{node.name}")
+    return frozenset(found)
+
+
+def scope_of(nodeid: str) -> str:
+    """The scheduling unit of a test: its file, or its file's `default_codegen` tests."""
+    file = _file_of(nodeid)
+    function = nodeid.split("::")[-1].split("[", 1)[0]
+    return file + _APART if f"{file}::{function}" in default_codegen_tests() else file
 
 
 def worker_codegen(worker: str | None, workers: int) -> str:
     """The code generation of xdist worker `worker` ("gw3"; None outside xdist) of `workers`:
-    "cheap" on the odd-numbered ones when there are two or more and the controller split the
-    run (`SPLIT`), else "default"."""
+    "default" on gw0 and "cheap" on the others when there are two or more and the controller
+    split the run (`SPLIT`), else "default"."""
     if worker is None or workers < 2 or os.environ.get(SPLIT) != "1":
         return "default"
-    return "cheap" if int(worker.removeprefix("gw")) % 2 else "default"
+    return "cheap" if int(worker.removeprefix("gw")) else "default"
+
+
+def auto_workers(config) -> int | None:
+    """`-n auto` in a split run: one worker more than the cores, for gw0's `default_codegen`
+    tests (it stops when they are done); None elsewhere (pytest-xdist's own count)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    if config.getoption("markexpr", "") != DEFAULT_MARKEXPR:
+        return None
+    return len(os.sched_getaffinity(0)) + 1
 
 
 def _make_scheduler_class():
     from xdist.scheduler import LoadFileScheduling
 
-    class CodegenFileScheduling(LoadFileScheduling):
-        """`--dist loadfile` in the table's order, where a worker on the cheaper code
-        generation takes only the files listed for it (the first of them in the queue) and
-        stops when none is left, and a default worker takes the first file not listed, or,
-        when only listed ones are left, the first of those."""
+    class CodegenScheduling(LoadFileScheduling):
+        """`--dist loadfile` over the units (`scope_of`) in the table's order. In a split run
+        gw0 takes the `default_codegen` units first, then stops if two workers or more are left
+        for the rest or else takes the rest too; the others take only the rest and stop when
+        none is left."""
 
         def __init__(self, config, log=None):
             super().__init__(config, log)
             # the workers started (as each worker counts them), not those still running
             self.workers = len(config.getvalue("tx") or ())
 
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
         def _assign_work_unit(self, node):
-            cheap = cheap_codegen_files()
-            if worker_codegen(node.gateway.id, self.workers) == "cheap":
-                scope = next((f for f in self.workqueue if _file_of(f) in cheap), None)
+            if os.environ.get(SPLIT) == "1" and self.workers >= 2:
+                apart = [s for s in self.workqueue if s.endswith(_APART)]
+                rest = [s for s in self.workqueue if not s.endswith(_APART)]
+                if worker_codegen(node.gateway.id, self.workers) == "cheap":
+                    scope = rest[0] if rest else None
+                elif apart:
+                    scope = apart[0]
+                else:
+                    scope = rest[0] if rest and self.workers == 2 else None
                 if scope is None:
                     node.shutdown()
                     return
-            else:
-                scope = next((f for f in self.workqueue if _file_of(f) not in cheap), None)
-            if scope is not None:
                 self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
-    return CodegenFileScheduling
+    return CodegenScheduling
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
@@ -113,20 +158,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Files in decreasing order of their measured seconds, each file's tests in their order."""
-    known = file_seconds(config.getoption("markexpr", ""))
+    """Units in decreasing order of their measured seconds, each unit's tests in their order."""
+    markexpr = config.getoption("markexpr", "")
+    known = unit_seconds(markexpr)
     if not known:
         return
+    unit = scope_of if markexpr != "extended" else _file_of
     default = statistics.median(known.values())
     first_index: dict[str, int] = {}
     for i, item in enumerate(items):
-        first_index.setdefault(_file_of(item.nodeid), i)
-    items.sort(
-        key=lambda it: (
-            -known.get(_file_of(it.nodeid), default),
-            first_index[_file_of(it.nodeid)],
-        )
-    )
+        first_index.setdefault(unit(item.nodeid), i)
+    items.sort(key=lambda it: (-known.get(unit(it.nodeid), default), first_index[unit(it.nodeid)]))
 
 
 class Durations:
@@ -166,24 +208,26 @@ def pytest_configure(config):
     # `workerinput`
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(Durations(), "expertax-durations")
-        split = config.getoption("markexpr", "") == DEFAULT_MARKEXPR and bool(cheap_codegen_files())
+        split = config.getoption("markexpr", "") == DEFAULT_MARKEXPR
         os.environ[SPLIT] = "1" if split else "0"
 
 
-def _per_file(per_test: dict[str, float]) -> dict[str, float]:
-    files: dict[str, float] = collections.defaultdict(float)
+def _per_unit(per_test: dict[str, float], unit) -> dict[str, float]:
+    units: dict[str, float] = collections.defaultdict(float)
     for nodeid, s in per_test.items():
-        files[_file_of(nodeid)] += s
-    return dict(sorted(((f, round(s, 1)) for f, s in files.items()), key=lambda kv: -kv[1]))
+        units[unit(nodeid)] += s
+    return dict(sorted(((f, round(s, 1)) for f, s in units.items()), key=lambda kv: -kv[1]))
 
 
 def write_table(default: dict[str, float], extended: dict[str, float], note: str) -> None:
     """tests/durations.json from the per-test seconds (`EXPERTAX_DURATIONS_OUT`) of a default
-    and an extended run: the seconds per file of each, rounded to 0.1 s; the `cheap_codegen`
-    list is kept as it was measured, less the files without a default test."""
-    table = {"measured": note, "files": _per_file(default), "extended": _per_file(extended)}
-    # a file that no longer has a default test leaves the list (the split is the default run's)
-    table["cheap_codegen"] = sorted(cheap_codegen_files() & set(table["files"]))
+    and an extended run: the seconds per unit of the one and per file of the other, rounded to
+    0.1 s."""
+    table = {
+        "measured": note,
+        "units": _per_unit(default, scope_of),
+        "extended": _per_unit(extended, _file_of),
+    }
     TABLE.write_text(json.dumps(table, indent=1) + "\n")
 
 

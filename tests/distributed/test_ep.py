@@ -419,6 +419,7 @@ def _row_exchanges(overrides, remat: bool) -> int:
     return sum(1 for line in text.splitlines() if " all-to-all(" in line and f",{d}]" in line)
 
 
+@pytest.mark.default_codegen
 def test_remat_replays_the_dispatch_but_not_the_expert_ffn_and_return():
     """With the routing weights applied on the expert side (the fused routed FFN), the home
     combine's backward needs no returned rows: under full remat the backward pass replays the

@@ -137,6 +137,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("model, strategy, mesh, routing", list(_cases()))
+@pytest.mark.default_codegen
 def test_stash_gradients_bitwise_under_expert_parallelism(model, strategy, mesh, routing):
     # a factor of 8 holds the worst case (a device receives at most EP x its own rows)
     over, factor = compare(model, strategy, mesh, routing, moe_paged_stash_capacity_factor=8.0)

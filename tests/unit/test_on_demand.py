@@ -9,13 +9,17 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ON_DEMAND
 
 CI_MARKERS = ("extended",)  # CI's second run; the default run is everything not on demand
 
 
-def _collection(tmp_path) -> dict:
-    out = tmp_path / "collection.json"
+@pytest.fixture(scope="module")
+def items(tmp_path_factory) -> dict:
+    """Every test's markers and covered_by, from one collection of the whole suite."""
+    out = tmp_path_factory.mktemp("collection") / "collection.json"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-m", "", "tests"],
         env=dict(os.environ, EXPERTAX_COLLECTION_OUT=str(out)),
@@ -26,8 +30,7 @@ def _collection(tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_every_on_demand_test_names_ci_tests_that_cover_it(tmp_path):
-    items = _collection(tmp_path)
+def test_every_on_demand_test_names_ci_tests_that_cover_it(items):
     on_demand = {n for n, r in items.items() if set(r["markers"]) & set(ON_DEMAND)}
     assert on_demand, "the collection holds no on-demand test: the check would be empty"
     missing = sorted(n for n in on_demand if not items[n]["covered_by"])
@@ -44,3 +47,18 @@ def test_every_on_demand_test_names_ci_tests_that_cover_it(tmp_path):
     # and covered_by only where it means something
     stray = sorted(n for n, r in items.items() if r["covered_by"] and n not in on_demand)
     assert not stray, f"covered_by on tests that CI runs: {stray}"
+
+
+def test_the_schedule_finds_every_default_codegen_test(items):
+    """tests/timing.py reads the `default_codegen` marker from the decorators (the controller
+    schedules before any collection): a marker given otherwise (a parametrize case's marks, a
+    module's pytestmark) would send the test to a worker on the cheaper code generation."""
+    from tests import timing
+
+    marked = {n for n, r in items.items() if timing.MARKER in r["markers"]}
+    assert marked, "no test is marked: the check would be empty"
+    assert {timing.scope_of(n) for n in marked} <= {
+        f.split("::")[0] + "::default_codegen" for f in timing.default_codegen_tests()
+    }
+    found = {n for n in items if timing.scope_of(n).endswith("::default_codegen")}
+    assert found == marked

@@ -177,6 +177,7 @@ def _assert_differs(wrong, loss):
         ),
     ],
 )
+@pytest.mark.default_codegen
 def test_stashed_stack_gives_the_plain_stacks_loss_and_gradients(gmm):
     """The paged stash with sliding and full layers: bitwise the plain stack's loss and
     gradients (as tests/unit/nn/moe/test_stash.py without kinds), the first two layers' rows

@@ -292,6 +292,7 @@ GRAD_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("base, policies", GRAD_CASES, ids=["deepseek3-tiny", "llama-tiny"])
+@pytest.mark.default_codegen
 def test_gradients_under_every_policy_equal_no_remat_bitwise(base, policies):
     base = [*base, "max_target_length=16"]
     c_none = load_config(overrides=[*base, "remat_policy=none"])

@@ -148,6 +148,7 @@ def test_glu_matches_dense_oracle(backend, case):
 
 
 @pytest.mark.parametrize("given", (False, True))
+@pytest.mark.default_codegen
 def test_tiled_glu_equals_the_unfused_tiled_path_bitwise(given):
     """The fused SwiGLU is the unfused `gmm(glu(gate, up))` of the tiled backend bit for bit,
     forward and backward, and with a given output (the paged stash's read mode) its gradients
@@ -277,6 +278,7 @@ def test_tiled_temp_memory_independent_of_experts():
         assert temp_bytes(64, "ragged_dot") - temp_bytes(4, "ragged_dot") > 60 * n * f * 4
 
 
+@pytest.mark.default_codegen
 def test_tiled_weight_grad_updates_one_buffer_in_place():
     """The weight gradient is one `[E, D, F]` loop carry: zero-filled once, updated in place.
 

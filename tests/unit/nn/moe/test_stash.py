@@ -94,6 +94,7 @@ def configs(model: str, **extra):
     ],
     ids=["deepseek3-tiny", "mixtral-tiny", "deepseek3-tiny-fused"],
 )
+@pytest.mark.default_codegen
 def test_stash_gradients_are_bitwise_the_plain_stacks(model, fused):
     """Also with the fused routed FFN (nn/moe/routed.py), whose kept gate, up and expert
     outputs are the stashed values."""
@@ -134,6 +135,7 @@ def test_stash_gradients_are_bitwise_the_plain_stacks(model, fused):
         ),
     ],
 )
+@pytest.mark.default_codegen
 def test_fp8_stash_holds_e4m3_and_its_gradients_are_bitwise_the_plain_fp8_stack(recipe):
     """Under an fp8 recipe the stash holds gate and up as the activation saves them (e4m3 bytes
     and float32 row scales, nn/moe/stash.py) and hands them back as its residuals: the loss and
@@ -186,6 +188,7 @@ def test_fp8_stash_holds_e4m3_and_its_gradients_are_bitwise_the_plain_fp8_stack(
         ),
     ],
 )
+@pytest.mark.default_codegen
 def test_layers_that_overflow_are_recomputed_exactly(factor, overflowing):
     plain, stashed = configs("deepseek3-tiny", moe_paged_stash_capacity_factor=factor)
     p = init_params(plain)
