@@ -321,13 +321,9 @@ def _next(
         x.estimate_bytes = x.terms.peak(r)
         x.estimate_host_bytes = x.terms.host(r)
         x.step = times.of(
-            x.recompute_share,
-            x.terms,
-            r.get("host", 1.0),
-            padding(x),
-            times.exchange(x.overrides),
-            comm_s(x),
-        )
+            x.recompute_share, x.terms, r.get("host", 1.0), padding(x), comm_s=comm_s(x),
+            overrides=x.overrides,
+        )  # fmt: skip
         if x.estimate_bytes <= target and x.estimate_host_bytes <= host_budget:
             faster = best is None or x.step.seconds * scale < _seconds(best)
             if faster and not _like_a_miss(x, misses):

@@ -13,6 +13,11 @@ host placements move over the host link, overlapped with compute where the sched
   CPU proxy has none: transfers cost 0 there);
 - collectives (a TPU or GPU target): what each mesh axis of the layout moves, timed on the
   links that axis spans in the target's mesh (planner/comm.py), counted exposed;
+- the experts' weights under token chunks (`num_moe_token_chunks` > 1, a TPU or GPU target):
+  every chunk's grouped matmuls read the local experts' weights again and add their gradients
+  into a float32 accumulator; what that HBM traffic takes beyond the routed matmuls' compute
+  is counted (`expert_weight_traffic`: the compiled program's prediction sees the same work
+  per operation);
 - among equal seconds, by `exchange_bytes`: what the tensor axis's activation all-reduces and the
   context axis's key/value gathers move per device and step (bytes, no link rate: a tie-break
   between splits that compute the same, e.g. a long sequence's heads over `tensor` against its
@@ -45,10 +50,12 @@ class StepTime:
     link: str
     exchange_bytes: float = 0.0  # tensor all-reduces + context gathers per device (tie-break)
     comm_s: float = 0.0  # the layout's collectives on the target's links, counted exposed
+    memory_s: float = 0.0  # the expert weights' HBM traffic beyond the routed matmuls' compute
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_s, self.activation_transfer_s) + self.state_transfer_s + self.comm_s
+        overlapped = max(self.compute_s, self.activation_transfer_s)
+        return overlapped + self.state_transfer_s + self.comm_s + self.memory_s
 
     @property
     def recompute_share(self) -> float:
@@ -112,6 +119,23 @@ def exchange_bytes(c: Config, tensor: int, context: int) -> float:
     return out
 
 
+def expert_weight_traffic(c: Config, expert: int, tensor: int, chunks: int, replay: float) -> float:
+    """HBM bytes per device and step that the routed experts' weights take: each of `chunks`
+    token chunks reads the device's local experts' 16-bit weights (all MoE layers' experts over
+    `expert` x `tensor`) for its forward, for the backward's input gradient and, where the
+    backward replays the FFN (`replay`, 0 to 1), once more; and adds its weight gradient into a
+    `grad_dtype` accumulator (read and written), which one chunk only writes."""
+    if not c.is_moe:
+        return 0.0
+    local = (c.num_moe_layers * c.num_experts * 3 * c.base_emb_dim * c.base_moe_mlp_dim) / (
+        max(1, expert) * max(1, tensor)
+    )
+    grad = {"bfloat16": 2, "float16": 2}.get(str(c.grad_dtype), 4)
+    reads = chunks * 2 * (2 + replay)
+    accumulate = 2 * grad * chunks if chunks > 1 else grad
+    return local * (reads + accumulate)
+
+
 def recompute_share(c: Config) -> float:
     """The fraction of the layers' forward FLOPs the backward pass recomputes under `c`'s
     remat policy (its presets or custom placements, the paged stash's stack included)."""
@@ -158,6 +182,7 @@ class Model:
         d, f, k = c.base_emb_dim, c.base_moe_mlp_dim, c.num_experts_per_tok
         self.routed = 6 * 3 * d * f * k * tokens * c.num_moe_layers if c.is_moe else 0.0
         self.peak = chip.peak_bf16_flops if chip is not None else 1e12
+        self.hbm = getattr(chip, "hbm_bytes_per_s", None) or float("inf")
         host = getattr(chip, "host", None)
         self.rate = host.link_bytes_per_s if host is not None else float("inf")
         self.link = "none (CPU proxy)" if host is None else f"{host.link}, {self.rate / 1e9:g} GB/s"
@@ -170,11 +195,14 @@ class Model:
         padding: float = 0.0,
         exchange: float = 0.0,
         comm_s: float = 0.0,
+        overrides: dict | None = None,
     ) -> StepTime:
         """A candidate whose remat choice recomputes `share` of the layers' forward FLOPs and
         whose estimate is `terms`, its grouped matmuls computing `padding` more than their rows
         (`grouped_padding`), its collectives moving `exchange` bytes (`exchange_bytes`) (the
-        CPU proxy: a peak of 1 TFLOP/s, transfers free)."""
+        CPU proxy: a peak of 1 TFLOP/s, transfers free); `overrides` (its layout and chunks)
+        give `exchange` where it is not given, and the experts' weight traffic
+        (`expert_weight_traffic`, free on the CPU proxy)."""
         recompute = share * self.forward
         waste = padding * self.routed * (1 + share / 3)
         compute = (self.model + recompute + waste) / (self.peak * ASSUMED_MFU)
@@ -182,7 +210,23 @@ class Model:
         # transfer beside another layer's compute: the step takes the longer of the two.
         act = host_ratio * terms.residual_host / self.rate
         state = 2 * terms.state_host / self.rate  # in for the update, the updated state out
-        return StepTime(self.model, recompute, compute, act, state, self.link, exchange, comm_s)
+        memory = 0.0
+        if overrides is not None and not exchange:
+            exchange = self.exchange(overrides)
+        if overrides is not None and self.routed:
+            o = overrides
+            traffic = expert_weight_traffic(
+                self.c,
+                o.get("ici_expert_parallelism", 1),
+                o.get("ici_tensor_parallelism", 1),
+                o.get("num_moe_token_chunks", 1),
+                min(1.0, share),
+            )
+            routed = self.routed * (1 + share / 3) / (self.peak * ASSUMED_MFU)
+            memory = max(0.0, traffic / self.hbm - routed)
+        return StepTime(
+            self.model, recompute, compute, act, state, self.link, exchange, comm_s, memory
+        )
 
     def exchange(self, overrides: dict) -> float:
         """`exchange_bytes` of a candidate's tensor and context splits."""

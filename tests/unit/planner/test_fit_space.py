@@ -188,6 +188,32 @@ def test_grouped_padding_follows_the_kernels_row_tiles():
     assert model.of(0.5, terms, padding=1 / 3).compute_s > model.of(0.5, terms).compute_s
 
 
+def test_token_chunks_cost_the_expert_weights_hbm_traffic():
+    """Each MoE token chunk reads the local experts' bf16 weights again (forward, input
+    gradient, the replay) and adds its weight gradient into the float32 accumulator: at 671B on
+    v5p with 64 chunks the e2 layout's traffic outlasts its routed matmuls by far, one chunk's
+    not at all, and 128 x fewer local experts (e256) move 128 x fewer bytes."""
+    c = load_config(
+        overrides={"model_name": "deepseek3-671b", "per_device_batch_size": 6,
+                   "max_target_length": 8192}
+    )  # fmt: skip
+    local = c.num_moe_layers * c.num_experts * 3 * c.base_emb_dim * c.base_moe_mlp_dim / 2
+    # 64 chunks: 3 reads of 2 bytes and a float32 read and write per chunk
+    assert steptime.expert_weight_traffic(c, 2, 1, 64, 1.0) == 64 * (6 + 8) * local
+    assert steptime.expert_weight_traffic(c, 2, 1, 1, 0.0) == (4 + 4) * local  # written once
+    assert steptime.expert_weight_traffic(c, 256, 1, 64, 1.0) * 128 == pytest.approx(
+        steptime.expert_weight_traffic(c, 2, 1, 64, 1.0)
+    )
+    model = steptime.Model(c, CHIPS["v5p"])
+    terms = Terms(1, 1, 0, 0, 1, 0, 0)
+    layout = {"ici_expert_parallelism": 2, "ici_fsdp_parallelism": 256}
+    chunked = model.of(1.0, terms, overrides={**layout, "num_moe_token_chunks": 64})
+    whole = model.of(1.0, terms, overrides={**layout, "num_moe_token_chunks": 1})
+    assert chunked.memory_s > 50 and whole.memory_s == 0.0
+    assert chunked.seconds == pytest.approx(whole.seconds + chunked.memory_s)
+    assert steptime.Model(c).of(1.0, terms, overrides=layout).memory_s == 0.0  # the CPU proxy
+
+
 def test_accelerators_search_no_moe_offload_inside_moe_chunks():
     """A MoE name offloaded inside MoE token chunks does not compile on GPU or TPU
     (parallel.checks.check_moe_chunk_offload): those candidates are left out there, kept on a
