@@ -3,7 +3,8 @@
 XLA keeps `jax.named_scope` names in every instruction's `op_name` metadata; the planner reads a
 few of them to count what the program text cannot say: the trips of a loop whose count is known
 only on the device (`trips~N`), the balanced rows per group of a grouped-matmul kernel call
-(`rows~N`), the row tile of the Hopper fp8 kernel (`fp8_tile~N`), and which products are the fp8
+(`rows~N`), the idle iterations of a pipeline's loop (`idle~N`), the row tile of the Hopper fp8
+kernel (`fp8_tile~N`), and which products are the fp8
 GEMMs' forward, input-gradient and weight-gradient ones. Each name is declared here once, with
 its writer's label and its reader's pattern side by side, so renaming one cannot silently stop
 the planner from finding it; `tests/unit/test_scopes.py` fails when a scope the planner or the
@@ -39,6 +40,9 @@ TRIPS = Valued("trips", r"\d+(?:\.\d+)?")
 # the balanced rows per group of a grouped-matmul kernel call (nn/moe/gmm_kernels.py and the fp8
 # grouped GEMM; planner/kernels.py and planner/flops.py cost the call at it)
 ROWS = Valued("rows")
+# a pipeline's loop over its iterations: the S - 1 of them each stage runs idle, the bubble
+# (models/pipeline.py; steptime/simulate.py reports the loop's idle iterations apart)
+IDLE = Valued("idle")
 # the Hopper fp8 kernel's row tile (its kernel module; planner/flops.py)
 FP8_TILE = Valued("fp8_tile")
 # the fp8 GEMMs' three products: forward, input gradient, weight gradient

@@ -14,7 +14,7 @@ from expertax import scopes
 
 SRC = Path(expertax.__file__).parent
 SCOPES = [n for n in dir(scopes) if n.isupper() and not n.startswith("_") and n != "PRODUCTS"]
-READERS = ("planner/", "tools/", "fp8/compiled.py")
+READERS = ("planner/", "tools/", "fp8/compiled.py", "steptime/")
 
 
 def uses() -> dict[str, set[str]]:
@@ -34,7 +34,7 @@ def uses() -> dict[str, set[str]]:
 
 def spelled_out() -> list[str]:
     """String constants outside scopes.py (docstrings aside) that spell a scope's name."""
-    texts = [scopes.TRIPS.prefix + "~", scopes.ROWS.prefix + "~", scopes.FP8_TILE.prefix + "~"]
+    texts = [s.prefix + "~" for s in (scopes.TRIPS, scopes.ROWS, scopes.FP8_TILE, scopes.IDLE)]
     names = set(scopes.FP8_DENSE + scopes.FP8_GROUPED)
     found = []
     for path in SRC.rglob("*.py"):
@@ -71,7 +71,7 @@ def test_no_scope_is_spelled_out_elsewhere():
     assert spelled_out() == []
 
 
-@pytest.mark.parametrize("scope", [scopes.TRIPS, scopes.ROWS, scopes.FP8_TILE])
+@pytest.mark.parametrize("scope", [scopes.TRIPS, scopes.ROWS, scopes.FP8_TILE, scopes.IDLE])
 def test_a_label_is_found_by_its_pattern(scope):
     op_name = f"jit(train_step)/moe/{scope.label(12)}/while/body/dot_general"
     assert scope.pattern.findall(op_name) == ["12"]

@@ -55,7 +55,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from expertax import platform
+from expertax import platform, scopes
 from expertax.config.schema import Config
 from expertax.models.pipeline_stages import (
     PIPELINE,
@@ -213,7 +213,8 @@ def _scan(sched: _Schedule, c: Config, forward, w, x_MBTD, pos_MBT, seg_MBT, acc
     if keep:
         saved0 = constrain(jnp.zeros((items, s_n, b_mb, t, d), x_MBTD.dtype), SAVED_AXES)
     its = jnp.arange(sched.iterations, dtype=jnp.int32)
-    (_, out_MBTD, acc, saved), _ = jax.lax.scan(body, (state0, out0, acc0, saved0), its)
+    with jax.named_scope(scopes.IDLE.label(s_n - 1)):  # the bubble, for the step-time report
+        (_, out_MBTD, acc, saved), _ = jax.lax.scan(body, (state0, out0, acc0, saved0), its)
     return (out_MBTD, acc), saved
 
 
@@ -302,7 +303,8 @@ def _pipeline_vjp(
         dnext0 = jnp.zeros_like(saved[0])
         its = jnp.arange(sched.iterations, dtype=jnp.int32)
         carry0 = (dnext0, dout_MBTD, dw0, jnp.zeros_like(dout_MBTD))
-        (_, _, dw, dx_MBTD), _ = jax.lax.scan(body, carry0, its, reverse=True)
+        with jax.named_scope(scopes.IDLE.label(s_n - 1)):
+            (_, _, dw, dx_MBTD), _ = jax.lax.scan(body, carry0, its, reverse=True)
         return dw, dx_MBTD, None, None
 
     pipe.defvjp(pipe_fwd, pipe_bwd)

@@ -6,7 +6,8 @@ communication (per collective kind and mesh axes), exposed host transfers; `seco
 compute stream's wall time, so `seconds = compute + exposed communication + exposed host`
 (`beside_seconds`: the TPU SparseCore's own work, beside the stream, not in the sum).
 Pipeline bubbles are in the program: a stage's iterations on a microbatch it does not hold are
-loop trips that compute, counted as compute.
+loop trips that compute. `bubble_seconds` is their share of the step (the pipeline loop's body
+time x its S - 1 idle iterations, read from the loop's `idle~N` scope), inside the parts above.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def estimate(
         "host_transfer_seconds": seg.host_seconds,
         "exposed_host_seconds": seg.host_exposed_seconds,
         "beside_seconds": seg.beside_seconds,
+        "bubble_seconds": seg.bubble_seconds,
         "flops": seg.flops,
         "communication": [
             {
@@ -114,6 +116,11 @@ def format_steptime(r: dict) -> str:
         f"  host transfers    {_ms(r['exposed_host_seconds'])} exposed of "
         f"{_ms(r['host_transfer_seconds'])}",
     ]
+    if r.get("bubble_seconds"):
+        lines.append(
+            f"  pipeline bubble   {_ms(r['bubble_seconds'])} (each stage's idle iterations, "
+            "inside the parts above)"
+        )
     if r.get("mfu") is not None:
         lines.append(f"  predicted MFU     {r['mfu']:.1%} of {r['peak_flops_per_s'] / 1e12:g} TF/s")
     if r.get("tokens_per_s_per_device") is not None:

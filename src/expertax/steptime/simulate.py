@@ -64,6 +64,7 @@ class Segment:
     host_seconds: float = 0.0
     host_exposed_seconds: float = 0.0
     beside_seconds: float = 0.0  # TPU SparseCore work beside the compute stream
+    bubble_seconds: float = 0.0  # a pipeline loop's idle iterations (inside the other parts)
     events: list = dataclasses.field(default_factory=list)  # (lane, start, end, label)
     gemms: dict = dataclasses.field(default_factory=dict)  # (kernel, dtypes) -> [n, flops, s]
 
@@ -74,6 +75,7 @@ class Segment:
         self.host_seconds += other.host_seconds * times
         self.host_exposed_seconds += other.host_exposed_seconds * times
         self.beside_seconds += other.beside_seconds * times
+        self.bubble_seconds += other.bubble_seconds * times
         for key, (n, f, sec) in other.gemms.items():
             row = self.gemms.setdefault(key, [0.0, 0.0, 0.0])
             row[0] += n * times
@@ -294,7 +296,19 @@ class Simulator:
             LoopRun(ins.name, ins.op_name, n, how, body.seconds, called.get("body", ""))
         )
         seg.add(body, n)
+        idle = _idle_iterations(ins.op_name)
+        if idle:  # a pipeline's loop: each stage runs `idle` of its n iterations on no data
+            seg.bubble_seconds += body.seconds * min(idle, n)
         return body.seconds * n
+
+
+def _idle_iterations(op_name: str) -> int:
+    """The idle iterations a pipeline loop carries in its own scope (`idle~N` just above the
+    while: a loop nested in the pipeline's body has the scope above its parent's body)."""
+    found = list(scopes.IDLE.pattern.finditer(op_name))
+    if not found or "/body" in op_name[found[-1].end() :]:
+        return 0
+    return int(found[-1].group(1))
 
 
 def exposed_by_axis(seg: Segment) -> dict[str, float]:

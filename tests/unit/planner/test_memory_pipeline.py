@@ -115,10 +115,29 @@ def test_pipeline_report_splits_state_by_the_pipeline_axis():
     assert memory_pipeline.pipeline_report(_cfg(), state, 1, None) is None
 
 
+_PROGRAM: dict = {}  # pp_report's saved program
+
+
 @pytest.fixture(scope="module")
-def pp_report():
+def pp_report(tmp_path_factory):
     c = _cfg("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "sparse_matmul=false")
-    return c, memory_report(c, top=0)
+    _PROGRAM["path"] = tmp_path_factory.mktemp("pp") / "step.hlo"
+    return c, memory_report(c, top=0, save_program=str(_PROGRAM["path"]))
+
+
+def test_the_step_time_reports_the_pipeline_loops_idle_iterations(pp_report):
+    """The pipeline's loops carry their S - 1 idle iterations (`idle~1` here), which the step
+    time reports as the bubble: with M = 2 and S = 2, a third of each pipeline loop."""
+    from expertax import scopes, targets
+    from expertax.steptime import topology
+    from expertax.steptime.report import estimate
+
+    text = _PROGRAM["path"].read_text()
+    assert set(scopes.IDLE.pattern.findall(text)) == {"1"}
+    r = estimate(text, topology.default_placement(targets.parse_target("gpu:h100x8")))
+    loops = [lp for lp in r["loops"] if scopes.IDLE.label(1) in lp["where"]]
+    assert loops and r["bubble_seconds"] > 0
+    assert r["bubble_seconds"] < r["seconds"]
 
 
 def test_memory_report_with_stages(pp_report):

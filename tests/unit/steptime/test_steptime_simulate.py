@@ -60,7 +60,8 @@ def test_a_start_marked_synchronous_is_exposed_whole():
     assert c.exposed_seconds == pytest.approx(AG)
 
 
-def test_a_loop_runs_its_body_trip_count_times():
+def _loop_module(metadata: str = "") -> str:
+    """A loop of 6 known trips whose body is a dot and an all-gather."""
     body = [
         "%p = (s32[], bf16[1024,1024]) parameter(0)",
         "%i = s32[] get-tuple-element(%p), index=0",
@@ -83,15 +84,40 @@ def test_a_loop_runs_its_body_trip_count_times():
         "%zero = s32[] constant(0)",
         "%init = (s32[], bf16[1024,1024]) tuple(%zero, %a)",
         "%loop = (s32[], bf16[1024,1024]) while(%init), condition=%cond, body=%body, "
-        'backend_config={"known_trip_count":{"n":"6"}}',
+        'backend_config={"known_trip_count":{"n":"6"}}' + metadata,
     ]
-    sim, seg = _run(module(entry, ("body", body), ("cond", cond)))
+    return module(entry, ("body", body), ("cond", cond))
+
+
+def test_a_loop_runs_its_body_trip_count_times():
+    sim, seg = _run(_loop_module())
     (lp,) = sim.loops
     assert lp.trips == 6 and lp.how == "read"
     assert seg.flops == 6 * 2 * 1024**3
     (c,) = seg.comm.values()
     assert c.count == 6 and c.exposed_seconds == pytest.approx(6 * AG)
     assert seg.seconds == pytest.approx(6 * (DOT + AG), rel=1e-3)
+
+
+def test_a_pipeline_loops_idle_iterations_are_its_bubble():
+    """The pipeline's loop carries `idle~N` (models/pipeline.py): N of its trips are each
+    stage's bubble, reported apart and inside the other parts; a loop nested in the pipeline's
+    body (the scope above its parent's body) is not counted again."""
+    from expertax import scopes
+    from expertax.steptime.report import format_steptime
+    from expertax.steptime.simulate import _idle_iterations
+
+    label = scopes.IDLE.label(3)
+    sim, seg = _run(_loop_module(f', metadata={{op_name="jit(step)/{label}/while"}}'))
+    assert seg.bubble_seconds == pytest.approx(3 * (DOT + AG), rel=1e-3)
+    assert seg.bubble_seconds == pytest.approx(seg.seconds / 2, rel=1e-3)  # 3 of 6 trips
+    assert _idle_iterations(f"jit(step)/{label}/while/body/layers/while") == 0
+    assert _idle_iterations("jit(step)/while") == 0
+    p = topology.default_placement(targets.parse_target("gpu:h100x8"))
+    r = estimate(_loop_module(f', metadata={{op_name="jit(step)/{label}/while"}}'), p)
+    assert r["bubble_seconds"] == pytest.approx(seg.bubble_seconds)
+    assert "pipeline bubble" in format_steptime(r)
+    assert "pipeline bubble" not in format_steptime(estimate(_loop_module(), p))
 
 
 def test_a_fused_collective_overlaps_its_fusions_compute():
