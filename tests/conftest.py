@@ -77,7 +77,7 @@ def pytest_configure(config):
     config.pluginmanager.register(timing, "expertax-timing")  # tests/timing.py
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest-xdist's hook
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker more than the cores in the default run (tests/timing.py)."""
     return timing.auto_workers(config)

@@ -111,7 +111,8 @@ def auto_workers(config) -> int | None:
         return None
     if config.getoption("markexpr", "") != DEFAULT_MARKEXPR:
         return None
-    return len(os.sched_getaffinity(0)) + 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) + 1
 
 
 def _make_scheduler_class():

@@ -57,8 +57,5 @@ def test_the_schedule_finds_every_default_codegen_test(items):
 
     marked = {n for n, r in items.items() if timing.MARKER in r["markers"]}
     assert marked, "no test is marked: the check would be empty"
-    assert {timing.scope_of(n) for n in marked} <= {
-        f.split("::")[0] + "::default_codegen" for f in timing.default_codegen_tests()
-    }
     found = {n for n in items if timing.scope_of(n).endswith("::default_codegen")}
     assert found == marked

@@ -21,9 +21,7 @@ import dataclasses
 import numpy as np
 
 from expertax.config.schema import MESH_AXES, Config
-from expertax.train.metrics import attention_matmul_params
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+from expertax.planner.steptime import DTYPE_BYTES, exchange_bytes, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,25 +33,12 @@ class Exchange:
         return dataclasses.asdict(self)
 
 
-def weights(c: Config) -> tuple[float, float]:
-    """(dense, routed expert) matmul and embedding weights of the model."""
-    d = c.base_emb_dim
-    attn = attention_matmul_params(c) * (c.num_dense_layers + c.num_moe_layers)
-    dense = attn + c.num_dense_layers * 3 * d * c.base_mlp_dim
-    dense += c.num_moe_layers * (3 * d * c.base_moe_mlp_dim * c.shared_experts + d * c.num_experts)
-    dense += 2 * c.vocab_size * d
-    experts = c.num_moe_layers * c.num_experts * 3 * d * c.base_moe_mlp_dim if c.is_moe else 0
-    return float(dense), float(experts)
-
-
 def axis_bytes(c: Config, shape: dict[str, int], recompute_share: float) -> dict:
     """(collective kind, bytes per device) per mesh axis that moves something."""
-    from expertax.planner.steptime import exchange_bytes
-
     dense, experts = weights(c)
     t, e = shape.get("tensor", 1), shape.get("expert", 1)
     local = dense / t + experts / max(e, 1)
-    grad = _DTYPE_BYTES.get(str(c.grad_dtype), 4)
+    grad = DTYPE_BYTES.get(str(c.grad_dtype), 4)
     out: dict[str, list[tuple[str, float]]] = {}
     if shape.get("fsdp", 1) > 1:
         out["fsdp"] = [("all-gather", 2 * 2 * local), ("reduce-scatter", grad * local)]

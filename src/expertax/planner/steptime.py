@@ -34,10 +34,11 @@ import math
 from expertax.config.schema import Config
 from expertax.parallel import remat
 from expertax.planner import placements
-from expertax.planner.estimate import Terms
-from expertax.train.metrics import train_flops_per_token
+from expertax.planner.estimate import CHUNKS_KEY, Terms
+from expertax.train.metrics import attention_matmul_params, train_flops_per_token
 
 ASSUMED_MFU = 0.5  # the share of the chip's peak the step's matmuls are assumed to reach
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,18 +120,25 @@ def exchange_bytes(c: Config, tensor: int, context: int) -> float:
     return out
 
 
+def weights(c: Config) -> tuple[float, float]:
+    """(dense, routed expert) matmul and embedding weights of the model."""
+    d = c.base_emb_dim
+    attn = attention_matmul_params(c) * (c.num_dense_layers + c.num_moe_layers)
+    dense = attn + c.num_dense_layers * 3 * d * c.base_mlp_dim
+    dense += c.num_moe_layers * (3 * d * c.base_moe_mlp_dim * c.shared_experts + d * c.num_experts)
+    dense += 2 * c.vocab_size * d
+    experts = c.num_moe_layers * c.num_experts * 3 * d * c.base_moe_mlp_dim if c.is_moe else 0
+    return float(dense), float(experts)
+
+
 def expert_weight_traffic(c: Config, expert: int, tensor: int, chunks: int, replay: float) -> float:
     """HBM bytes per device and step that the routed experts' weights take: each of `chunks`
     token chunks reads the device's local experts' 16-bit weights (all MoE layers' experts over
     `expert` x `tensor`) for its forward, for the backward's input gradient and, where the
     backward replays the FFN (`replay`, 0 to 1), once more; and adds its weight gradient into a
     `grad_dtype` accumulator (read and written), which one chunk only writes."""
-    if not c.is_moe:
-        return 0.0
-    local = (c.num_moe_layers * c.num_experts * 3 * c.base_emb_dim * c.base_moe_mlp_dim) / (
-        max(1, expert) * max(1, tensor)
-    )
-    grad = {"bfloat16": 2, "float16": 2}.get(str(c.grad_dtype), 4)
+    local = weights(c)[1] / (max(1, expert) * max(1, tensor))  # 0 without experts
+    grad = DTYPE_BYTES.get(str(c.grad_dtype), 4)
     reads = chunks * 2 * (2 + replay)
     accumulate = 2 * grad * chunks if chunks > 1 else grad
     return local * (reads + accumulate)
@@ -193,15 +201,14 @@ class Model:
         terms: Terms,
         host_ratio: float = 1.0,
         padding: float = 0.0,
-        exchange: float = 0.0,
         comm_s: float = 0.0,
         overrides: dict | None = None,
     ) -> StepTime:
         """A candidate whose remat choice recomputes `share` of the layers' forward FLOPs and
         whose estimate is `terms`, its grouped matmuls computing `padding` more than their rows
-        (`grouped_padding`), its collectives moving `exchange` bytes (`exchange_bytes`) (the
-        CPU proxy: a peak of 1 TFLOP/s, transfers free); `overrides` (its layout and chunks)
-        give `exchange` where it is not given, and the experts' weight traffic
+        (`grouped_padding`), its collectives taking `comm_s` (the CPU proxy: a peak of 1
+        TFLOP/s, transfers free); `overrides` (its layout and chunks) give the bytes its tensor
+        and context splits exchange (`exchange_bytes`) and the experts' weight traffic
         (`expert_weight_traffic`, free on the CPU proxy)."""
         recompute = share * self.forward
         waste = padding * self.routed * (1 + share / 3)
@@ -210,20 +217,17 @@ class Model:
         # transfer beside another layer's compute: the step takes the longer of the two.
         act = host_ratio * terms.residual_host / self.rate
         state = 2 * terms.state_host / self.rate  # in for the update, the updated state out
-        memory = 0.0
-        if overrides is not None and not exchange:
-            exchange = self.exchange(overrides)
-        if overrides is not None and self.routed:
-            o = overrides
-            traffic = expert_weight_traffic(
-                self.c,
-                o.get("ici_expert_parallelism", 1),
-                o.get("ici_tensor_parallelism", 1),
-                o.get("num_moe_token_chunks", 1),
-                min(1.0, share),
-            )
-            routed = self.routed * (1 + share / 3) / (self.peak * ASSUMED_MFU)
-            memory = max(0.0, traffic / self.hbm - routed)
+        o = overrides or {}
+        exchange = self.exchange(o)
+        traffic = expert_weight_traffic(
+            self.c,
+            o.get("ici_expert_parallelism", 1),
+            o.get("ici_tensor_parallelism", 1),
+            o.get(CHUNKS_KEY, 1),
+            min(1.0, share),
+        )
+        routed = self.routed * (1 + share / 3) / (self.peak * ASSUMED_MFU)
+        memory = max(0.0, traffic / self.hbm - routed)
         return StepTime(
             self.model, recompute, compute, act, state, self.link, exchange, comm_s, memory
         )

@@ -140,16 +140,8 @@ KINDS = {
     "--passes": "choice list",
 }
 # The flags that say what to measure: read only when measuring (refused with --from-json).
-MEASURING: tuple[str, ...] = (
-    "--quick",
-    "--backends",
-    "--experts",
-    "--rows",
-    "--shapes",
-    "--groups",
-)
-MEASURING += ("--passes",)
-MEASURING += ("--repeats", "--max-call-s")
+MEASURING: tuple[str, ...] = ("--quick", "--backends", "--experts", "--rows", "--shapes")
+MEASURING += ("--groups", "--passes", "--repeats", "--max-call-s")
 ROW_KEYS = ("backend", "impl", "experts", "rows", "d", "f", "groups", "pass", "ms", "gflops")
 MACHINE_KEYS = ("copy_gbps", "fresh_copy_gbps")
 

@@ -52,15 +52,8 @@ KINDS = {
 COMPILING = ("--backends", "--experts", "--rows-per-expert", "--shape", "--passes", "--dtype")
 # What `--from-json` needs of a file a `--json` run wrote (format_table, format_markdown).
 ROW_KEYS: tuple[str, ...] = ("target", "backend", "impl", "pass", "experts", "rows_per_expert")
-ROW_KEYS += (
-    "rows",
-    "flops_ratio",
-    "worst_ratio",
-    "temp_bytes",
-    "out_bytes",
-    "temp_ratio",
-    "kernel",
-)
+ROW_KEYS += ("rows", "flops_ratio", "worst_ratio", "temp_bytes", "out_bytes", "temp_ratio")
+ROW_KEYS += ("kernel",)
 MACHINE_KEYS = ("date", "host", "jax", "loadavg")
 DEFAULT_BACKENDS = {
     "gpu": "tiled,ragged_dot,tokamax_triton,tokamax_mosaic_gpu",
