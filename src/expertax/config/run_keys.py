@@ -146,6 +146,45 @@ class TrainSection(_Section):
         description="AdamW second-moment dtype (stored; updated in float32). DeepSeek-V3 keeps "
         "both moments in bfloat16 with float32 master weights and gradients.",
     )
+    opt_type: Literal["adamw", "muon"] = _key(
+        TRAINING,
+        "adamw",
+        description="The optimizer (MaxText's key): adamw, or muon (train/muon.py: momentum "
+        "orthogonalised by Newton-Schulz for the matrices, expert stacks batched; AdamW with "
+        "the adam_* keys for embeddings, output head, norms, biases and 1-D parameters).",
+    )
+    muon_beta: float = _key(
+        TRAINING, 0.95, ge=0, lt=1, description="Muon's momentum decay (Nesterov)."
+    )
+    muon_weight_decay: float = _key(
+        TRAINING,
+        0.1,
+        ge=0,
+        description="Muon's decoupled weight decay of the matrices, times the learning rate "
+        "(as adam_weight_decay: with the consistent-RMS update both carry over).",
+    )
+    muon_consistent_rms: float = _key(
+        TRAINING,
+        0.2,
+        ge=0,
+        description="Scale each orthogonalised update by this x sqrt(max(fan_in, fan_out)) so "
+        "its RMS matches AdamW's (Moonlight's rule; 0.2 keeps AdamW's learning rate); 0 = "
+        "Keller Jordan's width scaling sqrt(max(1, fan_out / fan_in)) (MaxText's None).",
+    )
+    muon_include_routers: bool = _key(
+        TRAINING,
+        True,
+        description="Whether Muon also updates the MoE router matrices (else AdamW does).",
+    )
+    muon_ns_steps: int = _key(
+        TRAINING, 5, ge=1, le=20, description="Newton-Schulz iterations (the quintic one)."
+    )
+    muon_ns_dtype: DType = _key(
+        TRAINING,
+        "float32",
+        description="The dtype Newton-Schulz multiplies in: float32, or bfloat16 as Keller "
+        "Jordan's and Moonlight's recipes (the momentum stays in mu_dtype).",
+    )
     num_vocab_tiling: int = _key(
         LAYOUT,
         1,

@@ -90,6 +90,9 @@ class ParamSpec:
     DeepSeek routing bias) are updated by the train step, never by the optimizer.
     `weight_decay`: whether AdamW decays it — true for matrices and embeddings, false for norm
     scales and biases, declared here so that stacking layers (a leading axis) never changes it.
+    `fan_in`: for a projection, the size of its input (the product of the leading axes of its
+    own matrix, after any stack or expert axes), which Muon reads as the matrix's rows; 0 for
+    everything else.
     """
 
     shape: tuple[int, ...]
@@ -98,6 +101,7 @@ class ParamSpec:
     scale: float = 1.0
     trainable: bool = True
     weight_decay: bool = True
+    fan_in: int = 0
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -106,7 +110,7 @@ class ParamSpec:
 
 def projection(shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int) -> ParamSpec:
     """A projection (matrix) weight: normal with stddev 1/sqrt(fan_in), weight-decayed."""
-    return ParamSpec(tuple(shape), tuple(axes), "normal", 1.0 / math.sqrt(fan_in))
+    return ParamSpec(tuple(shape), tuple(axes), "normal", 1.0 / math.sqrt(fan_in), fan_in=fan_in)
 
 
 def is_spec(x: Any) -> bool:

@@ -1,4 +1,5 @@
-"""AdamW with linear warmup and cosine decay, global-norm clipping; frozen leaves untouched.
+"""AdamW (or Muon, `opt_type=muon`: train/muon.py) with linear warmup and cosine decay,
+global-norm clipping; frozen leaves untouched.
 
 Which leaves are trained and which are weight-decayed comes from the parameter declarations
 (`ParamSpec.trainable`, `ParamSpec.weight_decay`), never from shapes.
@@ -24,6 +25,7 @@ import optax
 
 from expertax.config.schema import Config
 from expertax.nn import param
+from expertax.train import muon
 
 
 def schedule(c: Config) -> optax.Schedule:
@@ -57,6 +59,8 @@ def make(c: Config, spec_tree) -> optax.GradientTransformation:
     )
     if jnp.dtype(c.nu_dtype) != jnp.float32:
         adamw = _second_moment_stored_as(adamw, jnp.dtype(c.nu_dtype))
+    if c.opt_type == "muon":
+        return muon.make(c, spec_tree, schedule(c), adamw)
     chain = [adamw]
     if c.gradient_clipping_threshold > 0:
         chain.insert(0, optax.clip_by_global_norm(c.gradient_clipping_threshold))
@@ -112,10 +116,12 @@ def apply(c: Config, tx, spec_tree, grads, opt_state, params, finite) -> tuple[A
     """(params, opt_state) after one AdamW step where `finite` (a bool scalar), else the given
     ones unchanged, in `tx`'s state layout (`tx = make(c, spec_tree)`).
 
-    Float32 moments take the fused path (module docstring); other moment dtypes run optax's
-    update, whose step uses the moments before they are rounded to their dtype.
+    Float32 moments take the fused path (module docstring); other moment dtypes and Muon
+    (train/muon.py) run optax's update, whose step uses the moments before they are rounded to
+    their dtype.
     """
-    if jnp.dtype(c.mu_dtype) != jnp.float32 or jnp.dtype(c.nu_dtype) != jnp.float32:
+    fused = c.opt_type == "adamw" and jnp.dtype(c.mu_dtype) == jnp.float32
+    if not fused or jnp.dtype(c.nu_dtype) != jnp.float32:
         return optax_update(tx, grads, opt_state, params, finite)
     nodes = jax.tree.leaves(opt_state, is_leaf=_is_state)
     adams = [n for n in nodes if isinstance(n, optax.ScaleByAdamState)]

@@ -41,7 +41,11 @@ TURN_ON = {
         "tokenizer_path": "tokenizer.json",
     },
     "eval_interval > 0": {"eval_interval": 10, "tokenizer_path": "tokenizer.json"},
+    "opt_type=muon": {"opt_type": "muon"},
 }
+
+# Keys whose default + 2 (or a file name) is out of their range.
+OTHER_VALUES = {"muon_beta": 0.9, "muon_ns_dtype": "bfloat16"}
 
 
 # Settings on by default, and what turns them off.
@@ -50,6 +54,8 @@ TURN_OFF = {"enable_checkpointing=true": {"enable_checkpointing": False}}
 
 def other_value(key: str):
     """A valid value of `key` other than its default."""
+    if key in OTHER_VALUES:
+        return OTHER_VALUES[key]
     field = Config.model_fields[key]
     default = field.default
     if typing.get_origin(field.annotation) is typing.Literal:

@@ -56,6 +56,18 @@ ONLY_WITH: tuple[OnlyWith, ...] = (
         "n_routing_groups > 1",
         lambda c: c.uses_routing_groups,
     ),
+    OnlyWith(
+        (
+            "muon_beta",
+            "muon_weight_decay",
+            "muon_consistent_rms",
+            "muon_include_routers",
+            "muon_ns_steps",
+            "muon_ns_dtype",
+        ),
+        "opt_type=muon",
+        lambda c: c.opt_type == "muon",
+    ),
     OnlyWith(("checkpoint_period",), "enable_checkpointing=true", lambda c: c.enable_checkpointing),
     OnlyWith(("mtp_loss_scaling_factor",), "mtp_num_layers > 0", lambda c: c.mtp_num_layers > 0),
     OnlyWith(
