@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from expertax import init_params, load_config
@@ -60,17 +61,16 @@ def score(rec: rollouts.Recording) -> list[np.ndarray]:
     return [np.full(len(r.tokens), w - mean, np.float32) for r, w in zip(rec.rollouts, rewards)]
 
 
-def train_one_step(model: Path, rec: rollouts.Recording, devices=None, **keys) -> dict:
-    """One train step with the recorded routing replayed and the advantages as token weights
-    (step 4); its metrics as host values."""
+def make_trainer(model: Path, rec: rollouts.Recording, devices=None, **keys):
+    """The trainer of `model` for a batch of the recorded sequences with `routing_replay` and
+    `token_advantages` on (step 4), its parameters read from `model`, and its jitted step."""
     saved = model_dir.read_config(model)
-    n = len(rec.rollouts)
     devices = devices or jax.devices()[:1]
     c = saved.model_copy(
         update=dict(
             routing_replay=True,
             token_advantages=True,
-            per_device_batch_size=n / len(devices),
+            per_device_batch_size=len(rec.rollouts) / len(devices),
             max_target_length=16,
             **keys,
         )
@@ -78,12 +78,22 @@ def train_one_step(model: Path, rec: rollouts.Recording, devices=None, **keys) -
     rollouts.check_model(rec, c.num_moe_layers, c.num_experts_per_tok, c.num_experts, "example")
     trainer = build_trainer(c, devices)
     _, params, _ = model_dir.load(model, trainer.state_shardings.params)
-    state = trainer.init_state(params)
-    rows = rollouts.match(rec, [r.tokens for r in rec.rollouts])  # keyed by the tokens
-    batch = rollouts.batch(rows, c.max_target_length)
+    return trainer, params, trainer.jitted_step()
+
+
+def run_step(trainer, params, step_fn, batch: dict) -> dict:
+    """One train step from `params` (copied: the step donates its state) on `batch`; its
+    metrics as host values."""
+    state = trainer.init_state(jax.tree.map(jnp.copy, params))
     with trainer.context():
-        _, metrics = trainer.jitted_step()(state, trainer.put_batch(batch))
+        _, metrics = step_fn(state, trainer.put_batch(batch))
     return jax.device_get(metrics)
+
+
+def replay_batch(trainer, rec: rollouts.Recording) -> dict:
+    """The train batch of the recorded sequences, each row's routing found by its tokens."""
+    rows = rollouts.match(rec, [r.tokens for r in rec.rollouts])
+    return rollouts.batch(rows, trainer.c.max_target_length)
 
 
 def main(work: Path) -> dict:
@@ -94,7 +104,9 @@ def main(work: Path) -> dict:
     rec = sample(model, work / "rollouts.npz")
     rec = rollouts.with_advantages(rec, score(rec))
     rollouts.write(work / "scored.npz", rec)  # what the RL loop hands to the trainer
-    metrics = train_one_step(model, rollouts.read(work / "scored.npz"))
+    scored = rollouts.read(work / "scored.npz")
+    trainer, params, step_fn = make_trainer(model, scored)
+    metrics = run_step(trainer, params, step_fn, replay_batch(trainer, scored))
     print(
         f"loss {float(metrics['loss']):.4f}, routing flips {int(metrics['routing_replay_flips'])}"
         f", grad norm {float(metrics['grad_norm']):.4f}"
