@@ -27,6 +27,7 @@ KINDS = {
     "--prompt-ids": "token ids",
     "--prompts-file": "input json",
     "--json": "output file",
+    "--record-routing": "output file",
     "--tokenizer": "tokenizer",
 }
 
@@ -103,6 +104,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--seed", type=int, default=SAMPLING_ONLY["--seed"], help="sampling seed (default 0)"
     )
     gen.add_argument("--json", help="also write prompts, ids, text, log-probs and settings here")
+    gen.add_argument(
+        "--record-routing",
+        metavar="FILE",
+        help="also write each sequence's tokens and the experts the decode program's MoE "
+        "routers chose for every token (.npz, data/rollouts.py), for routing replay in training",
+    )
     add_overwrite_flag(gen)
     gen.add_argument(
         "--mla-cache",
@@ -163,8 +170,10 @@ def _check_sampling_flags(args) -> None:
 def run(args) -> int:
     _check_sampling_flags(args)
     inputs = {"SOURCE": args.source, "--prompts-file": args.prompts_file}
-    check_apart({"--json": args.json}, {**inputs, "--tokenizer": args.tokenizer})
+    outputs = {"--json": args.json, "--record-routing": args.record_routing}
+    check_apart(outputs, {**inputs, "--tokenizer": args.tokenizer})
     check_file("--json", args.json, args.overwrite)  # before JAX loads
+    check_file("--record-routing", args.record_routing, args.overwrite)
     from expertax.tools.flags import token_ids
 
     for kind, value in args.prompts or []:

@@ -280,6 +280,26 @@ class DataSection(_Section):
     data_worker_count: int = _key(
         RUN, 0, ge=0, description="dataset_type=files: reader threads (never changes the batches)."
     )
+    routing_replay: bool = _key(
+        TRAINING,
+        False,
+        description="Reinforcement learning on MoE: each batch carries `routing`, int32 [B, T, "
+        "L_moe, K], the experts the sampler's routers used per token (expertax generate "
+        "--record-routing; data/rollouts.py), and every MoE layer of the main stack uses them "
+        "instead of its router's top-k (-1: the router's own choice). The router still gets "
+        "its gradient through the gates: its scores of the imposed experts; the load-balance "
+        "loss and the routing-bias update count the imposed experts (with the router's "
+        "probabilities). Needs the plain MoE stack: no pipeline over the MoE layers, "
+        "moe_paged_stash=false, dropless capacity_factor=-1.",
+    )
+    token_advantages: bool = _key(
+        TRAINING,
+        False,
+        description="Each batch carries `advantages`, float32 [B, T] (data/rollouts.py), that "
+        "multiply each target token's cross-entropy: loss = sum(weights x advantages x nll) / "
+        "max(sum(weights), 1), the policy-gradient surrogate averaged over the batch's target "
+        "tokens (`weights` stays the 0/1 mask of the tokens trained on).",
+    )
 
 
 Placement = Literal["device", "offload", "remat"]

@@ -64,6 +64,10 @@ class Generation:
     finished: list[bool]  # stopped at EOS (else at the token budget)
     drafts_proposed: int = 0  # speculative decoding: MTP drafts verified
     drafts_accepted: int = 0  # ... and accepted
+    # `record_routing`: per prompt, int32 [L_moe, T, K] over its T = prompt + new tokens, the
+    # experts each MoE layer's router chose (and the step used) for the token at each position;
+    # the last new token is never fed to the model, so its row is -1 (decoding/record.py)
+    routing: list[np.ndarray] | None = None
 
     @property
     def acceptance(self) -> float | None:
@@ -103,6 +107,7 @@ def check_request(
     max_length: int | None = None,
     prefill_chunk: int | None = None,
     say: Callable[[str, Any], str] | None = None,
+    record_routing: bool = False,
 ) -> None:
     """ConfigError naming the setting, its value and what is valid; nothing is compiled.
     `say(setting, value)`: how a message writes a setting (value None: its name alone); by
@@ -167,6 +172,17 @@ def check_request(
                 f"{say('speculative', True)} with {say('temperature', temperature)}: MTP "
                 "speculative decoding is greedy (temperature 0) only"
             )
+        if record_routing:
+            raise ConfigError(
+                f"{say('record_routing', None)} with {say('speculative', True)}: the routing is "
+                "recorded by the plain decode loop only (a speculative step routes drafts it may "
+                f"reject); leave {say('speculative', None)} out to record"
+            )
+    if record_routing and not c.is_moe:
+        raise ConfigError(
+            f"{say('record_routing', None)}: the model has no MoE layers (num_experts="
+            f"{c.num_experts}), so there is no routing to record; leave it out"
+        )
 
 
 def generate(
@@ -186,6 +202,7 @@ def generate(
     max_length: int | None = None,
     fp8_weights: bool = False,
     prefill_chunk: int | None = None,
+    record_routing: bool = False,
 ) -> Generation:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
@@ -199,6 +216,8 @@ def generate(
     matrices in fp8 with block scales (decoding/quantized.py), half the memory of bfloat16.
     `prefill_chunk`: prompt positions per prefill step (default `programs.PREFILL_CHUNK`);
     longer prompts are padded to whole chunks. Smaller chunks hold smaller prefill activations.
+    `record_routing`: also return the experts the decode program's MoE routers chose for every
+    prompt and sampled token (`Generation.routing`; plain loop only, not `speculative`).
 
     `params` are the model's (stacked, as trained) or `prepare`'s output for the same config
     and devices: decoding holds the layers unstacked (decoding/weights.py), a copy `generate`
@@ -215,6 +234,7 @@ def generate(
         speculative=speculative,
         max_length=max_length,
         prefill_chunk=prefill_chunk,
+        record_routing=record_routing,
     )
     c = decoding_config(config)
     mesh = make_mesh(c, devices)
@@ -233,7 +253,7 @@ def generate(
     run = programs.jitted(
         c, mesh, rules, b, p_len, max_new_tokens, float(temperature), int(top_k),
         float(top_p), -1 if eos_id is None else int(eos_id), mla_cache, speculative,
-        prefill_chunk,
+        prefill_chunk, record_routing,
     )  # fmt: skip
     with programs.context(mesh, rules):
         if not weights.is_layered(params):
@@ -245,7 +265,7 @@ def generate(
             jax.device_put(lengths, batch_sh),
             jax.random.key(seed),
         )
-    tokens, logprobs, counts, proposed, accepted = jax.device_get(out)
+    tokens, logprobs, counts, proposed, accepted, *routed = jax.device_get(out)
     result_tokens, result_lp, finished = [], [], []
     for i in range(n):
         row = tokens[i, : min(int(counts[i]), max_new_tokens)].tolist()
@@ -254,7 +274,20 @@ def generate(
         result_tokens.append(row)
         result_lp.append([float(x) for x in logprobs[i, : len(row)]])
         finished.append(eos_id is not None and bool(row) and row[-1] == eos_id)
-    return Generation(result_tokens, result_lp, finished, int(proposed), int(accepted))
+    routing = None
+    if record_routing:
+        routing = [
+            _sequence_routing(routed[0][i], len(rows[i]) + len(result_tokens[i])) for i in range(n)
+        ]
+    return Generation(result_tokens, result_lp, finished, int(proposed), int(accepted), routing)
+
+
+def _sequence_routing(routing_SLK: np.ndarray, length: int) -> np.ndarray:
+    """One sequence's recorded routing [L_moe, T, K] from the loop's [slots, L_moe, K]: its T =
+    `length` positions, the last (a sampled token never fed) -1."""
+    out = np.array(routing_SLK[:length], np.int32)
+    out[length - 1] = -1
+    return np.ascontiguousarray(np.moveaxis(out, 1, 0))
 
 
 def prepare(params: decoder.Decoder, config: Config, *, devices=None, fp8_weights: bool = False):

@@ -21,33 +21,49 @@ from expertax.models import decoder, layer_pattern, mtp
 from expertax.nn import norm
 from expertax.nn.attention.cache import LayerCache
 from expertax.nn.linear import project
+from expertax.nn.moe.side import Side
 from expertax.sharding.rules import current_rules, logical_to_spec
 
 
 def block_step(p: decoder.Block, x_BTD, c: Config, positions_BT, lc: LayerCache, dtype,
-               slots=None, window: int | None = None):  # fmt: skip
+               slots=None, window: int | None = None, record: bool = False):  # fmt: skip
     """One decoder layer (training's, `decoder.block_apply`) over its cache: (x, the updated
-    cache). `window`: the layer's sliding window (None: full; the cache keeps every slot and
-    the mask reads the window's). `slots` (static): only the first `slots` slots are read and
-    written (a prefill: the prompt's), the rest of the cache kept as it is."""
+    cache, the experts its router chose [B, T, K] or None). `window`: the layer's sliding window
+    (None: full; the cache keeps every slot and the mask reads the window's). `slots` (static):
+    only the first `slots` slots are read and written (a prefill: the prompt's), the rest of the
+    cache kept as it is. `record` (an MoE layer): the routing is asked for as the parity probe
+    asks (nn/moe/side.py: every entry imposed -1 keeps the router's own choice, and the stats
+    return it), so the experts returned are the ones this step computed with."""
     view = lc if slots is None else type(lc)(*(a[:, :slots] for a in lc))
-    x_BTD, _, _, view = decoder.block_apply(
-        p, x_BTD, c, positions_BT, None, dtype, cache=view, window=window
+    side = None
+    if record and p.moe is not None:
+        b, t = x_BTD.shape[:2]
+        side = Side(imposed=jnp.full((b, t, c.num_experts_per_tok), -1, jnp.int32))
+    x_BTD, stats, _, view = decoder.block_apply(
+        p, x_BTD, c, positions_BT, None, dtype, side, cache=view, window=window
     )
+    chosen_BTK = None if stats is None else stats.chosen_BTK
     if slots is None:
-        return x_BTD, view
-    return x_BTD, type(lc)(*(a.at[:, :slots].set(w) for a, w in zip(lc, view, strict=True)))
+        return x_BTD, view, chosen_BTK
+    new = type(lc)(*(a.at[:, :slots].set(w) for a, w in zip(lc, view, strict=True)))
+    return x_BTD, new, chosen_BTK
 
 
-def _layers(layers, caches: list[LayerCache], x_BTD, c: Config, positions_BT, slots):
-    """A layer stack unrolled (decoding/weights.py): (x, the layers' updated caches)."""
+def _layers(layers, caches: list[LayerCache], x_BTD, c: Config, positions_BT, slots,
+            record: bool = False):  # fmt: skip
+    """A layer stack unrolled (decoding/weights.py): (x, the layers' updated caches, the MoE
+    layers' chosen experts [B, T, L, K] when `record`, else None)."""
     dtype = jnp.dtype(c.dtype)
-    new = []
+    new, chosen = [], []
     for i, (p, lc) in enumerate(zip(layers or [], caches, strict=True)):
         window = layer_pattern.window_of(c, i)
-        x_BTD, lc = block_step(p, x_BTD, c, positions_BT, lc, dtype, slots, window)
+        x_BTD, lc, chosen_BTK = block_step(
+            p, x_BTD, c, positions_BT, lc, dtype, slots, window, record
+        )
         new.append(lc)
-    return x_BTD, new
+        if chosen_BTK is not None:
+            chosen.append(chosen_BTK)
+    return x_BTD, new, jnp.stack(chosen, axis=2) if chosen else None
 
 
 def positions(start_B: jax.Array, t: int) -> jax.Array:
@@ -58,12 +74,22 @@ def positions(start_B: jax.Array, t: int) -> jax.Array:
 def main_step(params: decoder.Decoder, tokens_BT, start_B, cache: Cache, c: Config, slots=None):
     """The main model over T new tokens per sequence at positions start_b ..: the final-normed
     hidden states [B, T, D] (what the output head and MTP module 1 read) and the cache."""
+    h_BTD, cache, _ = routed_step(params, tokens_BT, start_B, cache, c, slots, record=False)
+    return h_BTD, cache
+
+
+def routed_step(params: decoder.Decoder, tokens_BT, start_B, cache: Cache, c: Config, slots=None,
+                *, record: bool = True):  # fmt: skip
+    """`main_step`, and with `record` the experts each MoE layer's router chose for the T tokens
+    and used, int32 [B, T, L_moe, K] (None without MoE layers or `record`)."""
     positions_BT = positions(start_B, tokens_BT.shape[1])
     x_BTD = decoder.embed_tokens(params, tokens_BT, c)
-    x_BTD, dense = _layers(params.dense_layers, cache.dense, x_BTD, c, positions_BT, slots)
-    x_BTD, moe = _layers(params.moe_layers, cache.moe, x_BTD, c, positions_BT, slots)
+    x_BTD, dense, _ = _layers(params.dense_layers, cache.dense, x_BTD, c, positions_BT, slots)
+    x_BTD, moe, chosen_BTLK = _layers(
+        params.moe_layers, cache.moe, x_BTD, c, positions_BT, slots, record
+    )
     h_BTD = norm.rms_norm(params.final_norm, x_BTD, c.normalization_layer_epsilon)
-    return h_BTD, cache._replace(dense=dense, moe=moe)
+    return h_BTD, cache._replace(dense=dense, moe=moe), chosen_BTLK
 
 
 def head_spec(mesh, rules, shape_DV) -> PartitionSpec:
@@ -114,5 +140,5 @@ def mtp_step(params: decoder.Decoder, h_BTD, next_BT, start_B, cache: Cache, c: 
     lc = cache.mtp
     x_BTD = mtp.module_input(params, layer, h_BTD, next_BT, c)
     positions_BT = positions(start_B, next_BT.shape[1])
-    x_BTD, lc = block_step(layer.block, x_BTD, c, positions_BT, lc, dtype, slots)
+    x_BTD, lc, _ = block_step(layer.block, x_BTD, c, positions_BT, lc, dtype, slots)
     return norm.rms_norm(layer.head_norm, x_BTD, eps), cache._replace(mtp=lc)

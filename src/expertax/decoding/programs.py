@@ -45,13 +45,16 @@ _RUNS: dict = {}
 
 
 def jitted(c, mesh, rules, b, p_len, budget, temperature, top_k, top_p, eos, form,
-           speculative, chunk=None):  # fmt: skip
+           speculative, chunk=None, record=False):  # fmt: skip
+    """The jitted loop: (tokens [B, N], log-probs [B, N], counts [B], drafts proposed and
+    accepted, and with `record` (plain loop only) the experts each MoE layer used per position,
+    int32 [B, P + N, L_moe, K]: slot j the token at position j, -1 where none was fed)."""
     chunk = chunk or PREFILL_CHUNK
     rules_key = tuple(sorted((k, tuple(v)) for k, v in rules.items()))
     key = (c.model_dump_json(), mesh, rules_key, b, p_len, budget, temperature, top_k, top_p,
-           eos, form, speculative, chunk, rowdot.wanted(mesh))  # fmt: skip
+           eos, form, speculative, chunk, rowdot.wanted(mesh), record)  # fmt: skip
     if key not in _RUNS:
-        body = _speculative_loop if speculative else _plain_loop
+        body = _speculative_loop if speculative else functools.partial(_plain_loop, record=record)
         _RUNS[key] = jax.jit(
             functools.partial(
                 body,
@@ -86,8 +89,9 @@ def padded_length(p_len: int, chunk: int | None = None) -> int:
 
 
 def _in_chunks(fn, cache, chunk: int, *arrays_BP):
-    """fn(*chunks [B, C, ...], start_B, cache) -> (out [B, C, D], cache) over the positions
-    of `arrays_BP`, `chunk` at a time; returns (out [B, P, D], cache)."""
+    """fn(*chunks [B, C, ...], start_B, cache) -> (out [B, C, ...], cache) over the positions
+    of `arrays_BP`, `chunk` at a time; returns (out [B, P, ...], cache). `out` may be a pytree
+    of such arrays."""
     b, p_len = arrays_BP[0].shape[:2]
     chunk = min(p_len, chunk)
 
@@ -98,26 +102,34 @@ def _in_chunks(fn, cache, chunk: int, *arrays_BP):
         return cache, out
 
     cache, outs = jax.lax.scan(body, cache, jnp.arange(p_len // chunk, dtype=jnp.int32))
-    return jnp.moveaxis(outs, 0, 1).reshape(b, p_len, -1), cache
+    joined = lambda o: jnp.moveaxis(o, 0, 1).reshape(b, p_len, *o.shape[3:])  # noqa: E731
+    return jax.tree.map(joined, outs), cache
 
 
 def _prefill(params, prompts_BP, lengths_B, c, *, form, speculative, extra: int, budget: int,
-             chunk: int):  # fmt: skip
+             chunk: int, record: bool = False):  # fmt: skip
+    """(hidden states [B, P, D], the first new token's logits [B, V], the cache, and with
+    `record` the experts the MoE layers used per prompt position [B, P, L_moe, K], else None)."""
     b, p_len = prompts_BP.shape
     cache = kv.allocate(c, b, p_len + budget + extra, form, mtp=speculative)
 
     def main(tokens_BC, start_B, cache):  # attention over the prompt's slots only
-        return model.main_step(params, tokens_BC, start_B, cache, c, slots=p_len)
+        h, cache, chosen = model.routed_step(
+            params, tokens_BC, start_B, cache, c, slots=p_len, record=record
+        )
+        return (h, chosen), cache
 
-    h_BPD, cache = _in_chunks(main, cache, chunk, prompts_BP)
+    (h_BPD, chosen_BPLK), cache = _in_chunks(main, cache, chunk, prompts_BP)
     logits_BV = model.logits(params, _at(h_BPD, lengths_B - 1), c)
+    if record:
+        return h_BPD, logits_BV, cache, chosen_BPLK
     return h_BPD, logits_BV, cache
 
 
 def _plain_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, top_k, top_p,
-                eos, form, chunk):  # fmt: skip
-    b = prompts_BP.shape[0]
-    _, logits_BV, cache = _prefill(
+                eos, form, chunk, record=False):  # fmt: skip
+    b, p_len = prompts_BP.shape
+    _, logits_BV, cache, *prompt_routing = _prefill(
         params,
         prompts_BP,
         lengths_B,
@@ -127,7 +139,16 @@ def _plain_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, t
         extra=0,
         budget=budget,
         chunk=chunk,
+        record=record,
     )
+    # the routing used at each position (recording): the prompt's from the prefill, then each
+    # decode step's fed token at its own position (slots past a prompt's end are overwritten
+    # before the sequence's own steps reach them, as in the KV cache)
+    routing = None
+    if record and prompt_routing[0] is not None:
+        l_moe, k = prompt_routing[0].shape[2:]
+        routing = jnp.full((b, p_len + budget, l_moe, k), -1, jnp.int32)
+        routing = routing.at[:, :p_len].set(prompt_routing[0])
 
     def pick(logits_BV, i):
         tok_B = sample.choose(logits_BV, jax.random.fold_in(key, i), temperature, top_k, top_p)
@@ -139,22 +160,28 @@ def _plain_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, t
     done_B = first_B == eos
 
     def cond(state):
-        i, _, _, _, done_B = state
+        i, _, _, _, done_B, _ = state
         return jnp.logical_and(i < budget, jnp.logical_not(jnp.all(done_B)))
 
     def step(state):
-        i, cache, tokens_BN, logprobs_BN, done_B = state
+        i, cache, tokens_BN, logprobs_BN, done_B, routing = state
         last_B1 = tokens_BN[:, i - 1][:, None]
-        h_B1D, cache = model.main_step(params, last_B1, lengths_B + i - 1, cache, c)
+        at_B = lengths_B + i - 1
+        h_B1D, cache, chosen_B1LK = model.routed_step(
+            params, last_B1, at_B, cache, c, record=routing is not None
+        )
+        if routing is not None:
+            routing = routing.at[jnp.arange(b), at_B].set(chosen_B1LK[:, 0])
         tok_B, lp_B = pick(model.logits(params, h_B1D[:, 0], c), i)
         tokens_BN = tokens_BN.at[:, i].set(tok_B)
         logprobs_BN = logprobs_BN.at[:, i].set(lp_B)
-        return i + 1, cache, tokens_BN, logprobs_BN, done_B | (tok_B == eos)
+        return i + 1, cache, tokens_BN, logprobs_BN, done_B | (tok_B == eos), routing
 
-    state = (jnp.int32(1), cache, tokens_BN, logprobs_BN, done_B)
-    i, _, tokens_BN, logprobs_BN, _ = jax.lax.while_loop(cond, step, state)
+    state = (jnp.int32(1), cache, tokens_BN, logprobs_BN, done_B, routing)
+    i, _, tokens_BN, logprobs_BN, _, routing = jax.lax.while_loop(cond, step, state)
     counts_B = jnp.full((b,), i, jnp.int32)
-    return tokens_BN, logprobs_BN, counts_B, jnp.int32(0), jnp.int32(0)
+    out = (tokens_BN, logprobs_BN, counts_B, jnp.int32(0), jnp.int32(0))
+    return (*out, routing) if record else out
 
 
 def _speculative_loop(params, prompts_BP, lengths_B, key, *, c, budget, temperature, top_k,

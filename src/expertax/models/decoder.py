@@ -146,7 +146,7 @@ def block_apply(
         h = norm.rms_norm(p.ffn_norm, x_BTD, eps)
         stats = None
         if experts is not None:
-            y = unstacked.apply(experts, h, c, dtype)
+            y, stats = unstacked.apply(experts, h, c, dtype, None if side is None else side.imposed)
         elif p.moe is not None:
             y, stats, side = moe_layer.apply(p.moe, h, c, dtype, side)
         else:

@@ -20,7 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from expertax import jsonio, paths, preflight
+from expertax.data import rollouts
 from expertax.decoding.loop import Generation, check_request, decoding_config, generate
 from expertax.errors import ConfigError
 from expertax.sharding.mesh import make_mesh
@@ -219,9 +222,11 @@ def run(args) -> int:
     settings = {name: getattr(args, name) for name in SETTINGS}
     c = source.config
     request = {k: v for k, v in settings.items() if k not in ("seed", "fp8_weights")}
+    record = args.record_routing is not None
     check_request(
-        c, [p.ids for p in prompts], **request, max_length=source.max_length, say=say_flag
-    )
+        c, [p.ids for p in prompts], **request, max_length=source.max_length, say=say_flag,
+        record_routing=record,
+    )  # fmt: skip
 
     decoding = decoding_config(c)
     mesh = make_mesh(decoding)
@@ -237,9 +242,23 @@ def run(args) -> int:
         **settings,
         eos_id=source.eos_id,
         max_length=source.max_length,
+        record_routing=record,
     )
     doc = report(source, prompts, gen, settings, mesh_line, time.perf_counter() - start)
     print_results(source, doc)
     if args.json:
         Path(args.json).write_text(jsonio.dumps(doc, indent=1) + "\n")
+    if record:
+        rollouts.write(args.record_routing, recording(c, prompts, gen))
+        print(f"expertax: the routing of {len(prompts)} sequence(s) in {args.record_routing}")
     return 0
+
+
+def recording(c, prompts: list[Prompt], gen: Generation) -> rollouts.Recording:
+    """The sampled sequences (prompt then new tokens) with the routing the sampler used."""
+    assert gen.routing is not None
+    seqs = [
+        rollouts.Rollout(np.asarray(p.ids + ids, np.int32), len(p.ids), r)
+        for p, ids, r in zip(prompts, gen.tokens, gen.routing, strict=True)
+    ]
+    return rollouts.Recording(seqs, c.num_moe_layers, c.num_experts_per_tok, c.num_experts)

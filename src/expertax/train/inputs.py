@@ -37,8 +37,23 @@ def check_tokenizer_vocab(c: Config) -> None:
 EVAL_SEED_OFFSET = 1_000_003
 
 
+def check_rollout_fields(c: Config) -> None:
+    """The train loop's data (synthetic, files) carries no recorded routing and no advantages:
+    routing_replay and token_advantages are driven from an RL loop through the library
+    (data/rollouts.py builds the batches; examples/rl_routing_replay.py)."""
+    for key in ("routing_replay", "token_advantages"):
+        if getattr(c, key):
+            raise ConfigError(
+                f"{key}=true: dataset_type={c.dataset_type} has no per-sequence rollouts "
+                "(recorded routing, advantages); drive the train step from an RL loop with "
+                "batches of expertax.data.rollouts (examples/rl_routing_replay.py), or set "
+                f"{key}=false"
+            )
+
+
 def make_data(c: Config, trainer: Trainer):
     """This process's batch iterator: rows global_batch / process_count, its share of the batch."""
+    check_rollout_fields(c)
     seed, epochs = c.data_shuffle_seed, None if c.data_num_epochs == -1 else c.data_num_epochs
     return _iterator(c, trainer, c.dataset_type, c.dataset_path, seed, epochs)
 

@@ -49,15 +49,24 @@ def loss_fn(params, batch: dict, c: Config, *, acceptance: bool = False, fp8_pro
 
     With `num_vocab_tiling` > 1 the cross-entropy is computed a sequence tile at a time from the
     hidden states (`nn.vocab_loss`), so the float32 [B, T, V] logits never exist at once.
+
+    `routing_replay`: the MoE stack uses the batch's `routing` [B, T, L_moe, K] (-1: the
+    router's own choice; router.route); the stats then carry the routers' own choices.
+    `token_advantages`: each token's cross-entropy is multiplied by `advantages` [B, T], and the
+    sum is divided by the mask's token count, sum(weights) (not by sum(weights x advantages),
+    which may be 0 or negative).
     """
     batch = context.balance(batch, c, mtp.depth_targets)  # (context parallelism's reorder)
     kwargs = dict(positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids"))
     w_BT = batch["weights"].astype(jnp.float32)
     x_BTD = decoder.embed_tokens(params, batch["inputs"], c)
     probes = fp8_probes or {}
-    x_BTD, stats = decoder.hidden_states(params, x_BTD, c, probes=probes, **kwargs)
+    x_BTD, stats = decoder.hidden_states(
+        params, x_BTD, c, probes=probes, imposed_LBTK=imposed_routing(batch, c), **kwargs
+    )
     head_DV = decoder.output_head(params, c)
-    nll_sum = _nll_sum(x_BTD, head_DV, batch["targets"], w_BT, params, c)
+    token_w_BT = w_BT * batch["advantages"].astype(jnp.float32) if c.token_advantages else w_BT
+    nll_sum = _nll_sum(x_BTD, head_DV, batch["targets"], token_w_BT, params, c)
     ce = nll_sum / jnp.maximum(jnp.sum(w_BT), 1.0)
     lb_layers = [stats.lb_loss] if stats is not None else []
     parts = LossParts(ce, jnp.float32(0), stats)
@@ -79,6 +88,22 @@ def loss_fn(params, batch: dict, c: Config, *, acceptance: bool = False, fp8_pro
     lb = jnp.mean(jnp.concatenate(lb_layers)) if lb_layers else jnp.float32(0)
     total = total + c.load_balance_loss_weight * lb
     return total, parts._replace(lb=lb)
+
+
+def imposed_routing(batch: dict, c: Config) -> jax.Array | None:
+    """The batch's recorded routing as the MoE stack takes it, int32 [L_moe, B, T, K], under
+    `routing_replay`; else None."""
+    if not c.routing_replay:
+        return None
+    return jnp.moveaxis(batch["routing"].astype(jnp.int32), 2, 0)
+
+
+def replay_flips(imposed_LBTK: jax.Array, chosen_LBTK: jax.Array) -> jax.Array:
+    """Imposed (token, slot) assignments (>= 0) whose expert the router's own top-k did not
+    choose for that token (the order of a token's K experts does not count), int32 [L_moe]."""
+    found = jnp.any(imposed_LBTK[..., :, None] == chosen_LBTK[..., None, :], axis=-1)
+    flipped = jnp.logical_and(imposed_LBTK >= 0, jnp.logical_not(found))
+    return jnp.sum(flipped, axis=(1, 2, 3), dtype=jnp.int32)
 
 
 def _with_router_bias(params: decoder.Decoder, bias_LE) -> decoder.Decoder:
@@ -183,6 +208,10 @@ def train_step(
         metrics["expert_load"] = load  # [L_moe, E] assignments per expert (metrics.jsonl, TB)
         metrics["dropped_tokens"] = jnp.sum(stats.dropped)
         metrics["max_expert_load_ratio"] = jnp.max(load / jnp.mean(load, -1, keepdims=True))
+        if stats.chosen_BTK is not None:  # routing_replay: the sampler's against our routers'
+            imposed_LBTK = imposed_routing(batch, c)
+            assert imposed_LBTK is not None
+            metrics["routing_replay_flips"] = jnp.sum(replay_flips(imposed_LBTK, stats.chosen_BTK))
         if stats.stash_overflow is not None:  # moe_paged_stash (models/stashed_stack.py)
             metrics["stash_overflow_layers"] = jnp.sum(stats.stash_overflow)
             metrics["stash_capacity_factor_needed"] = jnp.max(stats.stash_factor)

@@ -36,6 +36,16 @@ from expertax.train.step import train_step
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 
 
+def batch_keys(c: Config) -> tuple[str, ...]:
+    """The batch's fields: BATCH_KEYS ([B, T] each), then `advantages` (float32 [B, T]) under
+    `token_advantages` and `routing` (int32 [B, T, L_moe, K]) under `routing_replay`."""
+    return (
+        BATCH_KEYS
+        + (("advantages",) if c.token_advantages else ())
+        + (("routing",) if c.routing_replay else ())
+    )
+
+
 @dataclasses.dataclass
 class Trainer:
     """Everything needed to run (or only compile) the train step for a config on a mesh."""
@@ -62,11 +72,15 @@ class Trainer:
         return _mesh_and_rules(self.mesh, self.rules)
 
     def abstract_batch(self) -> dict:
-        shape = (self.global_batch, self.c.max_target_length)
-        dt = {"weights": jnp.float32}
+        c = self.c
+        shape = (self.global_batch, c.max_target_length)
+        dt = {"weights": jnp.float32, "advantages": jnp.float32}
+        extra = {"routing": (c.num_moe_layers, c.num_experts_per_tok)}
         return {
-            k: jax.ShapeDtypeStruct(shape, dt.get(k, jnp.int32), sharding=self.batch_sharding)
-            for k in BATCH_KEYS
+            k: jax.ShapeDtypeStruct(
+                shape + extra.get(k, ()), dt.get(k, jnp.int32), sharding=self.batch_sharding
+            )
+            for k in batch_keys(c)
         }
 
     def abstract_state(self) -> TrainState:
@@ -134,7 +148,7 @@ class Trainer:
     def put_batch(self, local: dict) -> dict:
         return {
             k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local[k]))
-            for k in BATCH_KEYS
+            for k in batch_keys(self.c)
         }
 
 

@@ -300,6 +300,8 @@ REFUSED = [
     (["--prompt-ids", "1", "--speculative"], "model", "--speculative needs a model with MTP"),
     (["--prompt-ids", "1", "--tokenizer", "missing.json"], "model", "--tokenizer='missing.json'"),
     (["--prompt-ids", "1", "--json", "no/such/dir/out.json"], "model", "does not exist; create"),
+    (["--prompt-ids", "1", "--record-routing", "no/dir/r.npz"], "model", "does not exist; create"),
+    (["--prompt-ids", "1", "--record-routing", "bad.jsonl"], "model", "exists already: add"),
     (["--prompt-ids", "1", "--prompts-file", "missing.jsonl"], "model", "does not exist"),
     (["--prompts-file", "bad.jsonl"], "model", 'line 2: expected {"prompt"'),
     ([], "model", "prompts: none given"),

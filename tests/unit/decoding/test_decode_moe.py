@@ -20,6 +20,7 @@ from expertax.decoding import joint, quantized
 from expertax.fp8 import quant
 from expertax.nn.moe import layer as moe_layer
 from expertax.nn.moe import unstacked as decode_moe
+from expertax.nn.moe.side import Side
 from tests.tolerances import tol
 
 
@@ -49,9 +50,37 @@ def test_unstacked_layer_equals_training_layer(model_name, tokens, monkeypatch):
     want, *_ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(p, x)
     unstacked = joint.unstack(p)
     assert decode_moe.is_unstacked(unstacked) and len(unstacked.wi_0) == c.num_experts
-    got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32))(unstacked, x)
+    got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32)[0])(unstacked, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(jnp.float32))
     assert ran == ["_per_row" if b * t == 1 else "_grouped"]
+
+
+def test_unstacked_layer_returns_and_takes_the_routing_as_the_training_layer():
+    """Decoding records its routing through the stats (`imposed` -1: the router's own choice),
+    and an imposed routing is used, as in training's layer."""
+    c, p = _layer("deepseek3-tiny")
+    x = jax.random.normal(jax.random.key(4), (3, 2, c.base_emb_dim), jnp.float32)
+    k = c.num_experts_per_tok
+    none = jnp.full((3, 2, k), -1, jnp.int32)
+    forced = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (3, 2, k))
+
+    def train(p, x, imposed):
+        out, stats, _ = moe_layer.apply(p, x, c, jnp.float32, Side(imposed=imposed))
+        return out, stats.chosen_BTK
+
+    def decode(p, x, imposed):
+        out, stats = decode_moe.apply(p, x, c, jnp.float32, imposed)
+        return out, stats.chosen_BTK
+
+    unstacked = joint.unstack(p)
+    assert decode_moe.apply(unstacked, x, c, jnp.float32)[1] is None  # nothing asked
+    for imposed in (none, forced):
+        want_out, want_chosen = jax.jit(train)(p, x, imposed)
+        got_out, got_chosen = jax.jit(decode)(unstacked, x, imposed)
+        np.testing.assert_array_equal(np.asarray(got_chosen), np.asarray(want_chosen))
+        np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), **tol(jnp.float32))
+    # the forced experts are not the router's: the outputs differ
+    assert not np.allclose(jax.jit(decode)(unstacked, x, none)[0], got_out)
 
 
 def test_fp8_experts_dequantized_per_branch():
@@ -61,7 +90,7 @@ def test_fp8_experts_dequantized_per_branch():
     deq = quant.dequantize(q, jnp.float32, None)[0]
     x = jax.random.normal(jax.random.key(2), (3, 1, c.base_emb_dim), jnp.float32)
     want, *_ = jax.jit(lambda p, x: moe_layer.apply(p, x, c, jnp.float32))(deq, x)
-    got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32))(joint.unstack(q), x)
+    got = jax.jit(lambda p, x: decode_moe.apply(p, x, c, jnp.float32)[0])(joint.unstack(q), x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(jnp.float32))
 
 

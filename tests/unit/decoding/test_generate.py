@@ -31,7 +31,8 @@ from expertax.decoding import (
     weights,
 )
 from expertax.decoding import cache as kv
-from expertax.decoding.loop import decoding_config
+from expertax.decoding.loop import check_request, decoding_config
+from expertax.models import decoder
 from expertax.sharding.mesh import make_mesh
 from tests.tolerances import tol
 
@@ -308,6 +309,50 @@ def test_bad_requests_are_refused_before_compiling(deepseek, kwargs, named):
     prompts = kw.pop("prompt_ids")
     with pytest.raises((ConfigError, ValueError), match=named.replace("[", r"\[")):
         generate(params, c, prompts, **kw)
+
+
+def test_recorded_routing_is_the_routers_choice_at_every_fed_position(mixtral):
+    """`record_routing` returns, per sequence, the experts each MoE layer used for each prompt
+    token (prefill) and each fed sampled token (decode steps), at its position: a forward pass
+    without cache over the whole sequence (its routers' own choices) agrees, up to near-tie
+    flips of another compute order (none at this seed in float32), and the same choices moved
+    by one position do not. Recording changes neither the tokens nor their log-probabilities."""
+    c, params = mixtral
+    kw = dict(max_new_tokens=NEW, temperature=0.8, seed=5, devices=_one())
+    plain = generate(params, c, PROMPTS, **kw)
+    g = generate(params, c, PROMPTS, record_routing=True, **kw)
+    assert g.tokens == plain.tokens and g.logprobs == plain.logprobs and g.routing is not None
+    assert plain.routing is None
+    k = c.num_experts_per_tok
+    flips = moved = decisions = 0
+    for p, toks, rec in zip(PROMPTS, g.tokens, g.routing, strict=True):
+        seq = p + toks
+        assert rec.shape == (c.num_moe_layers, len(seq), k) and (rec[:, -1] == -1).all()
+        none = jnp.full((c.num_moe_layers, 1, len(seq), k), -1, jnp.int32)
+        _, stats = decoder.forward(params, jnp.asarray([seq]), c, imposed_LBTK=none)
+        own = np.asarray(stats.chosen_BTK)[:, 0, :-1]
+        fed = rec[:, :-1]
+        flips += int((~(fed[..., :, None] == own[..., None, :]).any(-1)).sum())
+        shifted = np.roll(fed, 1, axis=1)
+        moved += int((~(shifted[..., :, None] == own[..., None, :]).any(-1)).sum())
+        decisions += fed.size
+    assert flips <= decisions // 100, (flips, decisions)
+    assert moved > decisions // 5, (moved, decisions)
+
+
+@pytest.mark.parametrize(
+    ("model_name", "kwargs", "named"),
+    [
+        ("deepseek3-tiny", dict(speculative=True), "recorded by the plain decode loop only"),
+        ("llama-tiny", {}, "no MoE layers"),
+    ],
+)
+def test_recording_the_routing_is_refused_where_there_is_none(model_name, kwargs, named):
+    c = _config(model_name, mtp_num_layers=1 if kwargs else 0)
+    kw: dict = dict(temperature=0.0, top_k=0, top_p=1.0, mla_cache="compressed")
+    kw.update({"speculative": False, **kwargs})
+    with pytest.raises(ConfigError, match=named):
+        check_request(c, [[1, 2]], max_new_tokens=2, record_routing=True, **kw)
 
 
 def test_speculative_needs_mtp(mixtral):

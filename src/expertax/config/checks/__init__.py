@@ -39,6 +39,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     parallel.check_paged_stash,
     run.check_data_files,
     run.check_synthetic_noise,
+    run.check_routing_replay,
     run.check_eval,
     run.check_profiler,
     run.check_distributed,

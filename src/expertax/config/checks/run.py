@@ -38,6 +38,32 @@ def check_synthetic_noise(c: Config) -> None:
         )
 
 
+def check_routing_replay(c: Config) -> None:
+    """routing_replay=true needs an MoE stack that takes an imposed routing as it is
+    (models/decoder.py `run_stack`) and keeps every imposed assignment (no capacity drops)."""
+    if not c.routing_replay:
+        return
+    why = ""
+    if not c.is_moe:
+        why = f"the model has no MoE layers (num_experts={c.num_experts}): nothing to replay"
+    elif c.pipelined_stack == "moe" and c.pipelined_layers:
+        why = (
+            f"the MoE layers are pipelined (ici_pipeline_parallelism={c.ici_pipeline_parallelism}"
+            f", dcn_pipeline_parallelism={c.dcn_pipeline_parallelism}); the pipeline takes no "
+            "imposed routing: set both to 1"
+        )
+    elif c.moe_paged_stash:
+        why = "moe_paged_stash=true takes no imposed routing; set moe_paged_stash=false"
+    elif c.capacity_factor != -1:
+        why = (
+            f"capacity_factor={c.capacity_factor} drops assignments over an expert's capacity, "
+            "so the sampler's routing would not be replayed whole; set capacity_factor=-1 "
+            "(dropless)"
+        )
+    if why:
+        raise ConfigError(f"routing_replay=true: {why}; or set routing_replay=false")
+
+
 def check_eval(c: Config) -> None:
     if c.eval_dataset_path and not c.tokenizer_path:
         raise ConfigError(

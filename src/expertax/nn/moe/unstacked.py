@@ -56,12 +56,20 @@ def is_unstacked(p: moe_layer.MoE | None) -> bool:
     return p is not None and isinstance(p.wi_0, tuple) and not quant.is_fp8(p.wi_0)
 
 
-def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype):
-    """The MoE layer's output [B, T, D] (`moe_layer.apply`'s, shared experts included)."""
+def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype, imposed_BTK=None):
+    """The MoE layer's output [B, T, D] (`moe_layer.apply`'s, shared experts included) and its
+    stats: None, or with `imposed_BTK` (int32 [B, T, K], `router.route`: -1 keeps the router's
+    choice) the balancing sums and the router's own choice (`MoEStats.chosen_BTK`), which is
+    how decoding records the routing it samples with (decoding/model.py)."""
     b, t, d = x_BTD.shape
     shared, x_BTD = quant.dequantize(p.shared, dtype, x_BTD)
     x_ND = x_BTD.reshape(b * t, d).astype(dtype)
-    routing = router.route(p.router, x_ND, c)
+    imposed_NK = None if imposed_BTK is None else imposed_BTK.reshape(b * t, -1)
+    routing = router.route(p.router, x_ND, c, imposed_NK)
+    stats = None
+    if routing.chosen_NK is not None:
+        stats = router.balance_stats(routing.counts_E, routing.prob_sum_E, b * t, c, 0)
+        stats = dataclasses.replace(stats, chosen_BTK=routing.chosen_NK.reshape(b, t, -1))
     act = activation.of(c)
     branches = [_ffn(w, dtype, act) for w in zip(p.wi_0, p.wi_1, p.wo, strict=True)]
     wi = [w.w for w in p.wi_0] if all(is_joint(w) for w in p.wi_0) else None
@@ -80,7 +88,8 @@ def apply(p: moe_layer.MoE, x_BTD, c: Config, dtype):
     if shared is not None and is_joint(shared.wi_0):
         out_BTD = out_BTD + mlp.apply(shared, x_BTD, dtype, act)
         shared = None
-    return moe_layer.finish(dataclasses.replace(p, shared=shared), x_BTD, out_BTD, c, dtype)
+    out_BTD = moe_layer.finish(dataclasses.replace(p, shared=shared), x_BTD, out_BTD, c, dtype)
+    return out_BTD, stats
 
 
 def _ffn(w, dtype, act):
