@@ -45,6 +45,7 @@ from expertax.parallel import remat
 from expertax.planner import plan
 from expertax.planner.residuals import layer_residuals
 from expertax.sharding.rules import logical_to_spec
+from expertax.train import muon
 
 GIB = plan.GIB
 CHUNKS_KEY = "num_moe_token_chunks"
@@ -117,7 +118,7 @@ class Estimator:
         self.c = c
         self.on = on or platform.current()
         self._residuals: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
-        self._state: dict[tuple, tuple[int, int, int]] = {}
+        self._state: dict[tuple, tuple[int, int, int, int]] = {}
         self._relayout: dict[tuple, int] = {}
         self._rules: dict[str, dict] = {}
 
@@ -172,19 +173,26 @@ class Estimator:
         rows += c1.moe_paged_stash_page_rows
         return rows * stash_mod.row_bytes(c1, sizes, c1.dtype)  # (fp8: gate and up in e4m3)
 
-    def state_bytes(self, shape: dict[str, int], rules_name: str) -> tuple[int, int, int]:
+    def state_bytes(self, shape: dict[str, int], rules_name: str) -> tuple[int, int, int, int]:
         """(parameter elements, trainable elements, largest layer's elements gathered for
-        compute) per device, for a mesh shape and rules preset."""
+        compute, trainable elements with a second moment) per device, for a mesh shape and
+        rules preset. With `opt_type=muon` the matrices Muon takes keep one moment, not two
+        (train/muon.py)."""
         key = (tuple(shape.values()), rules_name)
         if key not in self._state:
             c = self.c
             rules = self.rules(rules_name)
             mesh = AbstractMesh(tuple(shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
-            elems = trainable = 0
-            for s in jax.tree.leaves(decoder.spec(c), is_leaf=param.is_spec):
+            elems = trainable = second = 0
+            spec = decoder.spec(c)
+            marks = jax.tree.leaves(
+                muon.labels(c, spec) if c.opt_type == "muon" else param.trainable_mask(spec)
+            )
+            for s, mark in zip(jax.tree.leaves(spec, is_leaf=param.is_spec), marks, strict=True):
                 n = _shard_elems(s.shape, s.axes, rules, mesh)
                 elems += n
                 trainable += n if s.trainable else 0
+                second += n if s.trainable and mark != "muon" else 0
             layer = 0
             for moe in (False, True):
                 if (c.num_moe_layers if moe else c.num_dense_layers) == 0:
@@ -199,7 +207,7 @@ class Estimator:
                     for s in jax.tree.leaves(block, is_leaf=param.is_spec)
                 )
                 layer = max(layer, n)
-            self._state[key] = (elems, trainable, layer)
+            self._state[key] = (elems, trainable, layer, second)
         return self._state[key]
 
     def expert_relayout_elems(self, shape: dict[str, int], rules_name: str) -> int:
@@ -226,9 +234,9 @@ class Estimator:
     def terms(self, o: dict[str, Any], shape: dict[str, int]) -> Terms:
         c = self.c
         size = lambda k: jnp.dtype(o.get(k, getattr(c, k))).itemsize
-        elems, trainable, layer_elems = self.state_bytes(shape, o["sharding_rules"])
+        elems, trainable, layer_elems, second = self.state_bytes(shape, o["sharding_rules"])
         params = elems * size("weight_dtype")
-        opt = trainable * (size("mu_dtype") + size("nu_dtype"))
+        opt = trainable * size("mu_dtype") + second * size("nu_dtype")
         rules = self.rules(o["sharding_rules"])
         split = lambda logical, dim: _split(rules, logical, shape, dim)
         b = max(

@@ -157,7 +157,7 @@ def fit_search(
         )
     )
     cal = Calibration(on)
-    times = steptime.Model(c, chip)
+    times = steptime.Model(c, chip, devices)
     paddings: dict[tuple, float] = {}
     exchanges: dict[tuple, float] = {}
 

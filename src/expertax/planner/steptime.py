@@ -32,9 +32,11 @@ import dataclasses
 import math
 
 from expertax.config.schema import Config
+from expertax.models import decoder
 from expertax.parallel import remat
 from expertax.planner import placements
 from expertax.planner.estimate import CHUNKS_KEY, Terms
+from expertax.train import muon
 from expertax.train.metrics import attention_matmul_params, train_flops_per_token
 
 ASSUMED_MFU = 0.5  # the share of the chip's peak the step's matmuls are assumed to reach
@@ -52,6 +54,7 @@ class StepTime:
     exchange_bytes: float = 0.0  # tensor all-reduces + context gathers per device (tie-break)
     comm_s: float = 0.0  # the layout's collectives on the target's links, counted exposed
     memory_s: float = 0.0  # the expert weights' HBM traffic beyond the routed matmuls' compute
+    optimizer_flops: float = 0.0  # per device: Muon's Newton-Schulz (in compute_s)
 
     @property
     def seconds(self) -> float:
@@ -177,8 +180,12 @@ class Model:
     """The step-time model of one search: the model's FLOPs per device and its layers' forward
     FLOPs (the same for every candidate of a config), the chip's peak and host link."""
 
-    def __init__(self, c: Config, chip=None):
+    def __init__(self, c: Config, chip=None, devices: int = 1):
         self.c = c
+        # Muon's Newton-Schulz, shared evenly by the devices (train/muon_layout.py)
+        self.optimizer = (
+            muon.newton_schulz_flops(c, decoder.spec(c)) / devices if c.opt_type == "muon" else 0.0
+        )
         tokens = c.per_device_batch_size * c.max_target_length
         self.model = train_flops_per_token(c) * tokens
         self.forward = tokens * sum(
@@ -212,7 +219,7 @@ class Model:
         (`expert_weight_traffic`, free on the CPU proxy)."""
         recompute = share * self.forward
         waste = padding * self.routed * (1 + share / 3)
-        compute = (self.model + recompute + waste) / (self.peak * ASSUMED_MFU)
+        compute = (self.model + recompute + waste + self.optimizer) / (self.peak * ASSUMED_MFU)
         # Each direction once (written in the forward, read in the backward), a layer's
         # transfer beside another layer's compute: the step takes the longer of the two.
         act = host_ratio * terms.residual_host / self.rate
@@ -229,7 +236,16 @@ class Model:
         routed = self.routed * (1 + share / 3) / (self.peak * ASSUMED_MFU)
         memory = max(0.0, traffic / self.hbm - routed)
         return StepTime(
-            self.model, recompute, compute, act, state, self.link, exchange, comm_s, memory
+            self.model,
+            recompute,
+            compute,
+            act,
+            state,
+            self.link,
+            exchange,
+            comm_s,
+            memory,
+            self.optimizer,
         )
 
     def exchange(self, overrides: dict) -> float:

@@ -42,6 +42,7 @@ from expertax.train import muon_layout
 
 BATCH_AXES = frozenset({"layers", "stage_layers", "exp"})
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_SCOPE = "newton_schulz"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,21 @@ def views(c: Config, spec_tree) -> Any:
     )
 
 
+def newton_schulz_flops(c: Config, spec_tree) -> float:
+    """The Newton-Schulz FLOPs of one step over every Muon matrix of `spec_tree` (2 per
+    multiply-add; each of `muon_ns_steps` iterations on an m x n matrix, m <= n, costs
+    4 m^2 n + 2 m^3). The zero matrices `muon_layout` pads with are not counted."""
+    total = 0.0
+    marks = jax.tree.leaves(labels(c, spec_tree))
+    for s, mark in zip(jax.tree.leaves(spec_tree, is_leaf=param.is_spec), marks, strict=True):
+        if mark != "muon":
+            continue
+        b, rows, cols = view(s).sizes(s.shape)
+        m, n = min(rows, cols), max(rows, cols)
+        total += b * c.muon_ns_steps * (4.0 * m * m * n + 2.0 * m**3)
+    return total
+
+
 def newton_schulz(x: jax.Array, steps: int, eps: float = 1e-8) -> jax.Array:
     """The quintic Newton-Schulz iteration on matrices [..., M, N], in x's dtype: an
     approximate U V^T of each matrix's SVD (singular values near 1, not exactly)."""
@@ -129,12 +145,13 @@ def orthogonalize(
     leaf's logical axes, for its storage layout)."""
     layout = muon_layout.plan(x.shape, axes or (None,) * x.ndim, v.batch)
 
-    def local(y: jax.Array) -> jax.Array:
-        _, m, n = v.sizes(y.shape)
-        z = newton_schulz(y.astype(dtype).reshape(*y.shape[: v.batch], m, n), steps)
+    def whole(y: jax.Array) -> jax.Array:  # [B, *matrix dims]
+        _, m, n = v.sizes((1,) * v.batch + y.shape[1:])
+        with jax.named_scope(NS_SCOPE):  # the compiled program's op names (planner/flops.py)
+            z = newton_schulz(y.astype(dtype).reshape(y.shape[0], m, n), steps)
         return z.astype(jnp.float32).reshape(y.shape)
 
-    return muon_layout.apply(local, x, layout)
+    return muon_layout.apply(whole, x, v.batch, layout)
 
 
 def rms_scale(c: Config, v: View, shape: tuple[int, ...]) -> float:

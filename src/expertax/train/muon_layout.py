@@ -1,23 +1,23 @@
 """Where Muon's matrices are orthogonalised: each whole on one device, the devices sharing them.
 
 Newton-Schulz needs each matrix whole; a stored leaf splits its matrices over the mesh (FSDP
-splits the model dim, TP the heads, EP the experts). `Layout` plans, for one leaf, a layout in
-which the stack and expert dims (the batch of matrices) carry every mesh axis that divides
-them and the matrices are whole, and `apply` runs a function of the local matrices there
-inside one `shard_map` with explicit collectives, then puts the result back in the storage
-layout:
-- a mesh axis that splits a matrix dim and divides a batch dim moves there (`all_to_all`);
-- one that divides no batch dim is gathered (`all_gather`; those devices then orthogonalise
-  the same matrices);
-- a mesh axis the leaf is replicated over takes a slice of a batch dim it divides (no
-  communication; gathered back after).
-Going back runs the inverse of each step in reverse order. The explicit steps are what make
-this cheap: left to the partitioner, moving part of a dim's split from a matrix dim to a
-batch dim is done by gathering the whole leaf on every device and slicing ("involuntary full
-rematerialization"), which a 671B expert stack cannot afford.
+splits the model dim, TP the heads, EP the experts). `apply` runs a function of whole matrices
+inside one `shard_map` over the leaf's storage layout (`plan`), with explicit collectives:
+each device flattens its local stack and expert dims into one batch of matrices, then
+- for every mesh axis that splits a matrix dim (the minor one first), pads the batch with zero
+  matrices to a multiple of the axis and `all_to_all`s it there: the matrix dim is whole
+  again, and the batch is split further;
+- for every mesh axis the leaf is replicated over, pads the same way and keeps its own slice
+  (no communication);
+then orthogonalises its ceil(batch / devices) matrices, and undoes each step in reverse order
+(all-to-alls back, gathers for the slices, the padding cut off). Which matrices a device gets
+does not matter: each is orthogonalised alone, and the way back is the exact inverse.
 
-A batch dim no axis divides (a stack of 61 layers) is not padded: padding changes the dim's
-size, and the reshard back is then the same whole-leaf gather.
+Why explicit: left to the partitioner, moving part of a dim's split from a matrix dim to a
+batch dim is done by gathering the whole leaf on every device and slicing ("involuntary full
+rematerialization"), which a 671B expert stack cannot afford; and a stack of 61 layers, or 58
+x 32 local experts against a 64-way axis, divides by no axis until it is flattened and padded
+here, locally.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -45,18 +46,13 @@ def _entry(axes: list[str]):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """stored: the leaf's PartitionSpec (one entry per dim); target: its spec while the
-    matrices are orthogonalised; steps: ("move", axis, batch dim, matrix dim), ("gather",
-    axis, matrix dim) or ("slice", axis, batch dim), in order."""
+    """stored: the leaf's PartitionSpec; batch: its leading dims that index matrices; steps:
+    ("move", axis, dim) for an axis that splits matrix dim `dim`, ("slice", axis) for one the
+    leaf is replicated over, in order."""
 
     stored: P
-    target: P
+    batch: int
     steps: tuple[tuple, ...]
-
-    @property
-    def devices_sharing(self) -> tuple[str, ...]:
-        """The mesh axes that split the batch of matrices in the target layout."""
-        return tuple(a for e in self.target for a in _dim_axes(e))
 
 
 def plan(shape: tuple[int, ...], axes: tuple[str | None, ...], batch: int) -> Layout | None:
@@ -74,61 +70,61 @@ def plan(shape: tuple[int, ...], axes: tuple[str | None, ...], batch: int) -> La
     stored: list = [] if rules is None else list(logical_to_spec(axes, rules, mesh, shape))
     stored += [None] * (len(shape) - len(stored))
     stored = [_entry([a for a in _dim_axes(e) if a in sizes]) for e in stored]
-    split = [list(_dim_axes(e)) for e in stored]
-    fits = lambda a, i: shape[i] % (math.prod(sizes[b] for b in split[i]) * sizes[a]) == 0
-    steps: list[tuple] = []
-    for j in range(batch, len(shape)):
-        for a in reversed(_dim_axes(stored[j])):  # minor first: the local blocks stay in order
-            dest = next((i for i in range(batch) if fits(a, i)), None)
-            if dest is None:
-                steps.append(("gather", a, j))
-            else:
-                steps.append(("move", a, dest, j))
-                split[dest].append(a)
-            split[j].remove(a)
+    steps: list[tuple] = [
+        ("move", a, j) for j in range(batch, len(shape)) for a in reversed(_dim_axes(stored[j]))
+    ]
     used = {a for e in stored for a in _dim_axes(e)}
-    for a in (a for a in sizes if a not in used):
-        dest = next((i for i in range(batch) if fits(a, i)), None)
-        if dest is not None:
-            steps.append(("slice", a, dest))
-            split[dest].append(a)
-    return Layout(P(*stored), P(*(_entry(d) for d in split)), tuple(steps))
+    steps += [("slice", a) for a in sizes if a not in used]
+    return Layout(P(*stored), batch, tuple(steps))
 
 
-def _local_slice(x: jax.Array, axis: str, dim: int) -> jax.Array:
-    n = x.shape[dim] // jax.lax.axis_size(axis)
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * n, n, dim)
+def _padded(x: jax.Array, multiple: int) -> tuple[jax.Array, int]:
+    pad = -x.shape[0] % multiple
+    return (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x), pad
 
 
-def _there(x: jax.Array, steps) -> jax.Array:
-    for step in steps:
+def _there(y: jax.Array, layout: Layout) -> tuple[jax.Array, list[int]]:
+    """The local batch [B, *matrix dims] in the orthogonalising layout, and each step's pad."""
+    pads = []
+    for step in layout.steps:
+        y, pad = _padded(y, jax.lax.axis_size(step[1]))
+        pads.append(pad)
         if step[0] == "move":
-            _, a, i, j = step
-            x = jax.lax.all_to_all(x, a, split_axis=i, concat_axis=j, tiled=True)
-        elif step[0] == "gather":
-            x = jax.lax.all_gather(x, step[1], axis=step[2], tiled=True)
+            concat = 1 + step[2] - layout.batch
+            y = jax.lax.all_to_all(y, step[1], split_axis=0, concat_axis=concat, tiled=True)
         else:
-            x = _local_slice(x, step[1], step[2])
-    return x
+            n = y.shape[0] // jax.lax.axis_size(step[1])
+            y = jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(step[1]) * n, n, 0)
+    return y, pads
 
 
-def _back(x: jax.Array, steps) -> jax.Array:
-    for step in reversed(steps):
+def _back(z: jax.Array, layout: Layout, pads: list[int]) -> jax.Array:
+    for step, pad in reversed(list(zip(layout.steps, pads, strict=True))):
         if step[0] == "move":
-            _, a, i, j = step
-            x = jax.lax.all_to_all(x, a, split_axis=j, concat_axis=i, tiled=True)
-        elif step[0] == "gather":
-            x = _local_slice(x, step[1], step[2])
+            split = 1 + step[2] - layout.batch
+            z = jax.lax.all_to_all(z, step[1], split_axis=split, concat_axis=0, tiled=True)
         else:
-            x = jax.lax.all_gather(x, step[1], axis=step[2], tiled=True)
-    return x
+            z = jax.lax.all_gather(z, step[1], axis=0, tiled=True)
+        z = z[: z.shape[0] - pad]
+    return z
 
 
-def apply(fn: Callable[[jax.Array], jax.Array], x: jax.Array, layout: Layout | None) -> jax.Array:
-    """`fn` (shape-preserving, per matrix) of leaf `x`, run on the local matrices of
-    `layout`'s target (the whole leaf without a layout); the result in the storage layout."""
+def apply(
+    fn: Callable[[jax.Array], jax.Array], x: jax.Array, batch: int, layout: Layout | None
+) -> jax.Array:
+    """`fn` of whole matrices [B, *matrix dims] -> same shape, applied to every matrix of leaf
+    `x` (its first `batch` dims index them) in `layout` (module docstring; the whole leaf on
+    every device without a layout); the result in the storage layout."""
+
+    def local(block: jax.Array) -> jax.Array:
+        lead = block.shape[:batch]
+        y = block.reshape(math.prod(lead), *block.shape[batch:])
+        if layout is None:
+            return fn(y).reshape(block.shape)
+        y, pads = _there(y, layout)
+        return _back(fn(y), layout, pads).reshape(block.shape)
+
     if layout is None:
-        return fn(x)
-    body = lambda local: _back(fn(_there(local, layout.steps)), layout.steps)
-    mapped = jax.shard_map(body, in_specs=layout.stored, out_specs=layout.stored, check_vma=False)
+        return local(x)
+    mapped = jax.shard_map(local, in_specs=layout.stored, out_specs=layout.stored, check_vma=False)
     return mapped(x)

@@ -10,10 +10,12 @@ import pytest
 
 from expertax import cli
 from expertax.config import ConfigError
+from expertax.models import decoder
 from expertax.parallel import remat
-from expertax.planner import estimate, fit, fit_table, space
+from expertax.planner import estimate, fit, fit_table, space, steptime
 from expertax.planner.plan import GIB, memory_report
 from expertax.preflight import load_config
+from expertax.train import muon
 
 # One MoE layer of a shrunk Mixtral: compiles in seconds on 8 simulated CPU devices.
 TINY = [
@@ -180,3 +182,21 @@ def test_a_compiler_error_skips_the_candidates_of_its_remat_and_offload(cfg):
     assert seen.count(failing[0]) == 1, seen
     assert r["fits"] and len(seen) >= 2
     assert any("failed to compile" not in e and "INTERNAL" in e for e in r["errors"])
+
+
+def test_muon_state_and_newton_schulz_in_the_plan(cfg):
+    """With opt_type=muon the matrices Muon takes keep one moment, not two (the estimate's
+    optimizer bytes drop by their second moments exactly), and the step-time model's compute
+    carries the Newton-Schulz FLOPs shared by the devices."""
+    shape = {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+    muon_cfg = cfg.model_copy(update={"opt_type": "muon"})
+    adamw, with_muon = estimate.Estimator(cfg), estimate.Estimator(muon_cfg)
+    _, trainable, _, second = with_muon.state_bytes(shape, "default")
+    assert adamw.state_bytes(shape, "default")[3] == trainable > second > 0
+    o = {"sharding_rules": "default", "remat_policy": "none", "num_vocab_tiling": 1}
+    saved = adamw.terms(o, shape).args - with_muon.terms(o, shape).args
+    assert saved == (trainable - second) * 4  # float32 second moments
+    flops = muon.newton_schulz_flops(muon_cfg, decoder.spec(muon_cfg))
+    assert flops > 0
+    assert steptime.Model(muon_cfg, None, 8).optimizer == flops / 8
+    assert steptime.Model(cfg, None, 8).optimizer == 0.0

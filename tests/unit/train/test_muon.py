@@ -168,20 +168,18 @@ RULES = {
 
 
 def test_layout_moves_matrix_splits_to_the_batch():
-    """An expert stack stored [L, E/expert, D/fsdp, F/tensor] is orthogonalised as
-    [L/(fsdp, tensor), E/expert, D, F]: two all-to-alls, no gather; a stack of 3 layers
-    stored [L, D/(fsdp, tensor), F] (3 divides by no axis) gathers its matrices and slices
-    nothing."""
+    """An expert stack stored [L, E/expert, D/fsdp, F/tensor] moves tensor then fsdp to its
+    batch of matrices (all-to-alls, minor axis first, no gather); a layer stack stored
+    [L, D/(fsdp, tensor), F] moves both axes the same way (padded: 3 layers do not divide by
+    2); a leaf replicated over an axis takes its slice there."""
     with jax.set_mesh(_mesh()), use_rules(RULES):
         layout = muon_layout.plan((4, 8, 32, 48), ("layers", "exp", "exp_embed", "exp_mlp"), 2)
         assert layout is not None
         assert layout.stored == P(None, "expert", "fsdp", "tensor")
-        assert layout.target == P(("fsdp", "tensor"), "expert", None, None)
-        assert [s[0] for s in layout.steps] == ["move", "move"]
+        assert layout.steps == (("move", "fsdp", 2), ("move", "tensor", 3))
         dense = muon_layout.plan((3, 32, 48), ("layers", "embed", "mlp"), 1)
-        assert dense is not None
-        assert dense.target == P(None, None, None)
-        assert [s[:2] for s in dense.steps] == [("gather", "tensor"), ("gather", "fsdp")]
+        assert dense is not None and dense.stored == P(None, ("fsdp", "tensor"), None)
+        assert dense.steps == (("move", "tensor", 1), ("move", "fsdp", 1), ("slice", "expert"))
 
 
 @pytest.mark.parametrize(
@@ -191,6 +189,7 @@ def test_layout_moves_matrix_splits_to_the_batch():
         ((3, 32, 48), ("layers", "embed", "mlp"), 1),
         ((2, 4, 8, 32), ("layers", "heads", "kv", "embed"), 1),
         ((32, 16), ("embed", "mlp"), 0),
+        ((3, 5, 32, 16), ("layers", "exp", "exp_embed", "exp_mlp"), 2),
     ],
 )
 def test_orthogonalised_in_the_layout_equals_without_a_mesh(shape, axes, batch):
@@ -205,6 +204,10 @@ def test_orthogonalised_in_the_layout_equals_without_a_mesh(shape, axes, batch):
         stored = muon_layout.plan(shape, axes, batch)
         assert stored is not None
         x_sharded = jax.device_put(x, NamedSharding(mesh, stored.stored))
-        got = jax.jit(lambda y: muon.orthogonalize(y, v, 5, jnp.float32, axes))(x_sharded)
+        run = jax.jit(lambda y: muon.orthogonalize(y, v, 5, jnp.float32, axes))
+        got = run(x_sharded)
+        hlo = run.lower(x_sharded).compile().as_text()
     assert got.sharding.spec == stored.stored
+    if shape == (4, 8, 32, 48):  # split on every axis: moved by all-to-alls, never gathered
+        assert "all-to-all" in hlo and "all-gather" not in hlo
     np.testing.assert_allclose(got, want, **tol())
