@@ -20,6 +20,7 @@ from __future__ import annotations
 from expertax import platform
 from expertax.config.schema import Config
 from expertax.planner import flops
+from expertax.train import muon
 from expertax.train.metrics import train_flops_per_token
 
 METHOD = (
@@ -47,6 +48,7 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
         "loops": [],
         "kernels": [],
         "flops_by_op_name": {},
+        "newton_schulz_flops": None,  # Muon's orthogonalisation (opt_type=muon), in compiled
         "cost_analysis_flops": None,
         "roofline_seconds": None,
         "roofline_method": None,
@@ -78,6 +80,7 @@ def step_costs(compiled, c: Config, trainer, target=None) -> dict:
             for k in count.kernels
         ],
         flops_by_op_name=dict(sorted(count.by_op_name.items(), key=lambda kv: -kv[1])[:TOP_OPS]),
+        newton_schulz_flops=count.matching(muon.NS_SCOPE),
     )
     if count.expected_trip_counts:
         out["compiled_flops_method"] += (
