@@ -1,9 +1,10 @@
 """Muon (`opt_type=muon`) trains every layout the same as one device: `expertax parity` rows of
-deepseek3-tiny (EP x FSDP, EP x TP x data, FSDP x TP) and mixtral-tiny (a 2-stage pipeline with
-EP x FSDP inside, the ring of experts with the expert axis as tensor parallelism). Each layout
-orthogonalises its matrices in its own layout (train/muon_layout.py: all-to-alls, slices and
-gathers in a shard_map), so a wrong step there moves the losses. A file of its own so that
-pytest-xdist runs it beside the other parity tests."""
+deepseek3-tiny with MuonClip (EP x FSDP, EP x TP x data, FSDP x TP) and mixtral-tiny (a 2-stage
+pipeline with EP x FSDP inside, the ring of experts with the expert axis as tensor parallelism).
+Each layout orthogonalises its matrices in its own layout (train/muon_layout.py: all-to-alls,
+slices and gathers in a shard_map) and measures its heads' largest logits on its own shards, so
+a wrong step in either moves the losses. A file of its own so that pytest-xdist runs it beside
+the other parity tests."""
 
 from __future__ import annotations
 
@@ -19,21 +20,24 @@ from tests.distributed.test_parity import SMALL, _check_rows
 
 pytestmark = pytest.mark.distributed
 
+# deepseek3-tiny with MuonClip (QK-clip at a threshold its heads pass every step: the clip
+# runs on the maxima each layout measures); mixtral-tiny (GQA, a pipeline) without
 CASES = [
     (
         "deepseek3-tiny",
+        ["use_qk_clip=true", "qk_clip_threshold=3"],
         ["sparse-padded-ep4-fsdp2", "sparse-padded-ep2-tp2-data2", "dense-fsdp4-tp2"],
     ),
-    ("mixtral-tiny", ["sparse-ring-pp2-ep2-fsdp2", "sparse-ring-ep2-fsdp2-tp2-eptp"]),
+    ("mixtral-tiny", [], ["sparse-ring-pp2-ep2-fsdp2", "sparse-ring-ep2-fsdp2-tp2-eptp"]),
 ]
 
 
 @pytest.mark.extended  # two parity tables of 2-3 layouts (60-150 s each): CI's second run
-@pytest.mark.parametrize(("model", "layouts"), CASES, ids=[m for m, _ in CASES])
-def test_muon_trains_every_layout_as_one_device(model, layouts):
+@pytest.mark.parametrize(("model", "extra", "layouts"), CASES, ids=[m for m, _, _ in CASES])
+def test_muon_trains_every_layout_as_one_device(model, extra, layouts):
     """3 steps of each layout give the one-device run's losses within the float32 tolerance,
     and the optimizer state really is Muon's (a MuonState per partition of the matrices)."""
-    c = load_config(overrides=[f"model_name={model}", "opt_type=muon", *SMALL])
+    c = load_config(overrides=[f"model_name={model}", "opt_type=muon", *extra, *SMALL])
     parsed = [parse_layout(n) for n in layouts]
     trainer = build_trainer(layout_config(c, parsed[0], 8))
     is_muon = lambda x: isinstance(x, muon.MuonState)

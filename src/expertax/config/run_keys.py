@@ -185,6 +185,18 @@ class TrainSection(_Section):
         description="The dtype Newton-Schulz multiplies in: float32, or bfloat16 as Keller "
         "Jordan's and Moonlight's recipes (the momentum stays in mu_dtype).",
     )
+    use_qk_clip: bool = _key(
+        TRAINING,
+        False,
+        description="Kimi-K2's QK-clip (MuonClip with opt_type=muon; MaxText's key): after each "
+        "step, every MLA head whose largest attention logit of the step passed "
+        "qk_clip_threshold has its query and key projections scaled so that it would not "
+        "(nn/attention/qk_clip.py); the logits are measured beside the attention kernel, one "
+        "more Q K^T per layer in the forward.",
+    )
+    qk_clip_threshold: float = _key(
+        TRAINING, 100.0, gt=0, description="QK-clip's threshold tau on a head's largest logit."
+    )
     num_vocab_tiling: int = _key(
         LAYOUT,
         1,

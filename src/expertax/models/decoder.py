@@ -128,7 +128,8 @@ def block_apply(
     models/layer_pattern.py). fp8 weights (fp8/quant.py) are dequantized here, and a MoE layer whose
     experts are held apart runs nn/moe/unstacked.py (decoding on one device: only the chosen
     experts' fp8 weights are dequantized). `probe`: the layer's fp8 probe (float32 zeros,
-    fp8/stats.py), into which its fp8 GEMMs count, or None."""
+    fp8/stats.py), into which its fp8 GEMMs count, or None; or {"fp8": ..., "qk": ...} with
+    QK-clip's probe (float32 zeros [H], nn/attention/qk_clip.py)."""
     experts = p.moe if unstacked.is_unstacked(p.moe) else None
     if experts is not None:
         p = dataclasses.replace(p, moe=None)
@@ -139,6 +140,10 @@ def block_apply(
     h = norm.rms_norm(p.attn_norm, x_BTD, eps)
     kw = {} if window is None else {"window": window}  # (checks: MLA layers never slide)
     # fp8 training GEMMs (`quantization`) in the layer's linears; decoding (a cache) in dtype
+    if isinstance(probe, dict):  # with QK-clip's (train/qk_clip.py `merge`)
+        if probe.get("qk") is not None:
+            kw["qk_probe"] = probe["qk"]
+        probe = probe.get("fp8")
     probe = None if probe is None else fp8_stats.Probe.of(probe)
     with linear.fp8(c.quantization if cache is None else "", probe):
         out, cache = attn.apply(p.attn, h, c, positions_BT, segment_ids_BT, dtype, cache, **kw)
@@ -192,7 +197,7 @@ def run_stack(
     layers = [layer(w) for w in layer_pattern.windows(c)]
     head = jax.tree.map(lambda a: a[:pipelined], stacked)
     axes = logical_axes(block_spec(c, moe=moe))
-    head_probes = None if probes is None else probes[:pipelined]
+    head_probes = None if probes is None else jax.tree.map(lambda a: a[:pipelined], probes)
     x_BTD, stats = pipeline.run(
         head, x_BTD, positions_BT, segment_ids_BT, c, layers, axes, probes=head_probes
     )
@@ -200,7 +205,7 @@ def run_stack(
     if pipelined == n:
         return x_BTD, stats
     rest = jax.tree.map(lambda a: a[pipelined:], stacked)
-    rest_probes = None if probes is None else probes[pipelined:]
+    rest_probes = None if probes is None else jax.tree.map(lambda a: a[pipelined:], probes)
     x_BTD, more = _run_layers(
         rest, x_BTD, c, positions_BT, segment_ids_BT, dtype, first=pipelined, probes=rest_probes
     )

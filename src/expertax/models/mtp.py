@@ -105,7 +105,7 @@ def forward(
         else:
             tokens_BT, targets_BT, weights_BT = depth_targets(batch, k)
         x_BTD = module_input(params, layer, h_BTD, tokens_BT, c)
-        probe = None if probes is None else probes[k - 1]
+        probe = None if probes is None else jax.tree.map(lambda a, k=k: a[k - 1], probes)
         h_BTD, stats = block(x_BTD, layer.block, probe)
         out_BTD = norm.rms_norm(layer.head_norm, h_BTD, eps)
         depths.append(Depth(out_BTD, targets_BT, weights_BT))

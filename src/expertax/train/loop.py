@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from expertax import progress
 from expertax.config.loader import config_to_yaml
@@ -213,7 +214,11 @@ class StepLog:
     def _record(self, step: int, device_metrics: dict, evaluate) -> None:
         host = jax.device_get(device_metrics)
         load_LE = host.pop("expert_load", None)
-        host = {k: float(v) for k, v in host.items()}
+        # scalars; a per-layer array (QK-clip's largest logits) as a list in metrics.jsonl
+        host = {
+            k: float(v) if np.ndim(v) == 0 else np.asarray(v, float).tolist()
+            for k, v in host.items()
+        }
         now = time.perf_counter()
         dt, self.t_prev = now - self.t_prev, now
         per_device_rate = self.tokens / dt / self.devices

@@ -16,7 +16,7 @@ from expertax.models import decoder, mtp
 from expertax.nn import vocab_loss
 from expertax.nn.attention import context
 from expertax.nn.moe.router import MoEStats, updated_bias
-from expertax.train import optimizer
+from expertax.train import optimizer, qk_clip
 from expertax.train.state import TrainState
 
 
@@ -168,7 +168,7 @@ def train_step(
     `opt_to_device` (optimizer state in pinned host memory): the copy to device memory, made
     only once the gradients exist (an optimization barrier ties the two), so that the state is
     not on the device while the backward pass holds its activations."""
-    probes = fp8_probes(c)
+    probes = qk_clip.merge(fp8_probes(c), qk_clip.probes(c))
     if c.debug_inject_nan_step >= 0:
         fn = functools.partial(_debug_nan_loss_fn, batch=batch, c=c, step=state.step)
     else:
@@ -176,7 +176,8 @@ def train_step(
     grad_fn = jax.value_and_grad(
         lambda p, probes: fn(p, fp8_probes=probes), argnums=(0, 1), has_aux=True
     )
-    (_, parts), (grads, counts) = grad_fn(state.params, probes)
+    (_, parts), (grads, probe_grads) = grad_fn(state.params, probes)
+    counts, qk_maxima = qk_clip.split(probe_grads, c.use_qk_clip)
     ce, lb, stats = parts.ce, parts.lb, parts.stats
     grad_dtype = jnp.dtype(c.grad_dtype)
     if grad_dtype != jnp.dtype(c.weight_dtype):
@@ -201,8 +202,11 @@ def train_step(
         "dropped_tokens": jnp.int32(0),
         "max_expert_load_ratio": jnp.float32(1),
     }
-    if probes is not None:  # the quantizers' counts (fp8/stats.py)
+    if counts is not None:  # the quantizers' counts (fp8/stats.py)
         metrics.update(fp8_stats.metrics(counts))
+    if qk_maxima is not None:  # QK-clip: the heads over the threshold scaled (train/qk_clip.py)
+        params, clip_metrics = qk_clip.clip(params, qk_maxima, finite, c)
+        metrics.update(clip_metrics)
     if stats is not None:
         load = stats.load_E
         metrics["expert_load"] = load  # [L_moe, E] assignments per expert (metrics.jsonl, TB)

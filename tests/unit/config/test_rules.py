@@ -42,6 +42,7 @@ TURN_ON = {
     },
     "eval_interval > 0": {"eval_interval": 10, "tokenizer_path": "tokenizer.json"},
     "opt_type=muon": {"opt_type": "muon"},
+    "use_qk_clip=true": {"use_qk_clip": True, "model_name": "deepseek3-tiny"},  # MLA only
 }
 
 # Keys whose default + 2 (or a file name) is out of their range.

@@ -40,6 +40,7 @@ ALL_CHECKS: tuple[Callable[[Config], None], ...] = (
     run.check_data_files,
     run.check_synthetic_noise,
     run.check_routing_replay,
+    run.check_qk_clip,
     run.check_eval,
     run.check_profiler,
     run.check_distributed,

@@ -68,6 +68,7 @@ ONLY_WITH: tuple[OnlyWith, ...] = (
         "opt_type=muon",
         lambda c: c.opt_type == "muon",
     ),
+    OnlyWith(("qk_clip_threshold",), "use_qk_clip=true", lambda c: c.use_qk_clip),
     OnlyWith(("checkpoint_period",), "enable_checkpointing=true", lambda c: c.enable_checkpointing),
     OnlyWith(("mtp_loss_scaling_factor",), "mtp_num_layers > 0", lambda c: c.mtp_num_layers > 0),
     OnlyWith(

@@ -64,6 +64,39 @@ def check_routing_replay(c: Config) -> None:
         raise ConfigError(f"routing_replay=true: {why}; or set routing_replay=false")
 
 
+def check_qk_clip(c: Config) -> None:
+    """use_qk_clip=true needs MLA (each head owns its query and key projections) and the layouts
+    whose attention sees a layer's whole batch and sequence in one place: the largest logit
+    leaves the layer as a gradient (nn/attention/qk_clip.py), which sums what a pipeline's
+    microbatches, a context split's shards or query chunks would each give."""
+    if not c.use_qk_clip:
+        return
+    why = ""
+    if c.attention_type != "mla":
+        why = (
+            f"attention_type={c.attention_type}: QK-clip rescales each head's own query and key "
+            "projections, which GQA's shared key heads do not have (MaxText: MLA only)"
+        )
+    elif c.pipelined_layers:
+        why = (
+            f"ici_pipeline_parallelism={c.ici_pipeline_parallelism}, dcn_pipeline_parallelism="
+            f"{c.dcn_pipeline_parallelism}: a pipeline's microbatches would add their largest "
+            "logits; set both to 1"
+        )
+    elif c.ici_context_parallelism != 1:
+        why = (
+            f"ici_context_parallelism={c.ici_context_parallelism}: the context split's attention "
+            "is not measured; set it to 1"
+        )
+    elif c.num_attention_token_chunks > 1:
+        why = (
+            f"num_attention_token_chunks={c.num_attention_token_chunks}: the chunks would add "
+            "their largest logits; set it to 1"
+        )
+    if why:
+        raise ConfigError(f"use_qk_clip=true: {why}; or set use_qk_clip=false")
+
+
 def check_eval(c: Config) -> None:
     if c.eval_dataset_path and not c.tokenizer_path:
         raise ConfigError(

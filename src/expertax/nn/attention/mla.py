@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from expertax.config.schema import Config
 from expertax.nn import norm, rope
-from expertax.nn.attention import chunks, context, kernel, latent_blockwise
+from expertax.nn.attention import chunks, context, kernel, latent_blockwise, qk_clip
 from expertax.nn.attention.cache import KV, Latent, constrain_layer, slot_positions, write
 from expertax.nn.linear import is_joint, per_head, project
 from expertax.nn.param import Param, params_dataclass, projection
@@ -128,9 +128,11 @@ def _down(p: MLA, x_BTD, c: Config, dtype):
     return project(low_BTR, p.wq_b.astype(dtype)), both[..., c.q_lora_rank :]
 
 
-def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache=None):
+def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache=None, qk_probe=None):
     """The layer's output [B, T, D] and its cache (None without one; with one, the new
-    tokens' entries written at their positions and every slot read: cache.py)."""
+    tokens' entries written at their positions and every slot read: cache.py). `qk_probe`
+    (float32 zeros [H], `use_qk_clip`): its gradient becomes each head's largest logit
+    (qk_clip.py)."""
     if cache is not None:
         return _cached(p, x_BTD, c, positions_BT, dtype, cache)
     t = x_BTD.shape[1]
@@ -162,6 +164,9 @@ def apply(p: MLA, x_BTD, c: Config, positions_BT, segment_ids_BT, dtype, cache=N
         out = chunks.attend_chunk(
             q, k, v, c, segment_ids_BT, q_offset, end, scale, positions_BT, kv_positions_BS
         )
+        if qk_probe is not None:  # one chunk (config/checks/run.py): the whole sequence
+            top_H = qk_clip.max_logits(q, k, scale, positions_BT, segment_ids_BT)
+            out = qk_clip.emit(out, qk_probe, top_H)
         return project(remat.tag(out, remat.ATTENTION_OUT), p.wo.astype(dtype), 2)
 
     scan = chunks.scanned(c, t, c.qk_head_dim, c.v_head_dim, dtype)
