@@ -21,19 +21,34 @@ from tests.distributed.test_parity import SMALL, _check_rows
 pytestmark = pytest.mark.distributed
 
 # deepseek3-tiny with MuonClip (QK-clip at a threshold its heads pass every step: the clip
-# runs on the maxima each layout measures); mixtral-tiny (GQA, a pipeline) without
+# runs on the maxima each layout measures), and in a pipeline without it (refused there);
+# mixtral-tiny (GQA: no QK-clip) in the four kinds of layout
 CASES = [
     (
         "deepseek3-tiny",
         ["use_qk_clip=true", "qk_clip_threshold=3"],
         ["sparse-padded-ep4-fsdp2", "sparse-padded-ep2-tp2-data2", "dense-fsdp4-tp2"],
     ),
-    ("mixtral-tiny", [], ["sparse-ring-pp2-ep2-fsdp2", "sparse-ring-ep2-fsdp2-tp2-eptp"]),
+    ("deepseek3-tiny", [], ["sparse-ring-pp2-ep2-fsdp2"]),  # Muon alone in a pipeline
+    (
+        "mixtral-tiny",
+        [],
+        [
+            "sparse-ring-pp2-ep2-fsdp2",
+            "sparse-ring-ep2-fsdp2-tp2-eptp",
+            "sparse-padded-ep4-fsdp2",
+            "dense-fsdp4-tp2",
+        ],
+    ),
 ]
 
 
-@pytest.mark.extended  # two parity tables of 2-3 layouts (60-150 s each): CI's second run
-@pytest.mark.parametrize(("model", "extra", "layouts"), CASES, ids=[m for m, _, _ in CASES])
+@pytest.mark.extended  # three parity tables of 1-4 layouts (40-150 s each): CI's second run
+@pytest.mark.parametrize(
+    ("model", "extra", "layouts"),
+    CASES,
+    ids=["deepseek3-tiny-clip", "deepseek3-tiny-pp", "mixtral-tiny"],
+)
 def test_muon_trains_every_layout_as_one_device(model, extra, layouts):
     """3 steps of each layout give the one-device run's losses within the float32 tolerance,
     and the optimizer state really is Muon's (a MuonState per partition of the matrices)."""
