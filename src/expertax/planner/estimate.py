@@ -88,7 +88,9 @@ class Terms:
     residual_host: int
     working: int
     state_host: int
-    update: int  # device bytes the update needs for the offloaded state (0 without)
+    # device bytes the update needs beyond the state: the offloaded state copied in (0 without)
+    # and Muon's Newton-Schulz working set (its largest leaf's; 0 with AdamW)
+    update: int
 
     def peak(self, ratios: dict[str, float] | None = None) -> int:
         """Device bytes at the peak, each term times its ratio (default 1)."""
@@ -118,7 +120,7 @@ class Estimator:
         self.c = c
         self.on = on or platform.current()
         self._residuals: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
-        self._state: dict[tuple, tuple[int, int, int, int]] = {}
+        self._state: dict[tuple, tuple[int, int, int, int, int]] = {}
         self._relayout: dict[tuple, int] = {}
         self._rules: dict[str, dict] = {}
 
@@ -173,17 +175,19 @@ class Estimator:
         rows += c1.moe_paged_stash_page_rows
         return rows * stash_mod.row_bytes(c1, sizes, c1.dtype)  # (fp8: gate and up in e4m3)
 
-    def state_bytes(self, shape: dict[str, int], rules_name: str) -> tuple[int, int, int, int]:
+    def state_bytes(self, shape: dict[str, int], rules_name: str) -> tuple[int, int, int, int, int]:
         """(parameter elements, trainable elements, largest layer's elements gathered for
-        compute, trainable elements with a second moment) per device, for a mesh shape and
-        rules preset. With `opt_type=muon` the matrices Muon takes keep one moment, not two
-        (train/muon.py)."""
+        compute, trainable elements with a second moment, the largest Muon leaf's elements)
+        per device, for a mesh shape and rules preset. With `opt_type=muon` the matrices Muon
+        takes keep one moment, not two (train/muon.py), and its largest leaf sets the
+        Newton-Schulz working set (its per-device share: train/muon_layout.py spreads the
+        matrices over the devices, padding aside)."""
         key = (tuple(shape.values()), rules_name)
         if key not in self._state:
             c = self.c
             rules = self.rules(rules_name)
             mesh = AbstractMesh(tuple(shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
-            elems = trainable = second = 0
+            elems = trainable = second = largest = 0
             spec = decoder.spec(c)
             marks = jax.tree.leaves(
                 muon.labels(c, spec) if c.opt_type == "muon" else param.trainable_mask(spec)
@@ -193,6 +197,7 @@ class Estimator:
                 elems += n
                 trainable += n if s.trainable else 0
                 second += n if s.trainable and mark != "muon" else 0
+                largest = max(largest, n if mark == "muon" else 0)
             layer = 0
             for moe in (False, True):
                 if (c.num_moe_layers if moe else c.num_dense_layers) == 0:
@@ -207,7 +212,7 @@ class Estimator:
                     for s in jax.tree.leaves(block, is_leaf=param.is_spec)
                 )
                 layer = max(layer, n)
-            self._state[key] = (elems, trainable, layer, second)
+            self._state[key] = (elems, trainable, layer, second, largest)
         return self._state[key]
 
     def expert_relayout_elems(self, shape: dict[str, int], rules_name: str) -> int:
@@ -234,7 +239,12 @@ class Estimator:
     def terms(self, o: dict[str, Any], shape: dict[str, int]) -> Terms:
         c = self.c
         size = lambda k: jnp.dtype(o.get(k, getattr(c, k))).itemsize
-        elems, trainable, layer_elems, second = self.state_bytes(shape, o["sharding_rules"])
+        elems, trainable, layer_elems, second, muon_leaf = self.state_bytes(
+            shape, o["sharding_rules"]
+        )
+        # Newton-Schulz of the largest Muon leaf: its Nesterov moment in float32, then the
+        # iterate, its Gram products and the result in muon_ns_dtype
+        newton_schulz = muon_leaf * (4 + 3 * jnp.dtype(c.muon_ns_dtype).itemsize)
         params = elems * size("weight_dtype")
         opt = trainable * size("mu_dtype") + second * size("nu_dtype")
         rules = self.rules(o["sharding_rules"])
@@ -262,7 +272,7 @@ class Estimator:
             working=self._working(o, shape, b, heads, cp, layer_elems, size, split, rules)
             + self.expert_relayout_elems(shape, o["sharding_rules"]) * size("weight_dtype"),
             state_host=state_host,
-            update=state_host,  # the offloaded state, copied to the device for the update
+            update=state_host + newton_schulz,
         )
 
     def _working(self, o, shape, b, heads, cp, layer_elems, size, split, rules) -> int:

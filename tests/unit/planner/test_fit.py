@@ -186,16 +186,20 @@ def test_a_compiler_error_skips_the_candidates_of_its_remat_and_offload(cfg):
 
 def test_muon_state_and_newton_schulz_in_the_plan(cfg):
     """With opt_type=muon the matrices Muon takes keep one moment, not two (the estimate's
-    optimizer bytes drop by their second moments exactly), and the step-time model's compute
-    carries the Newton-Schulz FLOPs shared by the devices."""
+    optimizer bytes drop by their second moments exactly), the update holds the largest leaf's
+    Newton-Schulz working set, and the step-time model's compute carries the Newton-Schulz FLOPs
+    shared by the devices."""
     shape = {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
     muon_cfg = cfg.model_copy(update={"opt_type": "muon"})
     adamw, with_muon = estimate.Estimator(cfg), estimate.Estimator(muon_cfg)
-    _, trainable, _, second = with_muon.state_bytes(shape, "default")
+    _, trainable, _, second, leaf = with_muon.state_bytes(shape, "default")
     assert adamw.state_bytes(shape, "default")[3] == trainable > second > 0
+    assert adamw.state_bytes(shape, "default")[4] == 0 < leaf < trainable - second
     o = {"sharding_rules": "default", "remat_policy": "none", "num_vocab_tiling": 1}
     saved = adamw.terms(o, shape).args - with_muon.terms(o, shape).args
     assert saved == (trainable - second) * 4  # float32 second moments
+    # the update's Newton-Schulz working set: the largest leaf's moment and three float32 arrays
+    assert with_muon.terms(o, shape).update - adamw.terms(o, shape).update == leaf * 16
     flops = muon.newton_schulz_flops(muon_cfg, decoder.spec(muon_cfg))
     assert flops > 0
     assert steptime.Model(muon_cfg, None, 8).optimizer == flops / 8
