@@ -123,13 +123,7 @@ def apply(c: Config, tx, spec_tree, grads, opt_state, params, finite) -> tuple[A
     fused = c.opt_type == "adamw" and jnp.dtype(c.mu_dtype) == jnp.float32
     if not fused or jnp.dtype(c.nu_dtype) != jnp.float32:
         return optax_update(tx, grads, opt_state, params, finite)
-    nodes = jax.tree.leaves(opt_state, is_leaf=_is_state)
-    adams = [n for n in nodes if isinstance(n, optax.ScaleByAdamState)]
-    scheds = [n for n in nodes if isinstance(n, optax.ScaleByScheduleState)]
-    if len(adams) != 1 or len(scheds) != 1:
-        structure = jax.tree.structure(opt_state)
-        raise ValueError(f"expected the state of optimizer.make, got {structure}")
-    adam, sched = adams[0], scheds[0]
+    adam, sched = adamw_states(opt_state)
     trainable = param.trainable_mask(spec_tree)
     decay = param.weight_decay_mask(spec_tree)
     b1, b2, eps, wd = c.adam_b1, c.adam_b2, c.adam_eps, c.adam_weight_decay
@@ -171,14 +165,32 @@ def apply(c: Config, tx, spec_tree, grads, opt_state, params, finite) -> tuple[A
         return jnp.where(finite, p - lr * u, p).astype(p.dtype)
 
     new_params = jax.tree.map(parameter, params, mu, nu, trainable, decay, is_leaf=is_masked)
+    return new_params, stepped(opt_state, count, mu, nu, finite)
+
+
+def adamw_states(opt_state) -> tuple[optax.ScaleByAdamState, optax.ScaleByScheduleState]:
+    """The AdamW and learning-rate schedule states of `make`'s transformation."""
+    nodes = jax.tree.leaves(opt_state, is_leaf=_is_state)
+    adams = [n for n in nodes if isinstance(n, optax.ScaleByAdamState)]
+    scheds = [n for n in nodes if isinstance(n, optax.ScaleByScheduleState)]
+    if len(adams) != 1 or len(scheds) != 1:
+        structure = jax.tree.structure(opt_state)
+        raise ValueError(f"expected the state of optimizer.make, got {structure}")
+    return adams[0], scheds[0]
+
+
+def stepped(opt_state, count, mu, nu, finite):
+    """`opt_state` after an AdamW step that computed the new `count` and moments: both step
+    counts advanced and the moments replaced where `finite`, else the counts kept."""
+    adam, sched = adamw_states(opt_state)
     new_adam = adam._replace(count=jnp.where(finite, count, adam.count), mu=mu, nu=nu)
     new_sched = sched._replace(
         count=jnp.where(finite, optax.safe_increment(sched.count), sched.count)
     )
 
-    def stepped(node):
+    def replace(node):
         if isinstance(node, optax.ScaleByAdamState):
             return new_adam
         return new_sched if isinstance(node, optax.ScaleByScheduleState) else node
 
-    return new_params, jax.tree.map(stepped, opt_state, is_leaf=_is_state)
+    return jax.tree.map(replace, opt_state, is_leaf=_is_state)

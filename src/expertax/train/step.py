@@ -16,7 +16,7 @@ from expertax.models import decoder, mtp
 from expertax.nn import vocab_loss
 from expertax.nn.attention import context
 from expertax.nn.moe.router import MoEStats, updated_bias
-from expertax.train import optimizer, qk_clip
+from expertax.train import optimizer, qk_clip, streamed_update
 from expertax.train.state import TrainState
 
 
@@ -165,9 +165,10 @@ def train_step(
     were (metric `nonfinite` = 1); the loop then stops or counts a skip (skip_nonfinite_steps).
     Guarding in every mode means no checkpoint ever holds a NaN state.
 
-    `opt_to_device` (optimizer state in pinned host memory): the copy to device memory, made
-    only once the gradients exist (an optimization barrier ties the two), so that the state is
-    not on the device while the backward pass holds its activations."""
+    `opt_to_device` (optimizer state in pinned host memory): given, AdamW's update streams the
+    state through the device one layer at a time (train/streamed_update.py), Muon's copies it to
+    device memory whole; either starts only once the gradients exist (an optimization barrier
+    ties the two)."""
     probes = qk_clip.merge(fp8_probes(c), qk_clip.probes(c))
     if c.debug_inject_nan_step >= 0:
         fn = functools.partial(_debug_nan_loss_fn, batch=batch, c=c, step=state.step)
@@ -189,10 +190,17 @@ def train_step(
     opt_state = state.opt_state
     if opt_to_device is not None:
         grads, opt_state = jax.lax.optimization_barrier((grads, opt_state))
-        opt_state = opt_to_device(opt_state)
-    params, opt_state = optimizer.apply(
-        c, tx, decoder.spec(c), grads, opt_state, state.params, finite
-    )
+    if opt_to_device is not None and c.opt_type == "adamw":
+        # one layer's moments on the device at a time (train/streamed_update.py)
+        params, opt_state = streamed_update.apply(
+            c, optimizer.schedule(c), decoder.spec(c), grads, opt_state, state.params, finite
+        )
+    else:
+        if opt_to_device is not None:  # Muon takes its state whole
+            opt_state = opt_to_device(opt_state)
+        params, opt_state = optimizer.apply(
+            c, tx, decoder.spec(c), grads, opt_state, state.params, finite
+        )
     metrics = {
         "loss": ce,
         "lb_loss": lb,

@@ -162,6 +162,13 @@ def test_memory_for_a_target_with_host_offloaded_optimizer_state(spec, tmp_path,
         # the state and offloaded activations (the program's figure: with the layer scan and
         # expert parallelism here it holds less than all layers' offloaded names at once)
         assert r["host_bytes"] > r["optimizer_state_bytes"]
+        # AdamW's update streams the stacked moments one layer at a time
+        # (train/streamed_update.py): slices read from and written to pinned host memory (S(5)),
+        # not the whole stack copied to device memory
+        text = program.read_text()
+        sliced = [x for x in text.splitlines() if "dynamic-slice" in x and "S(5)" in x]
+        updated = [x for x in text.splitlines() if "dynamic-update-slice" in x and "S(5)" in x]
+        assert sliced and updated and "train/streamed_update.py" in text
     else:  # the GPU compile without a GPU keeps it on device: said, not subtracted
         assert len(r["not_honoured"]) == 1 and "not honoured" in r["not_honoured"][0]
         assert "NOT HONOURED: optimizer_memory_host_offload=true" in out
