@@ -16,7 +16,11 @@ After each compile the ratios are solved again from every compiled candidate:
   working set, per working key; a key not compiled yet takes the median of the keys compiled
   (1 before any compile);
 - `host`: the compiled pinned-host bytes over the estimated host residuals (TPU and GPU
-  programs report them apart).
+  programs report them apart);
+- `state`: what one byte of offloaded optimizer state still costs in device temporaries
+  (`STATE_PRIOR`), read from the candidates with state offloaded once candidates without it
+  are compiled (whose working sets it then uses): a candidate whose offloaded state costs the
+  device more than the prior says corrects this term, not the working set of every candidate.
 """
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ OFFLOAD_PRIOR = {"tpu": 1 / 3, "gpu": 0.0, "cpu": 0.0}
 # Compiled temporaries per modelled working byte, before a search has read its own: 1.0 to
 # 1.2 for the 671B TPU plans (the two above, and e8 f64 remat_policy=full with 8 chunks).
 WORKING_PRIOR = {"tpu": 1.05, "gpu": 1.0, "cpu": 1.0}
+# Device temporaries per byte of optimizer state offloaded to pinned host memory (AdamW's
+# update streaming it a layer at a time), before a search has read its own: DeepSeek-V3 671B on
+# tpu:v5p-256 (e4 f32 exp-fsdp, offload-2, 16 chunks, 4 x 8,192 per chip) peaks at 114.40 GiB
+# with its 19.53 GiB of state offloaded against 119.95 GiB on device, and the estimate's other
+# terms account for all but 0.88 x the state (2026-12-07, libtpu 0.0.42.1). The GPU compile
+# without a GPU does not honour the offload (planner/plan.py), XLA:CPU refuses it.
+STATE_PRIOR = {"tpu": 0.88, "gpu": 1.0, "cpu": 1.0}
 RATIO_BOUNDS = (0.25, 4.0)
 WORKING_BOUNDS = (0.1, 20.0)  # a small model's fixed temporaries dwarf its modelled working set
 
@@ -127,21 +138,40 @@ class Calibration:
                 "residual_host", "residual_device", OFFLOAD_PRIOR.get(self.on, 0.0)
             ),
             "working": WORKING_PRIOR.get(self.on, 1.0),
+            "state": STATE_PRIOR.get(self.on, 1.0),
         }
         if not self.compiled:
             return out
         args = [x.measured.args / x.terms.args for x in self.compiled if x.terms.args]
         if args:
             out["args"] = _clamp(statistics.median(args))
+
+        def rest(t: Terms, m: Measured) -> float:
+            """The temporaries the working set and the offloaded state's share leave."""
+            r = m.temp - t.grads - t.params_offloaded - t.stack_copies
+            return r - out["residual"] * t.residual_device - out["offload"] * t.residual_host
+
+        # The working set's ratio from candidates whose state is all on device where any are
+        # compiled: one whose offloaded state costs more device memory than the prior says
+        # corrects the state's ratio, not every candidate's working set.
+        plain = [x for x in self.compiled if not x.terms.opt_offloaded]
         working: dict[tuple, list[float]] = {}
-        for x in self.compiled:
+        for x in plain or self.compiled:
             t = x.terms
-            rest = x.measured.temp - t.grads - out["residual"] * t.residual_device
-            rest -= out["offload"] * t.residual_host
+            left = rest(t, x.measured) - out["state"] * t.opt_offloaded
             if t.working > 0:
-                working.setdefault(x.key, []).append(_clamp(rest / t.working, WORKING_BOUNDS))
+                working.setdefault(x.key, []).append(_clamp(left / t.working, WORKING_BOUNDS))
         if working:
             out["working"] = _nearest(working, key)
+        if plain:
+            state = [
+                (rest(x.terms, x.measured) - _nearest(working, x.key) * x.terms.working)
+                / x.terms.opt_offloaded
+                for x in self.compiled
+                if x.terms.opt_offloaded
+            ]
+            if state:
+                out["state"] = min(max(statistics.median(state), 0.0), RATIO_BOUNDS[1])
         host = [
             (x.measured.host - x.terms.state_host) / x.terms.residual_host
             for x in self.compiled

@@ -16,8 +16,12 @@ calibrates one by one against what it compiles (`calibrate.py`):
   chunk loop accumulates); on GPU, a copy of the stacked expert weights in another layout when
   their model dim is split (`expert_relayout_elems`); under context parallelism, T / cp of each
   sequence's tokens, plus the key state attention gathers (`context_gather`);
-- `state_host`: optimizer state and parameters offloaded to pinned host memory (copied to the
-  device for the update: the update's bytes are `update`).
+- `state_host`: optimizer state and parameters offloaded to pinned host memory. The parameters
+  are copied to device memory whole for the step (`params_offloaded`); AdamW's update streams
+  the optimizer state through the device a layer at a time (train/streamed_update.py), yet the
+  TPU program keeps a share of it in device memory through the backward (`opt_offloaded` times
+  the calibration's `state` ratio); Muon copies it in whole for the update (`update`);
+- `stack_copies`: on TPU, the program's whole-stack copies of the weights (module `Terms`).
 
 `Terms.peak(ratios)` is their sum with each term scaled by its calibration ratio. The estimate
 only ranks and prunes; the compiled program decides.
@@ -88,21 +92,33 @@ class Terms:
     residual_host: int
     working: int
     state_host: int
-    # device bytes the update needs beyond the state: the offloaded state copied in (0 without)
-    # and Muon's Newton-Schulz working set (its largest leaf's; 0 with AdamW)
+    # device bytes the update needs beyond the state: Muon's offloaded state copied in whole
+    # (AdamW streams it: train/streamed_update.py), the offloaded parameters' device copy and
+    # Muon's Newton-Schulz working set (its largest leaf's)
     update: int
+    # the TPU program's copies of whole stacked weights: each stack converted to the compute
+    # dtype before the layer loop (float32 master weights), and one more float32 gradient
+    # stack of the largest leaf (the backward loop's carry); 0 on other platforms
+    stack_copies: int = 0
+    # optimizer state in pinned host memory, of which the TPU program still holds a share in
+    # device memory through the backward (`STATE_PRIOR`), and parameters in pinned host memory,
+    # copied to device memory whole for the step
+    opt_offloaded: int = 0
+    params_offloaded: int = 0
 
     def peak(self, ratios: dict[str, float] | None = None) -> int:
         """Device bytes at the peak, each term times its ratio (default 1)."""
         r = ratios or {}
+        state = r.get("args", 1.0) * self.args + self.grads + self.params_offloaded
         step = (
-            r.get("args", 1.0) * self.args
-            + self.grads
+            state
             + r.get("residual", 1.0) * self.residual_device
             + r.get("offload", 0.0) * self.residual_host
             + r.get("working", 1.0) * self.working
+            + self.stack_copies
+            + r.get("state", 0.0) * self.opt_offloaded
         )
-        return int(max(step, r.get("args", 1.0) * self.args + self.grads + self.update))
+        return int(max(step, state + self.update))
 
     def host(self, ratios: dict[str, float] | None = None) -> int:
         """Pinned host bytes per device."""
@@ -215,6 +231,16 @@ class Estimator:
             self._state[key] = (elems, trainable, layer, second, largest)
         return self._state[key]
 
+    def largest_leaf_elems(self, shape: dict[str, int], rules_name: str) -> int:
+        """The largest parameter leaf's elements per device."""
+        key = ("largest", tuple(shape.values()), rules_name)
+        if key not in self._relayout:
+            rules = self.rules(rules_name)
+            mesh = AbstractMesh(tuple(shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
+            leaves = jax.tree.leaves(decoder.spec(self.c), is_leaf=param.is_spec)
+            self._relayout[key] = max(_shard_elems(s.shape, s.axes, rules, mesh) for s in leaves)
+        return self._relayout[key]
+
     def expert_relayout_elems(self, shape: dict[str, int], rules_name: str) -> int:
         """Routed-expert weight elements per device that the GPU program copies into another
         layout before the layer loop: all of them when their model dim D is split over a mesh
@@ -258,12 +284,17 @@ class Estimator:
         device, host = self.residual_bytes(o)
         scale = lambda d: b * sum(v // heads if n in _HEAD_SPLIT else v for n, v in d.items()) // cp
         residual_device = scale(device) + self.stash_bytes(o, shape)
-        state_host = 0
+        state_host = opt_off = params_off = 0
         args = params + opt
         if o.get("optimizer_memory_host_offload"):
-            args, state_host = args - opt, state_host + opt
+            args, state_host, opt_off = args - opt, state_host + opt, opt
         if o.get("parameter_memory_host_offload"):
-            args, state_host = args - params, state_host + params
+            args, state_host, params_off = args - params, state_host + params, params
+        copies = 0
+        if self.on == "tpu":
+            if size("weight_dtype") != jnp.dtype(c.dtype).itemsize:
+                copies += elems * jnp.dtype(c.dtype).itemsize
+            copies += self.largest_leaf_elems(shape, o["sharding_rules"]) * size("grad_dtype")
         return Terms(
             args=args,
             grads=elems * size("grad_dtype"),
@@ -272,7 +303,10 @@ class Estimator:
             working=self._working(o, shape, b, heads, cp, layer_elems, size, split, rules)
             + self.expert_relayout_elems(shape, o["sharding_rules"]) * size("weight_dtype"),
             state_host=state_host,
-            update=state_host + newton_schulz,
+            update=(opt_off if c.opt_type == "muon" else 0) + newton_schulz,
+            stack_copies=copies,
+            opt_offloaded=opt_off,
+            params_offloaded=params_off,
         )
 
     def _working(self, o, shape, b, heads, cp, layer_elems, size, split, rules) -> int:

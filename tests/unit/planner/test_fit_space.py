@@ -69,14 +69,23 @@ def test_terms_move_with_the_levers(cfg):
     assert offloaded.residual_device < full.residual_device and offloaded.residual_host > 0
     assert offloaded.residual_host == full.residual_device - offloaded.residual_device
     opt = t(optimizer_memory_host_offload=True)
-    assert opt.args < full.args and opt.state_host == full.args - opt.args and opt.update > 0
+    assert opt.args < full.args and opt.state_host == full.args - opt.args
+    # AdamW streams the offloaded state (train/streamed_update.py): no whole copy in the
+    # update; the TPU program's device share of it is the calibration's `state` ratio
+    assert opt.update == 0 and opt.opt_offloaded == opt.state_host
+    assert opt.peak({"state": 0.5}) - opt.peak({"state": 0.0}) == opt.opt_offloaded // 2
+    params = t(optimizer_memory_host_offload=True, parameter_memory_host_offload=True)
+    assert params.args == 0 and params.params_offloaded == full.grads  # (float32 both)
+    assert params.peak() == opt.peak()  # the parameters are copied to device whole
     chunked = t(num_moe_token_chunks=4)
     assert chunked.working != full.working
     queries = t(num_attention_token_chunks=4)  # a quarter of the queries' kernel residuals
     assert queries.working < full.working and queries.residual_device == full.residual_device
     stash = t(remat_policy="custom", moe_mlpwo=remat.DEVICE, moe_paged_stash=True)
     assert stash.residual_device > full.residual_device  # the stash's buffer on top
-    assert full.peak() == full.args + full.grads + full.residual_device + full.working
+    assert full.stack_copies > 0  # the TPU program's whole-stack copies
+    step = full.args + full.grads + full.residual_device + full.working + full.stack_copies
+    assert full.peak() == step
 
 
 def test_gpu_estimate_counts_the_expert_weights_relayout_where_their_model_dim_is_split(cfg):
@@ -106,6 +115,7 @@ def test_calibration_learns_each_term(cfg):
         "residual": calibrate.RESIDUAL_PRIOR["tpu"],
         "offload": calibrate.OFFLOAD_PRIOR["tpu"],
         "working": calibrate.WORKING_PRIOR["tpu"],
+        "state": calibrate.STATE_PRIOR["tpu"],
     }
     assert cal.ratios() == prior
     terms = lambda res: Terms(100, 10, res, 0, 50, 0, 0)
@@ -122,6 +132,25 @@ def test_calibration_learns_each_term(cfg):
     assert cal.ratios(("other",))["working"] == pytest.approx(2.0)
     cal.add(("x",), terms(5), None)
     assert len(cal.compiled) == 2
+
+
+def test_calibration_blames_offloaded_state_not_every_working_set():
+    """A candidate with optimizer state offloaded whose program holds more than the prior share
+    of that state corrects the `state` ratio; the working ratio stays what the candidates with
+    their state on device say, so candidates without offload are not pruned for it."""
+    cal = calibrate.Calibration("tpu")
+    plain = Terms(100, 10, 0, 0, 50, 0, 0)
+    cal.add(("k",), plain, calibrate.Measured(100 + 10 + 100, 100, 110, 0))  # working x 2
+    offloaded = Terms(0, 10, 0, 0, 50, 100, 0, opt_offloaded=100)
+    cal.add(("k",), offloaded, calibrate.Measured(10 + 100 + 150, 0, 260, 100))  # 1.5 x state
+    r = cal.ratios(("k",))
+    assert r["working"] == pytest.approx(2.0) and r["state"] == pytest.approx(1.5)
+    assert plain.peak(r) == 210 and offloaded.peak(r) == 260
+    # without a candidate of state on device the working set keeps its ratio of all candidates,
+    # with the state's share at the prior
+    alone = calibrate.Calibration("tpu")
+    alone.add(("k",), offloaded, calibrate.Measured(260, 0, 260, 100))
+    assert alone.ratios(("k",))["state"] == calibrate.STATE_PRIOR["tpu"]
 
 
 def test_step_time_counts_recompute_and_transfers(cfg):
