@@ -49,7 +49,7 @@ from expertax.parallel import remat
 from expertax.planner import plan
 from expertax.planner.residuals import layer_residuals
 from expertax.sharding.rules import logical_to_spec
-from expertax.train import muon
+from expertax.train import muon, streamed_update
 
 GIB = plan.GIB
 CHUNKS_KEY = "num_moe_token_chunks"
@@ -92,9 +92,9 @@ class Terms:
     residual_host: int
     working: int
     state_host: int
-    # device bytes the update needs beyond the state: Muon's offloaded state copied in whole
-    # (AdamW streams it: train/streamed_update.py), the offloaded parameters' device copy and
-    # Muon's Newton-Schulz working set (its largest leaf's)
+    # device bytes the update needs beyond the state: the offloaded optimizer state copied in
+    # whole where the update does not stream it (train/streamed_update.py `streams`: Muon, or
+    # the parameters offloaded too) and Muon's Newton-Schulz working set (its largest leaf's)
     update: int
     # the TPU program's copies of whole stacked weights: each stack converted to the compute
     # dtype before the layer loop (float32 master weights), and one more float32 gradient
@@ -290,6 +290,9 @@ class Estimator:
             args, state_host, opt_off = args - opt, state_host + opt, opt
         if o.get("parameter_memory_host_offload"):
             args, state_host, params_off = args - params, state_host + params, params
+        c1 = c.model_copy(
+            update={k: v for k, v in o.items() if k == "parameter_memory_host_offload"}
+        )
         copies = 0
         if self.on == "tpu":
             if size("weight_dtype") != jnp.dtype(c.dtype).itemsize:
@@ -303,7 +306,7 @@ class Estimator:
             working=self._working(o, shape, b, heads, cp, layer_elems, size, split, rules)
             + self.expert_relayout_elems(shape, o["sharding_rules"]) * size("weight_dtype"),
             state_host=state_host,
-            update=(opt_off if c.opt_type == "muon" else 0) + newton_schulz,
+            update=(0 if streamed_update.streams(c1) else opt_off) + newton_schulz,
             stack_copies=copies,
             opt_offloaded=opt_off,
             params_offloaded=params_off,

@@ -166,9 +166,9 @@ def train_step(
     Guarding in every mode means no checkpoint ever holds a NaN state.
 
     `opt_to_device` (optimizer state in pinned host memory): given, AdamW's update streams the
-    state through the device one layer at a time (train/streamed_update.py), Muon's copies it to
-    device memory whole; either starts only once the gradients exist (an optimization barrier
-    ties the two)."""
+    state through the device one layer at a time (train/streamed_update.py `streams`), else the
+    state is copied to device memory whole; either starts only once the gradients exist (an
+    optimization barrier ties the two)."""
     probes = qk_clip.merge(fp8_probes(c), qk_clip.probes(c))
     if c.debug_inject_nan_step >= 0:
         fn = functools.partial(_debug_nan_loss_fn, batch=batch, c=c, step=state.step)
@@ -190,13 +190,13 @@ def train_step(
     opt_state = state.opt_state
     if opt_to_device is not None:
         grads, opt_state = jax.lax.optimization_barrier((grads, opt_state))
-    if opt_to_device is not None and c.opt_type == "adamw":
+    if opt_to_device is not None and streamed_update.streams(c):
         # one layer's moments on the device at a time (train/streamed_update.py)
         params, opt_state = streamed_update.apply(
             c, optimizer.schedule(c), decoder.spec(c), grads, opt_state, state.params, finite
         )
     else:
-        if opt_to_device is not None:  # Muon takes its state whole
+        if opt_to_device is not None:  # Muon, or parameters offloaded too: the state whole
             opt_state = opt_to_device(opt_state)
         params, opt_state = optimizer.apply(
             c, tx, decoder.spec(c), grads, opt_state, state.params, finite

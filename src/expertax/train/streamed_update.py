@@ -16,8 +16,9 @@ host memory along a tiled dim, and they are small) are moved whole.
 The update is optax's AdamW as `optimizer.make` chains it (global-norm clip over the trainable
 gradients, bias-corrected moments computed in float32 and stored in `mu_dtype` / `nu_dtype`,
 decoupled weight decay where `ParamSpec.weight_decay`, the learning-rate schedule), then the
-step's guard: nothing changes where `finite` is false. Muon's update (train/muon.py) is not
-streamed: it takes its state whole (`train_step`'s `opt_to_device`).
+step's guard: nothing changes where `finite` is false. Muon's update (train/muon.py) and any
+update with the parameters offloaded too are not streamed (`streams`): they take the state
+whole (`train_step`'s `opt_to_device`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ from expertax.nn import param
 from expertax.train import optimizer
 
 STACK_AXES = ("layers", "stage_layers")
+
+
+def streams(c: Config) -> bool:
+    """Whether the step streams its offloaded optimizer state: AdamW's, with the parameters in
+    device memory. Muon's update takes its state whole; with the parameters in host memory too
+    the TPU compiler (libtpu 0.0.42.1) fails on the streamed program at DeepSeek-V3's size
+    ("Expected instruction to have shape ... S(5)"), and the whole copy compiles."""
+    return c.opt_type == "adamw" and not c.parameter_memory_host_offload
 
 
 def streamed_mask(spec_tree) -> Any:

@@ -76,7 +76,8 @@ def test_terms_move_with_the_levers(cfg):
     assert opt.peak({"state": 0.5}) - opt.peak({"state": 0.0}) == opt.opt_offloaded // 2
     params = t(optimizer_memory_host_offload=True, parameter_memory_host_offload=True)
     assert params.args == 0 and params.params_offloaded == full.grads  # (float32 both)
-    assert params.peak() == opt.peak()  # the parameters are copied to device whole
+    # the parameters are copied to device whole, and then the update takes the state whole
+    assert params.update == params.opt_offloaded and params.peak() >= opt.peak()
     chunked = t(num_moe_token_chunks=4)
     assert chunked.working != full.working
     queries = t(num_attention_token_chunks=4)  # a quarter of the queries' kernel residuals
