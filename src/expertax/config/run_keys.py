@@ -357,10 +357,17 @@ class RematSection(_Section):
     mla_q: Placement = _placement("remat", "MLA's per-head queries before RoPE")
     mla_kv: Placement = _placement("remat", "MLA's up-projected keys and values")
     optimizer_memory_host_offload: bool = _key(
-        LAYOUT, False, description="Keep the optimizer state in pinned host memory between steps."
+        LAYOUT,
+        False,
+        description="Keep the optimizer state in pinned host memory between steps; AdamW's "
+        "update streams it through the device a layer at a time (Muon's, or with the "
+        "parameters offloaded too, copies it in whole).",
     )
     parameter_memory_host_offload: bool = _key(
-        LAYOUT, False, description="Keep the parameters in pinned host memory between steps."
+        LAYOUT,
+        False,
+        description="Keep the parameters in pinned host memory between steps (copied to "
+        "device memory whole for the step: no saving at the step's peak).",
     )
     use_iota_embed: bool = _key(
         LAYOUT,
