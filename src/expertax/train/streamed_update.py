@@ -6,7 +6,7 @@ the device its full size: the TPU compiler prefetches such a copy as early as it
 alive through the backward pass's peak (DeepSeek-V3 671B on `tpu:v5p-256`, e4 f32 exp-fsdp:
 119.95 GiB with the state on device, 120.49 GiB "offloaded"; 114.40 GiB streamed as below:
 docs/design/fit.md#host-offloaded-state-on-tpuv5p-256). Here every
-leaf with a leading layer axis (`layers`, `stage_layers`) is updated in a loop over that axis:
+leaf with a leading `layers` axis is updated in a loop over that axis:
 each iteration moves one layer's moments to the device, updates that layer's parameters and
 moments, and moves the moments back into their host buffers (in place: the loop carries them).
 The device holds one layer's moments at a time. The unstacked leaves (embedding, output head,
@@ -33,7 +33,9 @@ from expertax.config.schema import Config
 from expertax.nn import param
 from expertax.train import optimizer
 
-STACK_AXES = ("layers", "stage_layers")
+# `layers` only: a pipelined stack's `stage_layers` axis is split over `pipeline`, and a loop
+# slicing a split axis would gather the whole leaf to every device; such stacks move whole
+STACK_AXES = ("layers",)
 
 
 def streams(c: Config) -> bool:
