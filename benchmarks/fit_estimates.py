@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
     for r in rows:
         print(
             f"| {r['target']} | {r['layout']} | {r['remat']}, {r['offload']} | "
-            f"{r['estimate_gib']:.2f} GiB | {r['compiled_gib']:.2f} GiB | {100 * r['error']:+.1f} % |"
+            f"{r['estimate_gib']:.2f} GiB | {r['compiled_gib']:.2f} GiB | "
+            f"{100 * r['error']:+.1f} % |"
         )
     return 0
 
