@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,17 @@ _HEAD_SPLIT = {
 # Logical axes that shard a weight while it computes (the rest only store it: embed, exp_embed,
 # q_lora, kv_lora are all-gathered one layer at a time by the scan).
 _COMPUTE_AXES = ("exp", "heads", "kv_heads", "mlp", "exp_mlp", "vocab")
+
+
+class StateElems(NamedTuple):
+    """Parameter elements per device (`Estimator.state_bytes`)."""
+
+    params: int
+    trainable: int
+    layer: int  # the largest layer's, gathered for compute
+    second: int  # trainable elements with a second moment (not Muon's matrices)
+    muon_leaf: int  # the largest Muon leaf's (its Newton-Schulz working set)
+    largest: int  # the largest leaf's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +147,7 @@ class Estimator:
         self.c = c
         self.on = on or platform.current()
         self._residuals: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
-        self._state: dict[tuple, tuple[int, int, int, int, int]] = {}
+        self._state: dict[tuple, StateElems] = {}
         self._relayout: dict[tuple, int] = {}
         self._rules: dict[str, dict] = {}
 
@@ -191,10 +202,9 @@ class Estimator:
         rows += c1.moe_paged_stash_page_rows
         return rows * stash_mod.row_bytes(c1, sizes, c1.dtype)  # (fp8: gate and up in e4m3)
 
-    def state_bytes(self, shape: dict[str, int], rules_name: str) -> tuple[int, int, int, int, int]:
-        """(parameter elements, trainable elements, largest layer's elements gathered for
-        compute, trainable elements with a second moment, the largest Muon leaf's elements)
-        per device, for a mesh shape and rules preset. With `opt_type=muon` the matrices Muon
+    def state_bytes(self, shape: dict[str, int], rules_name: str) -> StateElems:
+        """Parameter elements per device (`StateElems`), for a mesh shape and rules preset.
+        With `opt_type=muon` the matrices Muon
         takes keep one moment, not two (train/muon.py), and its largest leaf sets the
         Newton-Schulz working set (its per-device share: train/muon_layout.py spreads the
         matrices over the devices, padding aside)."""
@@ -203,7 +213,7 @@ class Estimator:
             c = self.c
             rules = self.rules(rules_name)
             mesh = AbstractMesh(tuple(shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
-            elems = trainable = second = largest = 0
+            elems = trainable = second = muon_leaf = largest = 0
             spec = decoder.spec(c)
             marks = jax.tree.leaves(
                 muon.labels(c, spec) if c.opt_type == "muon" else param.trainable_mask(spec)
@@ -213,7 +223,8 @@ class Estimator:
                 elems += n
                 trainable += n if s.trainable else 0
                 second += n if s.trainable and mark != "muon" else 0
-                largest = max(largest, n if mark == "muon" else 0)
+                muon_leaf = max(muon_leaf, n if mark == "muon" else 0)
+                largest = max(largest, n)
             layer = 0
             for moe in (False, True):
                 if (c.num_moe_layers if moe else c.num_dense_layers) == 0:
@@ -228,18 +239,8 @@ class Estimator:
                     for s in jax.tree.leaves(block, is_leaf=param.is_spec)
                 )
                 layer = max(layer, n)
-            self._state[key] = (elems, trainable, layer, second, largest)
+            self._state[key] = StateElems(elems, trainable, layer, second, muon_leaf, largest)
         return self._state[key]
-
-    def largest_leaf_elems(self, shape: dict[str, int], rules_name: str) -> int:
-        """The largest parameter leaf's elements per device."""
-        key = ("largest", tuple(shape.values()), rules_name)
-        if key not in self._relayout:
-            rules = self.rules(rules_name)
-            mesh = AbstractMesh(tuple(shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
-            leaves = jax.tree.leaves(decoder.spec(self.c), is_leaf=param.is_spec)
-            self._relayout[key] = max(_shard_elems(s.shape, s.axes, rules, mesh) for s in leaves)
-        return self._relayout[key]
 
     def expert_relayout_elems(self, shape: dict[str, int], rules_name: str) -> int:
         """Routed-expert weight elements per device that the GPU program copies into another
@@ -265,7 +266,7 @@ class Estimator:
     def terms(self, o: dict[str, Any], shape: dict[str, int]) -> Terms:
         c = self.c
         size = lambda k: jnp.dtype(o.get(k, getattr(c, k))).itemsize
-        elems, trainable, layer_elems, second, muon_leaf = self.state_bytes(
+        elems, trainable, layer_elems, second, muon_leaf, largest = self.state_bytes(
             shape, o["sharding_rules"]
         )
         # Newton-Schulz of the largest Muon leaf: its Nesterov moment in float32, then the
@@ -290,14 +291,11 @@ class Estimator:
             args, state_host, opt_off = args - opt, state_host + opt, opt
         if o.get("parameter_memory_host_offload"):
             args, state_host, params_off = args - params, state_host + params, params
-        c1 = c.model_copy(
-            update={k: v for k, v in o.items() if k == "parameter_memory_host_offload"}
-        )
         copies = 0
         if self.on == "tpu":
             if size("weight_dtype") != jnp.dtype(c.dtype).itemsize:
                 copies += elems * jnp.dtype(c.dtype).itemsize
-            copies += self.largest_leaf_elems(shape, o["sharding_rules"]) * size("grad_dtype")
+            copies += largest * size("grad_dtype")
         return Terms(
             args=args,
             grads=elems * size("grad_dtype"),
@@ -306,7 +304,8 @@ class Estimator:
             working=self._working(o, shape, b, heads, cp, layer_elems, size, split, rules)
             + self.expert_relayout_elems(shape, o["sharding_rules"]) * size("weight_dtype"),
             state_host=state_host,
-            update=(0 if streamed_update.streams(c1) else opt_off) + newton_schulz,
+            update=(0 if streamed_update.streams(c.opt_type, params_off > 0) else opt_off)
+            + newton_schulz,
             stack_copies=copies,
             opt_offloaded=opt_off,
             params_offloaded=params_off,

@@ -190,10 +190,12 @@ def train_step(
     opt_state = state.opt_state
     if opt_to_device is not None:
         grads, opt_state = jax.lax.optimization_barrier((grads, opt_state))
-    if opt_to_device is not None and streamed_update.streams(c):
+    if opt_to_device is not None and streamed_update.streams(
+        c.opt_type, c.parameter_memory_host_offload
+    ):
         # one layer's moments on the device at a time (train/streamed_update.py)
         params, opt_state = streamed_update.apply(
-            c, optimizer.schedule(c), decoder.spec(c), grads, opt_state, state.params, finite
+            c, decoder.spec(c), grads, opt_state, state.params, finite
         )
     else:
         if opt_to_device is not None:  # Muon, or parameters offloaded too: the state whole

@@ -38,12 +38,12 @@ from expertax.train import optimizer
 STACK_AXES = ("layers",)
 
 
-def streams(c: Config) -> bool:
+def streams(opt_type: str, parameters_offloaded: bool) -> bool:
     """Whether the step streams its offloaded optimizer state: AdamW's, with the parameters in
     device memory. Muon's update takes its state whole; with the parameters in host memory too
     the TPU compiler (libtpu 0.0.42.1) fails on the streamed program at DeepSeek-V3's size
     ("Expected instruction to have shape ... S(5)"), and the whole copy compiles."""
-    return c.opt_type == "adamw" and not c.parameter_memory_host_offload
+    return opt_type == "adamw" and not parameters_offloaded
 
 
 def streamed_mask(spec_tree) -> Any:
@@ -70,7 +70,7 @@ def _same(x):
 
 
 def apply(
-    c: Config, schedule, spec_tree, grads, opt_state, params, finite, host: bool = True
+    c: Config, spec_tree, grads, opt_state, params, finite, host: bool = True
 ) -> tuple[Any, Any]:
     """(params, opt_state) after one AdamW step where `finite`, else unchanged, the optimizer
     state in pinned host memory in and out (module docstring). `host=False`: the same loop with
@@ -90,7 +90,7 @@ def apply(
     count = optax.safe_increment(adam.count)
     t = count.astype(jnp.float32)
     inv_bias1, inv_bias2 = 1 / (1 - b1**t), 1 / (1 - b2**t)
-    lr = schedule(sched.count)
+    lr = optimizer.schedule(c)(sched.count)
     g_leaves = jax.tree.leaves(grads)
     trained = [i for i, s in enumerate(specs) if s.trainable]
     streamed = jax.tree.leaves(streamed_mask(spec_tree))

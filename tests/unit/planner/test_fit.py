@@ -192,9 +192,11 @@ def test_muon_state_and_newton_schulz_in_the_plan(cfg):
     shape = {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
     muon_cfg = cfg.model_copy(update={"opt_type": "muon"})
     adamw, with_muon = estimate.Estimator(cfg), estimate.Estimator(muon_cfg)
-    _, trainable, _, second, leaf = with_muon.state_bytes(shape, "default")
-    assert adamw.state_bytes(shape, "default")[3] == trainable > second > 0
-    assert adamw.state_bytes(shape, "default")[4] == 0 < leaf < trainable - second
+    elems = with_muon.state_bytes(shape, "default")
+    trainable, second, leaf = elems.trainable, elems.second, elems.muon_leaf
+    assert adamw.state_bytes(shape, "default").second == trainable > second > 0
+    assert adamw.state_bytes(shape, "default").muon_leaf == 0 < leaf < trainable - second
+    assert elems.muon_leaf <= elems.largest == adamw.state_bytes(shape, "default").largest
     o = {"sharding_rules": "default", "remat_policy": "none", "num_vocab_tiling": 1}
     saved = adamw.terms(o, shape).args - with_muon.terms(o, shape).args
     assert saved == (trainable - second) * 4  # float32 second moments

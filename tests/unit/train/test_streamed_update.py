@@ -37,11 +37,7 @@ def _steps(c, tree, params, n=5):
     non-finite."""
     tx = optimizer.make(c, tree)
     ref = got = (params, tx.init(params))
-    update = jax.jit(
-        lambda g, s, p, f: streamed_update.apply(
-            c, optimizer.schedule(c), tree, g, s, p, f, host=False
-        )
-    )
+    update = jax.jit(lambda g, s, p, f: streamed_update.apply(c, tree, g, s, p, f, host=False))
     for i in range(n):
         key = jax.random.key(i)
         grads = jax.tree.map(lambda p, k=key, s=i + 1.0: s * jax.random.normal(k, p.shape), params)
@@ -80,9 +76,7 @@ def test_a_non_finite_step_leaves_the_streamed_state_bitwise_unchanged():
     params = param.initialize(tree, jax.random.key(0), jnp.float32)
     state = optimizer.make(c, tree).init(params)
     grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
-    run = lambda f: streamed_update.apply(
-        c, optimizer.schedule(c), tree, grads, state, params, jnp.bool_(f), host=False
-    )
+    run = lambda f: streamed_update.apply(c, tree, grads, state, params, jnp.bool_(f), host=False)
     for a, b in zip(jax.tree.leaves(run(False)), jax.tree.leaves((params, state)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert np.isnan(np.asarray(run(True)[0]["layers"]["experts"])).all()  # negative control
