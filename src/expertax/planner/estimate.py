@@ -350,9 +350,12 @@ class Estimator:
             f = c.base_moe_mlp_dim // split("exp_mlp", c.base_moe_mlp_dim)
             row_dt = 4 if self.on == "cpu" else dt  # XLA:CPU exchanges bf16 rows in float32
             moe = (rows // chunks) * (ROW_BUFFERS.get(self.on, 5) * d * row_dt + 3 * f * dt)
-            if chunks > 1:  # the chunk loop sums the local experts' weight gradients
+            if chunks > 1:
+                # the chunk loop sums the local experts' weight gradients: three accumulators
+                # and the loop's carried copy of one (compiled for tpu:v5p-1024, e2 f256:
+                # four float32 [128, 7168, 2048] buffers at the peak, docs/design/fit.md)
                 local = c.num_experts // max(1, split("exp", c.num_experts))
-                moe += 3 * local * d * f * size("grad_dtype")
+                moe += 4 * local * d * f * size("grad_dtype")
             if c.float32_weight_sum:
                 moe += n_tok * k * d * 4 // chunks
         return int(gathered + activations + saved + max(moe, saved, logits))
