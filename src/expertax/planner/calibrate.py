@@ -21,6 +21,8 @@ After each compile the ratios are solved again from every compiled candidate:
   (`STATE_PRIOR`), read from the candidates with state offloaded once candidates without it
   are compiled (whose working sets it then uses): a candidate whose offloaded state costs the
   device more than the prior says corrects this term, not the working set of every candidate.
+  Only candidates whose update streams the state teach it: a program that copies the state in
+  whole holds all of it (`Terms.opt_whole`), whatever the others hold.
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ class Calibration:
         working: dict[tuple, list[float]] = {}
         for x in plain or self.compiled:
             t = x.terms
-            left = rest(t, x.measured) - out["state"] * t.opt_offloaded
+            left = rest(t, x.measured) - t.state_share(out) * t.opt_offloaded
             if t.working > 0:
                 working.setdefault(x.key, []).append(_clamp(left / t.working, WORKING_BOUNDS))
         if working:
@@ -168,7 +170,7 @@ class Calibration:
                 (rest(x.terms, x.measured) - _nearest(working, x.key) * x.terms.working)
                 / x.terms.opt_offloaded
                 for x in self.compiled
-                if x.terms.opt_offloaded
+                if x.terms.opt_offloaded and not x.terms.opt_whole
             ]
             if state:
                 out["state"] = min(max(statistics.median(state), 0.0), RATIO_BOUNDS[1])

@@ -20,7 +20,9 @@ calibrates one by one against what it compiles (`calibrate.py`):
   are copied to device memory whole for the step (`params_offloaded`); AdamW's update streams
   the optimizer state through the device a layer at a time (train/streamed_update.py), yet the
   TPU program keeps a share of it in device memory through the backward (`opt_offloaded` times
-  the calibration's `state` ratio); Muon copies it in whole for the update (`update`);
+  the calibration's `state` ratio); Muon, and AdamW with the parameters offloaded too, copy it
+  in whole for the update (`update`), and the TPU program keeps that copy through the backward
+  (`opt_whole`: all of it counted);
 - `stack_copies`: on TPU, the program's whole-stack copies of the weights (module `Terms`).
 
 `Terms.peak(ratios)` is their sum with each term scaled by its calibration ratio. The estimate
@@ -116,6 +118,14 @@ class Terms:
     # copied to device memory whole for the step
     opt_offloaded: int = 0
     params_offloaded: int = 0
+    # the offloaded optimizer state copied to the device whole for the update (not streamed):
+    # the TPU program holds that copy through the backward's peak (docs/design/fit.md, the e4
+    # f32 candidate: 120.49 GiB so, 119.95 with the state on device), so all of it counts
+    opt_whole: bool = False
+
+    def state_share(self, ratios: dict[str, float] | None = None) -> float:
+        """The share of the offloaded optimizer state the step holds in device memory."""
+        return 1.0 if self.opt_whole else (ratios or {}).get("state", 0.0)
 
     def peak(self, ratios: dict[str, float] | None = None) -> int:
         """Device bytes at the peak, each term times its ratio (default 1)."""
@@ -127,7 +137,7 @@ class Terms:
             + r.get("offload", 0.0) * self.residual_host
             + r.get("working", 1.0) * self.working
             + self.stack_copies
-            + r.get("state", 0.0) * self.opt_offloaded
+            + self.state_share(r) * self.opt_offloaded
         )
         return int(max(step, state + self.update))
 
@@ -291,6 +301,7 @@ class Estimator:
             args, state_host, opt_off = args - opt, state_host + opt, opt
         if o.get("parameter_memory_host_offload"):
             args, state_host, params_off = args - params, state_host + params, params
+        streamed = streamed_update.streams(c.opt_type, params_off > 0)
         copies = 0
         if self.on == "tpu":
             if size("weight_dtype") != jnp.dtype(c.dtype).itemsize:
@@ -304,11 +315,11 @@ class Estimator:
             working=self._working(o, shape, b, heads, cp, layer_elems, size, split, rules)
             + self.expert_relayout_elems(shape, o["sharding_rules"]) * size("weight_dtype"),
             state_host=state_host,
-            update=(0 if streamed_update.streams(c.opt_type, params_off > 0) else opt_off)
-            + newton_schulz,
+            update=(0 if streamed else opt_off) + newton_schulz,
             stack_copies=copies,
             opt_offloaded=opt_off,
             params_offloaded=params_off,
+            opt_whole=opt_off > 0 and not streamed,
         )
 
     def _working(self, o, shape, b, heads, cp, layer_elems, size, split, rules) -> int:

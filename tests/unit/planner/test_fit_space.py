@@ -154,6 +154,22 @@ def test_calibration_blames_offloaded_state_not_every_working_set():
     assert alone.ratios(("k",))["state"] == calibrate.STATE_PRIOR["tpu"]
 
 
+def test_a_whole_copy_of_the_offloaded_state_counts_whole_and_teaches_no_ratio():
+    """An update that copies the offloaded state in whole (not streamed: Muon, or the
+    parameters offloaded too) holds all of it through the backward: its candidates count the
+    whole state whatever the `state` ratio, and do not set that ratio for the streamed ones."""
+    cal = calibrate.Calibration("tpu")
+    streamed = Terms(0, 10, 0, 0, 50, 100, 0, opt_offloaded=100)
+    cal.add(("k",), Terms(100, 10, 0, 0, 50, 0, 0), calibrate.Measured(210, 100, 110, 0))
+    cal.add(("k",), streamed, calibrate.Measured(10 + 100 + 30, 0, 140, 100))  # 0.3 x state
+    whole = Terms(0, 10, 0, 0, 50, 100, 100, opt_offloaded=100, opt_whole=True)
+    cal.add(("k",), whole, calibrate.Measured(10 + 100 + 100, 0, 210, 100))
+    r = cal.ratios(("k",))
+    assert r["state"] == pytest.approx(0.3)
+    assert streamed.peak(r) == 140 and whole.peak(r) == 210
+    assert whole.state_share(r) == 1.0 and streamed.state_share(r) == pytest.approx(0.3)
+
+
 def test_step_time_counts_recompute_and_transfers(cfg):
     chip = CHIPS["v5p"]
     model = steptime.Model(cfg, chip)
