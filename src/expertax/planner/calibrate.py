@@ -21,8 +21,9 @@ After each compile the ratios are solved again from every compiled candidate:
   (`STATE_PRIOR`), read from the candidates with state offloaded once candidates without it
   are compiled (whose working sets it then uses): a candidate whose offloaded state costs the
   device more than the prior says corrects this term, not the working set of every candidate.
-  Only candidates whose update streams the state teach it: a program that copies the state in
-  whole holds all of it (`Terms.opt_whole`), whatever the others hold.
+  Only candidates whose update streams the state teach it;
+- `whole`: the same for a program that copies the state in whole for the update
+  (`Terms.opt_whole`): all of it (1) before one is compiled, then read from those alone.
 """
 
 from __future__ import annotations
@@ -174,6 +175,16 @@ class Calibration:
             ]
             if state:
                 out["state"] = min(max(statistics.median(state), 0.0), RATIO_BOUNDS[1])
+        # A program that copies the state in whole holds it all and what comes with the copy:
+        # its own ratio, read from its kind only, so that it corrects no other candidate.
+        whole = [
+            (rest(x.terms, x.measured) - _nearest(working, x.key) * x.terms.working)
+            / x.terms.opt_offloaded
+            for x in self.compiled
+            if x.terms.opt_whole and working
+        ]
+        if whole:
+            out["whole"] = min(max(statistics.median(whole), 0.0), RATIO_BOUNDS[1])
         host = [
             (x.measured.host - x.terms.state_host) / x.terms.residual_host
             for x in self.compiled

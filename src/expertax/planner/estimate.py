@@ -125,7 +125,8 @@ class Terms:
 
     def state_share(self, ratios: dict[str, float] | None = None) -> float:
         """The share of the offloaded optimizer state the step holds in device memory."""
-        return 1.0 if self.opt_whole else (ratios or {}).get("state", 0.0)
+        r = ratios or {}
+        return r.get("whole", 1.0) if self.opt_whole else r.get("state", 0.0)
 
     def peak(self, ratios: dict[str, float] | None = None) -> int:
         """Device bytes at the peak, each term times its ratio (default 1)."""

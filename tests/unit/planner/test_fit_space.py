@@ -154,10 +154,11 @@ def test_calibration_blames_offloaded_state_not_every_working_set():
     assert alone.ratios(("k",))["state"] == calibrate.STATE_PRIOR["tpu"]
 
 
-def test_a_whole_copy_of_the_offloaded_state_counts_whole_and_teaches_no_ratio():
+def test_a_whole_copy_of_the_offloaded_state_has_its_own_ratio():
     """An update that copies the offloaded state in whole (not streamed: Muon, or the
     parameters offloaded too) holds all of it through the backward: its candidates count the
-    whole state whatever the `state` ratio, and do not set that ratio for the streamed ones."""
+    whole state (the `whole` ratio, 1 until one is compiled), set the streamed candidates'
+    `state` ratio no more than those set theirs."""
     cal = calibrate.Calibration("tpu")
     streamed = Terms(0, 10, 0, 0, 50, 100, 0, opt_offloaded=100)
     cal.add(("k",), Terms(100, 10, 0, 0, 50, 0, 0), calibrate.Measured(210, 100, 110, 0))
@@ -165,9 +166,16 @@ def test_a_whole_copy_of_the_offloaded_state_counts_whole_and_teaches_no_ratio()
     whole = Terms(0, 10, 0, 0, 50, 100, 100, opt_offloaded=100, opt_whole=True)
     cal.add(("k",), whole, calibrate.Measured(10 + 100 + 100, 0, 210, 100))
     r = cal.ratios(("k",))
-    assert r["state"] == pytest.approx(0.3)
+    assert r["state"] == pytest.approx(0.3) and r["whole"] == pytest.approx(1.0)
     assert streamed.peak(r) == 140 and whole.peak(r) == 210
-    assert whole.state_share(r) == 1.0 and streamed.state_share(r) == pytest.approx(0.3)
+    assert whole.state_share() == 1.0 and streamed.state_share(r) == pytest.approx(0.3)
+    # one holding more than its state (what comes with the copy) moves its own kind's ratio
+    more = calibrate.Calibration("tpu")
+    more.add(("k",), streamed, calibrate.Measured(140, 0, 140, 100))
+    more.add(("k",), whole, calibrate.Measured(10 + 100 + 150, 0, 260, 100))
+    r = more.ratios(("k",))
+    assert r["whole"] > 1.4 and whole.peak(r) == pytest.approx(260, abs=1)
+    assert streamed.peak(r) == Terms(0, 10, 0, 0, 50, 100, 0, opt_offloaded=100).peak(r)
 
 
 def test_step_time_counts_recompute_and_transfers(cfg):
