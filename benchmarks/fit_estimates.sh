@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The estimate at the priors against the compiled peak for every compiled candidate of the saved
-# DeepSeek-V3 671B searches (benchmarks/fit_estimates.py on each report; no compile). Run from
-# the repository root; prints one markdown table per search.
+# The estimate (at the priors, and calibrated in each search's compile order) against the
+# compiled peak for every compiled candidate of the saved DeepSeek-V3 671B searches
+# (benchmarks/fit_estimates.py on each report; no compile). Run from the repository root;
+# prints one markdown table per search.
 set -euo pipefail
 R=benchmarks/results
 run() {

@@ -23,7 +23,9 @@ After each compile the ratios are solved again from every compiled candidate:
   device more than the prior says corrects this term, not the working set of every candidate.
   Only candidates whose update streams the state teach it;
 - `whole`: the same for a program that copies the state in whole for the update
-  (`Terms.opt_whole`): all of it (1) before one is compiled, then read from those alone.
+  (`Terms.opt_whole`): all of it (1) before one is compiled, then read from those alone; while
+  other candidates are compiled, such a program teaches no other ratio (the working set's
+  included).
 """
 
 from __future__ import annotations
@@ -155,36 +157,38 @@ class Calibration:
             return r - out["residual"] * t.residual_device - out["offload"] * t.residual_host
 
         # The working set's ratio from candidates whose state is all on device where any are
-        # compiled: one whose offloaded state costs more device memory than the prior says
-        # corrects the state's ratio, not every candidate's working set.
+        # compiled, else from those that stream it: one whose offloaded state costs more device
+        # memory than the prior says corrects the state's ratio, not every candidate's working
+        # set; a whole copy only its own (`whole`).
         plain = [x for x in self.compiled if not x.terms.opt_offloaded]
+        streaming = [x for x in self.compiled if not x.terms.opt_whole]
         working: dict[tuple, list[float]] = {}
-        for x in plain or self.compiled:
+        for x in plain or streaming or self.compiled:
             t = x.terms
             left = rest(t, x.measured) - t.state_share(out) * t.opt_offloaded
             if t.working > 0:
                 working.setdefault(x.key, []).append(_clamp(left / t.working, WORKING_BOUNDS))
         if working:
             out["working"] = _nearest(working, key)
-        if plain:
-            state = [
+
+        def share(whole: bool, learn: bool) -> None:
+            """The offloaded state's ratio of the candidates that stream it (`state`) or copy
+            it in whole (`whole`, which holds it all and what comes with the copy), each read
+            from its own kind only, so that neither corrects the other."""
+            if not learn:
+                return
+            got = [
                 (rest(x.terms, x.measured) - _nearest(working, x.key) * x.terms.working)
                 / x.terms.opt_offloaded
                 for x in self.compiled
-                if x.terms.opt_offloaded and not x.terms.opt_whole
+                if x.terms.opt_offloaded and x.terms.opt_whole == whole
             ]
-            if state:
-                out["state"] = min(max(statistics.median(state), 0.0), RATIO_BOUNDS[1])
-        # A program that copies the state in whole holds it all and what comes with the copy:
-        # its own ratio, read from its kind only, so that it corrects no other candidate.
-        whole = [
-            (rest(x.terms, x.measured) - _nearest(working, x.key) * x.terms.working)
-            / x.terms.opt_offloaded
-            for x in self.compiled
-            if x.terms.opt_whole and working
-        ]
-        if whole:
-            out["whole"] = min(max(statistics.median(whole), 0.0), RATIO_BOUNDS[1])
+            if got:
+                name = "whole" if whole else "state"
+                out[name] = min(max(statistics.median(got), 0.0), RATIO_BOUNDS[1])
+
+        share(whole=False, learn=bool(plain))
+        share(whole=True, learn=bool(working))
         host = [
             (x.measured.host - x.terms.state_host) / x.terms.residual_host
             for x in self.compiled

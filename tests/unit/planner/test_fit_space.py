@@ -175,7 +175,10 @@ def test_a_whole_copy_of_the_offloaded_state_has_its_own_ratio():
     more.add(("k",), whole, calibrate.Measured(10 + 100 + 150, 0, 260, 100))
     r = more.ratios(("k",))
     assert r["whole"] > 1.4 and whole.peak(r) == pytest.approx(260, abs=1)
-    assert streamed.peak(r) == Terms(0, 10, 0, 0, 50, 100, 0, opt_offloaded=100).peak(r)
+    alone = calibrate.Calibration("tpu")
+    alone.add(("k",), streamed, calibrate.Measured(140, 0, 140, 100))
+    assert r["working"] == alone.ratios(("k",))["working"]  # the whole copy moved only its own
+    assert streamed.peak(r) == streamed.peak(alone.ratios(("k",)))
 
 
 def test_step_time_counts_recompute_and_transfers(cfg):
